@@ -1,0 +1,34 @@
+"""Protocol definitions (``*.proto`` beside this file) and their Python modules, built at import time.
+
+The stubs are generated from the .proto files by ``grpc.protos_and_services`` (grpcio-tools) on first use, so
+the repository holds only the .proto sources and they can never drift from generated code.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import grpc
+
+
+@functools.cache
+def load(name: str) -> tuple[ModuleType, ModuleType]:
+    """``(messages, services)`` modules of ``mooncake_jax/proto/<name>.proto``."""
+    return grpc.protos_and_services(f"mooncake_jax/proto/{name}.proto")
+
+
+GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Message size limit set on every server and channel of the project; large payloads are still streamed in
+pieces well under it (``CHUNK_BYTES``)."""
+
+CHUNK_BYTES = 2 * 1024 * 1024
+"""Size of one streamed piece of a large payload (below gRPC's default 4 MiB cap, so foreign peers work too)."""
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """Options for servers and channels: raised message limits on both ends."""
+    return [
+        ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+    ]
