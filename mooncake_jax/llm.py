@@ -1,0 +1,95 @@
+"""``mj.LLM``: the Python API over one local engine (DESIGN.md section 4).
+
+    llm = mj.LLM("tiny")
+    llm.generate([[1, 5, 9], [1, 7]], max_new_tokens=16, temperature=0.0)   # -> new tokens per prompt
+    llm.score([1, 5, 9, 4])                                                   # -> logits [n_tokens, vocab]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .model.batcher import ContinuousBatcher
+from .model.config import PRESETS, ModelConfig, get_config, resolve_dtype
+from .model.engine import DEFAULT_KV_CACHE_BYTES, Engine
+from .model.llama import Llama, init_model
+from .model.sequence import SamplingParams, validate_prompt
+
+
+def build_model(model: str | Path, *, block_size: int | None = None, dtype: str | None = None,
+                seed: int = 0) -> Llama:
+    """A preset with dummy weights from ``seed``, or a local Hugging Face folder's weights."""
+    cfg = get_config(model)
+    changes = {}
+    if block_size is not None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        changes["block_size"] = block_size
+    if dtype is not None:
+        resolve_dtype(dtype)
+        changes["dtype"] = dtype
+    cfg = cfg.replace(**changes)
+    if isinstance(model, str) and model in PRESETS:
+        return init_model(cfg, seed)
+    from .model.weights import load_hf
+
+    return load_hf(model, cfg)
+
+
+class LLM:
+    """A model with its engine: batched generation and scoring on the local devices."""
+
+    def __init__(self, model: str | Path = "tiny", *, tensor_parallel: int = 1, pipeline_stages: int = 1,
+                 prefill_chunk_size: int = 512, block_size: int | None = None, dtype: str | None = None,
+                 seed: int = 0, max_batch: int = 32, num_pages: int | None = None,
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefix_caching: bool = True):
+        if isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be a positive integer, got {prefill_chunk_size!r}")
+        for name, value in (("tensor_parallel", tensor_parallel), ("pipeline_stages", pipeline_stages)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if tensor_parallel > 1 or pipeline_stages > 1:
+            raise ValueError("tensor_parallel > 1 and pipeline_stages > 1 are not supported yet "
+                             "(mooncake_jax.sharding is not built); use 1")
+        self.model = build_model(model, block_size=block_size, dtype=dtype, seed=seed)
+        self.config: ModelConfig = self.model.cfg
+        self.engine = Engine(self.model, num_pages=num_pages, kv_cache_bytes=kv_cache_bytes, max_batch=max_batch,
+                             prefill_chunk_size=prefill_chunk_size, prefix_caching=prefix_caching)
+
+    def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, eos_token_id: int | None = None, ignore_eos: bool = False) -> list[list[int]]:
+        """New tokens for each prompt (a list of token-id lists), decoded together with continuous batching.
+
+        Stops at ``max_new_tokens`` or at EOS (which is included in the output). All prompts are validated before
+        any work starts: a bad one raises ValueError naming it.
+        """
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+            raise ValueError("prompts must be a list of token-id lists, e.g. [[1, 5, 9]]")
+        if len(prompts) and np.isscalar(prompts[0]):
+            raise ValueError("prompts must be a list of token-id lists; wrap a single prompt: [[1, 5, 9]]")
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                eos_token_id=eos_token_id, ignore_eos=ignore_eos)
+        if eos_token_id is not None and not 0 <= eos_token_id < self.config.vocab_size:
+            raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {self.config.vocab_size})")
+        batcher = ContinuousBatcher(self.engine)
+        seqs = []
+        for i, prompt in enumerate(prompts):
+            try:
+                seqs.append(self.engine.new_sequence(prompt, params))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        batcher.waiting.extend(seqs)
+        batcher.run()
+        return [list(s.output) for s in seqs]
+
+    def score(self, tokens) -> np.ndarray:
+        """Float32 logits [n_tokens, vocab] at every position of ``tokens`` (no cache reuse, nothing sampled)."""
+        tokens = validate_prompt(tokens, self.config)
+        seq = self.engine.new_sequence(tokens, SamplingParams(max_new_tokens=1))
+        self.engine.admit(seq, cached_pages=[])
+        try:
+            return self.engine.prefill(seq, all_logits=True, sample=False)
+        finally:
+            self.engine.release(seq)

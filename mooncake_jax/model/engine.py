@@ -1,0 +1,272 @@
+"""The engine: one model, one paged KV cache, and the narrow contract the instances drive.
+
+- ``admit(seq)``: reuse the sequence's cached prefix pages, allocate pages for the rest of its prompt and reserve
+  the pages its generation may need (so decode never runs out mid-way); ``OutOfPages`` if they do not fit now.
+- ``prefill(seq)``: compute the prompt's KV beyond the cached prefix, in chunks of at most ``prefill_chunk_size``
+  tokens, and sample the first token (optionally return the logits of every position).
+- ``decode(seqs)``: one continuous-batching step: one new token for each of the given sequences, of any lengths.
+- ``release(seq)``: give the sequence's pages back (shared prefix pages stay while others hold them).
+- ``read_blocks`` / ``load_blocks``: move whole KV blocks out of and into the cache (the pool and the Messenger).
+
+Everything on the device goes through the pure step functions of ``steps.py``; this class only does the
+bookkeeping (pages, buckets, padding) in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ..blocks import BlockKey, block_keys, num_blocks
+from .attention import PagedBatch
+from .config import ModelConfig
+from .kv_cache import OutOfPages, PageAllocator, PrefixCache, allocate_kv, write_slots
+from .llama import Llama
+from .sampling import SamplingInputs, batch_mode
+from .sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence, validate_prompt
+from .steps import forward_step, read_blocks, write_blocks
+
+DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def bucket(n: int, cap: int, minimum: int = 1) -> int:
+    """Smallest power of two >= n (and >= minimum), but never above ``cap`` (``cap`` itself is a bucket)."""
+    return min(max(next_pow2(n), minimum), cap)
+
+
+class Engine:
+    """A model with a paged KV cache, prefix reuse, chunked prefill and batched decode."""
+
+    def __init__(self, model: Llama, *, num_pages: int | None = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+                 max_batch: int = 32, prefill_chunk_size: int = 512, prefix_caching: bool = True,
+                 kv_sharding=None, kv_dtype=None):
+        cfg: ModelConfig = model.cfg
+        if prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.cfg = cfg
+        self.block_size = cfg.block_size
+        self.max_batch = max_batch
+        self.prefill_chunk_size = prefill_chunk_size
+        self.max_pages_per_seq = num_blocks(cfg.max_seq_len, cfg.block_size)
+        if num_pages is None:
+            per_page = cfg.kv_bytes_per_block(kv_dtype)
+            num_pages = 1 + min(max(kv_cache_bytes // per_page, self.max_pages_per_seq),
+                                max_batch * self.max_pages_per_seq)
+        self.graphdef, self.params = nnx.split(model)
+        self.kv = allocate_kv(cfg, num_pages, kv_dtype, kv_sharding)
+        self.allocator = PageAllocator(num_pages)
+        self.prefix_cache = PrefixCache(self.allocator) if prefix_caching else None
+        self._reserved = 0  # pages promised to admitted sequences but not yet allocated
+        self._drop_slot = num_pages * cfg.block_size  # out of range: padded tokens' K/V writes are dropped
+
+    # ---- pages -------------------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def free_pages(self) -> int:
+        """Pages neither in use nor promised (cached-only pages count as used until evicted)."""
+        return self.allocator.num_free - self._reserved
+
+    def new_sequence(self, prompt, params: SamplingParams | None = None) -> Sequence:
+        """A validated sequence (ValueError naming the problem otherwise)."""
+        params = params or SamplingParams()
+        params.validate()
+        tokens = validate_prompt(prompt, self.cfg, params.max_new_tokens)
+        need = num_blocks(len(tokens) + params.max_new_tokens, self.block_size)
+        if need > self.num_pages - 1:
+            raise ValueError(f"request needs {need} KV pages but the cache has only {self.num_pages - 1}; "
+                             f"shorten the prompt or max_new_tokens, or give the engine more pages")
+        return Sequence(tokens, params)
+
+    def _take_pages(self, n: int) -> list[int]:
+        """``n`` fresh pages, evicting unused cached prefix pages if the free list is short."""
+        short = n + self._reserved - self.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        if n + self._reserved > self.allocator.num_free:
+            raise OutOfPages(f"need {n} KV pages, {self.allocator.num_free} free of which {self._reserved} "
+                             f"are promised to running sequences")
+        return self.allocator.allocate(n)
+
+    def prompt_keys(self, seq: Sequence) -> list[BlockKey]:
+        return block_keys(seq.prompt, self.block_size)
+
+    def admit(self, seq: Sequence, cached_pages: SequenceABC[int] | None = None) -> None:
+        """Give ``seq`` pages for its prompt (reusing its cached prefix) and reserve its generation's pages.
+
+        ``cached_pages`` overrides the prefix-cache lookup (pages already holding the prompt's leading blocks).
+        Raises OutOfPages, with nothing held, when the cache cannot take the sequence now.
+        """
+        if cached_pages is None:
+            cached_pages = []
+            if self.prefix_cache is not None:
+                # The last prompt token is always computed: its logits give the first output token.
+                usable = (len(seq.prompt) - 1) // self.block_size
+                cached_pages = self.prefix_cache.match(self.prompt_keys(seq)[:usable])
+        self.allocator.retain(cached_pages)
+        n_prompt = num_blocks(len(seq.prompt), self.block_size)
+        n_total = num_blocks(seq.max_len, self.block_size)
+        future = n_total - n_prompt
+        try:
+            self._reserved += future  # counted before allocating, so eviction makes room for it too
+            fresh = self._take_pages(n_prompt - len(cached_pages))
+        except OutOfPages:
+            self._reserved -= future
+            self.allocator.release(cached_pages)
+            raise
+        seq.pages = list(cached_pages) + fresh
+        seq.reserved_pages = future
+        seq.cached_tokens = seq.num_computed = len(cached_pages) * self.block_size
+
+    def release(self, seq: Sequence) -> None:
+        """Return the sequence's pages and unused reservation; its full prompt blocks stay in the prefix cache."""
+        self.allocator.release(seq.pages)
+        self._reserved -= seq.reserved_pages
+        seq.pages, seq.reserved_pages = [], 0
+
+    def _grow(self, seq: Sequence, length: int) -> None:
+        """Make sure ``seq`` has pages for ``length`` tokens (drawing on its reservation)."""
+        while len(seq.pages) * self.block_size < length:
+            if seq.reserved_pages > 0:
+                seq.reserved_pages -= 1
+                self._reserved -= 1
+            seq.pages.extend(self._take_pages(1))
+
+    # ---- compute -----------------------------------------------------------------------------------------
+    def _sampling(self, seqs: SequenceABC[Sequence], rows: int):
+        p = [s.params for s in seqs] + [SamplingParams()] * (rows - len(seqs))
+        mode = batch_mode([x.temperature for x in p], [x.top_p for x in p])
+        steps = [len(s.output) for s in seqs] + [0] * (rows - len(seqs))
+        inputs = SamplingInputs(np.array([x.temperature for x in p], np.float32),
+                                np.array([x.top_p for x in p], np.float32),
+                                np.array([x.seed for x in p], np.uint32), np.array(steps, np.int32))
+        return inputs, mode
+
+    def _context_table(self, pages_per_row: list[list[int]], rows: int, width: int) -> np.ndarray:
+        table = np.zeros((rows, width), np.int32)
+        for r, pages in enumerate(pages_per_row):
+            table[r, : len(pages)] = pages
+        return table
+
+    def _run(self, tokens, positions, table, ctx_len, slots, logits_index, seqs, rows):
+        sampling, mode = self._sampling(seqs, rows)
+        batch = PagedBatch(table, ctx_len, slots)
+        next_tokens, logits, self.kv = forward_step(self.graphdef, self.params, self.kv, tokens, positions, batch,
+                                                    logits_index, sampling, mode)
+        return next_tokens, logits
+
+    def prefill(self, seq: Sequence, all_logits: bool = False, sample: bool = True) -> np.ndarray:
+        """Compute the prompt's KV after its cached prefix and sample its first token.
+
+        Returns the float32 logits of the last prompt token [V], or of every computed position [n, V] with
+        ``all_logits`` (positions of the cached prefix are not recomputed, so they are not included).
+        """
+        n, bs, chunk = len(seq.prompt), self.block_size, self.prefill_chunk_size
+        self._grow(seq, n)
+        all_out = []
+        start = seq.num_computed
+        if start >= n:
+            raise ValueError("prefill needs at least one prompt token beyond the cached prefix")
+        while start < n:
+            t = min(chunk, n - start)
+            tb = bucket(t, chunk, 16)
+            ctx_pages = seq.pages[: num_blocks(start, bs)]
+            pb = 0 if not ctx_pages else bucket(len(ctx_pages), self.max_pages_per_seq)
+            tokens = np.zeros((1, tb), np.int32)
+            tokens[0, :t] = seq.prompt[start: start + t]
+            positions = np.arange(start, start + tb, dtype=np.int32)[None]
+            slots = np.full((1, tb), self._drop_slot, np.int32)
+            slots[0, :t] = write_slots(seq.pages, start, t, bs)
+            table = self._context_table([ctx_pages], 1, pb)
+            last = start + t == n
+            index = None if all_logits else np.array([t - 1], np.int32)
+            next_tokens, logits = self._run(tokens, positions, table, np.array([start], np.int32), slots, index,
+                                            [seq], 1)
+            if all_logits:
+                all_out.append(np.asarray(logits[0, :t]))
+            start += t
+            seq.num_computed = start
+            if last and not all_logits:
+                all_out.append(np.asarray(logits[0]))
+            if last and sample:
+                token = int(next_tokens[0]) if next_tokens is not None else int(np.argmax(all_out[-1][-1]))
+                self._append(seq, token)
+        if self.prefix_cache is not None:
+            keys = self.prompt_keys(seq)
+            self.prefix_cache.insert(keys, seq.pages[: len(keys)])
+        return np.concatenate(all_out, axis=0) if all_logits else all_out[0]
+
+    def decode(self, seqs: SequenceABC[Sequence]) -> list[int]:
+        """One token for each sequence (each must have been prefilled and not be finished)."""
+        if not seqs:
+            return []
+        if len(seqs) > self.max_batch:
+            raise ValueError(f"decode batch of {len(seqs)} exceeds max_batch {self.max_batch}")
+        bs = self.block_size
+        rows = bucket(len(seqs), self.max_batch)
+        tokens = np.zeros((rows, 1), np.int32)
+        positions = np.zeros((rows, 1), np.int32)
+        ctx_len = np.zeros(rows, np.int32)
+        slots = np.full((rows, 1), self._drop_slot, np.int32)
+        ctx_pages = []
+        for r, seq in enumerate(seqs):
+            if seq.finished or not seq.output:
+                raise ValueError(f"sequence {seq.seq_id} is {'finished' if seq.finished else 'not prefilled'}")
+            pos = len(seq.tokens) - 1  # the last sampled token's KV is not in the cache yet
+            self._grow(seq, pos + 1)
+            tokens[r, 0], positions[r, 0], ctx_len[r] = seq.tokens[-1], pos, pos
+            slots[r, 0] = write_slots(seq.pages, pos, 1, bs)[0]
+            ctx_pages.append(seq.pages[: num_blocks(pos, bs)])
+        width = bucket(max(1, max(len(p) for p in ctx_pages)), self.max_pages_per_seq)
+        table = self._context_table(ctx_pages, rows, width)
+        next_tokens, _ = self._run(tokens, positions, table, ctx_len, slots, np.zeros(rows, np.int32), seqs, rows)
+        out = np.asarray(next_tokens)[: len(seqs)].tolist()
+        for seq, token in zip(seqs, out):
+            seq.num_computed = len(seq.tokens)
+            self._append(seq, token)
+        return out
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        seq.output.append(token)
+        eos = seq.params.eos_token_id if seq.params.eos_token_id is not None else self.cfg.eos_token_id
+        if len(seq.output) >= seq.params.max_new_tokens:
+            seq.finish_reason = FINISH_LENGTH
+        elif not seq.params.ignore_eos and eos is not None and token == eos:
+            seq.finish_reason = FINISH_STOP
+
+    # ---- whole blocks in and out (pool, Messenger) -----------------------------------------------------------
+    def read_blocks(self, pages: SequenceABC[int]) -> np.ndarray:
+        """KV of ``pages`` as blocks [n, layers, 2, block_size, kv_heads, head_dim] on the host."""
+        return np.asarray(read_blocks(self.kv, np.asarray(pages, np.int32)))
+
+    def load_blocks(self, keys: SequenceABC[BlockKey], blocks: np.ndarray) -> list[int]:
+        """Put whole blocks that arrived from elsewhere into fresh pages and the prefix cache; returns the pages.
+
+        The pages are held by the prefix cache only, so a following ``admit`` of a sequence with that prefix
+        reuses them.
+        """
+        if self.prefix_cache is None:
+            raise ValueError("load_blocks needs prefix caching enabled")
+        blocks = np.asarray(blocks)
+        expected = (len(keys),) + self.cfg.block_shape()
+        if blocks.shape != expected:
+            raise ValueError(f"blocks have shape {blocks.shape}, expected {expected}")
+        pages = self._take_pages(len(keys))
+        self.kv = write_blocks(self.kv, np.asarray(pages, np.int32), blocks)
+        self.prefix_cache.insert(keys, pages)
+        self.allocator.release(pages)  # the cache's reference is the only one left
+        return pages
+
+    def block_until_ready(self) -> None:
+        jax.block_until_ready(self.kv)

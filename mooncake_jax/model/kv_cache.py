@@ -1,0 +1,153 @@
+"""The paged KV cache: device page arrays, and the pure-Python managers that hand pages out.
+
+Device side: per layer one K and one V array of shape [num_pages, block_size, kv_heads, head_dim]; page 0 is
+scratch (padded tokens write there, no sequence reads it) and is never handed out.
+
+Host side (plain classes, tested without an accelerator):
+
+- ``PageAllocator``: a free list with reference counts, so a page shared by several sequences (a common prefix)
+  returns to the free list only when its last holder releases it.
+- ``PrefixCache``: block key -> page for full blocks whose KV is in the cache, in LRU order, holding one
+  reference on each of its pages. A new request reuses the pages of its leading cached blocks; pages that only
+  the cache still holds are evicted (LRU) when the allocator runs dry.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..blocks import BlockKey
+from .attention import SCRATCH_PAGE
+from .config import ModelConfig
+
+
+class OutOfPages(RuntimeError):
+    """The cache has too few free pages for this request; other sequences are untouched."""
+
+
+class PageAllocator:
+    """Free list of pages ``1 .. num_pages - 1`` with reference counts (page 0 is scratch)."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {num_pages}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out low page numbers first
+        self._refs = np.zeros(num_pages, np.int32)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def refcount(self, page: int) -> int:
+        return int(self._refs[page])
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh pages with one reference each; OutOfPages (and nothing allocated) if fewer are free."""
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} KV pages, only {len(self._free)} of {self.num_pages - 1} are free")
+        pages = [self._free.pop() for _ in range(n)]
+        self._refs[pages] = 1
+        return pages
+
+    def retain(self, pages: Iterable[int]) -> None:
+        for p in pages:
+            if self._refs[p] < 1:
+                raise ValueError(f"page {p} is not allocated; cannot share it")
+            self._refs[p] += 1
+
+    def release(self, pages: Iterable[int]) -> list[int]:
+        """Drop one reference from each page; returns the pages that became free."""
+        freed = []
+        for p in pages:
+            if self._refs[p] < 1:
+                raise ValueError(f"page {p} released more often than it was held")
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                freed.append(p)
+        self._free.extend(reversed(freed))
+        return freed
+
+
+class PrefixCache:
+    """Block key -> page of cached full blocks, LRU; holds one allocator reference per page."""
+
+    def __init__(self, allocator: PageAllocator):
+        self.allocator = allocator
+        self._pages: OrderedDict[BlockKey, int] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._pages
+
+    def keys(self) -> list[BlockKey]:
+        return list(self._pages)
+
+    def match(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Pages of the leading cached ``keys`` (marked recently used); counts block hits and misses."""
+        pages = []
+        for key in keys:
+            page = self._pages.get(key)
+            if page is None:
+                break
+            self._pages.move_to_end(key)
+            pages.append(page)
+        self.hits += len(pages)
+        self.misses += len(keys) - len(pages)
+        return pages
+
+    def insert(self, keys: Sequence[BlockKey], pages: Sequence[int]) -> list[BlockKey]:
+        """Cache ``pages`` under ``keys`` (already cached keys keep their page); returns the newly added keys."""
+        added = []
+        for key, page in zip(keys, pages):
+            if key in self._pages:
+                self._pages.move_to_end(key)
+                continue
+            self.allocator.retain([page])
+            self._pages[key] = page
+            added.append(key)
+        return added
+
+    def evict(self, n_pages: int) -> list[BlockKey]:
+        """Drop least recently used entries whose page no sequence holds, until ``n_pages`` pages were freed."""
+        evicted, freed = [], 0
+        for key, page in list(self._pages.items()):
+            if freed >= n_pages:
+                break
+            if self.allocator.refcount(page) == 1:
+                del self._pages[key]
+                self.allocator.release([page])
+                evicted.append(key)
+                freed += 1
+        return evicted
+
+    def clear(self) -> None:
+        for page in self._pages.values():
+            self.allocator.release([page])
+        self._pages.clear()
+
+
+def allocate_kv(cfg: ModelConfig, num_pages: int, dtype=None, sharding=None) -> list[tuple[jax.Array, jax.Array]]:
+    """Zeroed K and V page arrays for every layer."""
+    shape = (num_pages, cfg.block_size, cfg.n_kv_heads, cfg.head_dim)
+    dt = dtype or cfg.param_dtype
+    make = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
+    return [(make(), make()) for _ in range(cfg.n_layers)]
+
+
+def write_slots(pages: Sequence[int], start: int, n: int, block_size: int) -> np.ndarray:
+    """Flat cache slots of positions ``start .. start + n`` of a sequence whose pages are ``pages``."""
+    pos = np.arange(start, start + n)
+    return np.asarray(pages, np.int32)[pos // block_size] * block_size + (pos % block_size)
+
+
+assert SCRATCH_PAGE == 0, "PageAllocator hands out pages from 1 on"

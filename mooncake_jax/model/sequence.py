@@ -1,0 +1,90 @@
+"""What one request is while the engine works on it: its tokens, its sampling settings, its KV pages."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence as SequenceABC
+
+import numpy as np
+
+from .config import ModelConfig
+
+_ids = itertools.count()
+
+FINISH_LENGTH, FINISH_STOP, FINISH_ABORT = "length", "stop", "abort"
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to generate: ``temperature`` 0 is greedy; ``top_p`` < 1 samples from the nucleus; ``seed`` makes sampling
+    reproducible; generation stops after ``max_new_tokens`` or at EOS (the model's unless ``eos_token_id`` is given;
+    ``ignore_eos`` never stops early)."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    eos_token_id: int | None = None
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, (int, np.integer)):
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= int(self.seed) < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+
+
+def validate_prompt(prompt, cfg: ModelConfig, max_new_tokens: int = 0) -> list[int]:
+    """The prompt as a list of ints, or ValueError saying what is wrong with it."""
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (SequenceABC, np.ndarray)):
+        raise ValueError(f"a prompt must be a sequence of token ids, got {type(prompt).__name__}")
+    arr = np.asarray(prompt)
+    if arr.size == 0:
+        raise ValueError("prompt is empty: give at least one token id")
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"a prompt must be a flat sequence of integer token ids, got {arr.dtype} of shape "
+                         f"{arr.shape}")
+    bad = np.flatnonzero((arr < 0) | (arr >= cfg.vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"token id {int(arr[i])} at position {i} is outside the vocabulary [0, {cfg.vocab_size})")
+    total = arr.size + max_new_tokens
+    if total > cfg.max_seq_len:
+        raise ValueError(f"prompt ({arr.size} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+                         f"model's context of {cfg.max_seq_len} tokens")
+    return arr.astype(int).tolist()
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """A request inside the engine. ``num_computed`` tokens have their KV in ``pages``; ``cached_tokens`` of them
+    came from the prefix cache instead of being computed."""
+
+    prompt: list[int]
+    params: SamplingParams
+    seq_id: int = dataclasses.field(default_factory=lambda: next(_ids))
+    output: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    cached_tokens: int = 0
+    reserved_pages: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def max_len(self) -> int:
+        return len(self.prompt) + self.params.max_new_tokens
