@@ -1,1 +1,23 @@
-"""transfer"""
+"""KVCache transfer: the block pool (DRAM and SSD tiers on TensorStore) and the Messenger that moves blocks
+between instances' pools."""
+
+from mooncake_jax.transfer.counters import TierCounters, TransferCounters
+from mooncake_jax.transfer.events import BlockEvent, EventKind
+from mooncake_jax.transfer.eviction import EvictionPolicy, LFUPolicy, LRUPolicy
+from mooncake_jax.transfer.frame import CorruptBlockError
+from mooncake_jax.transfer.pool import BlockPool, PoolFullError
+from mooncake_jax.transfer.spec import BlockSpec
+
+__all__ = [
+    "BlockEvent",
+    "BlockPool",
+    "BlockSpec",
+    "CorruptBlockError",
+    "EventKind",
+    "EvictionPolicy",
+    "LFUPolicy",
+    "LRUPolicy",
+    "PoolFullError",
+    "TierCounters",
+    "TransferCounters",
+]

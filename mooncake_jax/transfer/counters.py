@@ -1,0 +1,53 @@
+"""Counters the pool and the Messenger keep, as plain dataclasses a metrics exporter can read."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class TierCounters:
+    """What happened in one tier since the pool opened.
+
+    ``misses`` counts reads of keys the tier did not hold or held corrupt; ``corrupt`` counts blocks that failed
+    their checksum (also removed from the tier); ``demotions`` counts blocks moved from this tier to the next;
+    ``promotions`` counts blocks copied into this tier from a slower one.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    stored: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    corrupt: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class TransferCounters:
+    """Blocks and bytes a Messenger end moved, and the seconds its transfers took (for rates)."""
+
+    transfers: int = 0
+    failures: int = 0
+    blocks_sent: int = 0
+    blocks_received: int = 0
+    blocks_skipped: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    busy_s: float = 0.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        return (self.bytes_sent + self.bytes_received) / self.busy_s if self.busy_s else 0.0
+
+    @property
+    def blocks_per_s(self) -> float:
+        return (self.blocks_sent + self.blocks_received) / self.busy_s if self.busy_s else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "bytes_per_s": self.bytes_per_s, "blocks_per_s": self.blocks_per_s}

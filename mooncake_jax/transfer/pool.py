@@ -1,0 +1,326 @@
+"""The KVCache block pool of one instance: blocks keyed by block key in a DRAM tier and an optional SSD tier.
+
+A block enters the fastest tier. When a tier is full its policy picks a victim that is not pinned; a DRAM victim
+is demoted to SSD (if there is one) instead of being lost; an SSD hit is promoted back to DRAM and keeps its SSD
+copy, so evicting it again costs no write. Every read verifies the frame's checksum: a block that fails is
+removed, counted as corrupt and as a miss, and never returned. ``contains`` and ``prefix_len`` read only the
+in-memory indexes, never storage. One lock serialises operations: they are short, and it keeps eviction,
+pinning and demotion simple to reason about.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from mooncake_jax.blocks import BlockKey, prefix_match
+from mooncake_jax.transfer.counters import TierCounters
+from mooncake_jax.transfer.events import BlockEvent, EventKind, EventListener
+from mooncake_jax.transfer.eviction import PolicyChoice, make_policy
+from mooncake_jax.transfer.frame import CorruptBlockError, check_key, decode, encode, frame_bytes
+from mooncake_jax.transfer.spec import BlockSpec
+from mooncake_jax.transfer.tiers import Tier, file_tier, memory_tier
+
+log = logging.getLogger(__name__)
+
+
+class PoolFullError(RuntimeError):
+    """A block could not be stored because every block of the last tier is pinned."""
+
+
+def _capacity(tier: str, blocks: int | None, n_bytes: int | None, block_bytes: int) -> int | None:
+    """Capacity in blocks from a count or a byte budget (None: unbounded)."""
+    if blocks is not None and n_bytes is not None:
+        raise ValueError(f"give the {tier} capacity in blocks or in bytes, not both")
+    if n_bytes is not None:
+        if n_bytes < block_bytes:
+            raise ValueError(f"{tier}_bytes={n_bytes} holds no block (one block takes {block_bytes} bytes)")
+        return n_bytes // block_bytes
+    if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0):
+        raise ValueError(f"{tier}_blocks must be an int >= 0, got {blocks!r}")
+    return blocks
+
+
+class BlockPool:
+    """Blocks of one ``BlockSpec`` keyed by block key, in DRAM and optionally SSD.
+
+    Args:
+        spec: shape and dtype of every block.
+        dram_blocks / dram_bytes: DRAM capacity (bytes count whole stored frames: data plus a 64-byte header);
+            both None means unbounded, ``dram_blocks=0`` means no DRAM tier.
+        ssd_path: directory of the SSD tier (created, or reopened with the blocks it holds); None for no SSD.
+        ssd_blocks / ssd_bytes: SSD capacity; None means unbounded.
+        eviction: ``"lru"`` (default), ``"lfu"``, or a factory of ``EvictionPolicy`` (one instance per tier).
+        on_event: called with a ``BlockEvent`` for every block stored into or removed from a tier, under the
+            pool's lock: keep it quick (queue the event) and do not call back into the pool.
+    """
+
+    def __init__(
+        self,
+        spec: BlockSpec,
+        *,
+        dram_blocks: int | None = None,
+        dram_bytes: int | None = None,
+        ssd_path: str | os.PathLike | None = None,
+        ssd_blocks: int | None = None,
+        ssd_bytes: int | None = None,
+        eviction: PolicyChoice = "lru",
+        on_event: EventListener | None = None,
+    ) -> None:
+        if not isinstance(spec, BlockSpec):
+            raise ValueError(f"spec must be a BlockSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.frame_bytes = frame_bytes(spec)
+        dram_capacity = _capacity("dram", dram_blocks, dram_bytes, self.frame_bytes)
+        ssd_capacity = _capacity("ssd", ssd_blocks, ssd_bytes, self.frame_bytes)
+        if ssd_path is None and ssd_capacity is not None:
+            raise ValueError("an SSD capacity was given without ssd_path")
+        self._tiers: list[Tier] = []
+        if dram_capacity != 0:
+            self._tiers.append(memory_tier(dram_capacity, make_policy(eviction)))
+        if ssd_path is not None:
+            self._tiers.append(file_tier(ssd_path, spec, ssd_capacity, make_policy(eviction)))
+        if not self._tiers:
+            raise ValueError("the pool has no tier: dram capacity is 0 and there is no ssd_path")
+        self._listeners: list[EventListener] = [on_event] if on_event is not None else []
+        self._pins: dict[BlockKey, int] = {}
+        self._lock = threading.RLock()
+
+    # ---- lookups (no I/O) -------------------------------------------------------------------------------
+
+    def __contains__(self, key: object) -> bool:
+        return any(key in tier for tier in self._tiers)
+
+    def contains(self, key: BlockKey) -> bool:
+        return key in self
+
+    def prefix_len(self, keys: Iterable[BlockKey]) -> int:
+        """Number of leading ``keys`` the pool holds: the prefix it can serve."""
+        return prefix_match(keys, self.__contains__)
+
+    def tier_of(self, key: BlockKey) -> str | None:
+        """Name of the fastest tier holding ``key`` (``"dram"`` or ``"ssd"``), or None."""
+        return next((tier.name for tier in self._tiers if key in tier), None)
+
+    def keys(self) -> list[BlockKey]:
+        with self._lock:
+            return list(set().union(*(tier.keys() for tier in self._tiers)))
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [tier.name for tier in self._tiers]
+
+    def counters(self) -> dict[str, TierCounters]:
+        """A snapshot of each tier's counters, by tier name."""
+        with self._lock:
+            return {tier.name: dataclasses.replace(tier.counters) for tier in self._tiers}
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Counters and occupancy of each tier as plain dicts (for metrics and JSON)."""
+        with self._lock:
+            return {
+                tier.name: {**tier.counters.as_dict(), "blocks": len(tier), "capacity_blocks": tier.capacity_blocks}
+                for tier in self._tiers
+            }
+
+    # ---- writes -----------------------------------------------------------------------------------------
+
+    def put(self, key: BlockKey, block: np.ndarray) -> bool:
+        """Store ``block`` under ``key``; False (and counted as a use) if the pool already holds it."""
+        return self.put_many([key], [block]) == 1
+
+    def put_many(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray] | np.ndarray) -> int:
+        """Store blocks (a list of arrays or one array stacked on a leading axis); returns how many were new.
+
+        Every block is checked before any is stored, so bad input stores nothing.
+        """
+        keys = [check_key(key) for key in keys]
+        if len(keys) != len(blocks):
+            raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+        checked = [self.spec.check(block, f"block {i}") for i, block in enumerate(blocks)]
+        stored = 0
+        with self._lock:
+            for key, block in zip(keys, checked):
+                if not self._touch(key):
+                    self._insert(0, key, encode(self.spec, key, block))
+                    stored += 1
+        return stored
+
+    def put_frame(self, key: BlockKey, frame: bytes) -> bool:
+        """Store an encoded frame (as received from a peer) after verifying it; False if already held.
+
+        A frame that fails verification raises ``CorruptBlockError`` (a ValueError) and stores nothing.
+        """
+        key = check_key(key)
+        if not isinstance(frame, bytes):
+            raise ValueError(f"frame must be bytes, got {type(frame).__name__}")
+        decode(self.spec, key, frame)
+        with self._lock:
+            if self._touch(key):
+                return False
+            self._insert(0, key, frame)
+            return True
+
+    def remove(self, key: BlockKey) -> bool:
+        """Delete ``key`` from every tier; False if absent. Removing a pinned block is a ValueError."""
+        key = check_key(key)
+        with self._lock:
+            if key in self._pins:
+                raise ValueError(f"block {key:#018x} is pinned")
+            held = [tier for tier in self._tiers if key in tier]
+            for tier in held:
+                self._drop(tier, key)
+            return bool(held)
+
+    # ---- reads ------------------------------------------------------------------------------------------
+
+    def get(self, key: BlockKey) -> np.ndarray | None:
+        """The block (a read-only array; copy it to modify it), or None on a miss."""
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[BlockKey]) -> list[np.ndarray | None]:
+        """Blocks of ``keys`` in order, None where missing or corrupt. SSD hits are promoted to DRAM."""
+        keys = [check_key(key) for key in keys]
+        blocks: list[np.ndarray | None] = []
+        with self._lock:
+            for key in keys:
+                found = self._read(key, promote=True)
+                blocks.append(None if found is None else found[1])
+        return blocks
+
+    def get_frame(self, key: BlockKey, promote: bool = True) -> bytes | None:
+        """The verified frame of ``key`` (what the Messenger sends), or None on a miss.
+
+        ``promote=False`` serves an SSD hit without copying it into DRAM: a block sent to a peer is not
+        thereby hot here.
+        """
+        key = check_key(key)
+        with self._lock:
+            found = self._read(key, promote)
+            return None if found is None else found[0]
+
+    @contextlib.contextmanager
+    def pin(self, keys: Iterable[BlockKey]) -> Iterator[list[BlockKey]]:
+        """Keep ``keys`` from being evicted (or demoted) while the block runs; pins nest and count.
+
+        Keys need not be present: a key stored while pinned is protected too.
+        """
+        pinned = [check_key(key) for key in keys]
+        with self._lock:
+            for key in pinned:
+                self._pins[key] = self._pins.get(key, 0) + 1
+        try:
+            yield pinned
+        finally:
+            with self._lock:
+                for key in pinned:
+                    if self._pins[key] == 1:
+                        del self._pins[key]
+                    else:
+                        self._pins[key] -= 1
+
+    def subscribe(self, listener: EventListener) -> None:
+        """Also send block events to ``listener`` (same rules as ``on_event``)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def close(self) -> None:
+        """Release the DRAM tier's memory; the SSD tier's files stay for the next open."""
+        with self._lock:
+            self._tiers = []
+
+    def __enter__(self) -> BlockPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals (lock held) --------------------------------------------------------------------------
+
+    def _touch(self, key: BlockKey) -> bool:
+        """Count a use of ``key`` in the fastest tier holding it; False if no tier does."""
+        for tier in self._tiers:
+            if key in tier:
+                tier.accessed(key)
+                return True
+        return False
+
+    def _insert(self, level: int, key: BlockKey, frame: bytes) -> int:
+        """Store ``frame`` in tier ``level`` (or, if every block there is pinned, a lower one); returns the level."""
+        tier = self._tiers[level]
+        if key in tier:
+            tier.accessed(key)
+            return level
+        if tier.full and not self._evict_one(level):
+            if level + 1 < len(self._tiers):
+                return self._insert(level + 1, key, frame)
+            raise PoolFullError(
+                f"cannot store block {key:#018x}: all {tier.capacity_blocks} blocks of the {tier.name} tier are pinned"
+            )
+        tier.write(key, frame)
+        self._emit(EventKind.STORED, key, tier.name)
+        return level
+
+    def _evict_one(self, level: int) -> bool:
+        """Free one slot of tier ``level``, demoting the victim to the next tier; False if all are pinned."""
+        tier = self._tiers[level]
+        victim = tier.policy.victim(self._pins)
+        if victim is None:
+            return False
+        if level + 1 < len(self._tiers):
+            lower = self._tiers[level + 1]
+            frame = None if victim in lower else tier.read(victim)
+            try:
+                if frame is not None:
+                    self._insert(level + 1, victim, frame)
+                tier.counters.demotions += victim in lower
+            except PoolFullError:
+                log.warning("dropping block %#018x: no unpinned room below the %s tier", victim, tier.name)
+        tier.counters.evictions += 1
+        self._drop(tier, victim)
+        return True
+
+    def _read(self, key: BlockKey, promote: bool) -> tuple[bytes, np.ndarray] | None:
+        """``(frame, block)`` of ``key`` from the fastest tier holding a sound copy, or None."""
+        for level, tier in enumerate(self._tiers):
+            if key not in tier:
+                tier.counters.misses += 1
+                continue
+            frame = tier.read(key)
+            try:
+                if frame is None:
+                    raise CorruptBlockError(f"block {key:#018x}: lost from the {tier.name} tier")
+                block = decode(self.spec, key, frame)
+            except CorruptBlockError as err:
+                log.warning("%s tier: %s; treated as a miss", tier.name, err)
+                tier.counters.corrupt += 1
+                tier.counters.misses += 1
+                self._drop(tier, key)
+                continue
+            tier.counters.hits += 1
+            tier.accessed(key)
+            if promote and level > 0 and self._insert(0, key, frame) == 0:
+                self._tiers[0].counters.promotions += 1
+            return frame, block
+        return None
+
+    def _drop(self, tier: Tier, key: BlockKey) -> None:
+        tier.delete(key)
+        self._emit(EventKind.REMOVED, key, tier.name)
+
+    def _emit(self, kind: EventKind, key: BlockKey, tier: str) -> None:
+        event = BlockEvent(kind, key, tier)
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a broken listener must not break storage
+                log.exception("block event listener failed on %s", event)
