@@ -1,0 +1,348 @@
+"""Block pool: exact round trips, eviction against brute-force models, tiers, pinning, events, bad input."""
+
+import random
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mooncake_jax.blocks import block_keys
+from mooncake_jax.transfer import BlockEvent, BlockPool, BlockSpec, EventKind, EvictionPolicy, PoolFullError
+from mooncake_jax.transfer.frame import frame_bytes
+
+SPEC = BlockSpec((2, 2, 4, 2, 8), np.float32)  # (layers, K/V, block_size, kv_heads, head_dim)
+
+
+def block_of(key: int, spec: BlockSpec = SPEC) -> np.ndarray:
+    """A block whose bits depend on its key, so a block served under the wrong key is caught."""
+    bits = np.random.default_rng(key).integers(0, 2**16, size=spec.nbytes // 2, dtype=np.uint16)
+    return bits.view(spec.dtype).reshape(spec.shape)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+class EventLog(list):
+    def __call__(self, event: BlockEvent) -> None:
+        self.append((event.kind.value, event.key, event.tier))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("tiers", ["dram", "ssd"])
+def test_round_trip_is_bit_exact(tmp_path, dtype, tiers):
+    spec = BlockSpec((2, 2, 4, 2, 8), dtype)
+    kwargs = {"dram_blocks": 0, "ssd_path": tmp_path} if tiers == "ssd" else {}
+    pool = BlockPool(spec, **kwargs)
+    special = np.array([np.nan, -0.0, np.inf, -np.inf, 1e-30, 65504.0], dtype=np.float32).astype(dtype)
+    blocks = [block_of(k, spec) for k in (11, 12, 13)]
+    blocks[0].reshape(-1)[: special.size] = special
+    assert pool.put_many([11, 12], np.stack(blocks[:2])) == 2  # one stacked array
+    assert pool.put(13, blocks[2]) is True
+    assert pool.put(13, blocks[2]) is False  # already held
+    got = pool.get_many([11, 99, 12, 13])
+    assert got[1] is None
+    for block, back in zip(blocks, [got[0], got[2], got[3]]):
+        assert same_bits(block, back)
+    assert pool.tier_of(11) == tiers
+    assert not got[0].flags.writeable  # a view of the stored frame: callers copy before writing
+
+
+def test_prefix_len_and_contains_need_no_io():
+    keys = block_keys(list(range(64)), 16)
+    pool = BlockPool(SPEC)
+    pool.put_many(keys[:2], [block_of(1), block_of(2)])
+    pool.put(keys[3], block_of(3))
+    for tier in pool._tiers:  # any storage read now fails the test
+        tier.read = lambda key: pytest.fail("a lookup touched storage")
+    assert pool.prefix_len(keys) == 2
+    assert keys[3] in pool and pool.contains(keys[0]) and keys[2] not in pool
+    assert pool.tier_of(keys[2]) is None
+
+
+class LRUModel:
+    def __init__(self, capacity):
+        self.capacity, self.order = capacity, []
+
+    def use(self, key, store):
+        """Returns the evicted key, if any."""
+        if key in self.order:
+            self.order.remove(key)
+            self.order.append(key)
+            return None
+        if not store:
+            return None
+        victim = self.order.pop(0) if len(self.order) == self.capacity else None
+        self.order.append(key)
+        return victim
+
+    def keys(self):
+        return set(self.order)
+
+
+class LFUModel:
+    """Fewest uses, ties to least recent: a linear scan over every key at every eviction."""
+
+    def __init__(self, capacity):
+        self.capacity, self.uses, self.clock = capacity, {}, 0
+
+    def use(self, key, store):
+        self.clock += 1
+        if key in self.uses:
+            self.uses[key] = (self.uses[key][0] + 1, self.clock)
+            return None
+        if not store:
+            return None
+        victim = None
+        if len(self.uses) == self.capacity:
+            victim = min(self.uses, key=lambda k: self.uses[k])
+            del self.uses[victim]
+        self.uses[key] = (1, self.clock)
+        return victim
+
+    def keys(self):
+        return set(self.uses)
+
+
+@pytest.mark.parametrize("policy, model", [("lru", LRUModel), ("lfu", LFUModel)])
+def test_eviction_order_matches_brute_force_model(policy, model):
+    rng = random.Random(7)
+    events = EventLog()
+    pool = BlockPool(SPEC, dram_blocks=6, eviction=policy, on_event=events)
+    reference = model(6)
+    expected_evictions = []
+    for _ in range(800):
+        key = rng.choice(range(16)) if rng.random() < 0.7 else rng.choice(range(4))  # a few hot keys
+        if rng.random() < 0.5:
+            victim = reference.use(key, store=True)
+            pool.put(key, block_of(key))
+        else:
+            victim = reference.use(key, store=False)
+            got = pool.get(key)
+            assert (got is None) == (key not in reference.keys())
+            if got is not None:
+                assert same_bits(got, block_of(key))
+        if victim is not None:
+            expected_evictions.append(victim)
+        assert set(pool.keys()) == reference.keys()
+    evicted = [key for kind, key, _ in events if kind == "removed"]
+    assert evicted == expected_evictions and len(evicted) > 100
+
+
+class FIFOPolicy(EvictionPolicy):
+    """Oldest insertion first, uses ignored: shows a policy of one's own plugs in."""
+
+    def __init__(self):
+        self.order = []
+
+    def inserted(self, key):
+        self.order.append(key)
+
+    def accessed(self, key):
+        pass
+
+    def removed(self, key):
+        self.order.remove(key)
+
+    def victim(self, pinned):
+        return next((key for key in self.order if key not in pinned), None)
+
+
+def test_pluggable_policy():
+    pool = BlockPool(SPEC, dram_blocks=2, eviction=FIFOPolicy)
+    pool.put(1, block_of(1))
+    pool.put(2, block_of(2))
+    pool.get(1)  # LRU would now evict 2; FIFO still evicts 1
+    pool.put(3, block_of(3))
+    assert sorted(pool.keys()) == [2, 3]
+
+
+def test_demotion_then_promotion(tmp_path):
+    events = EventLog()
+    pool = BlockPool(SPEC, dram_blocks=2, ssd_path=tmp_path, on_event=events)
+    for key in (1, 2, 3):
+        pool.put(key, block_of(key))
+    assert [pool.tier_of(k) for k in (1, 2, 3)] == ["ssd", "dram", "dram"]
+    assert events[2:] == [("stored", 1, "ssd"), ("removed", 1, "dram"), ("stored", 3, "dram")]
+    assert same_bits(pool.get(1), block_of(1))  # SSD hit: promoted, 2 demoted to make room
+    assert [pool.tier_of(k) for k in (1, 2, 3)] == ["dram", "ssd", "dram"]
+    counters = pool.counters()
+    assert counters["dram"].promotions == 1 and counters["dram"].misses == 1 and counters["ssd"].hits == 1
+    assert counters["dram"].demotions == 2 and counters["dram"].evictions == 2
+    pool.put(4, block_of(4))  # evicts 3 (LRU) to SSD; then 1 ...
+    pool.put(5, block_of(5))  # ... whose SSD copy is still there: no second write
+    assert pool.counters()["ssd"].stored == 3  # 1, 2, 3 only
+    assert sorted(pool.keys()) == [1, 2, 3, 4, 5]
+
+
+def test_ssd_survives_restart_and_refuses_another_spec(tmp_path):
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many([5, 6, 7], [block_of(5), block_of(6), block_of(7)])
+    reopened = BlockPool(SPEC, dram_blocks=4, ssd_path=tmp_path)
+    assert sorted(reopened.keys()) == [5, 6, 7] and reopened.tier_of(6) == "ssd"
+    assert all(same_bits(reopened.get(k), block_of(k)) for k in (5, 6, 7))
+    with pytest.raises(ValueError, match="holds blocks of float32"):
+        BlockPool(BlockSpec((2, 2, 4, 2, 8), ml_dtypes.bfloat16), ssd_path=tmp_path)
+
+
+def stored_file(root, key):
+    name = f"{key:016x}"
+    return root / name[:2] / name
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda raw: raw[:100] + bytes([raw[100] ^ 0x10]) + raw[101:],  # one bit of the data
+        lambda raw: raw[:20] + bytes([raw[20] ^ 1]) + raw[21:],  # the key in the header
+        lambda raw: raw[: len(raw) // 2],  # a write cut short
+        lambda raw: raw[: len(raw) // 2] + bytes(len(raw) - len(raw) // 2),  # tail never reached the disk
+        lambda raw: raw[:64] + raw[64 + 512 :] + raw[64 : 64 + 512],  # data reordered
+    ],
+    ids=["bit", "header", "truncated", "zero-tail", "reordered"],
+)
+def test_damaged_file_is_a_counted_miss_never_garbage(tmp_path, damage):
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many([1, 2], [block_of(1), block_of(2)])
+    path = stored_file(tmp_path, 1)
+    path.write_bytes(damage(path.read_bytes()))
+    events = EventLog()
+    pool = BlockPool(SPEC, dram_blocks=4, ssd_path=tmp_path, on_event=events)
+    assert 1 in pool  # the index cannot know until the block is read
+    assert pool.get(1) is None
+    assert 1 not in pool and ("removed", 1, "ssd") in events
+    assert pool.counters()["ssd"].corrupt == 1 and pool.counters()["ssd"].misses == 1
+    assert same_bits(pool.get(2), block_of(2))
+
+
+def test_block_filed_under_another_key_is_not_served(tmp_path):
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many([1, 2], [block_of(1), block_of(2)])
+    stored_file(tmp_path, 1).write_bytes(stored_file(tmp_path, 2).read_bytes())
+    assert BlockPool(SPEC, ssd_path=tmp_path).get(1) is None
+
+
+def test_pinning_holds_under_eviction_pressure(tmp_path):
+    pool = BlockPool(SPEC, dram_blocks=2)
+    pool.put(1, block_of(1))
+    with pool.pin([1, 50]) as pinned:
+        assert pinned == [1, 50]
+        for key in range(2, 12):
+            pool.put(key, block_of(key))
+            assert 1 in pool
+        pool.put(50, block_of(50))  # pinned before it arrived: protected too
+        with pytest.raises(PoolFullError, match="pinned"):
+            pool.put(60, block_of(60))
+        with pytest.raises(ValueError, match="pinned"):
+            pool.remove(1)
+    pool.put(60, block_of(60))
+    pool.put(61, block_of(61))
+    assert sorted(pool.keys()) == [60, 61]
+
+
+def test_pinned_dram_full_spills_to_ssd(tmp_path):
+    pool = BlockPool(SPEC, dram_blocks=1, ssd_path=tmp_path)
+    pool.put(1, block_of(1))
+    with pool.pin([1]):
+        pool.put(2, block_of(2))
+        assert pool.tier_of(1) == "dram" and pool.tier_of(2) == "ssd"
+        assert same_bits(pool.get(2), block_of(2))  # served from SSD, no room to promote
+        assert pool.tier_of(2) == "ssd"
+
+
+def test_capacity_in_bytes_counts_whole_frames():
+    pool = BlockPool(SPEC, dram_bytes=3 * frame_bytes(SPEC) + 10)
+    for key in range(10):
+        pool.put(key, block_of(key))
+    assert len(pool) == 3 and pool.stats()["dram"]["capacity_blocks"] == 3
+
+
+def test_remove_and_counters():
+    events = EventLog()
+    pool = BlockPool(SPEC, on_event=events)
+    pool.put(1, block_of(1))
+    assert pool.get(2) is None and pool.get(1) is not None
+    assert pool.remove(1) is True and pool.remove(1) is False
+    assert events == [("stored", 1, "dram"), ("removed", 1, "dram")]
+    stats = pool.stats()["dram"]
+    assert (stats["hits"], stats["misses"], stats["stored"], stats["blocks"]) == (1, 1, 1, 0)
+
+
+def test_a_failing_listener_does_not_break_storage():
+    def broken(event):
+        raise RuntimeError("listener bug")
+
+    pool = BlockPool(SPEC, on_event=broken)
+    assert pool.put(1, block_of(1)) and same_bits(pool.get(1), block_of(1))
+
+
+def test_bad_input_is_a_clear_value_error(tmp_path):
+    pool = BlockPool(SPEC)
+    with pytest.raises(ValueError, match=r"float64\[2, 2, 4, 2, 8\], the pool holds float32"):
+        pool.put(1, np.zeros(SPEC.shape))
+    with pytest.raises(ValueError, match="the pool holds"):
+        pool.put(1, np.zeros((2, 2), np.float32))
+    with pytest.raises(ValueError, match="numpy array"):
+        pool.put(1, [[1.0]])
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        pool.put(-1, block_of(1))
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        pool.get(1 << 64)
+    with pytest.raises(ValueError, match="must be an int"):
+        pool.get("abc")
+    with pytest.raises(ValueError, match="2 keys but 1 blocks"):
+        pool.put_many([1, 2], [block_of(1)])
+    with pytest.raises(ValueError, match="block 1"):  # checked before anything is stored
+        pool.put_many([1, 2], [block_of(1), np.zeros(3)])
+    assert len(pool) == 0
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        BlockPool(SPEC, eviction="mru")
+    with pytest.raises(ValueError, match="not both"):
+        BlockPool(SPEC, dram_blocks=2, dram_bytes=10**6)
+    with pytest.raises(ValueError, match="holds no block"):
+        BlockPool(SPEC, dram_bytes=10)
+    with pytest.raises(ValueError, match="no tier"):
+        BlockPool(SPEC, dram_blocks=0)
+    with pytest.raises(ValueError, match="without ssd_path"):
+        BlockPool(SPEC, ssd_blocks=4)
+    with pytest.raises(ValueError, match="shape"):
+        BlockSpec((2, 0), np.float32)
+    with pytest.raises(ValueError, match="not a dtype"):
+        BlockSpec((2,), "float99")
+
+
+WRITER = """
+import sys, numpy as np
+from mooncake_jax.transfer import BlockPool, BlockSpec
+spec = BlockSpec((8, 2, 16, 4, 64), np.float32)
+pool = BlockPool(spec, dram_blocks=0, ssd_path=sys.argv[1])
+key = 0
+while True:
+    key += 1
+    bits = np.random.default_rng(key).integers(0, 2**16, size=spec.nbytes // 2, dtype=np.uint16)
+    pool.put(key, bits.view(spec.dtype).reshape(spec.shape))
+"""
+
+
+def test_writer_killed_mid_write_never_serves_a_torn_block(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    spec = BlockSpec((8, 2, 16, 4, 64), np.float32)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("*/*"))) < 20:
+            assert writer.poll() is None and time.monotonic() < deadline, "writer did not get going"
+            time.sleep(0.02)
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+    pool = BlockPool(spec, dram_blocks=0, ssd_path=tmp_path)
+    keys = sorted(pool.keys())
+    assert len(keys) >= 20
+    for key in keys:
+        got = pool.get(key)
+        assert got is None or same_bits(got, block_of(key, spec))
