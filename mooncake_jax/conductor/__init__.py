@@ -1,1 +1,30 @@
-"""conductor"""
+"""The Conductor: global scheduling, hot-block replication and admission for the disaggregated cluster.
+
+The pieces, each in its own module:
+
+- ``costs``: prefill / decode / transfer cost models and their fitting; ``hardware``: datasheet profiles.
+- ``index``: the global block index (key -> instances and tier), prefix match for all instances in one walk.
+- ``instances``, ``ledger``: per-instance columns and in-flight decode requests, read by the policy.
+- ``api``: the policy's contract (``PolicyConfig``, ``Request``, ``Snapshot``, ``Decision``).
+- ``policy``: ``Policy.decide(request, snapshot, now)``, pure; ``admission``: the overload policies.
+- ``state``: ``ClusterState``, which applies decisions and reports and hands out snapshots.
+- ``service``: the gRPC service around one ``ClusterState`` + ``Policy``; ``profile``: ``mooncake-jax profile``.
+
+Importing this package pulls in numpy only (no JAX, no gRPC).
+"""
+
+from mooncake_jax.conductor.admission import decode_accepts
+from mooncake_jax.conductor.api import (Admission, Decision, PolicyConfig, RejectReason, Request, Snapshot, Strategy,
+                                        Transfer)
+from mooncake_jax.conductor.costs import DecodeCost, Fit, InstanceCosts, PrefillCost
+from mooncake_jax.conductor.hardware import HARDWARE, MODEL_SHAPES, HardwareProfile, ModelShape, instance_costs
+from mooncake_jax.conductor.index import BlockIndex, Tier
+from mooncake_jax.conductor.instances import Role
+from mooncake_jax.conductor.policy import Policy
+from mooncake_jax.conductor.state import ClusterState
+
+__all__ = [
+    "Admission", "BlockIndex", "ClusterState", "Decision", "DecodeCost", "Fit", "HARDWARE", "HardwareProfile",
+    "InstanceCosts", "MODEL_SHAPES", "ModelShape", "Policy", "PolicyConfig", "PrefillCost", "RejectReason",
+    "Request", "Role", "Snapshot", "Strategy", "Tier", "Transfer", "decode_accepts", "instance_costs",
+]

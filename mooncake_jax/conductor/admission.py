@@ -1,0 +1,64 @@
+"""Admission: which decode load a request is checked against, when it is rejected, and the decode side's check.
+
+The four policies differ only in *what load the TBT check sees* and *where it happens*:
+
+- ``none``: no check.
+- ``baseline``: TTFT checked here; TBT checked by the decode instance when the KV arrives (``decode_accepts``),
+  so a rejection there wastes the prefill (a *late* rejection).
+- ``early``: TTFT and TBT checked here, TBT under the decode load *now*. Rejecting on current load makes the two
+  pools oscillate in anti-phase: a loaded decode pool turns away requests whose KV would only have arrived
+  after the load drained.
+- ``predictive``: TBT under the load predicted for the moment this request's prefill ends: requests whose prefill
+  ends before then are added, requests that will have spent the uniform decode time t_d by then are removed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mooncake_jax.conductor.api import Admission, PolicyConfig, RejectReason
+from mooncake_jax.conductor.costs import DecodeCost, decode_step_seconds
+from mooncake_jax.conductor.ledger import DecodeLedger
+
+CHECKS_DECODE_HERE = (Admission.EARLY, Admission.PREDICTIVE)
+"""Policies that reject on decode load (TBT, KV capacity) before prefill rather than leaving it to the decode side."""
+
+
+def decode_load(admission: Admission, ledger: DecodeLedger, n_slots: int, now: float, prefill_end_at: float,
+                decode_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """(requests, kv_tokens) per decode slot as ``admission`` sees them for a request whose prefill ends then.
+
+    ``early`` sees the current load; the others see the load predicted at ``prefill_end_at`` (for ``none`` and
+    ``baseline`` that is only the estimate reported in the decision, never a reason to reject).
+    """
+    if admission == Admission.EARLY:
+        return ledger.active(n_slots, now)
+    return ledger.at(n_slots, prefill_end_at, decode_s)
+
+
+def predicted_tbt(decode_coef: np.ndarray, batch: float, context_tokens: float, kv_tokens: int) -> float:
+    """TBT on an instance whose batch (``batch`` requests, ``context_tokens``) gains this request."""
+    return float(decode_step_seconds(decode_coef, batch + 1, context_tokens + kv_tokens))
+
+
+def rejection(config: PolicyConfig, ttft_s: float, tbt_s: float) -> RejectReason | None:
+    """The reason to reject now, if any, given the predicted TTFT and (admission-view) TBT."""
+    if config.admission == Admission.NONE:
+        return None
+    if ttft_s > config.ttft_slo_s:
+        return RejectReason.TTFT_SLO
+    if config.admission in CHECKS_DECODE_HERE and tbt_s > config.tbt_slo_s:
+        return RejectReason.TBT_SLO
+    return None
+
+
+def decode_accepts(cost: DecodeCost, batch: int, context_tokens: int, kv_tokens: int, tbt_slo_s: float,
+                   kv_capacity_tokens: int | None = None) -> bool:
+    """The decode instance's own check when a request's KV arrives (late rejection when False).
+
+    ``batch``/``context_tokens`` are its running batch; the request adds one sequence of ``kv_tokens``.
+    Decode instances and the simulator call this, so the rule is written once.
+    """
+    if kv_capacity_tokens is not None and context_tokens + kv_tokens > kv_capacity_tokens:
+        return False
+    return cost.step_seconds(batch + 1, context_tokens + kv_tokens) <= tbt_slo_s

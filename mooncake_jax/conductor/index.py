@@ -1,0 +1,171 @@
+"""Global block index: which instances hold each block key, and in which tier.
+
+The Conductor asks one question per request: for every instance, how many *leading* keys of the prompt does it
+hold? Asking each instance separately costs O(blocks x instances). Here each key maps to a bit mask of the
+instance slots holding it, and one walk over the prompt's keys ANDs the masks: an instance drops out of the
+running mask at the first key it lacks, and is recorded once, then. The walk stops when no instance is left, so
+a request costs O(blocks + instances) (the AND of two masks is a handful of machine words for any realistic
+cluster size).
+
+Instances are identified by small integer *slots* (bit positions); the cluster state maps instance ids to slots
+and gives a slot back only after its entries are purged.
+
+Blocks can be recorded before they exist, with the clock time they are expected (``ready_at``): a request routed
+to an instance will leave its blocks there, and requests queued behind it may count on them, but another
+instance fetching them must wait until they are there. The instance's own KV event later confirms them.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Sequence
+
+
+class Tier(enum.IntEnum):
+    """Where an instance keeps a block: host DRAM, or SSD after demotion."""
+
+    DRAM = 0
+    SSD = 1
+
+
+class BlockIndex:
+    """Block key -> holding slots (bit mask) and the subset holding it on SSD; per-slot key sets for purges."""
+
+    def __init__(self):
+        self._holders: dict[int, int] = {}
+        self._on_ssd: dict[int, int] = {}
+        self._keys_of: dict[int, set[int]] = {}
+        self._ready: dict[int, dict[int, float]] = {}  # slot -> key -> clock time an expected block lands
+        self._settle_above: dict[int, int] = {}  # slot -> pending count at which expired entries are dropped
+
+    def __len__(self) -> int:
+        """Distinct keys held anywhere."""
+        return len(self._holders)
+
+    def blocks_of(self, slot: int) -> int:
+        return len(self._keys_of.get(slot, ()))
+
+    def store(self, slot: int, keys: Iterable[int], tier: Tier = Tier.DRAM, ready_at: float | None = None) -> None:
+        """``slot`` holds ``keys`` in ``tier`` (a block moving between tiers is stored again).
+
+        With ``ready_at``, the blocks it does not hold yet are expected then rather than present now.
+        """
+        bit = 1 << slot
+        holders, on_ssd = self._holders, self._on_ssd
+        own = self._keys_of.setdefault(slot, set())
+        pending = self._ready.setdefault(slot, {})
+        for key in keys:
+            if ready_at is None:
+                if pending:
+                    pending.pop(key, None)
+            elif key not in own:
+                pending[key] = ready_at
+            holders[key] = holders.get(key, 0) | bit
+            own.add(key)
+            if tier == Tier.SSD:
+                on_ssd[key] = on_ssd.get(key, 0) | bit
+            elif key in on_ssd:
+                self._clear(on_ssd, key, bit)
+
+    def remove(self, slot: int, keys: Iterable[int]) -> None:
+        """``slot`` no longer holds ``keys`` (evicted); keys it never held are ignored."""
+        bit = 1 << slot
+        own = self._keys_of.get(slot)
+        if not own:
+            return
+        pending = self._ready.get(slot, {})
+        for key in keys:
+            if key in own:
+                own.discard(key)
+                pending.pop(key, None)
+                self._clear(self._holders, key, bit)
+                if key in self._on_ssd:
+                    self._clear(self._on_ssd, key, bit)
+
+    def purge(self, slot: int) -> int:
+        """Forget everything ``slot`` holds (instance gone or about to re-send its list); returns how many."""
+        own = self._keys_of.pop(slot, set())
+        self._ready.pop(slot, None)
+        self._settle_above.pop(slot, None)
+        bit = 1 << slot
+        for key in own:
+            self._clear(self._holders, key, bit)
+            if key in self._on_ssd:
+                self._clear(self._on_ssd, key, bit)
+        return len(own)
+
+    def reset(self, slot: int, dram_keys: Iterable[int], ssd_keys: Iterable[int] = ()) -> None:
+        """Replace ``slot``'s whole block list (an instance re-sending it, e.g. to a restarted Conductor)."""
+        self.purge(slot)
+        self.store(slot, dram_keys, Tier.DRAM)
+        self.store(slot, ssd_keys, Tier.SSD)
+
+    def has_pending(self, slot: int) -> bool:
+        """Whether ``slot`` has blocks recorded as expected but not yet confirmed."""
+        return bool(self._ready.get(slot))
+
+    def ready_times(self, slot: int, keys: Sequence[int]) -> list[float]:
+        """For each key, the clock time ``slot`` is expected to have it (-inf: it has it now or not expected)."""
+        pending = self._ready.get(slot, {})
+        return [pending.get(key, -math.inf) for key in keys]
+
+    def settle(self, slot: int, now: float) -> None:
+        """Forget expectations already due by ``now`` on ``slot``, once their number has doubled since the last
+        time (amortised O(1) per stored block; an instance that never confirms its blocks stays bounded)."""
+        pending = self._ready.get(slot)
+        if not pending or len(pending) <= self._settle_above.get(slot, 1024):
+            return
+        for key in [k for k, t in pending.items() if t <= now]:
+            del pending[key]
+        self._settle_above[slot] = max(1024, 2 * len(pending))
+
+    def holders(self, key: int) -> list[int]:
+        """Slots holding ``key``, ascending."""
+        return _bits(self._holders.get(key, 0))
+
+    def tier(self, key: int, slot: int) -> Tier | None:
+        """The tier ``slot`` holds ``key`` in, or None when it does not hold it."""
+        bit = 1 << slot
+        if not self._holders.get(key, 0) & bit:
+            return None
+        return Tier.SSD if self._on_ssd.get(key, 0) & bit else Tier.DRAM
+
+    def match(self, keys: Sequence[int]) -> dict[int, int]:
+        """Leading keys of ``keys`` each slot holds, for the slots holding at least the first one.
+
+        Slots absent from the result match zero blocks.
+        """
+        holders = self._holders
+        result: dict[int, int] = {}
+        running = holders.get(keys[0], 0) if keys else 0
+        i = 1
+        n = len(keys)
+        while running and i < n:
+            still = running & holders.get(keys[i], 0)
+            if still != running:
+                for slot in _bits(running & ~still):
+                    result[slot] = i
+                running = still
+            i += 1
+        for slot in _bits(running):
+            result[slot] = n
+        return result
+
+    @staticmethod
+    def _clear(masks: dict[int, int], key: int, bit: int) -> None:
+        remaining = masks.get(key, 0) & ~bit
+        if remaining:
+            masks[key] = remaining
+        else:
+            masks.pop(key, None)
+
+
+def _bits(mask: int) -> list[int]:
+    """Positions of the set bits of ``mask``, ascending."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out

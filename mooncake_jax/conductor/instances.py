@@ -1,0 +1,130 @@
+"""Instance table: the per-instance figures the policy reads, as parallel numpy arrays indexed by slot.
+
+A slot is a small integer given to an instance when it registers (the same number is its bit in the block
+index). Keeping every figure in a column means the policy predicts TTFT for all prefill instances, and TBT for
+all decode instances, in a few array expressions whatever the cluster size, and heterogeneous hardware costs
+nothing extra: each slot carries its own cost coefficients.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from mooncake_jax.conductor.costs import InstanceCosts
+
+
+class UnknownInstance(KeyError):
+    """An instance id that is not registered (never was, was drained, or the Conductor restarted)."""
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else "unknown instance"
+
+
+class Role(enum.IntEnum):
+    """What an instance does; FREE marks an unused slot."""
+
+    FREE = 0
+    PREFILL = 1
+    DECODE = 2
+
+
+class InstanceTable:
+    """Registered instances by slot.
+
+    Columns (each an array of length ``capacity``):
+
+    - ``role``: Role per slot; ``alive``: accepts new work (False for free slots and drained instances).
+    - ``queue_free_at``: clock time at which the instance's queued prefill work is predicted to be done.
+    - ``send_free_at``: clock time at which the transfers it is sending are predicted to be done.
+    - ``prefill_coef`` (4 x capacity), ``decode_coef`` (3 x capacity): cost model coefficients per slot.
+    - ``kv_bytes_per_token``, ``nic_bytes_per_s``, ``kv_capacity_tokens``: sizes and bandwidths per slot.
+    - ``last_seen``: clock time of the instance's last heartbeat.
+
+    Plus ``ids``/``addresses``/``costs`` lists and ``slot_of`` (instance id -> slot).
+    """
+
+    def __init__(self, capacity: int = 16):
+        self.ids: list[str | None] = []
+        self.addresses: list[str] = []
+        self.costs: list[InstanceCosts | None] = []
+        self.slot_of: dict[str, int] = {}
+        self.capacity = 0
+        self._grow(capacity)
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def add(self, instance_id: str, role: Role, costs: InstanceCosts, now: float, address: str = "",
+            kv_capacity_tokens: int | None = None) -> int:
+        """Register an instance in a free slot (the lowest one) and return the slot."""
+        if not instance_id:
+            raise ValueError("instance id must be a non-empty string")
+        if instance_id in self.slot_of:
+            raise ValueError(f"instance {instance_id!r} is already registered")
+        if role not in (Role.PREFILL, Role.DECODE):
+            raise ValueError(f"role must be PREFILL or DECODE, got {role!r}")
+        free = np.flatnonzero(self.role == Role.FREE)
+        if free.size == 0:
+            self._grow(self.capacity)
+            free = np.flatnonzero(self.role == Role.FREE)
+        slot = int(free[0])
+        self.ids[slot], self.addresses[slot], self.costs[slot] = instance_id, address, costs
+        self.slot_of[instance_id] = slot
+        self.role[slot], self.alive[slot] = role, True
+        self.queue_free_at[slot] = self.send_free_at[slot] = self.last_seen[slot] = now
+        self.prefill_coef[:, slot] = costs.prefill.coef
+        self.decode_coef[:, slot] = costs.decode.coef
+        self.kv_bytes_per_token[slot] = costs.kv_bytes_per_token
+        self.nic_bytes_per_s[slot] = costs.nic_bytes_per_s
+        capacity = costs.kv_capacity_tokens if kv_capacity_tokens is None else kv_capacity_tokens
+        if capacity < 0:
+            raise ValueError(f"kv_capacity_tokens must be non-negative, got {capacity}")
+        self.kv_capacity_tokens[slot] = capacity
+        return slot
+
+    def remove(self, instance_id: str) -> int:
+        """Free an instance's slot; the caller purges what else refers to the slot first."""
+        slot = self.slot(instance_id)
+        del self.slot_of[instance_id]
+        self.ids[slot], self.addresses[slot], self.costs[slot] = None, "", None
+        self.role[slot], self.alive[slot] = Role.FREE, False
+        self.prefill_coef[:, slot] = 0
+        self.decode_coef[:, slot] = 0
+        return slot
+
+    def slot(self, instance_id: str) -> int:
+        """The slot of a registered instance; KeyError naming it otherwise."""
+        try:
+            return self.slot_of[instance_id]
+        except KeyError:
+            raise UnknownInstance(f"unknown instance {instance_id!r}; register it (again) first") from None
+
+    def candidates(self, role: Role) -> np.ndarray:
+        """Boolean mask of the slots that may take new work in ``role``."""
+        return self.alive & (self.role == role)
+
+    def _grow(self, extra: int) -> None:
+        for name, (rows, fill, dtype) in _COLUMNS.items():
+            tail = np.full((extra,) if rows is None else (rows, extra), fill, dtype)
+            old = getattr(self, name, None)
+            setattr(self, name, tail if old is None else np.concatenate([old, tail], axis=-1))
+        self.ids.extend([None] * extra)
+        self.addresses.extend([""] * extra)
+        self.costs.extend([None] * extra)
+        self.capacity += extra
+
+
+_COLUMNS = {  # column: (rows, or None for one value per slot; fill value of a free slot; dtype)
+    "role": (None, Role.FREE, np.int8),
+    "alive": (None, False, bool),
+    "queue_free_at": (None, 0.0, float),
+    "send_free_at": (None, 0.0, float),
+    "last_seen": (None, 0.0, float),
+    "prefill_coef": (4, 0.0, float),
+    "decode_coef": (3, 0.0, float),
+    "kv_bytes_per_token": (None, 1.0, float),
+    "nic_bytes_per_s": (None, 1.0, float),
+    "kv_capacity_tokens": (None, 0.0, float),
+}

@@ -1,0 +1,130 @@
+"""Decode ledger: every request routed to a decode instance, with when its decode starts and the KV it holds.
+
+The Conductor needs decode load at a chosen moment T, not only now: the predictive admission policy asks what the
+batch will be when this request's prefill ends, which depends on which routed requests will have arrived by T and
+which will have finished (after the uniform decode time t_d). Entries live in flat numpy arrays, so the load of
+every decode instance at any T is one vectorised pass over the in-flight requests.
+
+An entry's ``start`` is predicted (its prefill's predicted end) until the instance reports the real one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_FREE = -1
+
+
+class DecodeLedger:
+    """In-flight decode requests: slot, start time, KV tokens; loads per slot for the admission views."""
+
+    def __init__(self, capacity: int = 1024):
+        self._slot = np.full(capacity, _FREE, np.int64)
+        self._start = np.zeros(capacity)
+        self._tokens = np.zeros(capacity)
+        self._started = np.zeros(capacity, bool)
+        self._ids: list[str | None] = [None] * capacity
+        self._entry_of: dict[str, int] = {}
+        self._free: list[int] = []
+        self._used = 0  # entries [0, _used) have ever been taken; the rest are untouched
+
+    def __len__(self) -> int:
+        return len(self._entry_of)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._entry_of
+
+    def add(self, request_id: str, slot: int, start: float, tokens: float, started: bool = False) -> None:
+        """Route ``request_id`` to decode ``slot``; ``start`` is when its decode begins (predicted or real)."""
+        if request_id in self._entry_of:
+            raise ValueError(f"request {request_id!r} is already in flight")
+        if self._free:
+            entry = self._free.pop()
+        else:
+            if self._used == len(self._slot):
+                self._grow()
+            entry = self._used
+            self._used += 1
+        self._slot[entry], self._start[entry], self._tokens[entry] = slot, start, tokens
+        self._started[entry] = started
+        self._ids[entry] = request_id
+        self._entry_of[request_id] = entry
+
+    def get(self, request_id: str) -> tuple[int, float, float, bool] | None:
+        """(slot, start, tokens, started) of an in-flight request, or None."""
+        entry = self._entry_of.get(request_id)
+        if entry is None:
+            return None
+        return (int(self._slot[entry]), float(self._start[entry]), float(self._tokens[entry]),
+                bool(self._started[entry]))
+
+    def set_start(self, request_id: str, start: float, started: bool = True) -> bool:
+        """Correct a request's start time (prefill done, or decode begun when ``started``); False if unknown."""
+        entry = self._entry_of.get(request_id)
+        if entry is None:
+            return False
+        self._start[entry] = start
+        self._started[entry] |= started
+        return True
+
+    def remove(self, request_id: str) -> bool:
+        """Forget a request (finished, rejected late, failed); False if it was not in flight."""
+        entry = self._entry_of.pop(request_id, None)
+        if entry is None:
+            return False
+        self._slot[entry] = _FREE
+        self._ids[entry] = None
+        self._free.append(entry)
+        return True
+
+    def ids_on(self, slot: int, started_only: bool = False) -> list[str]:
+        """Requests routed to ``slot`` (only those whose decode has begun when ``started_only``)."""
+        mask = self._slot[: self._used] == slot
+        if started_only:
+            mask &= self._started[: self._used]
+        return [self._ids[e] for e in np.flatnonzero(mask)]
+
+    def remove_slot(self, slot: int) -> list[str]:
+        """Forget every request on ``slot`` (instance gone); returns their ids."""
+        ids = self.ids_on(slot)
+        for request_id in ids:
+            self.remove(request_id)
+        return ids
+
+    # Load views. Each returns (requests, kv_tokens) per slot, arrays of length n_slots.
+
+    def active(self, n_slots: int, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """Current load: requests whose decode has begun by ``now``."""
+        return self._sum(n_slots, self._start[: self._used] <= now)
+
+    def at(self, n_slots: int, when: float, decode_s: float) -> tuple[np.ndarray, np.ndarray]:
+        """Predicted load at ``when``: begun by then and not yet through their uniform decode time."""
+        start = self._start[: self._used]
+        return self._sum(n_slots, (start <= when) & (start + decode_s > when))
+
+    def committed(self, n_slots: int, when: float, decode_s: float) -> tuple[np.ndarray, np.ndarray]:
+        """Requests that will share a batch with one arriving at ``when``: all not finished by then, including
+        those still in prefill (a routed request counts at once, so a burst spreads over instances)."""
+        return self._sum(n_slots, self._start[: self._used] + decode_s > when)
+
+    def next_finish(self, slot: int | None, now: float, decode_s: float) -> float | None:
+        """Earliest predicted decode end after ``now`` on ``slot`` (any slot when None), or None."""
+        ends = self._start[: self._used] + decode_s
+        slots = self._slot[: self._used]
+        mask = (ends > now) & (slots >= 0 if slot is None else slots == slot)
+        return float(ends[mask].min()) if mask.any() else None
+
+    def _sum(self, n_slots: int, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        slots = self._slot[: self._used]
+        mask &= slots >= 0
+        chosen = slots[mask]
+        return (np.bincount(chosen, minlength=n_slots)[:n_slots],
+                np.bincount(chosen, weights=self._tokens[: self._used][mask], minlength=n_slots)[:n_slots])
+
+    def _grow(self) -> None:
+        extra = len(self._slot)
+        self._slot = np.concatenate([self._slot, np.full(extra, _FREE, np.int64)])
+        self._start = np.concatenate([self._start, np.zeros(extra)])
+        self._tokens = np.concatenate([self._tokens, np.zeros(extra)])
+        self._started = np.concatenate([self._started, np.zeros(extra, bool)])
+        self._ids.extend([None] * extra)

@@ -1,0 +1,174 @@
+"""The scheduling policy: a request and a snapshot in, a decision out (Algorithm 1 of the Mooncake paper).
+
+``Policy.decide`` is pure: it reads the snapshot, never changes it, and gives the same decision for the same
+request, snapshot and clock (``random`` draws from a generator seeded by the request id). Applying a decision
+(counting the routed request's load at once) is the cluster state's job, so the gRPC service and the simulator
+share every line of policy code.
+
+One decision:
+
+1. Prefix match of the prompt's block keys against every instance (one walk of the block index); the longest
+   match anywhere is ``best_len`` on ``best_instance`` (ties: the least busy sender).
+2. For every live prefill instance, predicted TTFT. With its own prefix ``own_len``: queue + prefill(n, own).
+   Under ``kvcache-centric``, if best_len / own_len > threshold (own_len 0 counts as infinite) it fetches the
+   missing blocks instead: transfer(missing, sender backlog) + queue + prefill(n, best). The strategy picks
+   the instance (least TTFT; least queue for ``load-balance``; uniform for ``random``).
+3. Decode instance: least predicted TBT among those that can hold the request's KV, counting every request
+   already routed there that will still be decoding when this one arrives.
+4. Admission (``admission.py``): reject on predicted TTFT or TBT over the SLOs, with a retry-after hint.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from typing import NamedTuple
+
+import numpy as np
+
+from mooncake_jax.conductor import admission as adm
+from mooncake_jax.conductor.api import (Decision, PolicyConfig, RejectReason, Request, Snapshot, Strategy,
+                                        Transfer, check_block_count)
+from mooncake_jax.conductor.costs import decode_step_seconds, prefill_seconds
+from mooncake_jax.conductor.instances import Role
+
+
+class _PrefillChoice(NamedTuple):
+    slot: int
+    queue_s: float
+    compute_s: float
+    ttft_s: float
+    transfer: Transfer | None
+    prefix_blocks: int
+
+
+class Policy:
+    """Scheduling strategy + admission policy over snapshots; holds only its (immutable) configuration."""
+
+    def __init__(self, config: PolicyConfig | None = None):
+        self.config = config or PolicyConfig()
+
+    def decide(self, request: Request, snapshot: Snapshot, now: float) -> Decision:
+        cfg = self.config
+        check_block_count(request.block_keys, request.input_tokens, cfg.block_size, request.request_id)
+        table = snapshot.instances
+        prefill_ok = table.candidates(Role.PREFILL)
+        if not prefill_ok.any():
+            return Decision(request.request_id, RejectReason.NO_PREFILL_INSTANCE, cfg.min_retry_after_s)
+        decode_ok = table.candidates(Role.DECODE)
+        if not decode_ok.any():
+            return Decision(request.request_id, RejectReason.NO_DECODE_INSTANCE, cfg.min_retry_after_s)
+
+        prefill = self._choose_prefill(request, snapshot, now, prefill_ok)
+        end = now + prefill.ttft_s
+        slot_d, tbt = self._choose_decode(request, snapshot, now, end, decode_ok)
+        decision = dict(
+            prefill=table.ids[prefill.slot], transfer=prefill.transfer, prefix_blocks=prefill.prefix_blocks,
+            queue_s=prefill.queue_s, prefill_s=prefill.compute_s, predicted_ttft_s=prefill.ttft_s,
+            prefill_end_at=end, decode=None if slot_d is None else table.ids[slot_d], predicted_tbt_s=tbt)
+        if slot_d is None:
+            retry = self._retry_after(snapshot, None, now)
+            return Decision(request.request_id, RejectReason.DECODE_CAPACITY, retry, **decision)
+        reason = adm.rejection(cfg, prefill.ttft_s, tbt)
+        if reason is RejectReason.TTFT_SLO:
+            retry = max(cfg.min_retry_after_s, prefill.ttft_s - cfg.ttft_slo_s)
+        elif reason is RejectReason.TBT_SLO:
+            retry = self._retry_after(snapshot, slot_d, now)
+        else:
+            retry = 0.0
+        return Decision(request.request_id, reason, retry, **decision)
+
+    # ------------------------------------------------------------------------------------------- prefill
+
+    def _choose_prefill(self, request: Request, snapshot: Snapshot, now: float,
+                        candidates: np.ndarray) -> _PrefillChoice:
+        """The prefill instance and its predicted queue, compute, TTFT and transfer plan (step 1 and 2)."""
+        cfg, table = self.config, snapshot.instances
+        block, n = cfg.block_size, request.input_tokens
+        keys = request.block_keys
+        match = snapshot.index.match(keys) if keys else {}  # load-balance ignores it to choose, not to predict
+        own_blocks = np.zeros(table.capacity)
+        for slot, length in match.items():
+            own_blocks[slot] = length
+        reusable = n - 1  # the last prompt token is always computed: it yields the first output token
+        queue = np.maximum(table.queue_free_at - now, 0.0)
+        compute = prefill_seconds(table.prefill_coef, n, np.minimum(own_blocks * block, reusable))
+        ttft = queue + compute
+
+        fetch = np.zeros(table.capacity, bool)
+        source, best_len, transfer_s, moved_bytes = None, 0, None, None
+        if cfg.strategy == Strategy.KVCACHE_CENTRIC and match:
+            source, best_len = self._best_source(match, table)
+            threshold = cfg.kvcache_balancing_threshold
+            fetch = (own_blocks < best_len) & (best_len > threshold * own_blocks)
+            if fetch.any():
+                moved_bytes = (best_len - own_blocks) * block * table.kv_bytes_per_token
+                bandwidth = np.minimum(table.nic_bytes_per_s, table.nic_bytes_per_s[source])
+                start_at = self._send_start(snapshot, source, keys[:best_len], own_blocks)
+                transfer_s = np.maximum(start_at - now, 0.0) + moved_bytes / bandwidth
+                compute = np.where(fetch, prefill_seconds(table.prefill_coef, n, min(best_len * block, reusable)),
+                                   compute)
+                ttft = np.where(fetch, transfer_s + queue + compute, ttft)
+
+        if cfg.strategy == Strategy.RANDOM:
+            rng = random.Random(zlib.crc32(request.request_id.encode()) ^ cfg.seed)
+            slot = int(rng.choice(np.flatnonzero(candidates)))
+        else:
+            score = queue if cfg.strategy == Strategy.LOAD_BALANCE else ttft
+            slot = int(np.argmin(np.where(candidates, score, np.inf)))
+        transfer = None
+        if fetch[slot]:
+            transfer = Transfer(table.ids[source], keys[int(own_blocks[slot]):best_len], float(moved_bytes[slot]),
+                                float(transfer_s[slot]))
+        return _PrefillChoice(slot, float(queue[slot]), float(compute[slot]), float(ttft[slot]), transfer,
+                              best_len if fetch[slot] else int(own_blocks[slot]))
+
+    @staticmethod
+    def _best_source(match: dict[int, int], table) -> tuple[int, int]:
+        """The live slot holding the longest prefix; among equals, the one whose sends drain first."""
+        live = {slot: length for slot, length in match.items() if table.alive[slot]}
+        if not live:
+            return None, 0
+        best_len = max(live.values())
+        source = min((s for s, length in live.items() if length == best_len),
+                     key=lambda s: (table.send_free_at[s], s))
+        return source, best_len
+
+    @staticmethod
+    def _send_start(snapshot: Snapshot, source: int, prefix: tuple[int, ...], own_blocks: np.ndarray):
+        """When ``source`` can start sending each candidate its missing blocks ``prefix[own:]``: after its queued
+        sends, and after those blocks land on it if they are only expected there (computed or fetched by a
+        request still in flight)."""
+        send_free_at = snapshot.instances.send_free_at[source]
+        if not snapshot.index.has_pending(source):
+            return send_free_at
+        ready = np.asarray(snapshot.index.ready_times(source, prefix))
+        latest_from = np.maximum.accumulate(ready[::-1])[::-1]  # [j]: latest landing among prefix[j:]
+        first_missing = np.minimum(own_blocks, len(prefix) - 1).astype(np.intp)
+        return np.maximum(send_free_at, latest_from[first_missing])
+
+    # -------------------------------------------------------------------------------------------- decode
+
+    def _choose_decode(self, request: Request, snapshot: Snapshot, now: float, end: float,
+                       candidates: np.ndarray) -> tuple[int | None, float]:
+        """The decode instance (step 3) and the TBT the admission policy checks; slot None when none fits."""
+        cfg, table, ledger = self.config, snapshot.instances, snapshot.ledger
+        kv = request.kv_tokens
+        decode_s = snapshot.decode_time_s
+        batch, context = ledger.committed(table.capacity, end, decode_s)
+        fits = candidates & (context + kv <= table.kv_capacity_tokens)
+        if not fits.any():
+            if cfg.admission in adm.CHECKS_DECODE_HERE:
+                return None, 0.0
+            fits = candidates  # baseline/none: the decode instance itself queues or rejects it
+        load = decode_step_seconds(table.decode_coef, batch + 1, context + kv)
+        slot = int(np.argmin(np.where(fits, load, np.inf)))
+        seen_batch, seen_context = adm.decode_load(cfg.admission, ledger, table.capacity, now, end, decode_s)
+        return slot, adm.predicted_tbt(table.decode_coef[:, slot], seen_batch[slot], seen_context[slot], kv)
+
+    def _retry_after(self, snapshot: Snapshot, slot: int | None, now: float) -> float:
+        """Until the next predicted decode completion (on ``slot``, or anywhere), at least the configured floor."""
+        finish = snapshot.ledger.next_finish(slot, now, snapshot.decode_time_s)
+        wait = 0.0 if finish is None else finish - now
+        return max(self.config.min_retry_after_s, wait)
+

@@ -1,0 +1,181 @@
+"""Cluster state: the Conductor's mutable picture of the cluster, which the policy reads through snapshots.
+
+Two sources keep it current. Decisions are applied the moment they are made: the chosen prefill instance's
+queue grows by the request's predicted time, the sender's outgoing transfers by the planned bytes, the decode
+instance gains a ledger entry starting when the prefill is predicted to end, and the chosen instance is
+recorded as holding the request's blocks (fetched ones included: that is hot-block replication). So a burst of
+requests spreads over instances instead of all landing on the one that looked idle. Reports then correct the
+predictions: heartbeats (queued work, running decode batch), KV events (blocks stored, evicted, or a whole
+list re-sent), and per-request milestones (prefill done, decode begun, finished, dropped).
+
+Both the gRPC service and the simulator own one ``ClusterState`` and call ``schedule`` plus these reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from mooncake_jax.conductor.api import Decision, PolicyConfig, Request, Snapshot
+from mooncake_jax.conductor.costs import InstanceCosts
+from mooncake_jax.conductor.index import BlockIndex, Tier
+from mooncake_jax.conductor.instances import InstanceTable, Role
+from mooncake_jax.conductor.ledger import DecodeLedger
+
+
+class ClusterState:
+    """Instances, block index, decode ledger and the tracked decode time t_d."""
+
+    def __init__(self, config: PolicyConfig | None = None):
+        self.config = config or PolicyConfig()
+        self.instances = InstanceTable()
+        self.index = BlockIndex()
+        self.ledger = DecodeLedger()
+        self._tracked_decode_s = self.config.decode_time_init_s
+        self._prefill_of: dict[str, int] = {}  # request -> prefill slot, until its prefill is reported done
+
+    # ------------------------------------------------------------------------------------------- reading
+
+    @property
+    def decode_time_s(self) -> float:
+        """t_d: the configured uniform decode time, or the moving average of reported ones."""
+        fixed = self.config.decode_time_s
+        return self._tracked_decode_s if fixed is None else fixed
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.instances, self.index, self.ledger, self.decode_time_s)
+
+    def schedule(self, policy, request: Request, now: float, store_blocks: bool = True) -> Decision:
+        """Decide for ``request`` and, if accepted, apply the decision at once."""
+        if request.request_id in self.ledger or request.request_id in self._prefill_of:
+            raise ValueError(f"request {request.request_id!r} is already in flight")
+        decision = policy.decide(request, self.snapshot(), now)
+        self.apply(request, decision, now, store_blocks)
+        return decision
+
+    def apply(self, request: Request, decision: Decision, now: float, store_blocks: bool = True) -> None:
+        """Count an accepted decision's load now (rejections change nothing).
+
+        ``store_blocks``: record the prefill instance as holding the request's blocks right away (the default:
+        requests queued behind it there will find them). A simulator that emits KV events when the blocks
+        really land passes False.
+        """
+        if not decision.accepted:
+            return
+        table = self.instances
+        prefill, decode = table.slot(decision.prefill), table.slot(decision.decode)
+        table.queue_free_at[prefill] = max(table.queue_free_at[prefill], decision.prefill_end_at)
+        if decision.transfer is not None:
+            source = table.slot(decision.transfer.source)
+            bandwidth = min(table.nic_bytes_per_s[prefill], table.nic_bytes_per_s[source])
+            table.send_free_at[source] = max(table.send_free_at[source], now) + decision.transfer.n_bytes / bandwidth
+        self.ledger.add(request.request_id, decode, decision.prefill_end_at, request.kv_tokens)
+        self._prefill_of[request.request_id] = prefill
+        if store_blocks:
+            self.index.store(prefill, request.block_keys, ready_at=decision.prefill_end_at)
+            self.index.settle(prefill, now)
+
+    # ---------------------------------------------------------------------------------------- membership
+
+    def add_instance(self, instance_id: str, role: Role | str, costs: InstanceCosts, now: float, address: str = "",
+                     kv_capacity_tokens: int | None = None) -> int:
+        """Register an instance (a re-registration replaces the old one and its blocks); returns its slot."""
+        role = Role[role.upper()] if isinstance(role, str) else Role(role)
+        if instance_id in self.instances.slot_of:
+            self.remove_instance(instance_id)
+        return self.instances.add(instance_id, role, costs, now, address, kv_capacity_tokens)
+
+    def remove_instance(self, instance_id: str) -> list[str]:
+        """Drop an instance, purge its blocks, and forget requests that can no longer complete there.
+
+        Returns the ids of the requests lost with it (queued on it for prefill, or decoding on it).
+        """
+        slot = self.instances.slot(instance_id)
+        self.index.purge(slot)
+        lost = self.ledger.remove_slot(slot)
+        for request_id in lost:
+            self._prefill_of.pop(request_id, None)
+        stranded = [r for r, s in self._prefill_of.items() if s == slot]
+        for request_id in stranded:
+            del self._prefill_of[request_id]
+            self.ledger.remove(request_id)
+        self.instances.remove(instance_id)
+        return lost + stranded
+
+    def expire(self, now: float, timeout_s: float) -> list[str]:
+        """Remove every instance whose last heartbeat is older than ``timeout_s``; returns their ids."""
+        table = self.instances
+        dead = [i for i, s in table.slot_of.items() if now - table.last_seen[s] > timeout_s]
+        for instance_id in dead:
+            self.remove_instance(instance_id)
+        return dead
+
+    # ------------------------------------------------------------------------------------------- reports
+
+    def heartbeat(self, instance_id: str, now: float, queued_s: float | None = None,
+                  send_backlog_s: float | None = None, active: Mapping[str, int] | None = None) -> None:
+        """An instance's periodic load report; each given figure replaces the Conductor's running estimate.
+
+        ``queued_s``: predicted seconds of prefill work queued (its queue drains at now + queued_s).
+        ``send_backlog_s``: seconds of outgoing transfers queued. ``active``: a decode instance's running
+        batch, request id -> KV tokens: entries it no longer runs are dropped, unknown ones added.
+        """
+        table = self.instances
+        slot = table.slot(instance_id)
+        for name, value in (("queued_s", queued_s), ("send_backlog_s", send_backlog_s)):
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+        table.last_seen[slot] = now
+        if queued_s is not None:
+            table.queue_free_at[slot] = now + queued_s
+        if send_backlog_s is not None:
+            table.send_free_at[slot] = now + send_backlog_s
+        if active is not None:
+            self._reconcile_batch(slot, now, active)
+
+    def _reconcile_batch(self, slot: int, now: float, active: Mapping[str, int]) -> None:
+        for request_id in self.ledger.ids_on(slot, started_only=True):
+            if request_id not in active:
+                self.ledger.remove(request_id)
+        for request_id, tokens in active.items():
+            known = self.ledger.get(request_id)
+            if known is None:
+                self.ledger.add(request_id, slot, now, tokens, started=True)
+            elif not known[3]:
+                self.ledger.set_start(request_id, min(known[1], now))
+            self._prefill_of.pop(request_id, None)
+
+    def kv_stored(self, instance_id: str, keys: Iterable[int], tier: Tier = Tier.DRAM) -> None:
+        self.index.store(self.instances.slot(instance_id), keys, tier)
+
+    def kv_removed(self, instance_id: str, keys: Iterable[int]) -> None:
+        self.index.remove(self.instances.slot(instance_id), keys)
+
+    def kv_reset(self, instance_id: str, dram_keys: Iterable[int], ssd_keys: Iterable[int] = ()) -> None:
+        """Replace an instance's whole block list (sent after registering with a restarted Conductor)."""
+        self.index.reset(self.instances.slot(instance_id), dram_keys, ssd_keys)
+
+    def prefill_done(self, request_id: str, now: float) -> bool:
+        """The request's first token is out; its KV heads for decode now. False if it is not in flight."""
+        self._prefill_of.pop(request_id, None)
+        return self.ledger.set_start(request_id, now, started=False)
+
+    def decode_started(self, request_id: str, now: float) -> bool:
+        self._prefill_of.pop(request_id, None)
+        return self.ledger.set_start(request_id, now, started=True)
+
+    def finished(self, request_id: str, now: float) -> bool:
+        """The request completed; its decode duration feeds the tracked t_d."""
+        entry = self.ledger.get(request_id)
+        self._prefill_of.pop(request_id, None)
+        if entry is None:
+            return False
+        self.ledger.remove(request_id)
+        if entry[3] and now >= entry[1]:
+            weight = self.config.decode_time_smoothing
+            self._tracked_decode_s += weight * ((now - entry[1]) - self._tracked_decode_s)
+        return True
+
+    def dropped(self, request_id: str) -> bool:
+        """The request ended without completing (late rejection, failure, client gone)."""
+        self._prefill_of.pop(request_id, None)
+        return self.ledger.remove(request_id)
