@@ -9,8 +9,8 @@ exactly (shared max and denominator):
 - *local*: the new tokens themselves, causal. Computed per query block of static size, each block only against
   the keys up to its own end, so long prefills skip the masked upper triangle block by block.
 
-The new tokens' K/V are scattered into their pages (``write_slots``) for later steps; padded tokens write to the
-scratch page 0, which no sequence ever reads as context.
+The new tokens' K/V are scattered into their pages (``write_slots``) for later steps; padded tokens write into
+the scratch page 0, which no sequence reads as context (page tables are padded with it, masked by ``ctx_len``).
 
 Shapes: q [B, T, kv_heads, q_per_kv, head_dim]; k_new, v_new [B, T, kv_heads, head_dim];
 k_pages, v_pages [num_pages, block_size, kv_heads, head_dim]; page_table [B, P] int32; ctx_len [B] int32.
@@ -44,11 +44,16 @@ def query_block_size(t: int) -> int:
 
 
 def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """Scatter ``new`` [B, T, H, D] into ``pages`` [P, bs, H, D] at flat ``slots`` [B, T]."""
-    n_pages, bs, h, d = pages.shape
-    flat = pages.reshape(n_pages * bs, h, d)
-    flat = flat.at[slots.reshape(-1)].set(new.reshape(-1, h, d).astype(pages.dtype), mode="drop")
-    return flat.reshape(n_pages, bs, h, d)
+    """Scatter ``new`` [B, T, H, D] into ``pages`` [P, bs, H, D] at flat ``slots`` [B, T] (always in bounds:
+    padded tokens point into the scratch page).
+
+    Indexed as (page, offset) rather than through a flattened view: XLA turns a one-row scatter into a
+    flattened view into a dynamic-update-slice that copies the whole cache on CPU.
+    """
+    bs = pages.shape[1]
+    flat_slots = slots.reshape(-1)
+    rows = new.reshape((-1,) + new.shape[2:]).astype(pages.dtype)
+    return pages.at[flat_slots // bs, flat_slots % bs].set(rows, mode="promise_in_bounds")
 
 
 def gather_context(pages: jax.Array, page_table: jax.Array) -> jax.Array:

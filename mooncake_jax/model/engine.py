@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from ..blocks import BlockKey, block_keys, num_blocks
-from .attention import PagedBatch
+from .attention import SCRATCH_PAGE, PagedBatch
 from .config import ModelConfig
 from .kv_cache import OutOfPages, PageAllocator, PrefixCache, allocate_kv, write_slots
 from .llama import Llama
@@ -66,7 +66,7 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(self.allocator) if prefix_caching else None
         self._reserved = 0  # pages promised to admitted sequences but not yet allocated
-        self._drop_slot = num_pages * cfg.block_size  # out of range: padded tokens' K/V writes are dropped
+        self._scratch_slot = SCRATCH_PAGE * cfg.block_size  # where padded tokens write their K/V
 
     # ---- pages -------------------------------------------------------------------------------------------
     @property
@@ -186,7 +186,7 @@ class Engine:
             tokens = np.zeros((1, tb), np.int32)
             tokens[0, :t] = seq.prompt[start: start + t]
             positions = np.arange(start, start + tb, dtype=np.int32)[None]
-            slots = np.full((1, tb), self._drop_slot, np.int32)
+            slots = np.full((1, tb), self._scratch_slot, np.int32)
             slots[0, :t] = write_slots(seq.pages, start, t, bs)
             table = self._context_table([ctx_pages], 1, pb)
             last = start + t == n
@@ -218,7 +218,7 @@ class Engine:
         tokens = np.zeros((rows, 1), np.int32)
         positions = np.zeros((rows, 1), np.int32)
         ctx_len = np.zeros(rows, np.int32)
-        slots = np.full((rows, 1), self._drop_slot, np.int32)
+        slots = np.full((rows, 1), self._scratch_slot, np.int32)
         ctx_pages = []
         for r, seq in enumerate(seqs):
             if seq.finished or not seq.output:

@@ -69,12 +69,14 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, self.inv_freq)
         k = apply_rope(k, positions, self.inv_freq)
         q = q.reshape(b, t, self.n_kv_heads, self.q_per_kv, self.head_dim)
-        k_pages, v_pages = kv
+        # Write first, then read the context from the written pages: reading the old buffer while writing the
+        # new one would make XLA copy the whole cache to keep both alive (the writes land outside ctx_len anyway).
+        k_pages = write_pages(kv[0], k, batch.write_slots)
+        v_pages = write_pages(kv[1], v, batch.write_slots)
         out = paged_attention(q, k, v, k_pages, v_pages, batch, 1.0 / math.sqrt(self.head_dim))
         out = out.reshape(b, t, self.n_kv_heads * self.q_per_kv, self.head_dim).astype(x.dtype)
         y = jnp.einsum("bthk,hkd->btd", out, self.wo[...])
-        new_kv = (write_pages(k_pages, k, batch.write_slots), write_pages(v_pages, v, batch.write_slots))
-        return y, new_kv
+        return y, (k_pages, v_pages)
 
 
 class MLP(nnx.Module):
