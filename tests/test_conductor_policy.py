@@ -66,6 +66,8 @@ def test_below_threshold_recomputes_above_it_fetches():
     below = decide(1.5)  # 1.25 <= 1.5: B recomputes 42 - 32 = 10 tokens = 0.010 s (C fetching: 0.102 s)
     assert (below.prefill, below.transfer, below.prefix_blocks) == ("B", None, 8)
     assert below.predicted_ttft_s == pytest.approx(0.010)
+    at = decide(1.25)  # the ratio must exceed the threshold: equal recomputes
+    assert (at.prefill, at.transfer) == ("B", None)
     above = decide(1.2)  # 1.25 > 1.2: B fetches 2 blocks (0.020 s) and computes 2 tokens: 0.022 s
     assert (above.prefill, above.prefix_blocks) == ("B", 10)
     assert above.transfer.keys == tuple(KEYS[8:]) and above.transfer.seconds == pytest.approx(0.02)
@@ -134,6 +136,17 @@ def test_sender_backlog_delays_the_next_fetch():
     # C: A's backlog 0.1 + 0.1 transfer + 0.002 = 0.202; B: same transfer after its 0.102 s queue = 0.304.
     assert d.prefill == "C" and d.transfer.seconds == pytest.approx(0.2)
     assert d.predicted_ttft_s == pytest.approx(0.202)
+
+
+def test_among_equal_prefixes_the_least_busy_sender_is_the_source():
+    state, policy = cluster()
+    state.kv_stored("A", KEYS)
+    state.kv_stored("B", KEYS)
+    for name, backlog in (("A", 0.3), ("B", 0.1)):
+        state.heartbeat(name, 0.0, queued_s=1.0, send_backlog_s=backlog)
+    d = policy.decide(req(), state.snapshot(), 0.0)
+    assert d.prefill == "C" and d.transfer.source == "B"
+    assert d.transfer.seconds == pytest.approx(0.1 + 0.1) and d.predicted_ttft_s == pytest.approx(0.202)
 
 
 def test_fetch_waits_for_blocks_still_being_computed_at_the_source():

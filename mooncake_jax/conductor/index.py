@@ -49,7 +49,8 @@ class BlockIndex:
     def store(self, slot: int, keys: Iterable[int], tier: Tier = Tier.DRAM, ready_at: float | None = None) -> None:
         """``slot`` holds ``keys`` in ``tier`` (a block moving between tiers is stored again).
 
-        With ``ready_at``, the blocks it does not hold yet are expected then rather than present now.
+        With ``ready_at``, the blocks it does not hold yet are expected then rather than present now; those it
+        holds already are left as they are (only the instance knows if it moved them between tiers).
         """
         bit = 1 << slot
         holders, on_ssd = self._holders, self._on_ssd
@@ -59,7 +60,9 @@ class BlockIndex:
             if ready_at is None:
                 if pending:
                     pending.pop(key, None)
-            elif key not in own:
+            elif key in own:
+                continue
+            else:
                 pending[key] = ready_at
             holders[key] = holders.get(key, 0) | bit
             own.add(key)
