@@ -1,0 +1,300 @@
+"""KVCache pool and Messenger throughput against this machine's physical baselines, measured in the same run.
+
+    python benchmarks/pool.py --json /tmp/pool.json [--quick]
+
+Figures (issue 4, Measure):
+* block keys: milliseconds per 1000 tokens for a 128K-token prompt;
+* memcpy GB/s (the blocks copied into preallocated, already-touched memory) and the pool's DRAM put/get GB/s in
+  steady state (the pool full, every put evicting): ``dram_put_ratio`` / ``dram_get_ratio`` (goal >= 0.3);
+* raw sequential file-write GB/s (one file, no fsync, same bytes and directory) and the SSD tier's put GB/s:
+  ``ssd_put_ratio`` (goal >= 0.5);
+* Messenger GB/s between two processes on loopback (a fetch into an empty DRAM pool; a push) and a bare gRPC
+  stream of the same bytes from the same peer process (its Probe RPC): ``messenger_ratio`` (goal >= 0.7);
+* layer-wise vs serialized prefill + store: not measured yet (the engine's per-layer hooks are being written).
+
+Each figure and its baseline are measured alternately ``--repeats`` times and reported as medians (the machine
+is shared, single trials are noisy), with every trial kept in the JSON. Blocks have the ``small`` preset's
+geometry (12 layers, K and V, 4 KV heads, head_dim 64, float32) at 128 tokens per block (3 MiB, the headline)
+and at the engine's 16 tokens per block (384 KiB, where per-call overhead shows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the proto loader finds .proto files via sys.path
+
+from mooncake_jax.blocks import block_keys  # noqa: E402
+from mooncake_jax.transfer import BlockPool, BlockSpec  # noqa: E402
+from mooncake_jax.transfer.messenger import MessengerClient  # noqa: E402
+
+SMALL_LAYERS, SMALL_KV_HEADS, SMALL_HEAD_DIM = 12, 4, 64
+
+
+def small_spec(block_tokens: int) -> BlockSpec:
+    return BlockSpec((SMALL_LAYERS, 2, block_tokens, SMALL_KV_HEADS, SMALL_HEAD_DIM), np.float32)
+
+
+def make_blocks(spec: BlockSpec, count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.random(spec.shape, dtype=np.float32) for _ in range(count)]
+
+
+def gbps(n_bytes: int, seconds: float) -> float:
+    return n_bytes / seconds / 1e9
+
+
+def each(n: int, op: Callable[[int], object]) -> Callable[[], None]:
+    """``op(0) ... op(n - 1)``, results dropped at once (a consumer keeps a block only as long as it uses it)."""
+
+    def loop() -> None:
+        for i in range(n):
+            op(i)
+
+    return loop
+
+
+def timed(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def alternate(repeats: int, **trials: Callable[[], float]) -> dict[str, dict]:
+    """Run each named trial (returning GB/s) in turn, ``repeats`` rounds; median and all values per name."""
+    values: dict[str, list[float]] = {name: [] for name in trials}
+    for _ in range(repeats):
+        for name, trial in trials.items():
+            values[name].append(trial())
+    return {name: {"median": statistics.median(v), "trials": [round(x, 3) for x in v]} for name, v in values.items()}
+
+
+# ---- block keys -----------------------------------------------------------------------------------------
+
+
+def measure_block_keys() -> dict:
+    tokens = np.random.default_rng(0).integers(0, 128256, 128 * 1024)
+    result = {}
+    for block_size in (16, 512):
+        seconds = min(timed(lambda: block_keys(tokens, block_size)) for _ in range(5))
+        result[f"ms_per_1k_tokens_block{block_size}"] = round(seconds * 1e3 / (tokens.size / 1000), 5)
+    return result
+
+
+# ---- DRAM tier vs memcpy --------------------------------------------------------------------------------
+
+
+def measure_dram(spec: BlockSpec, blocks: list[np.ndarray], capacity: int, n_ops: int, repeats: int) -> dict:
+    """Steady state: the pool is filled first, so every measured put evicts one block and reuses its memory."""
+    slots = [np.empty_like(blocks[0]) for _ in range(capacity)]
+    for slot in slots:
+        slot.fill(1)  # touch the pages, as a warm pool has
+    pool = BlockPool(spec, dram_blocks=capacity)
+    next_key = iter(range(1, 1 << 62))
+    for _ in range(capacity):
+        pool.put(next(next_key), blocks[0])
+    n_bytes = n_ops * spec.nbytes
+
+    def memcpy() -> float:
+        return gbps(n_bytes, timed(each(n_ops, lambda i: np.copyto(slots[i % capacity], blocks[i % len(blocks)]))))
+
+    def put() -> float:
+        keys = [next(next_key) for _ in range(n_ops)]
+        return gbps(n_bytes, timed(each(n_ops, lambda i: pool.put(keys[i], blocks[i % len(blocks)]))))
+
+    def get() -> float:
+        held = pool.keys()
+        return gbps(n_bytes, timed(each(n_ops, lambda i: pool.get(held[i % len(held)]))))
+
+    figures = alternate(repeats, memcpy_gbps=memcpy, dram_put_gbps=put, dram_get_gbps=get)
+    assert pool.counters()["dram"].corrupt == 0 and pool.counters()["dram"].evictions >= n_ops
+    return figures
+
+
+# ---- SSD tier vs raw file writes ------------------------------------------------------------------------
+
+
+def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: int, directory: Path) -> dict:
+    n_bytes = n_ops * spec.nbytes
+
+    def raw_write() -> float:
+        path = directory / "raw.bin"
+
+        def write() -> None:
+            with open(path, "wb") as out:
+                for i in range(n_ops):
+                    out.write(blocks[i % len(blocks)])
+
+        seconds = timed(write)
+        path.unlink()
+        return gbps(n_bytes, seconds)
+
+    def put() -> float:
+        root = directory / "ssd"
+        pool = BlockPool(spec, dram_blocks=0, ssd_path=root)
+        seconds = timed(each(n_ops, lambda i: pool.put(i, blocks[i % len(blocks)])))
+        pool.close()
+        shutil.rmtree(root)
+        return gbps(n_bytes, seconds)
+
+    def get() -> float:
+        root = directory / "ssd-read"
+        pool = BlockPool(spec, dram_blocks=0, ssd_path=root)
+        pool.put_many(range(n_ops), [blocks[i % len(blocks)] for i in range(n_ops)])
+        seconds = timed(each(n_ops, pool.get))
+        pool.close()
+        shutil.rmtree(root)
+        return gbps(n_bytes, seconds)
+
+    raw_write()  # the first write to a fresh filesystem area is slow for everyone: do not measure it
+    return alternate(repeats, raw_write_gbps=raw_write, ssd_put_gbps=put, ssd_get_gbps=get)
+
+
+# ---- Messenger between two processes vs a bare gRPC stream ----------------------------------------------
+
+
+class Peer:
+    """A Messenger in its own process (``python -m mooncake_jax.transfer.peer``), stopped on exit."""
+
+    def __init__(self, spec: BlockSpec, dram_blocks: int) -> None:
+        shape = ",".join(map(str, spec.shape))
+        command = [sys.executable, "-m", "mooncake_jax.transfer.peer", "--shape", shape, "--dtype", spec.dtype.name]
+        command += ["--dram-blocks", str(dram_blocks), "--stop-on-eof"]
+        root = Path(__file__).resolve().parents[1]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root)
+        line = self.process.stdout.readline()
+        if not line.startswith("LISTENING"):
+            self.close()
+            raise RuntimeError(f"peer did not start: {line!r}")
+        self.address = line.split()[1]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, repeats: int) -> dict:
+    """Fetch: the peer's DRAM pool into ours; push: ours into the peer's, new keys every round. Both receiving
+    pools are at capacity from earlier rounds, so they reuse memory as a serving pool does."""
+    source = BlockPool(spec, dram_blocks=n_blocks)
+    sink = BlockPool(spec, dram_blocks=n_blocks)
+    peer = Peer(spec, dram_blocks=n_blocks)
+    rounds = iter(range(1 << 30))
+    try:
+        with MessengerClient(peer.address, source, timeout_s=300) as pusher, MessengerClient(
+            peer.address, sink, timeout_s=300
+        ) as fetcher:
+
+            def fresh_keys() -> list[int]:
+                first = next(rounds) * n_blocks
+                keys = list(range(first, first + n_blocks))
+                source.put_many(keys, [blocks[i % len(blocks)] for i in range(n_blocks)])
+                return keys
+
+            def push() -> float:
+                result = pusher.push(fresh_keys())
+                assert len(result.moved) == n_blocks
+                return gbps(result.bytes, result.seconds)
+
+            def fetch() -> float:
+                keys = [key for key, held in zip(source.keys(), fetcher.has(source.keys())) if held]
+                for key in sink.keys():
+                    sink.remove(key)
+                result = fetcher.fetch(keys)
+                assert len(result.moved) == n_blocks
+                return gbps(result.bytes, result.seconds)
+
+            def bare_stream() -> float:
+                return fetcher.probe(n_blocks * source.frame_bytes) / 1e9
+
+            push(), fetch(), bare_stream()  # warm both processes' allocators and connections
+            figures = alternate(repeats, grpc_stream_gbps=bare_stream, messenger_fetch_gbps=fetch, messenger_push_gbps=push)
+            figures["counters"] = {"fetcher": fetcher.counters.as_dict(), "pusher": pusher.counters.as_dict()}
+            return figures
+    finally:
+        peer.close()
+
+
+# ---- layer-wise prefill (issue 4 item 3) ----------------------------------------------------------------
+
+
+def measure_layerwise_prefill() -> dict:
+    """Prefill + store latency, layer-wise vs serialized, 1K-16K tokens on the ``small`` preset: NOT MEASURED YET.
+
+    It needs the engine's per-layer prefill and ``mooncake_jax/transfer/offload.py`` (issue 4 item 3), which
+    depend on the model/engine work in progress; this placeholder keeps the JSON's shape stable until then.
+    """
+    return {"status": "not measured", "reason": "layer-wise offload (issue 4 item 3) awaits the engine", "layerwise_speedup": None}
+
+
+# ---- main -----------------------------------------------------------------------------------------------
+
+
+def run(quick: bool, repeats: int, directory: Path) -> dict:
+    scale = 4 if quick else 1
+    results: dict = {"machine": {"cpus": os.cpu_count()}, "block_keys": measure_block_keys()}
+    for label, block_tokens, n_blocks in (("block128", 128, 96 // scale), ("block16", 16, 512 // scale)):
+        spec = small_spec(block_tokens)
+        blocks = make_blocks(spec, 16)
+        section = {"spec": spec.describe(), "block_bytes": spec.nbytes}
+        section.update(measure_dram(spec, blocks, capacity=n_blocks, n_ops=2 * n_blocks, repeats=repeats))
+        section.update(measure_ssd(spec, blocks, n_ops=n_blocks, repeats=repeats, directory=directory))
+        section.update(measure_messenger(spec, blocks, n_blocks=n_blocks, repeats=repeats))
+        med = {name: value["median"] for name, value in section.items() if isinstance(value, dict) and "median" in value}
+        section["ratios"] = {
+            "dram_put_ratio": med["dram_put_gbps"] / med["memcpy_gbps"],
+            "dram_get_ratio": med["dram_get_gbps"] / med["memcpy_gbps"],
+            "ssd_put_ratio": med["ssd_put_gbps"] / med["raw_write_gbps"],
+            "messenger_ratio": med["messenger_fetch_gbps"] / med["grpc_stream_gbps"],
+            "messenger_push_ratio": med["messenger_push_gbps"] / med["grpc_stream_gbps"],
+        }
+        results[label] = section
+    results["layerwise_prefill"] = measure_layerwise_prefill()
+    headline = results["block128"]["ratios"]
+    results["summary"] = {
+        **{name: round(value, 3) for name, value in headline.items()},
+        "goals": {"dram_put_ratio": 0.3, "dram_get_ratio": 0.3, "ssd_put_ratio": 0.5, "messenger_ratio": 0.7},
+        "block_keys_ms_per_1k_tokens": results["block_keys"]["ms_per_1k_tokens_block16"],
+        "layerwise_speedup": None,
+    }
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--quick", action="store_true", help="a quarter of the data (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=None, help="directory for SSD-tier files (default: a temp dir)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
+        results = run(args.quick, args.repeats, Path(scratch))
+    text = json.dumps(results, indent=2)
+    if args.json:
+        args.json.write_text(text)
+    for label in ("block128", "block16"):
+        section = results[label]
+        medians = {k: round(v["median"], 2) for k, v in section.items() if isinstance(v, dict) and "median" in v}
+        print(label, section["spec"], medians, {k: round(v, 3) for k, v in section["ratios"].items()})
+    print("block keys", results["block_keys"])
+    print("summary", results["summary"])
+
+
+if __name__ == "__main__":
+    main()

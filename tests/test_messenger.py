@@ -1,0 +1,303 @@
+"""Messenger: blocks between pools over gRPC, in one process and across two; dedup, errors, partial transfers."""
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mooncake_jax.proto import CHUNK_BYTES, channel_options
+from mooncake_jax.transfer import BlockPool, BlockSpec, EventKind
+from mooncake_jax.transfer.frame import frame_bytes
+from mooncake_jax.transfer.messenger import (
+    BlocksNotFoundError,
+    MessengerClient,
+    MessengerServer,
+    TransferError,
+    messages,
+    services,
+)
+
+SPEC = BlockSpec((2, 2, 16, 2, 32), np.float32)  # 16 KiB blocks
+BIG_SPEC = BlockSpec((8, 2, 16, 16, 64), np.float32)  # 1 MiB blocks
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def block_of(key: int, spec: BlockSpec = SPEC) -> np.ndarray:
+    bits = np.random.default_rng(key).integers(0, 2**16, size=spec.nbytes // 2, dtype=np.uint16)
+    return bits.view(spec.dtype).reshape(spec.shape)
+
+
+def filled_pool(keys, spec: BlockSpec = SPEC, **kwargs) -> BlockPool:
+    pool = BlockPool(spec, **kwargs)
+    pool.put_many(list(keys), [block_of(key, spec) for key in keys])
+    return pool
+
+
+def assert_exact(pool: BlockPool, keys, spec: BlockSpec = SPEC) -> None:
+    for key in keys:
+        got = pool.get(key)
+        assert got is not None and got.tobytes() == block_of(key, spec).tobytes(), f"block {key}"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def serve():
+    """Start a MessengerServer for a pool on a free port; all are stopped after the test."""
+    servers = []
+
+    def start(pool: BlockPool) -> MessengerServer:
+        server = MessengerServer(pool, host="127.0.0.1", port=free_port()).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop(grace_s=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_fetch_and_push_between_two_servers_in_one_process(serve, dtype):
+    spec = BlockSpec((2, 2, 16, 2, 32), dtype)
+    a, b = filled_pool(range(10), spec), filled_pool(range(100, 104), spec)
+    server_a, server_b = serve(a), serve(b)
+    with MessengerClient(server_a.address, b) as b_from_a, MessengerClient(server_b.address, a) as a_to_b:
+        fetched = b_from_a.fetch(range(10))
+        assert fetched.moved == list(range(10)) and fetched.skipped == []
+        assert_exact(b, range(10), spec)
+        pushed = a_to_b.push(range(10))  # b has them all now: nothing to send
+        assert pushed.moved == [] and pushed.skipped == list(range(10)) and pushed.bytes == 0
+    with MessengerClient(server_a.address, b) as b_to_a:
+        assert b_to_a.push(range(100, 104)).moved == list(range(100, 104))
+    assert_exact(a, range(100, 104), spec)
+
+
+def test_dedup_sends_only_missing_blocks(serve):
+    sender = filled_pool(range(20))
+    receiver = filled_pool(range(0, 20, 2))  # holds the even keys already
+    server = serve(sender)
+    per_block = frame_bytes(SPEC)
+    with MessengerClient(server.address, receiver) as client:
+        result = client.fetch([*range(20), 3, 3])  # duplicates are asked once
+        assert sorted(result.moved) == list(range(1, 20, 2)) and sorted(result.skipped) == list(range(0, 20, 2))
+        assert client.counters.bytes_received == 10 * per_block == result.bytes
+        assert client.counters.blocks_skipped == 10
+    assert server.counters.bytes_sent == 10 * per_block and server.counters.blocks_sent == 10
+    assert_exact(receiver, range(20))
+
+    target = filled_pool(range(15, 20))
+    target_server = serve(target)
+    with MessengerClient(target_server.address, sender) as pusher:
+        result = pusher.push(range(20))
+        assert sorted(result.moved) == list(range(15)) and pusher.counters.bytes_sent == 15 * per_block
+    assert target_server.counters.bytes_received == 15 * per_block
+    assert_exact(target, range(20))
+
+
+def test_unknown_keys_are_not_found_by_name_and_nothing_is_sent(serve):
+    server = serve(filled_pool(range(4)))
+    receiver = BlockPool(SPEC)
+    with MessengerClient(server.address, receiver) as client:
+        with pytest.raises(BlocksNotFoundError) as caught:
+            client.fetch([0, 1, 0xDEAD, 2, 0xBEEF])
+    err = caught.value
+    assert err.code == grpc.StatusCode.NOT_FOUND and sorted(err.keys) == [0xBEEF, 0xDEAD]
+    assert f"{0xDEAD:#018x}" in str(err) and f"{0xBEEF:#018x}" in str(err)
+    assert len(receiver) == 0 and server.counters.bytes_sent == 0
+
+    with MessengerClient(server.address, filled_pool([7])) as pusher:
+        with pytest.raises(BlocksNotFoundError, match=f"{0x99:#018x}") as caught:
+            pusher.push([7, 0x99])
+        assert caught.value.keys == [0x99]
+    assert 7 not in server.pool  # a push with a key the sender lacks sends nothing
+
+
+def test_large_blocks_travel_in_pieces_under_the_limit(serve):
+    spec = BlockSpec((5, 2, 256, 8, 64), np.float32)  # 5 MiB: above gRPC's default 4 MiB message cap
+    server = serve(filled_pool([1, 2], spec))
+    with grpc.insecure_channel(server.address, options=channel_options()) as channel:
+        request = messages.FetchRequest(keys=[1, 2], spec_fingerprint=spec.fingerprint)
+        pieces = list(services.MessengerStub(channel).Fetch(request, timeout=30))
+    assert len(pieces) == 2 * 3 and all(0 < len(p.data) <= CHUNK_BYTES for p in pieces)
+    receiver = BlockPool(spec)
+    with MessengerClient(server.address, receiver) as client:
+        client.fetch([1, 2])
+    assert_exact(receiver, [1, 2], spec)
+
+
+def test_other_block_spec_is_refused(serve):
+    server = serve(filled_pool([1]))
+    other = BlockPool(BlockSpec((2, 2, 16, 2, 32), ml_dtypes.bfloat16))
+    with MessengerClient(server.address, other) as client:
+        with pytest.raises(TransferError, match="block spec mismatch") as caught:
+            client.fetch([1])
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION and len(other) == 0
+
+
+def raw_push(address: str, pieces):
+    with grpc.insecure_channel(address, options=channel_options()) as channel:
+        return services.MessengerStub(channel).Push(iter(pieces), timeout=10)
+
+
+def pieces_of(key: int, data: bytes, cut: int, fingerprint: int = SPEC.fingerprint):
+    first = messages.BlockPiece(key=key, offset=0, frame_bytes=len(data), data=data[:cut], spec_fingerprint=fingerprint)
+    return [first, messages.BlockPiece(key=key, offset=cut, frame_bytes=len(data), data=data[cut:])]
+
+
+def test_push_stream_that_stops_inside_a_block_stores_no_partial_block(serve):
+    source = filled_pool([1, 2])
+    receiver = BlockPool(SPEC)
+    server = serve(receiver)
+    whole = pieces_of(1, source.get_frame(1), 1000)
+    torn = pieces_of(2, source.get_frame(2), 1000, fingerprint=0)[:1]
+    with pytest.raises(grpc.RpcError) as caught:
+        raw_push(server.address, whole + torn)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"inside block {2:#018x}" in caught.value.details()
+    assert receiver.keys() == [1]
+    assert_exact(receiver, [1])
+
+
+@pytest.mark.parametrize(
+    "bad, code, message",
+    [
+        (lambda frame: frame[:-1] + bytes([frame[-1] ^ 4]), grpc.StatusCode.DATA_LOSS, "checksum"),
+        (lambda frame: frame + b"x", grpc.StatusCode.INVALID_ARGUMENT, "this pool's blocks take"),
+    ],
+    ids=["corrupt", "wrong-size"],
+)
+def test_bad_pushed_frames_are_refused(serve, bad, code, message):
+    receiver = BlockPool(SPEC)
+    server = serve(receiver)
+    frame = bad(filled_pool([5]).get_frame(5))
+    with pytest.raises(grpc.RpcError) as caught:
+        raw_push(server.address, pieces_of(5, frame, 4096))
+    assert caught.value.code() == code and message in caught.value.details()
+    assert len(receiver) == 0
+
+
+def test_deadline_ends_a_slow_transfer(serve):
+    sender = filled_pool(range(6))
+    slow_get = sender.get_frame
+
+    def get_frame_slowly(key, promote=True):
+        time.sleep(0.15)
+        return slow_get(key, promote)
+
+    sender.get_frame = get_frame_slowly
+    server = serve(sender)
+    receiver = BlockPool(SPEC)
+    with MessengerClient(server.address, receiver, timeout_s=0.4) as client:
+        started = time.monotonic()
+        with pytest.raises(TransferError) as caught:
+            client.fetch(range(6))
+        assert time.monotonic() - started < 2
+    assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert sorted(receiver.keys()) == sorted(caught.value.stored) and len(caught.value.stored) < 6
+    assert_exact(receiver, caught.value.stored)
+    assert client.counters.failures == 1
+
+
+def test_bad_arguments(serve):
+    server = serve(filled_pool([1]))
+    with pytest.raises(ValueError, match="timeout_s"):
+        MessengerClient(server.address, BlockPool(SPEC), timeout_s=0)
+    with pytest.raises(ValueError, match="cannot listen"):
+        MessengerServer(BlockPool(SPEC), port=server.port)
+    with MessengerClient(server.address, BlockPool(SPEC)) as client:
+        with pytest.raises(ValueError, match="2\\*\\*64"):
+            client.fetch([-1])
+        with pytest.raises(TransferError, match="probe of") as caught:
+            client.probe(1 << 40)
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.probe(3 << 20) > 0
+    with MessengerClient(f"127.0.0.1:{free_port()}", BlockPool(SPEC), timeout_s=2) as nobody:
+        with pytest.raises(TransferError) as caught:
+            nobody.fetch([1])
+        assert caught.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+# ---- two processes ------------------------------------------------------------------------------------
+
+
+class PeerProcess:
+    """``python -m mooncake_jax.transfer.peer`` on a port chosen here; stopped (killed if need be) by the test."""
+
+    def __init__(self, spec: BlockSpec):
+        port = free_port()
+        shape = ",".join(map(str, spec.shape))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "mooncake_jax.transfer.peer", "--shape", shape, "--dtype", spec.dtype.name,
+             "--port", str(port), "--stop-on-eof"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+        )  # fmt: skip
+        line = self.process.stdout.readline()
+        assert line == f"LISTENING 127.0.0.1:{port}\n", line
+        self.address = f"127.0.0.1:{port}"
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture
+def peer_process():
+    peers = []
+
+    def start(spec: BlockSpec = SPEC) -> PeerProcess:
+        peers.append(PeerProcess(spec))
+        return peers[-1]
+
+    yield start
+    for peer in peers:
+        peer.stop()
+
+
+def test_between_two_processes(peer_process):
+    peer = peer_process()
+    with MessengerClient(peer.address, filled_pool(range(12))) as pusher:
+        assert len(pusher.push(range(12)).moved) == 12
+    receiver = filled_pool([3])
+    with MessengerClient(peer.address, receiver) as fetcher:
+        result = fetcher.fetch(range(12))
+    assert len(result.moved) == 11 and result.skipped == [3]
+    assert_exact(receiver, range(12))
+    peer.stop()
+    assert peer.process.returncode == 0
+
+
+def test_server_killed_midway_gives_an_error_and_only_whole_blocks(peer_process):
+    peer = peer_process(BIG_SPEC)
+    n_blocks = 96
+    with MessengerClient(peer.address, filled_pool(range(n_blocks), BIG_SPEC)) as pusher:
+        pusher.push(range(n_blocks))
+
+    def kill_on_first_block(event):
+        if event.kind is EventKind.STORED and peer.process.poll() is None:
+            peer.process.send_signal(signal.SIGKILL)
+            peer.process.wait()
+
+    receiver = BlockPool(BIG_SPEC, on_event=kill_on_first_block)
+    with MessengerClient(peer.address, receiver, timeout_s=20) as client:
+        with pytest.raises(TransferError) as caught:
+            client.fetch(range(n_blocks))
+    assert caught.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
+    stored = caught.value.stored
+    assert 1 <= len(stored) < n_blocks and sorted(receiver.keys()) == sorted(stored)
+    assert_exact(receiver, stored, BIG_SPEC)
