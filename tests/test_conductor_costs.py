@@ -11,7 +11,7 @@ import pytest
 from mooncake_jax.conductor import HARDWARE, MODEL_SHAPES, DecodeCost, PrefillCost, instance_costs
 from mooncake_jax.conductor import profile as prof
 from mooncake_jax.conductor.costs import (fast25_flops, fit_decode, fit_prefill_fast25, fit_prefill_poly,
-                                          transfer_seconds)
+                                          prefill_seconds_in_prefix, transfer_seconds)
 
 
 def grid(fn):
@@ -32,6 +32,15 @@ def test_prefill_and_decode_formulas_by_hand():
         PrefillCost((0.0, -1.0, 0.0, 0.0))
     with pytest.raises(ValueError, match="3 coefficients"):
         DecodeCost((1.0, 2.0))
+
+
+def test_prefix_quadratic_form_equals_the_model_for_every_instance():
+    rng = np.random.default_rng(2)
+    coef = rng.uniform(0, 1e-3, (4, 7))  # seven instances with their own models
+    a, b, c = prefill_seconds_in_prefix(coef, 5000)
+    for p in (0, 1, 1234, 4999):
+        expected = [PrefillCost(coef[:, s]).seconds(5000, p) for s in range(7)]
+        assert a + b * p + c * p * p == pytest.approx(expected, rel=1e-12)
 
 
 def test_polynomial_fit_recovers_known_coefficients():

@@ -72,7 +72,7 @@ def test_tiers_purge_and_reset():
 def test_expected_blocks_carry_their_landing_time_until_confirmed():
     index = BlockIndex()
     index.store(0, [1], Tier.SSD)
-    index.store(0, [1, 2, 3], ready_at=5.0)  # 1 already there; 2 and 3 expected at 5
+    index.expect(0, [1, 2, 3], ready_at=5.0)  # 1 already there; 2 and 3 expected at 5
     assert index.match([1, 2, 3]) == {0: 3}
     assert index.ready_times(0, [1, 2, 3]) == [-math.inf, 5.0, 5.0]
     assert index.tier(1, 0) == Tier.SSD  # an expectation does not move a held block between tiers
@@ -84,8 +84,8 @@ def test_expected_blocks_carry_their_landing_time_until_confirmed():
 
 def test_settle_bounds_unconfirmed_expectations():
     index = BlockIndex()
-    index.store(0, range(2000), ready_at=1.0)
-    index.store(0, range(2000, 2100), ready_at=9.0)
+    index.expect(0, range(2000), ready_at=1.0)
+    index.expect(0, range(2000, 2100), ready_at=9.0)
     index.settle(0, now=5.0)  # 2,100 pending > 1,024: the 2,000 due by t=5 are dropped
     assert index.ready_times(0, [0, 2050]) == [-math.inf, 9.0]
     assert index.match(list(range(3))) == {0: 3}  # still held

@@ -24,16 +24,16 @@ CHECKS_DECODE_HERE = (Admission.EARLY, Admission.PREDICTIVE)
 """Policies that reject on decode load (TBT, KV capacity) before prefill rather than leaving it to the decode side."""
 
 
-def decode_load(admission: Admission, ledger: DecodeLedger, n_slots: int, now: float, prefill_end_at: float,
-                decode_s: float) -> tuple[np.ndarray, np.ndarray]:
-    """(requests, kv_tokens) per decode slot as ``admission`` sees them for a request whose prefill ends then.
+def decode_load(admission: Admission, ledger: DecodeLedger, slot: int, now: float, prefill_end_at: float,
+                decode_s: float) -> tuple[int, float]:
+    """(requests, kv_tokens) on decode ``slot`` as ``admission`` sees them for a request whose prefill ends then.
 
     ``early`` sees the current load; the others see the load predicted at ``prefill_end_at`` (for ``none`` and
     ``baseline`` that is only the estimate reported in the decision, never a reason to reject).
     """
     if admission == Admission.EARLY:
-        return ledger.active(n_slots, now)
-    return ledger.at(n_slots, prefill_end_at, decode_s)
+        return ledger.on_slot(ledger.active(now), slot)
+    return ledger.on_slot(ledger.at(prefill_end_at, decode_s), slot)
 
 
 def predicted_tbt(decode_coef: np.ndarray, batch: float, context_tokens: float, kv_tokens: int) -> float:

@@ -37,6 +37,18 @@ def prefill_seconds(coef, n_tokens, prefix_tokens):
     return coef[0] + coef[1] * x + coef[2] * x * x + coef[3] * x * prefix_tokens
 
 
+def prefill_seconds_in_prefix(coef, n_tokens) -> np.ndarray:
+    """Prefill time of an ``n_tokens`` prompt as a quadratic in its cached prefix p: rows (a, b, c) with
+    seconds = a + b*p + c*p^2, one column per instance of a ``(4, S)`` stack.
+
+    Substituting x = n - p into the features once per request turns the evaluation for every instance and every
+    candidate prefix into one small matrix product and a few array operations (the policy's hot path).
+    """
+    n = float(n_tokens)
+    basis = np.array([[1.0, n, n * n, 0.0], [0.0, -1.0, -2.0 * n, n], [0.0, 0.0, 1.0, -1.0]])
+    return basis @ coef
+
+
 def decode_step_seconds(coef, batch, context_tokens):
     """Predicted time of one decode iteration over ``batch`` requests holding ``context_tokens`` in all."""
     return coef[0] + coef[1] * batch + coef[2] * context_tokens

@@ -46,30 +46,36 @@ class BlockIndex:
     def blocks_of(self, slot: int) -> int:
         return len(self._keys_of.get(slot, ()))
 
-    def store(self, slot: int, keys: Iterable[int], tier: Tier = Tier.DRAM, ready_at: float | None = None) -> None:
-        """``slot`` holds ``keys`` in ``tier`` (a block moving between tiers is stored again).
-
-        With ``ready_at``, the blocks it does not hold yet are expected then rather than present now; those it
-        holds already are left as they are (only the instance knows if it moved them between tiers).
-        """
+    def store(self, slot: int, keys: Iterable[int], tier: Tier = Tier.DRAM) -> None:
+        """``slot`` holds ``keys`` in ``tier`` now: an instance's KV event (it confirms expected blocks; a block
+        moving between tiers is stored again)."""
         bit = 1 << slot
         holders, on_ssd = self._holders, self._on_ssd
         own = self._keys_of.setdefault(slot, set())
-        pending = self._ready.setdefault(slot, {})
+        pending = self._ready.get(slot)
+        to_ssd = tier == Tier.SSD
         for key in keys:
-            if ready_at is None:
-                if pending:
-                    pending.pop(key, None)
-            elif key in own:
-                continue
-            else:
-                pending[key] = ready_at
             holders[key] = holders.get(key, 0) | bit
             own.add(key)
-            if tier == Tier.SSD:
+            if pending:
+                pending.pop(key, None)
+            if to_ssd:
                 on_ssd[key] = on_ssd.get(key, 0) | bit
             elif key in on_ssd:
                 self._clear(on_ssd, key, bit)
+
+    def expect(self, slot: int, keys: Iterable[int], ready_at: float) -> None:
+        """``slot`` will hold those of ``keys`` it lacks from ``ready_at`` on (a request routed there computes or
+        fetches them); those it holds already are left as they are."""
+        bit = 1 << slot
+        holders = self._holders
+        own = self._keys_of.setdefault(slot, set())
+        pending = self._ready.setdefault(slot, {})
+        for key in keys:
+            if key not in own:
+                holders[key] = holders.get(key, 0) | bit
+                own.add(key)
+                pending[key] = ready_at
 
     def remove(self, slot: int, keys: Iterable[int]) -> None:
         """``slot`` no longer holds ``keys`` (evicted); keys it never held are ignored."""

@@ -35,7 +35,7 @@ class InstanceTable:
 
     Columns (each an array of length ``capacity``):
 
-    - ``role``: Role per slot; ``alive``: accepts new work (False for free slots and drained instances).
+    - ``role``: Role per slot (FREE for a slot no instance holds).
     - ``queue_free_at``: clock time at which the instance's queued prefill work is predicted to be done.
     - ``send_free_at``: clock time at which the transfers it is sending are predicted to be done.
     - ``prefill_coef`` (4 x capacity), ``decode_coef`` (3 x capacity): cost model coefficients per slot.
@@ -72,7 +72,7 @@ class InstanceTable:
         slot = int(free[0])
         self.ids[slot], self.addresses[slot], self.costs[slot] = instance_id, address, costs
         self.slot_of[instance_id] = slot
-        self.role[slot], self.alive[slot] = role, True
+        self.role[slot] = role
         self.queue_free_at[slot] = self.send_free_at[slot] = self.last_seen[slot] = now
         self.prefill_coef[:, slot] = costs.prefill.coef
         self.decode_coef[:, slot] = costs.decode.coef
@@ -82,6 +82,7 @@ class InstanceTable:
         if capacity < 0:
             raise ValueError(f"kv_capacity_tokens must be non-negative, got {capacity}")
         self.kv_capacity_tokens[slot] = capacity
+        self._refresh_masks()
         return slot
 
     def remove(self, instance_id: str) -> int:
@@ -89,9 +90,10 @@ class InstanceTable:
         slot = self.slot(instance_id)
         del self.slot_of[instance_id]
         self.ids[slot], self.addresses[slot], self.costs[slot] = None, "", None
-        self.role[slot], self.alive[slot] = Role.FREE, False
+        self.role[slot] = Role.FREE
         self.prefill_coef[:, slot] = 0
         self.decode_coef[:, slot] = 0
+        self._refresh_masks()
         return slot
 
     def slot(self, instance_id: str) -> int:
@@ -102,8 +104,11 @@ class InstanceTable:
             raise UnknownInstance(f"unknown instance {instance_id!r}; register it (again) first") from None
 
     def candidates(self, role: Role) -> np.ndarray:
-        """Boolean mask of the slots that may take new work in ``role``."""
-        return self.alive & (self.role == role)
+        """Boolean mask of the slots that may take new work in ``role`` (kept up to date, not recomputed)."""
+        return self._masks[role]
+
+    def _refresh_masks(self) -> None:
+        self._masks = {role: self.role == int(role) for role in (Role.PREFILL, Role.DECODE)}
 
     def _grow(self, extra: int) -> None:
         for name, (rows, fill, dtype) in _COLUMNS.items():
@@ -114,11 +119,11 @@ class InstanceTable:
         self.addresses.extend([""] * extra)
         self.costs.extend([None] * extra)
         self.capacity += extra
+        self._refresh_masks()
 
 
 _COLUMNS = {  # column: (rows, or None for one value per slot; fill value of a free slot; dtype)
     "role": (None, Role.FREE, np.int8),
-    "alive": (None, False, bool),
     "queue_free_at": (None, 0.0, float),
     "send_free_at": (None, 0.0, float),
     "last_seen": (None, 0.0, float),

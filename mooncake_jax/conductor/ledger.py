@@ -91,21 +91,34 @@ class DecodeLedger:
             self.remove(request_id)
         return ids
 
-    # Load views. Each returns (requests, kv_tokens) per slot, arrays of length n_slots.
+    # Load views: each is a mask over the entries, which ``per_slot`` or ``on_slot`` sums into load figures.
+    # Free entries may pass a mask; the sums leave them out.
 
-    def active(self, n_slots: int, now: float) -> tuple[np.ndarray, np.ndarray]:
+    def active(self, now: float) -> np.ndarray:
         """Current load: requests whose decode has begun by ``now``."""
-        return self._sum(n_slots, self._start[: self._used] <= now)
+        return self._start[: self._used] <= now
 
-    def at(self, n_slots: int, when: float, decode_s: float) -> tuple[np.ndarray, np.ndarray]:
+    def at(self, when: float, decode_s: float) -> np.ndarray:
         """Predicted load at ``when``: begun by then and not yet through their uniform decode time."""
         start = self._start[: self._used]
-        return self._sum(n_slots, (start <= when) & (start + decode_s > when))
+        return (start <= when) & (start + decode_s > when)
 
-    def committed(self, n_slots: int, when: float, decode_s: float) -> tuple[np.ndarray, np.ndarray]:
+    def committed(self, when: float, decode_s: float) -> np.ndarray:
         """Requests that will share a batch with one arriving at ``when``: all not finished by then, including
         those still in prefill (a routed request counts at once, so a burst spreads over instances)."""
-        return self._sum(n_slots, self._start[: self._used] + decode_s > when)
+        return self._start[: self._used] + decode_s > when
+
+    def per_slot(self, mask: np.ndarray, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
+        """(requests, kv_tokens) per slot, arrays of length ``n_slots``, over the entries in ``mask``."""
+        shifted = self._slot[: self._used][mask] + 1  # free entries (-1) fall in bucket 0, dropped below
+        tokens = self._tokens[: self._used][mask]
+        return (np.bincount(shifted, minlength=n_slots + 1)[1 : n_slots + 1],
+                np.bincount(shifted, weights=tokens, minlength=n_slots + 1)[1 : n_slots + 1])
+
+    def on_slot(self, mask: np.ndarray, slot: int) -> tuple[int, float]:
+        """(requests, kv_tokens) on one slot over the entries in ``mask``."""
+        mine = mask & (self._slot[: self._used] == slot)
+        return int(np.count_nonzero(mine)), float(self._tokens[: self._used][mine].sum())
 
     def next_finish(self, slot: int | None, now: float, decode_s: float) -> float | None:
         """Earliest predicted decode end after ``now`` on ``slot`` (any slot when None), or None."""
@@ -113,13 +126,6 @@ class DecodeLedger:
         slots = self._slot[: self._used]
         mask = (ends > now) & (slots >= 0 if slot is None else slots == slot)
         return float(ends[mask].min()) if mask.any() else None
-
-    def _sum(self, n_slots: int, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        slots = self._slot[: self._used]
-        mask &= slots >= 0
-        chosen = slots[mask]
-        return (np.bincount(chosen, minlength=n_slots)[:n_slots],
-                np.bincount(chosen, weights=self._tokens[: self._used][mask], minlength=n_slots)[:n_slots])
 
     def _grow(self) -> None:
         extra = len(self._slot)

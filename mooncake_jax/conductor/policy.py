@@ -29,7 +29,7 @@ import numpy as np
 from mooncake_jax.conductor import admission as adm
 from mooncake_jax.conductor.api import (Decision, PolicyConfig, RejectReason, Request, Snapshot, Strategy,
                                         Transfer, check_block_count)
-from mooncake_jax.conductor.costs import decode_step_seconds, prefill_seconds
+from mooncake_jax.conductor.costs import decode_step_seconds, prefill_seconds_in_prefix
 from mooncake_jax.conductor.instances import Role
 
 
@@ -92,7 +92,9 @@ class Policy:
             own_blocks[slot] = length
         reusable = n - 1  # the last prompt token is always computed: it yields the first output token
         queue = np.maximum(table.queue_free_at - now, 0.0)
-        compute = prefill_seconds(table.prefill_coef, n, np.minimum(own_blocks * block, reusable))
+        a, b, c = prefill_seconds_in_prefix(table.prefill_coef, n)
+        own_tokens = np.minimum(own_blocks * block, reusable)
+        compute = a + own_tokens * (b + c * own_tokens)
         ttft = queue + compute
 
         fetch = np.zeros(table.capacity, bool)
@@ -106,8 +108,8 @@ class Policy:
                 bandwidth = np.minimum(table.nic_bytes_per_s, table.nic_bytes_per_s[source])
                 start_at = self._send_start(snapshot, source, keys[:best_len], own_blocks)
                 transfer_s = np.maximum(start_at - now, 0.0) + moved_bytes / bandwidth
-                compute = np.where(fetch, prefill_seconds(table.prefill_coef, n, min(best_len * block, reusable)),
-                                   compute)
+                best_tokens = min(best_len * block, reusable)
+                compute = np.where(fetch, a + best_tokens * (b + c * best_tokens), compute)
                 ttft = np.where(fetch, transfer_s + queue + compute, ttft)
 
         if cfg.strategy == Strategy.RANDOM:
@@ -125,14 +127,13 @@ class Policy:
 
     @staticmethod
     def _best_source(match: dict[int, int], table) -> tuple[int, int]:
-        """The live slot holding the longest prefix; among equals, the one whose sends drain first."""
-        live = {slot: length for slot, length in match.items() if table.alive[slot]}
-        if not live:
-            return None, 0
-        best_len = max(live.values())
-        source = min((s for s, length in live.items() if length == best_len),
-                     key=lambda s: (table.send_free_at[s], s))
-        return source, best_len
+        """The slot holding the longest prefix; among equals, the one whose sends drain first."""
+        best_len = max(match.values())
+        best = [slot for slot, length in match.items() if length == best_len]
+        if len(best) == 1:
+            return best[0], best_len
+        send_free_at = table.send_free_at[best]
+        return best[int(np.argmin(send_free_at))], best_len
 
     @staticmethod
     def _send_start(snapshot: Snapshot, source: int, prefix: tuple[int, ...], own_blocks: np.ndarray):
@@ -155,7 +156,7 @@ class Policy:
         cfg, table, ledger = self.config, snapshot.instances, snapshot.ledger
         kv = request.kv_tokens
         decode_s = snapshot.decode_time_s
-        batch, context = ledger.committed(table.capacity, end, decode_s)
+        batch, context = ledger.per_slot(ledger.committed(end, decode_s), table.capacity)
         fits = candidates & (context + kv <= table.kv_capacity_tokens)
         if not fits.any():
             if cfg.admission in adm.CHECKS_DECODE_HERE:
@@ -163,8 +164,8 @@ class Policy:
             fits = candidates  # baseline/none: the decode instance itself queues or rejects it
         load = decode_step_seconds(table.decode_coef, batch + 1, context + kv)
         slot = int(np.argmin(np.where(fits, load, np.inf)))
-        seen_batch, seen_context = adm.decode_load(cfg.admission, ledger, table.capacity, now, end, decode_s)
-        return slot, adm.predicted_tbt(table.decode_coef[:, slot], seen_batch[slot], seen_context[slot], kv)
+        seen_batch, seen_context = adm.decode_load(cfg.admission, ledger, slot, now, end, decode_s)
+        return slot, adm.predicted_tbt(table.decode_coef[:, slot], seen_batch, seen_context, kv)
 
     def _retry_after(self, snapshot: Snapshot, slot: int | None, now: float) -> float:
         """Until the next predicted decode completion (on ``slot``, or anywhere), at least the configured floor."""

@@ -185,7 +185,7 @@ class ConductorService(services.ConductorServicer):
         with self.lock:
             state, now = self.state, self.clock()
             table = state.instances
-            batch, _ = state.ledger.committed(table.capacity, now, state.decode_time_s)
+            batch, _ = state.ledger.per_slot(state.ledger.committed(now, state.decode_time_s), table.capacity)
             reply = messages.InstanceList(indexed_blocks=len(state.index), decode_time_s=state.decode_time_s)
             for instance_id, slot in sorted(table.slot_of.items()):
                 reply.instances.add(

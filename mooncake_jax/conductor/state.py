@@ -71,7 +71,7 @@ class ClusterState:
         self.ledger.add(request.request_id, decode, decision.prefill_end_at, request.kv_tokens)
         self._prefill_of[request.request_id] = prefill
         if store_blocks:
-            self.index.store(prefill, request.block_keys, ready_at=decision.prefill_end_at)
+            self.index.expect(prefill, request.block_keys, decision.prefill_end_at)
             self.index.settle(prefill, now)
 
     # ---------------------------------------------------------------------------------------- membership
