@@ -113,8 +113,9 @@ def test_reports_correct_the_predictions():
     state.heartbeat("D", 4.0, active={"z": 7})  # "a" ended without a FINISHED report
     assert state.ledger.get("a") is None and len(state.ledger) == 1
     assert state.dropped("z") and not state.dropped("z")
-    with pytest.raises(ValueError, match="queued_s"):
-        state.heartbeat("D", 4.0, queued_s=-1.0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="queued_s"):
+            state.heartbeat("D", 4.0, queued_s=bad)
 
 
 def test_removing_an_instance_forgets_its_requests():

@@ -3,10 +3,12 @@ get INVALID_ARGUMENT or NOT_FOUND; a silent instance is drained; a restarted Con
 
 import json
 import threading
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from test_conductor_costs import unit_profile
 
 from mooncake_jax.blocks import block_keys
@@ -222,8 +224,30 @@ def test_concurrent_callers_each_see_the_load_of_the_ones_before(conductor):
     assert ttfts == pytest.approx([(k + 1) * A800.prefill.seconds(100, 0) for k in range(10)])
 
 
-def test_health_service_reports_serving(conductor):
+def test_health_and_reflection(conductor):
     server, stub, clock = conductor
     with grpc.insecure_channel(server.address) as channel:
-        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="mooncake.v1.Conductor"))
-    assert status.status == health_pb2.HealthCheckResponse.SERVING
+        request = health_pb2.HealthCheckRequest(service="mooncake.v1.Conductor")
+        assert health_pb2_grpc.HealthStub(channel).Check(request).status == health_pb2.HealthCheckResponse.SERVING
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert "mooncake.v1.Conductor" in database.get_services()
+
+
+def test_sweeper_thread_drains_silent_instances_on_the_real_clock():
+    server = serve(PolicyConfig(block_size=BLOCK), port=0, heartbeat_interval_s=0.05, heartbeat_timeout_s=0.2)
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = services.ConductorStub(channel)
+            register(stub, "p1", messages.PREFILL)
+            register(stub, "d1", messages.DECODE)
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                stub.Heartbeat(messages.HeartbeatRequest(instance_id="d1"))  # only d1 keeps beating
+                names = [i.instance_id for i in stub.ListInstances(messages.ListInstancesRequest()).instances]
+                if names == ["d1"]:
+                    break
+                time.sleep(0.05)
+            assert names == ["d1"]
+            assert schedule(stub, "r1").reject_reason == "no_prefill_instance"
+    finally:
+        server.stop(0)

@@ -167,17 +167,19 @@ class ConductorService(services.ConductorServicer):
 
     @_rpc
     def ReportRequest(self, request, context):
-        kinds = messages.RequestEvent
+        kinds, state = messages.RequestEvent, self.state
         with self.lock:
             now = self.clock()
-            handler = {kinds.PREFILL_DONE: lambda r: self.state.prefill_done(r, now),
-                       kinds.DECODE_STARTED: lambda r: self.state.decode_started(r, now),
-                       kinds.FINISHED: lambda r: self.state.finished(r, now),
-                       kinds.DROPPED: self.state.dropped}.get(request.kind)
-            if handler is None:
-                raise ValueError(f"unknown request event kind {request.kind}")
-            if not handler(request.request_id):
-                raise UnknownRequest(f"request {request.request_id!r} is not in flight")
+            if request.kind == kinds.DROPPED:
+                known = state.dropped(request.request_id)
+            else:
+                milestone = {kinds.PREFILL_DONE: state.prefill_done, kinds.DECODE_STARTED: state.decode_started,
+                             kinds.FINISHED: state.finished}.get(request.kind)
+                if milestone is None:
+                    raise ValueError(f"unknown request event kind {request.kind}")
+                known = milestone(request.request_id, now)
+        if not known:
+            raise UnknownRequest(f"request {request.request_id!r} is not in flight")
         return messages.Ack()
 
     @_rpc

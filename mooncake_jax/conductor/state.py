@@ -13,6 +13,7 @@ Both the gRPC service and the simulator own one ``ClusterState`` and call ``sche
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 from mooncake_jax.conductor.api import Decision, PolicyConfig, Request, Snapshot
@@ -122,8 +123,8 @@ class ClusterState:
         table = self.instances
         slot = table.slot(instance_id)
         for name, value in (("queued_s", queued_s), ("send_backlog_s", send_backlog_s)):
-            if value is not None and not value >= 0:
-                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
         table.last_seen[slot] = now
         if queued_s is not None:
             table.queue_free_at[slot] = now + queued_s
