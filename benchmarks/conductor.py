@@ -7,13 +7,15 @@ size, then each of the next requests is timed through ``ClusterState.schedule`` 
 gRPC service does per request besides the RPC itself). Between requests, and outside the timing, the requests
 that the decisions predicted to have started or finished decoding are reported, so the decode ledger holds what
 a live cluster would. The machine is shared, so each configuration runs ``--runs`` times and the least
-disturbed run (lowest p99) is reported, with the CPU-time p99 that preemption does not inflate. Goal: >= 10,000 decisions/s and p99 <= 1 ms at 64 instances and 1e6 blocks.
+disturbed run (lowest p99) is reported, with the CPU-time p99 that preemption does not inflate.
+Goal: >= 10,000 decisions/s and p99 <= 1 ms at 64 instances and 1e6 blocks.
 
     python benchmarks/conductor.py --json /tmp/conductor.json
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import gzip
 import heapq
@@ -21,9 +23,9 @@ import json
 import os
 import time
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
-from common import arg_parser, write_json
 
 from mooncake_jax.conductor import ClusterState, Policy, PolicyConfig, Request, instance_costs
 
@@ -124,7 +126,8 @@ def measure(trace: list[dict], n_instances: int, target_blocks: int, warm: int, 
 
 
 def main() -> None:
-    parser = arg_parser(__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the results here as a flat JSON object")
     parser.add_argument("--warm", type=int, default=4000, help="trace requests that warm the index")
     parser.add_argument("--timed", type=int, default=5000, help="trace requests timed per configuration")
     parser.add_argument("--runs", type=int, default=3,
@@ -153,7 +156,10 @@ def main() -> None:
     results["p99_decision_ms"] = results["p99_decision_ms_p64_b1e6"]
     results["meets_goal"] = bool(results["decisions_per_s"] >= GOAL_DECISIONS_PER_S
                                  and results["p99_decision_ms"] <= GOAL_P99_MS)
-    write_json(results, args.json)
+    text = json.dumps(results, indent=2, sort_keys=True)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
 
 
 if __name__ == "__main__":

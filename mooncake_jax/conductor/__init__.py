@@ -11,6 +11,15 @@ The pieces, each in its own module:
 - ``service``: the gRPC service around one ``ClusterState`` + ``Policy``; ``profile``: ``mooncake-jax profile``.
 
 Importing this package pulls in numpy only (no JAX, no gRPC).
+
+Driving it (the simulator does exactly what the gRPC service does)::
+
+    state = ClusterState(PolicyConfig(strategy="kvcache-centric", admission="predictive", block_size=512))
+    policy = Policy(state.config)
+    state.add_instance("p0", "prefill", instance_costs("8xA800", "llama2-70b"), now)  # ... and decode ones
+    decision = state.schedule(policy, Request("r1", hash_ids, input_tokens, output_tokens), now)
+    # then, as the cluster runs: state.kv_stored / kv_removed (cache inserts, evictions), state.prefill_done,
+    # decode_started, finished, dropped (request milestones), state.heartbeat (measured queues and batches).
 """
 
 from mooncake_jax.conductor.admission import decode_accepts
