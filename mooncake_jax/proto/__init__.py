@@ -7,15 +7,32 @@ the repository holds only the .proto sources and they can never drift from gener
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 from types import ModuleType
 
 import grpc
 
 
+_ROOT = str(Path(__file__).resolve().parents[2])
+"""The folder holding the ``mooncake_jax`` package: the include root of the .proto files."""
+
+
 @functools.cache
 def load(name: str) -> tuple[ModuleType, ModuleType]:
-    """``(messages, services)`` modules of ``mooncake_jax/proto/<name>.proto``."""
-    return grpc.protos_and_services(f"mooncake_jax/proto/{name}.proto")
+    """``(messages, services)`` modules of ``mooncake_jax/proto/<name>.proto``.
+
+    grpc_tools resolves .proto paths against ``sys.path``; an editable install does not put the source tree there
+    (only an import hook), so the package root is added for the duration of the build.
+    """
+    added = _ROOT not in sys.path
+    if added:
+        sys.path.append(_ROOT)
+    try:
+        return grpc.protos_and_services(f"mooncake_jax/proto/{name}.proto")
+    finally:
+        if added:
+            sys.path.remove(_ROOT)
 
 
 GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
