@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the proto loader
 from mooncake_jax.blocks import block_keys  # noqa: E402
 from mooncake_jax.transfer import BlockPool, BlockSpec  # noqa: E402
 from mooncake_jax.transfer.messenger import MessengerClient  # noqa: E402
+from mooncake_jax.transfer.peer import PeerProcess  # noqa: E402
+from mooncake_jax.transfer.pieces import piece_bytes_for  # noqa: E402
 
 SMALL_LAYERS, SMALL_KV_HEADS, SMALL_HEAD_DIM = 12, 4, 64
 
@@ -165,36 +166,12 @@ def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: 
 # ---- Messenger between two processes vs a bare gRPC stream ----------------------------------------------
 
 
-class Peer:
-    """A Messenger in its own process (``python -m mooncake_jax.transfer.peer``), stopped on exit."""
-
-    def __init__(self, spec: BlockSpec, dram_blocks: int) -> None:
-        shape = ",".join(map(str, spec.shape))
-        command = [sys.executable, "-m", "mooncake_jax.transfer.peer", "--shape", shape, "--dtype", spec.dtype.name]
-        command += ["--dram-blocks", str(dram_blocks), "--stop-on-eof"]
-        root = Path(__file__).resolve().parents[1]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root)
-        line = self.process.stdout.readline()
-        if not line.startswith("LISTENING"):
-            self.close()
-            raise RuntimeError(f"peer did not start: {line!r}")
-        self.address = line.split()[1]
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
 def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, repeats: int) -> dict:
     """Fetch: the peer's DRAM pool into ours; push: ours into the peer's, new keys every round. Both receiving
     pools are at capacity from earlier rounds, so they reuse memory as a serving pool does."""
     source = BlockPool(spec, dram_blocks=n_blocks)
     sink = BlockPool(spec, dram_blocks=n_blocks)
-    peer = Peer(spec, dram_blocks=n_blocks)
+    peer = PeerProcess(spec, dram_blocks=n_blocks)
     rounds = iter(range(1 << 30))
     try:
         with MessengerClient(peer.address, source, timeout_s=300) as pusher, MessengerClient(
@@ -220,15 +197,18 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
                 assert len(result.moved) == n_blocks
                 return gbps(result.bytes, result.seconds)
 
-            def bare_stream() -> float:
-                return fetcher.probe(n_blocks * source.frame_bytes) / 1e9
+            def bare_stream() -> float:  # the same bytes in the same message sizes as a fetch
+                piece_bytes = piece_bytes_for(source.frame_bytes)
+                return fetcher.probe(n_blocks * source.frame_bytes, piece_bytes=piece_bytes) / 1e9
 
             push(), fetch(), bare_stream()  # warm both processes' allocators and connections
-            figures = alternate(repeats, grpc_stream_gbps=bare_stream, messenger_fetch_gbps=fetch, messenger_push_gbps=push)
+            figures = alternate(
+                repeats, grpc_stream_gbps=bare_stream, messenger_fetch_gbps=fetch, messenger_push_gbps=push
+            )
             figures["counters"] = {"fetcher": fetcher.counters.as_dict(), "pusher": pusher.counters.as_dict()}
             return figures
     finally:
-        peer.close()
+        peer.stop()
 
 
 # ---- layer-wise prefill (issue 4 item 3) ----------------------------------------------------------------
@@ -240,7 +220,8 @@ def measure_layerwise_prefill() -> dict:
     It needs the engine's per-layer prefill and ``mooncake_jax/transfer/offload.py`` (issue 4 item 3), which
     depend on the model/engine work in progress; this placeholder keeps the JSON's shape stable until then.
     """
-    return {"status": "not measured", "reason": "layer-wise offload (issue 4 item 3) awaits the engine", "layerwise_speedup": None}
+    reason = "layer-wise offload (issue 4 item 3) awaits the engine's per-layer prefill"
+    return {"status": "not measured", "reason": reason, "layerwise_speedup": None}
 
 
 # ---- main -----------------------------------------------------------------------------------------------
@@ -256,7 +237,7 @@ def run(quick: bool, repeats: int, directory: Path) -> dict:
         section.update(measure_dram(spec, blocks, capacity=n_blocks, n_ops=2 * n_blocks, repeats=repeats))
         section.update(measure_ssd(spec, blocks, n_ops=n_blocks, repeats=repeats, directory=directory))
         section.update(measure_messenger(spec, blocks, n_blocks=n_blocks, repeats=repeats))
-        med = {name: value["median"] for name, value in section.items() if isinstance(value, dict) and "median" in value}
+        med = {name: fig["median"] for name, fig in section.items() if isinstance(fig, dict) and "median" in fig}
         section["ratios"] = {
             "dram_put_ratio": med["dram_put_gbps"] / med["memcpy_gbps"],
             "dram_get_ratio": med["dram_get_gbps"] / med["memcpy_gbps"],

@@ -2,10 +2,7 @@
 
 import signal
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import grpc
 import ml_dtypes
@@ -15,6 +12,8 @@ import pytest
 from mooncake_jax.proto import CHUNK_BYTES, channel_options
 from mooncake_jax.transfer import BlockPool, BlockSpec, EventKind
 from mooncake_jax.transfer.frame import frame_bytes
+from mooncake_jax.transfer.peer import PeerProcess
+from mooncake_jax.transfer.pieces import encode_piece
 from mooncake_jax.transfer.messenger import (
     BlocksNotFoundError,
     MessengerClient,
@@ -26,7 +25,6 @@ from mooncake_jax.transfer.messenger import (
 
 SPEC = BlockSpec((2, 2, 16, 2, 32), np.float32)  # 16 KiB blocks
 BIG_SPEC = BlockSpec((8, 2, 16, 16, 64), np.float32)  # 1 MiB blocks
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def block_of(key: int, spec: BlockSpec = SPEC) -> np.ndarray:
@@ -136,6 +134,15 @@ def test_large_blocks_travel_in_pieces_under_the_limit(serve):
     assert_exact(receiver, [1, 2], spec)
 
 
+@pytest.mark.parametrize(
+    "fields", [(1, 0, 7, b"abc", 0), (2**64 - 1, 2**40, 3 << 20, b"\x00" * 300, 2**63 + 5), (0, 0, 0, b"", 0)]
+)
+def test_hand_encoded_pieces_are_exactly_protobuf(fields):
+    key, offset, total, data, fingerprint = fields
+    reference = messages.BlockPiece(key=key, offset=offset, frame_bytes=total, data=data, spec_fingerprint=fingerprint)
+    assert encode_piece(key, offset, total, memoryview(data), fingerprint) == reference.SerializeToString()
+
+
 def test_other_block_spec_is_refused(serve):
     server = serve(filled_pool([1]))
     other = BlockPool(BlockSpec((2, 2, 16, 2, 32), ml_dtypes.bfloat16))
@@ -231,37 +238,14 @@ def test_bad_arguments(serve):
 # ---- two processes ------------------------------------------------------------------------------------
 
 
-class PeerProcess:
-    """``python -m mooncake_jax.transfer.peer`` on a port chosen here; stopped (killed if need be) by the test."""
-
-    def __init__(self, spec: BlockSpec):
-        port = free_port()
-        shape = ",".join(map(str, spec.shape))
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "mooncake_jax.transfer.peer", "--shape", shape, "--dtype", spec.dtype.name,
-             "--port", str(port), "--stop-on-eof"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
-        )  # fmt: skip
-        line = self.process.stdout.readline()
-        assert line == f"LISTENING 127.0.0.1:{port}\n", line
-        self.address = f"127.0.0.1:{port}"
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self.process.wait()
-
-
 @pytest.fixture
 def peer_process():
     peers = []
 
     def start(spec: BlockSpec = SPEC) -> PeerProcess:
-        peers.append(PeerProcess(spec))
+        port = free_port()
+        peers.append(PeerProcess(spec, port=port))
+        assert peers[-1].address == f"127.0.0.1:{port}"
         return peers[-1]
 
     yield start
@@ -278,8 +262,7 @@ def test_between_two_processes(peer_process):
         result = fetcher.fetch(range(12))
     assert len(result.moved) == 11 and result.skipped == [3]
     assert_exact(receiver, range(12))
-    peer.stop()
-    assert peer.process.returncode == 0
+    assert peer.stop() == 0
 
 
 def test_server_killed_midway_gives_an_error_and_only_whole_blocks(peer_process):

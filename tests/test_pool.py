@@ -268,6 +268,16 @@ def test_remove_and_counters():
     assert (stats["hits"], stats["misses"], stats["stored"], stats["blocks"]) == (1, 1, 1, 0)
 
 
+def test_closed_pool_refuses_reads_and_writes(tmp_path):
+    pool = BlockPool(SPEC, ssd_path=tmp_path)
+    pool.put(1, block_of(1))
+    pool.close()
+    assert 1 not in pool and pool.prefix_len([1]) == 0
+    for operation in (lambda: pool.get(1), lambda: pool.put(2, block_of(2)), lambda: pool.get_frame(1)):
+        with pytest.raises(ValueError, match="closed"):
+            operation()
+
+
 def test_a_failing_listener_does_not_break_storage():
     def broken(event):
         raise RuntimeError("listener bug")

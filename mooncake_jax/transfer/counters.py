@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from dataclasses import asdict, dataclass
 
 
@@ -51,3 +53,20 @@ class TransferCounters:
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "bytes_per_s": self.bytes_per_s, "blocks_per_s": self.blocks_per_s}
+
+
+class Meter:
+    """Thread-safe TransferCounters (a server runs several calls at once)."""
+
+    def __init__(self) -> None:
+        self.counters = TransferCounters()
+        self._lock = threading.Lock()
+
+    def add(self, **amounts: float) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                setattr(self.counters, name, getattr(self.counters, name) + amount)
+
+    def snapshot(self) -> TransferCounters:
+        with self._lock:
+            return dataclasses.replace(self.counters)

@@ -1,17 +1,19 @@
 """A Messenger serving its own pool as a separate process: ``python -m mooncake_jax.transfer.peer``.
 
 Instances embed ``MessengerServer`` directly; this entry point exists for what needs a peer in another process:
-the two-process tests and the transfer benchmark, and serving an SSD pool directory left by a stopped instance.
-It prints ``LISTENING host:port`` once it accepts calls, and stops on SIGTERM/SIGINT or, with
-``--stop-on-eof``, when its standard input closes (so it cannot outlive the process that started it).
+the two-process tests and the transfer benchmark (through ``PeerProcess``), and serving an SSD pool directory
+left by a stopped instance. It prints ``LISTENING host:port`` once it accepts calls, and stops on SIGTERM/SIGINT
+or, with ``--stop-on-eof``, when its standard input closes (so it cannot outlive the process that started it).
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+import subprocess
 import sys
 import threading
+from pathlib import Path
 
 from mooncake_jax.transfer.messenger import MessengerServer
 from mooncake_jax.transfer.pool import BlockPool
@@ -29,6 +31,44 @@ def _spec_from_args(args: argparse.Namespace) -> BlockSpec:
         except FileNotFoundError:
             pass
     raise SystemExit("give --shape (and --dtype), or --ssd naming an existing pool directory")
+
+
+class PeerProcess:
+    """A peer started as a child process with ``--stop-on-eof``; ``stop()`` (or leaving ``with``) ends it,
+    killing it if it does not stop within ``grace_s``. ``address`` is where it listens."""
+
+    def __init__(
+        self, spec: BlockSpec, *, port: int = 0, dram_blocks: int | None = None, ssd: str | Path | None = None
+    ) -> None:
+        command = [sys.executable, "-m", __name__, "--shape", ",".join(map(str, spec.shape)), "--dtype",
+                   spec.dtype.name, "--port", str(port), "--stop-on-eof"]  # fmt: skip
+        command += ["--dram-blocks", str(dram_blocks)] if dram_blocks is not None else []
+        command += ["--ssd", str(ssd)] if ssd is not None else []
+        package_parent = Path(__file__).resolve().parents[2]  # importable from there, installed or not
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=package_parent
+        )
+        line = self.process.stdout.readline()
+        if not line.startswith("LISTENING "):
+            self.stop()
+            raise RuntimeError(f"peer process did not start (exit code {self.process.returncode}): {line!r}")
+        self.address = line.split()[1]
+
+    def stop(self, grace_s: float = 10.0) -> int:
+        """Stop the process (it may already be gone); its exit code."""
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
+
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

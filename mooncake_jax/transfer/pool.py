@@ -91,6 +91,7 @@ class BlockPool:
         self._listeners: list[EventListener] = [on_event] if on_event is not None else []
         self._pins: dict[BlockKey, int] = {}
         self._lock = threading.RLock()
+        self._closed = False
 
     # ---- lookups (no I/O) -------------------------------------------------------------------------------
 
@@ -155,13 +156,14 @@ class BlockPool:
                     stored += 1
         return stored
 
-    def put_frame(self, key: BlockKey, frame: bytes) -> bool:
+    def put_frame(self, key: BlockKey, frame: bytes | bytearray) -> bool:
         """Store an encoded frame (as received from a peer) after verifying it; False if already held.
 
-        A frame that fails verification raises ``CorruptBlockError`` (a ValueError) and stores nothing.
+        The pool keeps a copy, so the caller may reuse ``frame``. A frame that fails verification raises
+        ``CorruptBlockError`` (a ValueError) and stores nothing.
         """
         key = check_key(key)
-        if not isinstance(frame, bytes):
+        if not isinstance(frame, (bytes, bytearray)):
             raise ValueError(f"frame must be bytes, got {type(frame).__name__}")
         decode(self.spec, key, frame)
         with self._lock:
@@ -234,9 +236,11 @@ class BlockPool:
             self._listeners.append(listener)
 
     def close(self) -> None:
-        """Release the DRAM tier's memory; the SSD tier's files stay for the next open."""
+        """Release the DRAM tier's memory; the SSD tier's files stay for the next open. Reads and writes after
+        this are a ValueError; lookups answer as for an empty pool."""
         with self._lock:
             self._tiers = []
+            self._closed = True
 
     def __enter__(self) -> BlockPool:
         return self
@@ -248,6 +252,7 @@ class BlockPool:
 
     def _touch(self, key: BlockKey) -> bool:
         """Count a use of ``key`` in the fastest tier holding it; False if no tier does."""
+        self._check_open()
         for tier in self._tiers:
             if key in tier:
                 tier.accessed(key)
@@ -291,6 +296,7 @@ class BlockPool:
 
     def _read(self, key: BlockKey, promote: bool) -> tuple[bytes, np.ndarray] | None:
         """``(frame, block)`` of ``key`` from the fastest tier holding a sound copy, or None."""
+        self._check_open()
         for level, tier in enumerate(self._tiers):
             if key not in tier:
                 tier.counters.misses += 1
@@ -312,6 +318,10 @@ class BlockPool:
                 self._tiers[0].counters.promotions += 1
             return frame, block
         return None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("the block pool is closed")
 
     def _drop(self, tier: Tier, key: BlockKey) -> None:
         tier.delete(key)

@@ -1,0 +1,177 @@
+"""The Messenger's server side: serves one pool's blocks to peers and stores the blocks they push.
+
+Streamed pieces leave as bytes already encoded by ``pieces.py`` (see there why), so the service is registered
+with its own handlers instead of the generated servicer base; the wire format is the .proto's all the same.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Sequence
+from concurrent import futures
+
+import grpc
+
+from mooncake_jax.blocks import BlockKey
+from mooncake_jax.proto import CHUNK_BYTES, GRPC_MAX_MESSAGE_BYTES, channel_options
+from mooncake_jax.transfer.counters import Meter, TransferCounters
+from mooncake_jax.transfer.frame import CorruptBlockError
+from mooncake_jax.transfer.messenger_wire import (
+    MAX_LISTED_KEYS,
+    MISSING_KEYS_METADATA,
+    SERVICE,
+    describe_keys,
+    messages,
+)
+from mooncake_jax.transfer.pieces import FrameAssembler, encode_piece, encoded_pieces
+from mooncake_jax.transfer.pool import BlockPool, PoolFullError
+
+_MAX_PROBE_BYTES = 1 << 36
+
+
+class _Servicer:
+    def __init__(self, pool: BlockPool, meter: Meter) -> None:
+        self.pool = pool
+        self.meter = meter
+
+    def _check_spec(self, fingerprint: int, context: grpc.ServicerContext) -> None:
+        if fingerprint != self.pool.spec.fingerprint:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"block spec mismatch: this pool holds {self.pool.spec.describe()} (fingerprint "
+                f"{self.pool.spec.fingerprint:#018x}), the caller's fingerprint is {fingerprint:#018x}",
+            )
+
+    def _not_found(self, keys: Sequence[BlockKey], context: grpc.ServicerContext) -> None:
+        listed = struct.pack(f"<{min(len(keys), MAX_LISTED_KEYS)}Q", *keys[:MAX_LISTED_KEYS])
+        context.set_trailing_metadata(((MISSING_KEYS_METADATA, listed),))
+        context.abort(grpc.StatusCode.NOT_FOUND, f"{len(keys)} block(s) not found: {describe_keys(keys)}")
+
+    def Has(self, request, context):
+        self._check_spec(request.spec_fingerprint, context)
+        return messages.HasReply(present=[key in self.pool for key in request.keys])
+
+    def Fetch(self, request, context):
+        self._check_spec(request.spec_fingerprint, context)
+        keys = list(dict.fromkeys(request.keys))
+        started = time.perf_counter()
+        with self.pool.pin(keys):  # nothing asked for is evicted while it streams
+            missing = [key for key in keys if key not in self.pool]
+            if missing:
+                self._not_found(missing, context)
+            for key in keys:
+                frame = self.pool.get_frame(key, promote=False)
+                if frame is None:  # failed its checksum just now: gone from the pool
+                    self._not_found([key], context)
+                for piece in encoded_pieces(key, frame):
+                    if not context.is_active():
+                        return
+                    yield piece
+                self.meter.add(blocks_sent=1, bytes_sent=len(frame))
+        self.meter.add(transfers=1, busy_s=time.perf_counter() - started)
+
+    def Push(self, request_iterator, context):
+        assembler = FrameAssembler(self.pool.frame_bytes)
+        stored = already = 0
+        started = time.perf_counter()
+        first = True
+        for piece in request_iterator:
+            if first:
+                self._check_spec(piece.spec_fingerprint, context)
+                first = False
+            try:
+                frame = assembler.add(piece.key, piece.offset, piece.frame_bytes, piece.data)
+                if frame is None:
+                    continue
+                if self.pool.put_frame(piece.key, frame):
+                    stored += 1
+                else:
+                    already += 1
+            except CorruptBlockError as err:
+                context.abort(grpc.StatusCode.DATA_LOSS, f"{err}; {stored} earlier block(s) were stored")
+            except ValueError as err:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err}; {stored} earlier block(s) were stored")
+            except PoolFullError as err:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            self.meter.add(blocks_received=1, bytes_received=len(frame))
+        if assembler.pending_key is not None:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"stream ended inside block {assembler.pending_key:#018x}, which was dropped; "
+                f"{stored} earlier block(s) were stored",
+            )
+        self.meter.add(transfers=1, blocks_skipped=already, busy_s=time.perf_counter() - started)
+        return messages.PushReply(stored=stored, already_present=already)
+
+    def Probe(self, request, context):
+        piece_bytes = request.piece_bytes or CHUNK_BYTES
+        if request.total_bytes > _MAX_PROBE_BYTES or piece_bytes > GRPC_MAX_MESSAGE_BYTES // 2:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"probe of {request.total_bytes} bytes in pieces of {piece_bytes}: limits are {_MAX_PROBE_BYTES} "
+                f"and {GRPC_MAX_MESSAGE_BYTES // 2}",
+            )
+        total = request.total_bytes
+        whole = encode_piece(0, 0, total, bytes(piece_bytes))  # one message object sent again and again
+        for offset in range(0, total, piece_bytes):
+            if not context.is_active():
+                return
+            yield whole if total - offset >= piece_bytes else encode_piece(0, offset, total, bytes(total - offset))
+
+
+def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
+    """The service's handlers; streamed BlockPieces leave as bytes already encoded by ``pieces.py``."""
+
+    def as_is(data: bytes) -> bytes:
+        return data
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Has": grpc.unary_unary_rpc_method_handler(
+                servicer.Has, messages.HasRequest.FromString, messages.HasReply.SerializeToString
+            ),
+            "Fetch": grpc.unary_stream_rpc_method_handler(servicer.Fetch, messages.FetchRequest.FromString, as_is),
+            "Push": grpc.stream_unary_rpc_method_handler(
+                servicer.Push, messages.BlockPiece.FromString, messages.PushReply.SerializeToString
+            ),
+            "Probe": grpc.unary_stream_rpc_method_handler(servicer.Probe, messages.ProbeRequest.FromString, as_is),
+        },
+    )
+
+
+class MessengerServer:
+    """Serves ``pool`` to peers on ``host:port`` (port 0: a free one, read back from ``.port``)."""
+
+    def __init__(self, pool: BlockPool, *, host: str = "127.0.0.1", port: int = 0, max_workers: int = 8) -> None:
+        self.pool = pool
+        self._meter = Meter()
+        # no SO_REUSEPORT: a second server on a taken port must fail, not silently share its calls
+        options = [*channel_options(), ("grpc.so_reuseport", 0)]
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers), options=options)
+        self._server.add_generic_rpc_handlers((_handlers(_Servicer(pool, self._meter)),))
+        try:
+            self.port = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as err:
+            raise ValueError(f"cannot listen on {host}:{port}: {err}") from err
+        if not self.port:
+            raise ValueError(f"cannot listen on {host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    @property
+    def counters(self) -> TransferCounters:
+        return self._meter.snapshot()
+
+    def start(self) -> MessengerServer:
+        self._server.start()
+        return self
+
+    def stop(self, grace_s: float | None = 1.0) -> None:
+        self._server.stop(grace_s).wait()
+
+    def __enter__(self) -> MessengerServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
