@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,15 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the proto loader finds .proto files via sys.path
-
-from mooncake_jax.blocks import block_keys  # noqa: E402
-from mooncake_jax.transfer import BlockPool, BlockSpec  # noqa: E402
-from mooncake_jax.transfer.messenger import MessengerClient  # noqa: E402
-from mooncake_jax.transfer.peer import PeerProcess  # noqa: E402
-from mooncake_jax.transfer.pieces import piece_bytes_for  # noqa: E402
+from mooncake_jax.blocks import block_keys
+from mooncake_jax.transfer import BlockPool, BlockSpec
+from mooncake_jax.transfer.messenger import MessengerClient
+from mooncake_jax.transfer.peer import PeerProcess
+from mooncake_jax.transfer.pieces import piece_bytes_for
 
 SMALL_LAYERS, SMALL_KV_HEADS, SMALL_HEAD_DIM = 12, 4, 64
+BATCH = 16  # blocks per put_many / get_many: a request's new blocks go in together
 
 
 def small_spec(block_tokens: int) -> BlockSpec:
@@ -65,6 +63,12 @@ def each(n: int, op: Callable[[int], object]) -> Callable[[], None]:
             op(i)
 
     return loop
+
+
+def batch(keys: list[int], blocks: list[np.ndarray], index: int) -> tuple[list[int], list[np.ndarray]]:
+    """Batch ``index`` of ``BATCH`` keys, with blocks cycling through ``blocks``."""
+    span = range(index * BATCH, (index + 1) * BATCH)
+    return [keys[i % len(keys)] for i in span], [blocks[i % len(blocks)] for i in span]
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -113,11 +117,14 @@ def measure_dram(spec: BlockSpec, blocks: list[np.ndarray], capacity: int, n_ops
 
     def put() -> float:
         keys = [next(next_key) for _ in range(n_ops)]
-        return gbps(n_bytes, timed(each(n_ops, lambda i: pool.put(keys[i], blocks[i % len(blocks)]))))
+        return gbps(n_bytes, timed(each(n_ops // BATCH, lambda b: pool.put_many(*batch(keys, blocks, b)))))
 
-    def get() -> float:
+    staging = np.empty((BATCH, *spec.shape), spec.dtype)
+    staging.fill(1)
+
+    def get() -> float:  # into a reused staging buffer, as an engine feeding a device would
         held = pool.keys()
-        return gbps(n_bytes, timed(each(n_ops, lambda i: pool.get(held[i % len(held)]))))
+        return gbps(n_bytes, timed(each(n_ops // BATCH, lambda b: pool.get_many(batch(held, blocks, b)[0], staging))))
 
     figures = alternate(repeats, memcpy_gbps=memcpy, dram_put_gbps=put, dram_get_gbps=get)
     assert pool.counters()["dram"].corrupt == 0 and pool.counters()["dram"].evictions >= n_ops
@@ -145,7 +152,8 @@ def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: 
     def put() -> float:
         root = directory / "ssd"
         pool = BlockPool(spec, dram_blocks=0, ssd_path=root)
-        seconds = timed(each(n_ops, lambda i: pool.put(i, blocks[i % len(blocks)])))
+        keys = list(range(n_ops))
+        seconds = timed(each(n_ops // BATCH, lambda b: pool.put_many(*batch(keys, blocks, b))))
         pool.close()
         shutil.rmtree(root)
         return gbps(n_bytes, seconds)
@@ -154,7 +162,8 @@ def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: 
         root = directory / "ssd-read"
         pool = BlockPool(spec, dram_blocks=0, ssd_path=root)
         pool.put_many(range(n_ops), [blocks[i % len(blocks)] for i in range(n_ops)])
-        seconds = timed(each(n_ops, pool.get))
+        staging = np.ones((BATCH, *spec.shape), spec.dtype)
+        seconds = timed(each(n_ops // BATCH, lambda b: pool.get_many(range(b * BATCH, (b + 1) * BATCH), staging)))
         pool.close()
         shutil.rmtree(root)
         return gbps(n_bytes, seconds)
@@ -230,7 +239,8 @@ def measure_layerwise_prefill() -> dict:
 def run(quick: bool, repeats: int, directory: Path) -> dict:
     scale = 4 if quick else 1
     results: dict = {"machine": {"cpus": os.cpu_count()}, "block_keys": measure_block_keys()}
-    for label, block_tokens, n_blocks in (("block128", 128, 96 // scale), ("block16", 16, 512 // scale)):
+    for label, block_tokens, full_blocks in (("block128", 128, 96), ("block16", 16, 512)):
+        n_blocks = max(BATCH, full_blocks // scale // BATCH * BATCH)
         spec = small_spec(block_tokens)
         blocks = make_blocks(spec, 16)
         section = {"spec": spec.describe(), "block_bytes": spec.nbytes}

@@ -1,6 +1,7 @@
 """Block pool: exact round trips, eviction against brute-force models, tiers, pinning, events, bad input."""
 
 import random
+import types
 
 import ml_dtypes
 import numpy as np
@@ -46,6 +47,21 @@ def test_round_trip_is_bit_exact(tmp_path, dtype, tiers):
         assert same_bits(block, back)
     assert pool.tier_of(11) == tiers
     assert not got[0].flags.writeable  # a view of the stored frame: callers copy before writing
+
+
+def test_get_many_into_a_staging_buffer():
+    pool = BlockPool(SPEC)
+    pool.put_many([1, 2], [block_of(1), block_of(2)])
+    staging = np.full((3, *SPEC.shape), np.nan, np.float32)
+    got = pool.get_many([2, 9, 1], out=staging)
+    assert got[1] is None and np.isnan(staging[1]).all()
+    assert same_bits(staging[0], block_of(2)) and same_bits(staging[2], block_of(1))
+    assert np.shares_memory(got[0], staging) and np.shares_memory(got[2], staging)
+    with pytest.raises(ValueError, match=r"out must be a float32\[2, 2, 2, 4, 2, 8\] array, got float32\[3"):
+        pool.get_many([1, 2], out=staging)
+    with pytest.raises(ValueError, match="writable"):
+        staging.flags.writeable = False
+        pool.get_many([1, 2, 9], out=staging)
 
 
 def test_prefix_len_and_contains_need_no_io():
@@ -266,6 +282,33 @@ def test_remove_and_counters():
     assert events == [("stored", 1, "dram"), ("removed", 1, "dram")]
     stats = pool.stats()["dram"]
     assert (stats["hits"], stats["misses"], stats["stored"], stats["blocks"]) == (1, 1, 1, 0)
+
+
+class FailingWrites:
+    """A kvstore whose writes of chosen blocks fail when awaited, as a full disk's would."""
+
+    def __init__(self, store, failing_paths):
+        self.store, self.failing_paths = store, failing_paths
+
+    def write(self, path, value):
+        if path in self.failing_paths:
+            return types.SimpleNamespace(result=lambda: (_ for _ in ()).throw(ValueError("No space left on device")))
+        return self.store.write(path, value)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_failed_write_is_an_error_and_leaves_no_trace(tmp_path):
+    events = EventLog()
+    pool = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path, on_event=events)
+    ssd = pool._tiers[0]
+    ssd._store = FailingWrites(ssd._store, {stored_file(tmp_path, 2).relative_to(tmp_path).as_posix()})
+    with pytest.raises(OSError, match="block 0x0000000000000002 failed: No space left"):
+        pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])
+    assert pool.keys() == [1] and pool.get(2) is None and same_bits(pool.get(1), block_of(1))
+    assert events == [("stored", 1, "ssd"), ("stored", 2, "ssd"), ("removed", 2, "ssd")]
+    assert pool.put(3, block_of(3)) and same_bits(pool.get(3), block_of(3))
 
 
 def test_closed_pool_refuses_reads_and_writes(tmp_path):

@@ -25,7 +25,7 @@ from mooncake_jax.transfer.events import BlockEvent, EventKind, EventListener
 from mooncake_jax.transfer.eviction import PolicyChoice, make_policy
 from mooncake_jax.transfer.frame import CorruptBlockError, check_key, decode, encode, frame_bytes
 from mooncake_jax.transfer.spec import BlockSpec
-from mooncake_jax.transfer.tiers import Tier, file_tier, memory_tier
+from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_tier
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class BlockPool:
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
         checked = [self.spec.check(block, f"block {i}") for i, block in enumerate(blocks)]
         stored = 0
-        with self._lock:
+        with self._operation():
             for key, block in zip(keys, checked):
                 if not self._touch(key):
                     self._insert(0, key, encode(self.spec, key, block))
@@ -166,7 +166,7 @@ class BlockPool:
         if not isinstance(frame, (bytes, bytearray)):
             raise ValueError(f"frame must be bytes, got {type(frame).__name__}")
         decode(self.spec, key, frame)
-        with self._lock:
+        with self._operation():
             if self._touch(key):
                 return False
             self._insert(0, key, frame)
@@ -189,13 +189,29 @@ class BlockPool:
         """The block (a read-only array; copy it to modify it), or None on a miss."""
         return self.get_many([key])[0]
 
-    def get_many(self, keys: Sequence[BlockKey]) -> list[np.ndarray | None]:
-        """Blocks of ``keys`` in order, None where missing or corrupt. SSD hits are promoted to DRAM."""
+    def get_many(self, keys: Sequence[BlockKey], out: np.ndarray | None = None) -> list[np.ndarray | None]:
+        """Blocks of ``keys`` in order, None where missing or corrupt. SSD hits are promoted to DRAM.
+
+        Without ``out`` each block is a read-only array of its own. With ``out`` (a writable array of shape
+        ``(len(keys), *spec.shape)`` and the spec's dtype, e.g. a reused staging buffer) block i is copied into
+        ``out[i]`` and returned as that view: holding many multi-MiB results at once makes the allocator take
+        fresh pages from the kernel for every batch, which costs more than the copy.
+        """
         keys = [check_key(key) for key in keys]
+        if out is not None:
+            expected = (len(keys), *self.spec.shape)
+            if not isinstance(out, np.ndarray) or out.shape != expected or out.dtype != self.spec.dtype:
+                got = f"{out.dtype.name}{list(out.shape)}" if isinstance(out, np.ndarray) else type(out).__name__
+                raise ValueError(f"out must be a {self.spec.dtype.name}{list(expected)} array, got {got}")
+            if not out.flags.writeable:
+                raise ValueError("out must be writable")
         blocks: list[np.ndarray | None] = []
-        with self._lock:
-            for key in keys:
+        with self._operation():
+            for i, key in enumerate(keys):
                 found = self._read(key, promote=True)
+                if found is not None and out is not None:
+                    out[i] = found[1]
+                    found = (found[0], out[i])
                 blocks.append(None if found is None else found[1])
         return blocks
 
@@ -206,7 +222,7 @@ class BlockPool:
         thereby hot here.
         """
         key = check_key(key)
-        with self._lock:
+        with self._operation():
             found = self._read(key, promote)
             return None if found is None else found[0]
 
@@ -238,9 +254,10 @@ class BlockPool:
     def close(self) -> None:
         """Release the DRAM tier's memory; the SSD tier's files stay for the next open. Reads and writes after
         this are a ValueError; lookups answer as for an empty pool."""
+        with self._operation():  # finishes writes in flight on the way out
+            self._closed = True
         with self._lock:
             self._tiers = []
-            self._closed = True
 
     def __enter__(self) -> BlockPool:
         return self
@@ -249,6 +266,24 @@ class BlockPool:
         self.close()
 
     # ---- internals (lock held) --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _operation(self) -> Iterator[None]:
+        """Hold the lock and, before releasing it, finish the writes the operation started.
+
+        A failed write surfaces here (TierWriteError, an OSError): its block was announced STORED, so it is
+        announced REMOVED before the error propagates.
+        """
+        with self._lock:
+            try:
+                try:
+                    yield
+                finally:
+                    for tier in self._tiers:
+                        tier.settle()
+            except TierWriteError as err:
+                self._emit(EventKind.REMOVED, err.key, err.tier)
+                raise
 
     def _touch(self, key: BlockKey) -> bool:
         """Count a use of ``key`` in the fastest tier holding it; False if no tier does."""
