@@ -179,16 +179,50 @@ def test_demotion_then_promotion(tmp_path):
     for key in (1, 2, 3):
         pool.put(key, block_of(key))
     assert [pool.tier_of(k) for k in (1, 2, 3)] == ["ssd", "dram", "dram"]
-    assert events[2:] == [("stored", 1, "ssd"), ("removed", 1, "dram"), ("stored", 3, "dram")]
+    assert events[2:] == [("stored", 1, "ssd"), ("stored", 3, "dram")]  # 1 demoted: its fastest tier is SSD
     assert same_bits(pool.get(1), block_of(1))  # SSD hit: promoted, 2 demoted to make room
     assert [pool.tier_of(k) for k in (1, 2, 3)] == ["dram", "ssd", "dram"]
+    assert events[4:] == [("stored", 2, "ssd"), ("stored", 1, "dram")]
     counters = pool.counters()
     assert counters["dram"].promotions == 1 and counters["dram"].misses == 1 and counters["ssd"].hits == 1
     assert counters["dram"].demotions == 2 and counters["dram"].evictions == 2
     pool.put(4, block_of(4))  # evicts 3 (LRU) to SSD; then 1 ...
     pool.put(5, block_of(5))  # ... whose SSD copy is still there: no second write
     assert pool.counters()["ssd"].stored == 3  # 1, 2, 3 only
+    assert events[6:] == [("stored", 3, "ssd"), ("stored", 4, "dram"), ("stored", 1, "ssd"), ("stored", 5, "dram")]
     assert sorted(pool.keys()) == [1, 2, 3, 4, 5]
+
+
+def test_events_replayed_give_the_pools_real_state(tmp_path):
+    """A Conductor-style index fed only by events ends equal to the pool, through demotion, promotion, eviction
+    from both tiers, removal and pinning."""
+    index = {}
+
+    def apply(event: BlockEvent) -> None:
+        if event.kind is EventKind.STORED:
+            index[event.key] = event.tier
+        else:
+            assert index.pop(event.key) == event.tier
+
+    rng = random.Random(3)
+    pool = BlockPool(SPEC, dram_blocks=3, ssd_path=tmp_path, ssd_blocks=6, on_event=apply)
+    for step in range(400):
+        key = rng.randrange(12)
+        action = rng.random()
+        if action < 0.45:
+            pool.put(key, block_of(key))
+        elif action < 0.85:
+            got = pool.get(key)
+            assert got is None or same_bits(got, block_of(key))
+        elif action < 0.95:
+            with pool.pin([key]):
+                pool.put((key + 1) % 12, block_of((key + 1) % 12))
+        else:
+            pool.remove(key)
+        assert index == {key: pool.tier_of(key) for key in pool.keys()}, step
+    by_tier = pool.keys_by_tier()
+    assert {k: t for t, keys in by_tier.items() for k in keys} == index
+    assert len(by_tier["ssd"]) > 0 and pool.counters()["ssd"].evictions > 0
 
 
 def test_ssd_survives_restart_and_refuses_another_spec(tmp_path):

@@ -1,4 +1,8 @@
-"""Stored/removed notifications: what the Conductor's global block index consumes as KV events."""
+"""Stored/removed notifications: what the Conductor's global block index consumes as KV events.
+
+They describe the pool as a whole, the way the index models an instance: a block is held in one tier, its
+fastest. Copies kept in slower tiers (an SSD copy left behind by promotion) are the pool's business.
+"""
 
 from __future__ import annotations
 
@@ -16,10 +20,10 @@ class EventKind(enum.Enum):
 
 @dataclass(frozen=True)
 class BlockEvent:
-    """``key`` entered (STORED) or left (REMOVED) ``tier`` (``"dram"`` or ``"ssd"``).
+    """STORED: ``key`` is now held with ``tier`` (``"dram"`` or ``"ssd"``) its fastest tier: it was stored,
+    demoted (STORED ssd) or promoted (STORED dram). REMOVED: ``key`` left the pool; ``tier`` is where it was.
 
-    A block is in the pool while at least one tier holds it: demotion is REMOVED from dram plus STORED on ssd
-    (in that order: ssd STORED first, so a listener never sees the block absent while it moves).
+    A moving block is never announced absent: demotion writes the SSD copy before dropping the DRAM one.
     """
 
     kind: EventKind

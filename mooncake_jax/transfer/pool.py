@@ -57,8 +57,8 @@ class BlockPool:
         ssd_path: directory of the SSD tier (created, or reopened with the blocks it holds); None for no SSD.
         ssd_blocks / ssd_bytes: SSD capacity; None means unbounded.
         eviction: ``"lru"`` (default), ``"lfu"``, or a factory of ``EvictionPolicy`` (one instance per tier).
-        on_event: called with a ``BlockEvent`` for every block stored into or removed from a tier, under the
-            pool's lock: keep it quick (queue the event) and do not call back into the pool.
+        on_event: called with a ``BlockEvent`` whenever a block enters the pool, moves to another fastest tier
+            or leaves the pool, under the pool's lock: keep it quick (queue the event), do not call back.
     """
 
     def __init__(
@@ -115,6 +115,15 @@ class BlockPool:
 
     def __len__(self) -> int:
         return len(self.keys())
+
+    def keys_by_tier(self) -> dict[str, list[BlockKey]]:
+        """Keys grouped by the fastest tier holding them: the state the events describe (to resend it whole,
+        e.g. to a restarted Conductor)."""
+        with self._lock:
+            grouped: dict[str, list[BlockKey]] = {tier.name: [] for tier in self._tiers}
+            for key in self.keys():
+                grouped[self.tier_of(key)].append(key)
+            return grouped
 
     @property
     def tier_names(self) -> list[str]:
@@ -271,8 +280,8 @@ class BlockPool:
     def _operation(self) -> Iterator[None]:
         """Hold the lock and, before releasing it, finish the writes the operation started.
 
-        A failed write surfaces here (TierWriteError, an OSError): its block was announced STORED, so it is
-        announced REMOVED before the error propagates.
+        A failed write surfaces here (TierWriteError, an OSError): its block was announced in that tier, so the
+        change is announced again before the error propagates.
         """
         with self._lock:
             try:
@@ -282,7 +291,7 @@ class BlockPool:
                     for tier in self._tiers:
                         tier.settle()
             except TierWriteError as err:
-                self._emit(EventKind.REMOVED, err.key, err.tier)
+                self._announce(err.key, err.tier)
                 raise
 
     def _touch(self, key: BlockKey) -> bool:
@@ -306,8 +315,9 @@ class BlockPool:
             raise PoolFullError(
                 f"cannot store block {key:#018x}: all {tier.capacity_blocks} blocks of the {tier.name} tier are pinned"
             )
+        before = self.tier_of(key)
         tier.write(key, frame)
-        self._emit(EventKind.STORED, key, tier.name)
+        self._announce(key, before)
         return level
 
     def _evict_one(self, level: int) -> bool:
@@ -359,11 +369,16 @@ class BlockPool:
             raise ValueError("the block pool is closed")
 
     def _drop(self, tier: Tier, key: BlockKey) -> None:
+        before = self.tier_of(key)
         tier.delete(key)
-        self._emit(EventKind.REMOVED, key, tier.name)
+        self._announce(key, before)
 
-    def _emit(self, kind: EventKind, key: BlockKey, tier: str) -> None:
-        event = BlockEvent(kind, key, tier)
+    def _announce(self, key: BlockKey, before: str | None) -> None:
+        """Tell listeners if the fastest tier holding ``key`` is no longer ``before`` (see ``BlockEvent``)."""
+        after = self.tier_of(key)
+        if after == before:
+            return
+        event = BlockEvent(EventKind.STORED, key, after) if after else BlockEvent(EventKind.REMOVED, key, before)
         for listener in self._listeners:
             try:
                 listener(event)
