@@ -6,6 +6,9 @@ copy, so evicting it again costs no write. Every read verifies the frame's check
 removed, counted as corrupt and as a miss, and never returned. ``contains`` and ``prefix_len`` read only the
 in-memory indexes, never storage. One lock serialises operations: they are short, and it keeps eviction,
 pinning and demotion simple to reason about.
+
+The SSD tier is written back, not through: a block reaches it when DRAM evicts it. What survives a restart is
+what was on SSD; blocks only in DRAM die with the process (they are a cache of recomputable KV).
 """
 
 from __future__ import annotations
