@@ -7,6 +7,7 @@ from mooncake_jax.transfer.eviction import EvictionPolicy, LFUPolicy, LRUPolicy
 from mooncake_jax.transfer.frame import CorruptBlockError
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
 from mooncake_jax.transfer.spec import BlockSpec
+from mooncake_jax.transfer.tiers import TierWriteError
 
 __all__ = [
     "BlockEvent",
@@ -19,5 +20,6 @@ __all__ = [
     "LRUPolicy",
     "PoolFullError",
     "TierCounters",
+    "TierWriteError",
     "TransferCounters",
 ]

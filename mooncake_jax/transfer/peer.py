@@ -23,7 +23,10 @@ from mooncake_jax.transfer.tiers import SPEC_FILE
 
 def _spec_from_args(args: argparse.Namespace) -> BlockSpec:
     if args.shape:
-        return BlockSpec([int(d) for d in args.shape.split(",")], args.dtype)
+        try:
+            return BlockSpec([int(d) for d in args.shape.split(",")], args.dtype)
+        except ValueError as err:
+            raise ValueError(f"--shape {args.shape!r}: {err}") from err
     if args.ssd:
         try:
             with open(f"{args.ssd}/{SPEC_FILE}") as spec_file:
@@ -40,8 +43,9 @@ class PeerProcess:
     def __init__(
         self, spec: BlockSpec, *, port: int = 0, dram_blocks: int | None = None, ssd: str | Path | None = None
     ) -> None:
-        command = [sys.executable, "-m", __name__, "--shape", ",".join(map(str, spec.shape)), "--dtype",
-                   spec.dtype.name, "--port", str(port), "--stop-on-eof"]  # fmt: skip
+        shape = ",".join(map(str, spec.shape))
+        command = [sys.executable, "-m", "mooncake_jax.transfer.peer", "--shape", shape, "--dtype", spec.dtype.name,
+                   "--port", str(port), "--stop-on-eof"]  # fmt: skip
         command += ["--dram-blocks", str(dram_blocks)] if dram_blocks is not None else []
         command += ["--ssd", str(ssd)] if ssd is not None else []
         package_parent = Path(__file__).resolve().parents[2]  # importable from there, installed or not
