@@ -5,11 +5,14 @@
 Figures (issue 4, Measure):
 * block keys: milliseconds per 1000 tokens for a 128K-token prompt;
 * memcpy GB/s (the blocks copied into preallocated, already-touched memory) and the pool's DRAM put/get GB/s in
-  steady state (the pool full, every put evicting): ``dram_put_ratio`` / ``dram_get_ratio`` (goal >= 0.3);
-* raw sequential file-write GB/s (one file, no fsync, same bytes and directory) and the SSD tier's put GB/s:
-  ``ssd_put_ratio`` (goal >= 0.5);
+  steady state (the pool full, every put evicting), in batches of 16 blocks (``put_many``, and ``get_many`` into
+  a reused staging buffer as an engine feeding a device would): ``dram_put_ratio`` / ``dram_get_ratio``
+  (goal >= 0.3);
+* raw sequential file-write GB/s (one file, no fsync, same bytes and directory) and the SSD tier's put GB/s
+  (an SSD-only pool, ``put_many`` of 16): ``ssd_put_ratio`` (goal >= 0.5);
 * Messenger GB/s between two processes on loopback (a fetch into an empty DRAM pool; a push) and a bare gRPC
-  stream of the same bytes from the same peer process (its Probe RPC): ``messenger_ratio`` (goal >= 0.7);
+  stream of the same bytes in the same message sizes from the same peer process and connection (its Probe
+  RPC, one prebuilt message sent again and again): ``messenger_ratio`` (goal >= 0.7);
 * layer-wise vs serialized prefill + store: not measured yet (the engine's per-layer hooks are being written).
 
 Each figure and its baseline are measured alternately ``--repeats`` times and reported as medians (the machine
