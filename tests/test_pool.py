@@ -233,6 +233,10 @@ def test_ssd_survives_restart_and_refuses_another_spec(tmp_path):
     assert all(same_bits(reopened.get(k), block_of(k)) for k in (5, 6, 7))
     with pytest.raises(ValueError, match="holds blocks of float32"):
         BlockPool(BlockSpec((2, 2, 4, 2, 8), ml_dtypes.bfloat16), ssd_path=tmp_path)
+    smaller = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path, ssd_blocks=2)  # reopened with less room
+    assert len(smaller) == 2 and len(list(tmp_path.glob("*/*"))) == 2
+    with pytest.raises(ValueError, match="not a directory"):
+        BlockPool(SPEC, ssd_path=tmp_path / "spec.json")
 
 
 def stored_file(root, key):

@@ -134,11 +134,12 @@ def memory_tier(capacity_blocks: int | None, policy: EvictionPolicy) -> Tier:
 def file_tier(path: str | os.PathLike, spec: BlockSpec, capacity_blocks: int | None, policy: EvictionPolicy) -> Tier:
     """The SSD tier in directory ``path``: created with ``spec``, or reopened with the blocks it already holds.
 
-    Reopening with another spec is a ValueError (its blocks could never be decoded). Blocks beyond
-    ``capacity_blocks`` found on reopen stay until eviction makes room; their recency order is unknown after a
-    restart, so they are ordered by key.
+    Reopening with another spec is a ValueError (its blocks could never be decoded). Recency is not kept across
+    a restart: reopened blocks start in key order, and those beyond a smaller ``capacity_blocks`` are deleted.
     """
     root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"ssd_path {root} is not a directory")
     root.mkdir(parents=True, exist_ok=True)
     spec_path = root / SPEC_FILE
     if spec_path.exists():
@@ -153,4 +154,7 @@ def file_tier(path: str | os.PathLike, spec: BlockSpec, capacity_blocks: int | N
     store = ts.KvStore.open({"driver": "file", "path": str(root) + "/"}, context=context).result()
     listed = (_STORED_NAME.match(name) for name in store.list().result())
     present = sorted(int(match.group(1), 16) for match in listed if match)
-    return Tier("ssd", store, capacity_blocks, policy, present)
+    excess = present[capacity_blocks:] if capacity_blocks is not None else []
+    for future in [store.write(_path_of(key), None) for key in excess]:
+        future.result()
+    return Tier("ssd", store, capacity_blocks, policy, present[: len(present) - len(excess)])
