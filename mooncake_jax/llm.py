@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from .model.batcher import ContinuousBatcher
@@ -16,6 +17,8 @@ from .model.config import PRESETS, ModelConfig, get_config, resolve_dtype
 from .model.engine import DEFAULT_KV_CACHE_BYTES, Engine
 from .model.llama import Llama, init_model
 from .model.sequence import SamplingParams, validate_prompt
+from .sharding.layout import MeshLayout
+from .sharding.mesh import MeshSpec
 
 
 def build_model(model: str | Path, *, block_size: int | None = None, dtype: str | None = None,
@@ -39,7 +42,12 @@ def build_model(model: str | Path, *, block_size: int | None = None, dtype: str 
 
 
 class LLM:
-    """A model with its engine: batched generation and scoring on the local devices."""
+    """A model with its engine: batched generation and scoring on the local devices.
+
+    ``tensor_parallel`` splits each layer over that many devices; ``pipeline_stages`` splits the layers into that
+    many stages whose prefill runs as a chunked pipeline (chunks of ``prefill_chunk_size`` tokens). Both together
+    use ``tensor_parallel * pipeline_stages`` devices.
+    """
 
     def __init__(self, model: str | Path = "tiny", *, tensor_parallel: int = 1, pipeline_stages: int = 1,
                  prefill_chunk_size: int = 512, block_size: int | None = None, dtype: str | None = None,
@@ -50,13 +58,15 @@ class LLM:
         for name, value in (("tensor_parallel", tensor_parallel), ("pipeline_stages", pipeline_stages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if tensor_parallel > 1 or pipeline_stages > 1:
-            raise ValueError("tensor_parallel > 1 and pipeline_stages > 1 are not supported yet "
-                             "(mooncake_jax.sharding is not built); use 1")
+        spec = MeshSpec(stage=pipeline_stages, tensor=tensor_parallel)
+        if spec.devices > len(jax.devices()):
+            raise ValueError(f"tensor_parallel={tensor_parallel} x pipeline_stages={pipeline_stages} needs "
+                             f"{spec.devices} devices but only {len(jax.devices())} exist")
         self.model = build_model(model, block_size=block_size, dtype=dtype, seed=seed)
         self.config: ModelConfig = self.model.cfg
+        layout = None if spec.devices == 1 else MeshLayout(self.config, spec)
         self.engine = Engine(self.model, num_pages=num_pages, kv_cache_bytes=kv_cache_bytes, max_batch=max_batch,
-                             prefill_chunk_size=prefill_chunk_size, prefix_caching=prefix_caching)
+                             prefill_chunk_size=prefill_chunk_size, prefix_caching=prefix_caching, layout=layout)
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, eos_token_id: int | None = None, ignore_eos: bool = False) -> list[list[int]]:

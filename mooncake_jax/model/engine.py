@@ -18,17 +18,17 @@ from collections.abc import Sequence as SequenceABC
 
 import jax
 import numpy as np
-from flax import nnx
 
 from ..blocks import BlockKey, block_keys, num_blocks
 from .attention import SCRATCH_PAGE, PagedBatch
 from .config import ModelConfig
 from .host_memory import keep_large_blocks_on_heap
-from .kv_cache import OutOfPages, PageAllocator, PrefixCache, allocate_kv, write_slots
+from .kv_cache import OutOfPages, PageAllocator, PrefixCache, write_slots
 from .llama import Llama
 from .sampling import SamplingInputs, batch_mode
 from .sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence, validate_prompt
-from .steps import forward_step, read_blocks, write_blocks
+from ..sharding.layout import SingleDevice
+from ..sharding.pipeline import PipelineRunner, StepInputs
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 
@@ -47,7 +47,7 @@ class Engine:
 
     def __init__(self, model: Llama, *, num_pages: int | None = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
                  max_batch: int = 32, prefill_chunk_size: int = 512, prefix_caching: bool = True,
-                 kv_sharding=None, kv_dtype=None):
+                 layout=None, kv_dtype=None):
         cfg: ModelConfig = model.cfg
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
@@ -64,8 +64,8 @@ class Engine:
             per_page = cfg.kv_bytes_per_block(kv_dtype)
             num_pages = 1 + min(max(kv_cache_bytes // per_page, self.max_pages_per_seq),
                                 max_batch * self.max_pages_per_seq)
-        self.graphdef, self.params = nnx.split(model)
-        self.kv = allocate_kv(cfg, num_pages, kv_dtype, kv_sharding)
+        self.layout = layout or SingleDevice(cfg)
+        self.runner = PipelineRunner(model, self.layout, num_pages, kv_dtype)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(self.allocator) if prefix_caching else None
         self._reserved = 0  # pages promised to admitted sequences but not yet allocated
@@ -162,25 +162,24 @@ class Engine:
             table[r, : len(pages)] = pages
         return table
 
-    def _run(self, tokens, positions, table, ctx_len, slots, logits_index, seqs, rows):
+    def _step(self, tokens, positions, table, ctx_len, slots, logits_index, seqs, rows) -> StepInputs:
         sampling, mode = self._sampling(seqs, rows)
-        batch = PagedBatch(table, ctx_len, slots)
-        next_tokens, logits, self.kv = forward_step(self.graphdef, self.params, self.kv, tokens, positions, batch,
-                                                    logits_index, sampling, mode)
-        return next_tokens, logits
+        return StepInputs(tokens, positions, PagedBatch(table, ctx_len, slots), logits_index, sampling, mode)
 
     def prefill(self, seq: Sequence, all_logits: bool = False, sample: bool = True) -> np.ndarray:
         """Compute the prompt's KV after its cached prefix and sample its first token.
 
-        Returns the float32 logits of the last prompt token [V], or of every computed position [n, V] with
-        ``all_logits`` (positions of the cached prefix are not recomputed, so they are not included).
+        The prompt is cut into chunks of at most ``prefill_chunk_size`` tokens, which go through the pipeline stages
+        in the CPP schedule. Returns the float32 logits of the last prompt token [V], or of every computed position
+        [n, V] with ``all_logits`` (cached prefix positions are not recomputed, so they are not included; with
+        ``all_logits`` the first token is the greedy one).
         """
         n, bs, chunk = len(seq.prompt), self.block_size, self.prefill_chunk_size
-        self._grow(seq, n)
-        all_out = []
         start = seq.num_computed
         if start >= n:
             raise ValueError("prefill needs at least one prompt token beyond the cached prefix")
+        self._grow(seq, n)
+        steps, lengths = [], []
         while start < n:
             t = min(chunk, n - start)
             tb = bucket(t, chunk, 16)
@@ -191,24 +190,24 @@ class Engine:
             positions = np.arange(start, start + tb, dtype=np.int32)[None]
             slots = np.full((1, tb), self._scratch_slot, np.int32)
             slots[0, :t] = write_slots(seq.pages, start, t, bs)
-            table = self._context_table([ctx_pages], 1, pb)
-            last = start + t == n
             index = None if all_logits else np.array([t - 1], np.int32)
-            next_tokens, logits = self._run(tokens, positions, table, np.array([start], np.int32), slots, index,
-                                            [seq], 1)
-            if all_logits:
-                all_out.append(np.asarray(logits[0, :t]))
+            steps.append(self._step(tokens, positions, self._context_table([ctx_pages], 1, pb),
+                                    np.array([start], np.int32), slots, index, [seq], 1))
+            lengths.append(t)
             start += t
-            seq.num_computed = start
-            if last and not all_logits:
-                all_out.append(np.asarray(logits[0]))
-            if last and sample:
-                token = int(next_tokens[0]) if next_tokens is not None else int(np.argmax(all_out[-1][-1]))
-                self._append(seq, token)
+        outputs = self.runner.run(steps)
+        seq.num_computed = n
+        if all_logits:
+            logits = np.concatenate([np.asarray(out[0, :t]) for (_, out), t in zip(outputs, lengths)], axis=0)
+        else:
+            logits = np.asarray(outputs[-1][1][0])
+        if sample:
+            next_tokens = outputs[-1][0]
+            self._append(seq, int(next_tokens[0]) if next_tokens is not None else int(np.argmax(logits[-1])))
         if self.prefix_cache is not None:
             keys = self.prompt_keys(seq)
             self.prefix_cache.insert(keys, seq.pages[: len(keys)])
-        return np.concatenate(all_out, axis=0) if all_logits else all_out[0]
+        return logits
 
     def decode(self, seqs: SequenceABC[Sequence]) -> list[int]:
         """One token for each sequence (each must have been prefilled and not be finished)."""
@@ -233,7 +232,8 @@ class Engine:
             ctx_pages.append(seq.pages[: num_blocks(pos, bs)])
         width = bucket(max(1, max(len(p) for p in ctx_pages)), self.max_pages_per_seq)
         table = self._context_table(ctx_pages, rows, width)
-        next_tokens, _ = self._run(tokens, positions, table, ctx_len, slots, np.zeros(rows, np.int32), seqs, rows)
+        step = self._step(tokens, positions, table, ctx_len, slots, np.zeros(rows, np.int32), seqs, rows)
+        ((next_tokens, _),) = self.runner.run([step])
         out = np.asarray(next_tokens)[: len(seqs)].tolist()
         for seq, token in zip(seqs, out):
             seq.num_computed = len(seq.tokens)
@@ -251,7 +251,7 @@ class Engine:
     # ---- whole blocks in and out (pool, Messenger) -----------------------------------------------------------
     def read_blocks(self, pages: SequenceABC[int]) -> np.ndarray:
         """KV of ``pages`` as blocks [n, layers, 2, block_size, kv_heads, head_dim] on the host."""
-        return np.asarray(read_blocks(self.kv, np.asarray(pages, np.int32)))
+        return self.runner.read_blocks(np.asarray(pages, np.int32))
 
     def load_blocks(self, keys: SequenceABC[BlockKey], blocks: np.ndarray) -> list[int]:
         """Put whole blocks that arrived from elsewhere into fresh pages and the prefix cache; returns the pages.
@@ -266,10 +266,10 @@ class Engine:
         if blocks.shape != expected:
             raise ValueError(f"blocks have shape {blocks.shape}, expected {expected}")
         pages = self._take_pages(len(keys))
-        self.kv = write_blocks(self.kv, np.asarray(pages, np.int32), blocks)
+        self.runner.write_blocks(np.asarray(pages, np.int32), blocks)
         self.prefix_cache.insert(keys, pages)
         self.allocator.release(pages)  # the cache's reference is the only one left
         return pages
 
     def block_until_ready(self) -> None:
-        jax.block_until_ready(self.kv)
+        self.runner.block_until_ready()

@@ -136,12 +136,13 @@ class PrefixCache:
         self._pages.clear()
 
 
-def allocate_kv(cfg: ModelConfig, num_pages: int, dtype=None, sharding=None) -> list[tuple[jax.Array, jax.Array]]:
-    """Zeroed K and V page arrays for every layer."""
+def allocate_kv(cfg: ModelConfig, num_pages: int, dtype=None, sharding=None,
+                n_layers: int | None = None) -> list[tuple[jax.Array, jax.Array]]:
+    """Zeroed K and V page arrays for ``n_layers`` layers (all of the model's by default)."""
     shape = (num_pages, cfg.block_size, cfg.n_kv_heads, cfg.head_dim)
     dt = dtype or cfg.param_dtype
     make = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
-    return [(make(), make()) for _ in range(cfg.n_layers)]
+    return [(make(), make()) for _ in range(cfg.n_layers if n_layers is None else n_layers)]
 
 
 def write_slots(pages: Sequence[int], start: int, n: int, block_size: int) -> np.ndarray:

@@ -6,8 +6,9 @@ code never names a mesh axis. Layers are separate modules (not stacked): a pipel
 takes a contiguous range of them without slicing weights, and each layer's KV pages are their own buffers that a
 jitted step updates in place.
 
-The forward pass is split into ``embed`` / ``layers[i]`` / ``head`` so that the engine, the pipeline stages and the
-layer-wise offload all compose the same pieces.
+The forward pass runs over a ``Stage`` (a contiguous layer range, with the embedding if first and the head if last)
+so that a single-device engine (one stage of all layers), pipeline stages and layer-wise offload compose the same
+pieces.
 """
 
 from __future__ import annotations
@@ -120,8 +121,30 @@ class Llama(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else _param(rngs, (d, v), ("embed", "vocab"), dt,
                                                                1.0 / math.sqrt(d))
 
-    def embed(self, tokens):
-        return jnp.take(self.embedding[...], tokens, axis=0)
+    def __call__(self, tokens, positions, kv: list[KVPages], batch: PagedBatch, logits_index=None):
+        """Full forward. ``logits_index`` [B] picks one position per sequence (None: logits at every position)."""
+        return Stage(self, 0, self.cfg.n_layers)(tokens, positions, kv, batch, logits_index)
+
+
+class Stage(nnx.Module):
+    """Layers ``start .. stop`` of a model, with the embedding if it is the first stage and the head if the last.
+
+    The unit a device (group) holds: a single-device engine runs one stage of all layers; a pipeline runs several,
+    passing hidden states between them. It shares the model's parameters (no copies).
+    """
+
+    def __init__(self, model: Llama, start: int, stop: int):
+        cfg = model.cfg
+        if not 0 <= start < stop <= cfg.n_layers:
+            raise ValueError(f"bad layer range [{start}, {stop}) for a model of {cfg.n_layers} layers")
+        self.cfg = nnx.static(cfg)
+        self.start, self.stop = start, stop
+        self.is_first, self.is_last = start == 0, stop == cfg.n_layers
+        needs_embedding = self.is_first or (self.is_last and cfg.tie_embeddings)
+        self.embedding = model.embedding if needs_embedding else None
+        self.layers = nnx.List(list(model.layers[start:stop]))
+        self.final_norm = model.final_norm if self.is_last else None
+        self.lm_head = model.lm_head if self.is_last else None
 
     def head(self, x):
         """Logits (float32) of hidden states ``x`` [..., d]."""
@@ -130,20 +153,21 @@ class Llama(nnx.Module):
             return jnp.einsum("...d,vd->...v", x, self.embedding[...], preferred_element_type=jnp.float32)
         return jnp.einsum("...d,dv->...v", x, self.lm_head[...], preferred_element_type=jnp.float32)
 
-    def run_layers(self, x, positions, kv: list[KVPages], batch: PagedBatch, start: int = 0):
-        """Layers ``start .. start + len(kv)`` over hidden states ``x``; returns (x, their updated KV pages)."""
-        new_kv = []
-        for i, layer_kv in enumerate(kv):
-            x, layer_kv = self.layers[start + i](x, positions, layer_kv, batch)
-            new_kv.append(layer_kv)
-        return x, new_kv
+    def __call__(self, inputs, positions, kv: list[KVPages], batch: PagedBatch, logits_index=None):
+        """(hidden states, or logits if last stage; this stage's updated KV pages).
 
-    def __call__(self, tokens, positions, kv: list[KVPages], batch: PagedBatch, logits_index=None):
-        """Full forward. ``logits_index`` [B] picks one position per sequence (None: logits at every position)."""
-        x, kv = self.run_layers(self.embed(tokens), positions, kv, batch)
+        ``inputs`` are token ids [B, T] for the first stage, hidden states [B, T, d] for the others.
+        """
+        x = jnp.take(self.embedding[...], inputs, axis=0) if self.is_first else inputs
+        new_kv = []
+        for layer, layer_kv in zip(self.layers, kv):
+            x, layer_kv = layer(x, positions, layer_kv, batch)
+            new_kv.append(layer_kv)
+        if not self.is_last:
+            return x, new_kv
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-        return self.head(x), kv
+        return self.head(x), new_kv
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Llama:
