@@ -1,0 +1,107 @@
+"""The contract between the client-facing gateway and whatever generates tokens behind it.
+
+The gateway (gRPC ``mooncake.v1.Gateway`` and OpenAI-compatible HTTP) tokenizes, validates the request's shape,
+and streams; a ``Backend`` turns token ids into generated token ids. Two backends implement it: the disaggregated
+cluster (Conductor + prefill and decode instances) and a single local engine (coupled prefill and decode). Tests
+drive the gateway with a fake backend whose outputs are predictable.
+
+Errors a backend raises map to one status each, on both front ends:
+
+    InvalidRequest -> gRPC INVALID_ARGUMENT   / HTTP 400
+    Rejected       -> gRPC RESOURCE_EXHAUSTED / HTTP 429 (with a retry-after hint)
+    Unavailable    -> gRPC UNAVAILABLE        / HTTP 503
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Protocol
+
+FINISH_LENGTH, FINISH_STOP, FINISH_ABORT = "length", "stop", "abort"
+REJECT_EARLY, REJECT_LATE = "early", "late"
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+    """One generation request, already tokenized."""
+
+    prompt: list[int]
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclasses.dataclass
+class TokenOut:
+    """One generated token, as soon as it exists."""
+
+    token: int
+    index: int  # 0 for the first generated token
+    time_s: float  # seconds since the backend received the request
+
+
+@dataclasses.dataclass
+class Finished:
+    """The last item of every successful stream."""
+
+    reason: str  # FINISH_LENGTH, FINISH_STOP or FINISH_ABORT
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int  # prompt tokens whose KV was reused instead of computed
+    ttft_s: float
+    tbt_s: float  # the paper's TBT: mean of the longest 10% of the request's token gaps (0 with < 2 tokens)
+
+
+class InvalidRequest(ValueError):
+    """The request itself is wrong (empty prompt, token outside the vocabulary, too long, bad parameters)."""
+
+
+class Rejected(RuntimeError):
+    """Overload: the request was not (or no longer) accepted. ``stage`` is REJECT_EARLY (before prefill, by the
+    Conductor) or REJECT_LATE (by the decode instance after prefill)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0, stage: str = REJECT_EARLY):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.stage = stage
+
+
+class Unavailable(RuntimeError):
+    """The backend cannot serve right now (an instance died mid-request, shutting down)."""
+
+
+class Backend(Protocol):
+    model_name: str
+    vocab_size: int
+    max_context: int
+    eos_token_id: int | None
+
+    def generate(self, request: GenerateRequest, cancelled: threading.Event | None = None
+                 ) -> Iterator[TokenOut | Finished]:
+        """Tokens as they are generated, then one ``Finished``.
+
+        Raises InvalidRequest / Rejected / Unavailable (before the first item, or Unavailable mid-stream). When
+        ``cancelled`` is set (the client went away) the backend stops the request and frees its KV, and the
+        iterator ends with ``Finished(reason=FINISH_ABORT)``.
+        """
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Gauges and counters the gateway exports on /metrics (queue depths, cache hits, transfer bytes, ...)."""
+        ...
+
+
+def paper_tbt(token_times: list[float]) -> float:
+    """Mean of the longest 10% of the gaps between consecutive token times (at least one gap)."""
+    gaps = sorted((b - a for a, b in zip(token_times, token_times[1:])), reverse=True)
+    if not gaps:
+        return 0.0
+    k = max(1, len(gaps) // 10)
+    return sum(gaps[:k]) / k
