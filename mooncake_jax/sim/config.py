@@ -1,0 +1,114 @@
+"""Everything one simulation run is parameterised by, checked once, in one frozen object.
+
+The Conductor's own settings (strategy, admission, SLOs, thresholds) are passed through to its ``PolicyConfig``
+unchanged, so the simulator accepts exactly what the real Conductor accepts and rejects the rest the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from mooncake_jax.conductor import PolicyConfig
+from mooncake_jax.sim.hardware import HardwareSpec
+
+ARCHITECTURES = ("disaggregated", "coupled")
+CACHE_MODES = ("per-node", "global")
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """One simulated cluster and how it is driven.
+
+    Cluster: ``prefill`` and ``decode`` instance counts (a ``coupled`` cluster has ``prefill + decode`` nodes that
+    each do both). ``hardware`` is a built-in profile name, a measured profile JSON path, or ``InstanceCosts``;
+    ``prefill_hardware`` / ``decode_hardware`` override it per pool (heterogeneous clusters). ``model`` names the
+    model shape for built-in profiles.
+
+    KV cache: ``cache_tokens`` of host DRAM per prefill instance (None: unbounded) with ``eviction`` ``lru`` or
+    ``lfu``; ``cache_mode="global"`` pools all of it into one cache every prefill instance reads (fetched over
+    its NIC, overlapped with compute layer by layer).
+
+    Conductor (disaggregated only): ``policy`` (scheduling strategy), ``admission``, ``ttft_slo_s``,
+    ``tbt_slo_s``, ``kvcache_balancing_threshold``, ``decode_time_s`` (None: tracked), ``seed`` (``random``).
+
+    Coupled baseline (vLLM-like): every node prefills and decodes with continuous batching and a prefix cache in
+    the HBM its running requests leave free; requests go to the node with the fewest unfinished ones. Without
+    ``chunked_prefill`` a prefill iteration (up to ``prefill_batch_tokens`` new tokens, at least one request)
+    stalls the node's decoding; with it, each iteration carries every running decode plus up to
+    ``chunk_tokens`` minus that many prompt tokens.
+
+    ``sample_interval_s``: virtual seconds between load samples.
+    """
+
+    prefill: int = 8
+    decode: int = 8
+    policy: str = "kvcache-centric"
+    admission: str = "none"
+    architecture: str = "disaggregated"
+    hardware: HardwareSpec = "8xA800"
+    prefill_hardware: HardwareSpec | None = None
+    decode_hardware: HardwareSpec | None = None
+    model: str = "llama2-70b"
+    cache_tokens: int | None = 3_000_000
+    cache_mode: str = "per-node"
+    eviction: str = "lru"
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    kvcache_balancing_threshold: float = 1.0
+    decode_time_s: float | None = None
+    seed: int = 0
+    chunked_prefill: bool = False
+    chunk_tokens: int = 512
+    prefill_batch_tokens: int = 16384
+    sample_interval_s: float = 10.0
+
+    def __post_init__(self):
+        for name in ("prefill", "decode", "chunk_tokens", "prefill_batch_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {self.architecture!r}; choose from {list(ARCHITECTURES)}")
+        if self.architecture == "disaggregated":
+            if self.prefill < 1 or self.decode < 1:
+                raise ValueError("a disaggregated cluster needs at least one prefill and one decode instance")
+            if self.chunked_prefill:
+                raise ValueError("chunked_prefill applies to the coupled architecture only")
+        else:
+            if self.prefill + self.decode < 1:
+                raise ValueError("a coupled cluster needs at least one node (prefill + decode)")
+            if self.admission != "none":
+                raise ValueError("the coupled baseline has no admission control; use admission='none'")
+        if self.chunk_tokens < 1 or self.prefill_batch_tokens < 1:
+            raise ValueError("chunk_tokens and prefill_batch_tokens must be positive")
+        if self.cache_tokens is not None and (not isinstance(self.cache_tokens, int) or self.cache_tokens < 0):
+            raise ValueError(f"cache_tokens must be a non-negative integer or None, got {self.cache_tokens!r}")
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"unknown cache_mode {self.cache_mode!r}; choose from {list(CACHE_MODES)}")
+        if not (isinstance(self.sample_interval_s, (int, float)) and math.isfinite(self.sample_interval_s)
+                and self.sample_interval_s > 0):
+            raise ValueError(f"sample_interval_s must be positive, got {self.sample_interval_s!r}")
+        from mooncake_jax.sim.cache import EVICTIONS
+
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {list(EVICTIONS)}")
+        self.policy_config()  # unknown policy / admission, bad SLOs: the Conductor's own ValueError
+
+    @property
+    def nodes(self) -> int:
+        return self.prefill + self.decode
+
+    def policy_config(self, block_size: int = 512) -> PolicyConfig:
+        return PolicyConfig(strategy=self.policy, admission=self.admission, block_size=block_size,
+                            kvcache_balancing_threshold=self.kvcache_balancing_threshold,
+                            ttft_slo_s=self.ttft_slo_s, tbt_slo_s=self.tbt_slo_s, decode_time_s=self.decode_time_s,
+                            seed=self.seed)
+
+    def cache_blocks(self, block_tokens: int) -> int | None:
+        """One prefill instance's DRAM cache in blocks."""
+        return None if self.cache_tokens is None else self.cache_tokens // block_tokens
+
+    def to_dict(self) -> dict:
+        return {f.name: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v))
+                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}

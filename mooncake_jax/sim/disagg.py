@@ -1,0 +1,260 @@
+"""The disaggregated cluster: prefill and decode pools driven by the Conductor's own ``ClusterState`` and ``Policy``.
+
+Per request, what a real cluster does, on the virtual clock:
+
+1. Arrival: ``ClusterState.schedule`` decides (the same call the gRPC service makes). A rejection is *early*.
+2. A planned prefix fetch starts at once on the NICs (sender's outgoing and receiver's incoming link, each a
+   FIFO, so a hot sender congests); the fetched blocks are held for the request, not put in the cache yet.
+3. Prefill, FIFO per instance, one request at a time: it starts when the instance is free and its fetch has
+   landed, reuses the longest prefix it then holds (own cache plus fetched blocks: evictions since the decision
+   count), and takes the cost model's time for the rest. Its KV streams to the decode instance layer by layer
+   during the prefill (the link is reserved from the start; the KV is there when both prefill and stream end).
+4. Prefill end: first token; the prompt's blocks enter the instance's cache (evictions and stores are reported
+   as KV events); ``prefill_done`` is reported, with the instance's queued work (a heartbeat).
+5. KV arrival at decode: the decode side's own check (``decode_accepts``) may reject it *late*, wasting the
+   prefill; otherwise it joins the continuous batch at the next iteration boundary (``batch.ContinuousBatch``)
+   and ``decode_started`` / ``finished`` are reported, which feeds the Conductor's tracked decode time.
+
+With ``admission="none"`` nothing is rejected: a request whose KV does not fit waits for room (FIFO).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from mooncake_jax.conductor import ClusterState, Policy, Request, decode_accepts
+from mooncake_jax.sim.batch import ContinuousBatch
+from mooncake_jax.sim.cache import make_cache
+from mooncake_jax.sim.hardware import resolve_costs
+from mooncake_jax.sim.records import COMPLETED, REJECTED_EARLY, REJECTED_LATE, SimRequest, tbt_of
+from mooncake_jax.sim.runner import ClusterSim
+
+
+class _Node:
+    """What every instance has: an id, its costs, and the two directions of its NIC (each a FIFO link)."""
+
+    def __init__(self, instance_id: str, costs):
+        self.id = instance_id
+        self.costs = costs
+        self.out_free = 0.0
+        self.in_free = 0.0
+
+
+class PrefillNode(_Node):
+    def __init__(self, instance_id: str, costs, cache):
+        super().__init__(instance_id, costs)
+        self.cache = cache
+        self.queue: deque[SimRequest] = deque()
+        self.queued_s = 0.0  # predicted seconds of the queued (not yet started) requests
+        self.running: SimRequest | None = None
+        self.busy_until = 0.0
+
+
+class DecodeNode(_Node):
+    def __init__(self, instance_id: str, costs, capacity_tokens: int):
+        super().__init__(instance_id, costs)
+        self.batch = ContinuousBatch(costs.decode, capacity_tokens)
+        self.waiting: deque[SimRequest] = deque()
+        self.version = 0
+
+
+class DisaggregatedSim(ClusterSim):
+    """Prefill pool + decode pool + the Conductor's state and policy (see the module docstring)."""
+
+    def __init__(self, config, trace, observer=None, progress: bool = False):
+        super().__init__(config, trace, observer, progress)
+        policy_config = config.policy_config(self.block)
+        self.state = ClusterState(policy_config)
+        self.policy = Policy(policy_config)
+        self.admission = policy_config.admission.value
+        prefill_costs = resolve_costs(config.prefill_hardware or config.hardware, config.model)
+        decode_costs = resolve_costs(config.decode_hardware or config.hardware, config.model)
+        per_node = config.cache_blocks(self.block)
+        self.global_cache = config.cache_mode == "global"
+        shared = make_cache(config.eviction, None if per_node is None else per_node * config.prefill)
+        self.prefill = []
+        for i in range(config.prefill):
+            cache = shared if self.global_cache else make_cache(config.eviction, per_node)
+            self.prefill.append(PrefillNode(f"p{i}", prefill_costs, cache))
+        self.decode = [DecodeNode(f"d{j}", decode_costs, decode_costs.kv_capacity_tokens)
+                       for j in range(config.decode)]
+        self.by_id = {node.id: node for node in self.prefill + self.decode}
+        for node in self.prefill:
+            self.state.add_instance(node.id, "prefill", node.costs, self.start)
+        for node in self.decode:
+            self.state.add_instance(node.id, "decode", node.costs, self.start)
+        self.transferred_bytes = 0.0
+
+    def cost_per_hour(self) -> float:
+        return sum(node.costs.cost_per_hour for node in self.by_id.values())
+
+    def extra_summary(self) -> dict:
+        return {"transferred_gb": self.transferred_bytes / 1e9,
+                "peak_decode_kv_fraction": max(d.batch.peak_reserved / d.batch.capacity for d in self.decode)}
+
+    # -------------------------------------------------------------------------------------------- arrival
+
+    def on_arrival(self, req: SimRequest) -> None:
+        now = self.events.now
+        decision = self.state.schedule(self.policy, Request(req.request_id, req.keys, req.input_tokens,
+                                                            req.output_tokens), now)
+        if not decision.accepted:
+            req.status, req.reason = REJECTED_EARLY, decision.reason.value
+            self.load.rejected += 1
+            return
+        self.load.accepted += 1
+        p, d = self.by_id[decision.prefill], self.by_id[decision.decode]
+        req.prefill_id, req.decode_id = p.id, d.id
+        req.predicted_prefill_s = decision.prefill_s
+        if decision.transfer is not None:
+            self._fetch(req, p, self.by_id[decision.transfer.source], decision.transfer.keys)
+        p.queue.append(req)
+        p.queued_s += req.predicted_prefill_s
+        self._try_start(p)
+
+    def _send(self, src: _Node, dst: _Node, ready: float, n_bytes: float) -> float:
+        """Reserve both links for a transfer that may start at ``ready``; returns when it has arrived."""
+        start = max(ready, src.out_free, dst.in_free)
+        end = start + n_bytes / min(src.costs.nic_bytes_per_s, dst.costs.nic_bytes_per_s)
+        src.out_free = dst.in_free = end
+        self.transferred_bytes += n_bytes
+        return end
+
+    def _fetch(self, req: SimRequest, p: PrefillNode, src: PrefillNode, keys: tuple[int, ...]) -> None:
+        """Move the planned blocks ``src`` still holds; the request keeps them until its prefill starts."""
+        now = self.events.now
+        n = src.cache.prefix(keys)
+        if n == 0:
+            return
+        src.cache.touch(keys[:n])
+        end = self._send(src, p, now, n * self.block * p.costs.kv_bytes_per_token)
+        req.staged = frozenset(keys[:n])
+        req.fetched_blocks = n
+        req.fetch_ready_at = end
+        self.state.heartbeat(src.id, now, send_backlog_s=src.out_free - now)
+        self.events.at(end, self._try_start, p)
+
+    # -------------------------------------------------------------------------------------------- prefill
+
+    def _try_start(self, p: PrefillNode) -> None:
+        if p.running is not None or not p.queue or p.queue[0].fetch_ready_at > self.events.now:
+            return
+        req = p.queue.popleft()
+        p.queued_s = max(p.queued_s - req.predicted_prefill_s, 0.0) if p.queue else 0.0  # no drift below zero
+        self._start_prefill(p, req)
+
+    def _start_prefill(self, p: PrefillNode, req: SimRequest) -> None:
+        now, n, keys = self.events.now, req.input_tokens, req.keys
+        cache, staged = p.cache, req.staged
+        if staged:
+            prefix = 0
+            for key in keys:
+                if key not in cache and key not in staged:
+                    break
+                prefix += 1
+        else:
+            prefix = cache.prefix(keys)
+        cache.touch(keys[:prefix])
+        reused = min(prefix * self.block, n - 1)
+        compute = float(p.costs.prefill.seconds(n, reused))
+        duration = compute
+        if self.global_cache and reused:  # the pool is spread over all nodes: load it over the NIC, layer-wise
+            duration = max(compute, reused * p.costs.kv_bytes_per_token / p.costs.nic_bytes_per_s)
+        req.prefill_start, req.prefill_s = now, compute
+        req.prefix_blocks, req.prefix_tokens = prefix, min(prefix * self.block, n)
+        p.running, p.busy_until = req, now + duration
+        if req.output_tokens > 1:
+            d = self.by_id[req.decode_id]
+            stream_end = self._send(p, d, now, n * p.costs.kv_bytes_per_token)
+            req.kv_ready_at = max(p.busy_until, stream_end)
+        self.state.heartbeat(p.id, now, queued_s=duration + p.queued_s,
+                             send_backlog_s=max(p.out_free - now, 0.0))
+        self.events.at(p.busy_until, self._prefill_end, p, req)
+
+    def _prefill_end(self, p: PrefillNode, req: SimRequest) -> None:
+        now = self.events.now
+        req.first_token_at = now
+        req.staged = frozenset()
+        p.running = None
+        evicted = p.cache.insert(req.keys)
+        for node in (self.prefill if self.global_cache else (p,)):
+            if evicted:
+                self.state.kv_removed(node.id, evicted)
+            self.state.kv_stored(node.id, req.keys)
+        self.state.prefill_done(req.request_id, now)
+        self.state.heartbeat(p.id, now, queued_s=p.queued_s, send_backlog_s=max(p.out_free - now, 0.0))
+        if req.output_tokens == 1:
+            req.status, req.finished_at = COMPLETED, now
+            self.state.finished(req.request_id, now)
+        else:
+            self.events.at(req.kv_ready_at, self._kv_arrived, self.by_id[req.decode_id], req)
+        self._try_start(p)
+
+    # --------------------------------------------------------------------------------------------- decode
+
+    def _kv_arrived(self, d: DecodeNode, req: SimRequest) -> None:
+        b = d.batch
+        self._advance_to(d, self.events.now)
+        kv = req.input_tokens + req.output_tokens
+        if self.admission == "none":
+            accepted = kv <= b.capacity  # a request no instance could ever hold is the one thing refused
+        else:
+            accepted = decode_accepts(d.costs.decode, b.batch, b.reserved, kv, self.config.tbt_slo_s, b.capacity)
+        if not accepted:
+            req.status, req.reason = REJECTED_LATE, "decode_rejected"
+            req.finished_at = b.time
+            self.state.dropped(req.request_id)
+            self.load.rejected += 1
+        elif d.waiting or not b.fits(kv):
+            d.waiting.append(req)
+        else:
+            self._join(d, req)
+        self._reschedule(d)
+
+    def _join(self, d: DecodeNode, req: SimRequest) -> None:
+        b = d.batch
+        b.join(req, req.input_tokens, req.input_tokens + req.output_tokens, req.output_tokens - 1,
+               req.first_token_at)
+        self.state.decode_started(req.request_id, b.time)
+
+    def _advance_to(self, d: DecodeNode, when: float) -> None:
+        b = d.batch
+        if not b.batch:
+            b.idle_until(when)
+            return
+        self._finished(d, b.advance(b.steps_until(when)))
+
+    def _finished(self, d: DecodeNode, done: list[SimRequest]) -> None:
+        b = d.batch
+        for req in done:
+            req.status = COMPLETED
+            req.tbt_s = tbt_of(b.gaps(req))
+            self.state.finished(req.request_id, req.finished_at)
+        while d.waiting and b.fits(d.waiting[0].input_tokens + d.waiting[0].output_tokens):
+            self._join(d, d.waiting.popleft())
+
+    def _reschedule(self, d: DecodeNode) -> None:
+        """Put the batch's next finish on the clock (any earlier plan is void)."""
+        d.version += 1
+        b = d.batch
+        k = b.steps_to_finish()
+        if k is not None:
+            self.events.at(b.time + b.duration(k), self._decode_finish, d, d.version, k)
+
+    def _decode_finish(self, d: DecodeNode, version: int, k: int) -> None:
+        if version != d.version:
+            return
+        self._finished(d, d.batch.advance(k))
+        self._reschedule(d)
+
+    # ----------------------------------------------------------------------------------------------- load
+
+    def sample_load(self) -> dict[str, float]:
+        now = self.events.now
+        n_p, n_d = len(self.prefill), len(self.decode)
+        return {
+            "prefill_queue_s": sum(p.queued_s + max(p.busy_until - now, 0.0) for p in self.prefill) / n_p,
+            "prefill_busy": sum(p.running is not None for p in self.prefill) / n_p,
+            "decode_kv": sum(d.batch.reserved / d.batch.capacity for d in self.decode) / n_d,
+            "decode_batch": sum(d.batch.batch for d in self.decode) / n_d,
+        }
