@@ -48,6 +48,21 @@ def block_keys(tokens: Sequence[int] | np.ndarray, block_size: int, parent: Bloc
     return keys
 
 
+def tail_key(tokens: Sequence[int] | np.ndarray, block_size: int, parent: BlockKey = ROOT_KEY) -> BlockKey | None:
+    """Key of the trailing partial block of ``tokens`` (None when the length is a multiple of ``block_size``).
+
+    Used only to move a request's last, partial block of KV (prefill -> decode); it hashes fewer tokens than a
+    full block, so it can never equal a full block's key and never enters anyone's prefix match.
+    """
+    arr = np.asarray(tokens)
+    n_full = (arr.size // block_size) * block_size
+    if n_full == arr.size:
+        return None
+    parent = block_keys(arr[:n_full], block_size, parent)[-1] if n_full else parent
+    data = int(parent).to_bytes(_KEY_BYTES, "little") + arr[n_full:].astype("<i4").tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=_KEY_BYTES).digest(), "little")
+
+
 def prefix_match(keys: Iterable[BlockKey], holds: Container[BlockKey] | Callable[[BlockKey], bool]) -> int:
     """Number of leading ``keys`` that ``holds`` contains (a set, a dict, a pool, or a predicate)."""
     test = holds if callable(holds) and not isinstance(holds, Container) else holds.__contains__

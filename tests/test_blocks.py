@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from mooncake_jax.blocks import block_keys, num_blocks, prefix_match
+from mooncake_jax.blocks import block_keys, num_blocks, prefix_match, tail_key
 
 
 def test_equal_prefixes_give_equal_keys_and_diverge_after():
@@ -45,3 +45,14 @@ def test_bad_input():
 
 def test_num_blocks():
     assert num_blocks(0, 16) == 0 and num_blocks(16, 16) == 1 and num_blocks(17, 16) == 2
+
+
+def test_tail_key_names_the_partial_block_only():
+    toks = list(range(40))
+    assert tail_key(toks[:32], 16) is None
+    k = tail_key(toks, 16)
+    assert k is not None and k not in block_keys(toks, 16)
+    assert tail_key(toks[:39] + [999], 16) != k  # tail content matters
+    other = [7] + toks[1:]
+    assert tail_key(other, 16) != k  # so does the prefix it hangs from
+    assert tail_key(toks[:8], 16) != block_keys(toks[:8] * 2, 16)[0]

@@ -135,3 +135,28 @@ def test_bfloat16_model_runs_close_to_float32():
     assert logits.dtype == np.float32
     assert rel_err(logits, ref(p)) <= 0.1
     assert len(llm16.generate([p], max_new_tokens=4)[0]) == 4
+
+
+def test_kv_handed_to_another_engine_continues_exactly(llm, ref):
+    """Prefill on one engine, move the whole prompt KV (full blocks and the partial tail) as blocks, decode on
+    another: the disaggregated path at engine level."""
+    from mooncake_jax.blocks import block_keys, tail_key
+
+    (p,) = prompts([37], seed=10)  # two full blocks and a 5-token tail
+    prefill = Engine(llm.model, prefill_chunk_size=64)
+    decode = Engine(llm.model, prefill_chunk_size=64)
+    seq = prefill.new_sequence(p, SamplingParams(max_new_tokens=8))
+    prefill.admit(seq)
+    prefill.prefill(seq)
+    keys = block_keys(p, 16) + [tail_key(p, 16)]
+    blocks = prefill.read_blocks(seq.pages)
+    assert blocks.shape == (3, 4, 2, 16, 2, 16)
+    pages = decode.load_blocks(keys, blocks)
+    assert decode.load_blocks(keys[:2], blocks[:2]) == pages[:2]  # already cached: same pages, nothing rewritten
+    moved = decode.new_sequence(p, SamplingParams(max_new_tokens=8))
+    decode.adopt(moved, pages, seq.output[0])
+    while not moved.finished:
+        decode.decode([moved])
+    assert moved.output == reference_greedy(ref, p, 8)
+    decode.release(moved)
+    assert decode.allocator.num_free + len(decode.prefix_cache) == decode.num_pages - 1

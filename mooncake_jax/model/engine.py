@@ -105,11 +105,14 @@ class Engine:
     def prompt_keys(self, seq: Sequence) -> list[BlockKey]:
         return block_keys(seq.prompt, self.block_size)
 
-    def admit(self, seq: Sequence, cached_pages: SequenceABC[int] | None = None) -> None:
+    def admit(self, seq: Sequence, cached_pages: SequenceABC[int] | None = None,
+              cached_tokens: int | None = None) -> None:
         """Give ``seq`` pages for its prompt (reusing its cached prefix) and reserve its generation's pages.
 
-        ``cached_pages`` overrides the prefix-cache lookup (pages already holding the prompt's leading blocks).
-        Raises OutOfPages, with nothing held, when the cache cannot take the sequence now.
+        ``cached_pages`` overrides the prefix-cache lookup: pages already holding the prompt's leading KV, of which
+        ``cached_tokens`` tokens are valid (default: all of every page). A decode instance adopts a request whose
+        whole prompt KV arrived (the last page partial) this way. Raises OutOfPages, with nothing held, when the
+        cache cannot take the sequence now.
         """
         if cached_pages is None:
             cached_pages = []
@@ -117,6 +120,13 @@ class Engine:
                 # The last prompt token is always computed: its logits give the first output token.
                 usable = (len(seq.prompt) - 1) // self.block_size
                 cached_pages = self.prefix_cache.match(self.prompt_keys(seq)[:usable])
+        if cached_tokens is None:
+            cached_tokens = len(cached_pages) * self.block_size
+        bs = self.block_size
+        if cached_pages and not (len(cached_pages) - 1) * bs < cached_tokens <= len(cached_pages) * bs:
+            raise ValueError(f"{cached_tokens} cached tokens do not fit {len(cached_pages)} pages")
+        if cached_tokens > len(seq.prompt):
+            raise ValueError(f"{cached_tokens} cached tokens exceed the prompt's {len(seq.prompt)}")
         self.allocator.retain(cached_pages)
         n_prompt = num_blocks(len(seq.prompt), self.block_size)
         n_total = num_blocks(seq.max_len, self.block_size)
@@ -130,7 +140,13 @@ class Engine:
             raise
         seq.pages = list(cached_pages) + fresh
         seq.reserved_pages = future
-        seq.cached_tokens = seq.num_computed = len(cached_pages) * self.block_size
+        seq.cached_tokens = seq.num_computed = cached_tokens
+
+    def adopt(self, seq: Sequence, pages: SequenceABC[int], first_token: int) -> None:
+        """Take over a sequence prefilled elsewhere: ``pages`` hold its whole prompt's KV (loaded with
+        ``load_blocks``) and ``first_token`` is the token the prefill sampled. Decode continues from there."""
+        self.admit(seq, cached_pages=pages, cached_tokens=len(seq.prompt))
+        self._append(seq, first_token)
 
     def release(self, seq: Sequence) -> None:
         """Return the sequence's pages and unused reservation; its full prompt blocks stay in the prefix cache."""
@@ -253,11 +269,24 @@ class Engine:
         """KV of ``pages`` as blocks [n, layers, 2, block_size, kv_heads, head_dim] on the host."""
         return self.runner.read_blocks(np.asarray(pages, np.int32))
 
-    def load_blocks(self, keys: SequenceABC[BlockKey], blocks: np.ndarray) -> list[int]:
-        """Put whole blocks that arrived from elsewhere into fresh pages and the prefix cache; returns the pages.
+    def cached_pages(self, keys: SequenceABC[BlockKey]) -> list[int]:
+        """Pages of the leading ``keys`` already in the prefix cache (no hit counting)."""
+        if self.prefix_cache is None:
+            return []
+        pages = []
+        for key in keys:
+            page = self.prefix_cache.page_of(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
 
-        The pages are held by the prefix cache only, so a following ``admit`` of a sequence with that prefix
-        reuses them.
+    def load_blocks(self, keys: SequenceABC[BlockKey], blocks: np.ndarray) -> list[int]:
+        """Put whole blocks that arrived from elsewhere (pool, Messenger) into the prefix cache; returns the page
+        of every key (keys already cached keep their page and their block is not written again).
+
+        The pages are held by the prefix cache only: an ``admit`` or ``adopt`` that uses them takes its own
+        reference.
         """
         if self.prefix_cache is None:
             raise ValueError("load_blocks needs prefix caching enabled")
@@ -265,11 +294,13 @@ class Engine:
         expected = (len(keys),) + self.cfg.block_shape()
         if blocks.shape != expected:
             raise ValueError(f"blocks have shape {blocks.shape}, expected {expected}")
-        pages = self._take_pages(len(keys))
-        self.runner.write_blocks(np.asarray(pages, np.int32), blocks)
-        self.prefix_cache.insert(keys, pages)
-        self.allocator.release(pages)  # the cache's reference is the only one left
-        return pages
+        missing = [i for i, key in enumerate(keys) if self.prefix_cache.page_of(key) is None]
+        if missing:
+            fresh = self._take_pages(len(missing))
+            self.runner.write_blocks(np.asarray(fresh, np.int32), blocks[missing])
+            self.prefix_cache.insert([keys[i] for i in missing], fresh)
+            self.allocator.release(fresh)  # the cache's reference is the only one left
+        return [self.prefix_cache.page_of(key) for key in keys]
 
     def block_until_ready(self) -> None:
         self.runner.block_until_ready()

@@ -92,6 +92,10 @@ class PrefixCache:
     def keys(self) -> list[BlockKey]:
         return list(self._pages)
 
+    def page_of(self, key: BlockKey) -> int | None:
+        """The page of ``key`` if cached (not counted as a hit, LRU order unchanged)."""
+        return self._pages.get(key)
+
     def match(self, keys: Sequence[BlockKey]) -> list[int]:
         """Pages of the leading cached ``keys`` (marked recently used); counts block hits and misses."""
         pages = []
