@@ -167,7 +167,6 @@ class ContinuousBatch:
         base = np.asarray(self.seg_base[lo:hi])
         inc = np.asarray(self.seg_inc[lo:hi])
         lead = np.asarray(self.seg_lead[lo:hi])
-        lead[0] = 0.0  # its own first gap starts at its first token, not at whatever the batch waited before
         total = int(counts.sum())
         offsets = np.cumsum(counts) - counts
         j = np.arange(total) - np.repeat(offsets, counts)

@@ -45,7 +45,11 @@ class LRUBlockCache:
                 held.move_to_end(key)
 
     def insert(self, keys: Iterable[int]) -> list[int]:
-        """Hold ``keys`` (in order, each becoming the most recent); returns the keys evicted to make room."""
+        """Hold ``keys`` (in order, each becoming the most recent); returns the keys evicted to make room.
+
+        Room is made once all of them are in, so one request's blocks never push each other out unless they
+        alone exceed the capacity (for LRU the order makes this the same as evicting per block).
+        """
         held = self._keys
         for key in keys:
             if key in held:
