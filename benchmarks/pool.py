@@ -13,7 +13,8 @@ Figures (issue 4, Measure):
 * Messenger GB/s between two processes on loopback (a fetch into an empty DRAM pool; a push) and a bare gRPC
   stream of the same bytes in the same message sizes from the same peer process and connection (its Probe
   RPC, one prebuilt message sent again and again): ``messenger_ratio`` (goal >= 0.7);
-* layer-wise vs serialized prefill + store: not measured yet (the engine's per-layer hooks are being written).
+* layer-wise vs serialized prefill + store latency on the ``small`` preset, 1K to 16K-token prompts with half of
+  their blocks already in the pool: ``layerwise_speedup`` = serialized / layer-wise time (best of the trials).
 
 Each figure and its baseline are measured alternately ``--repeats`` times and reported as medians (the machine
 is shared, single trials are noisy), with every trial kept in the JSON. Blocks have the ``small`` preset's
@@ -226,14 +227,48 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
 # ---- layer-wise prefill (issue 4 item 3) ----------------------------------------------------------------
 
 
-def measure_layerwise_prefill() -> dict:
-    """Prefill + store latency, layer-wise vs serialized, 1K-16K tokens on the ``small`` preset: NOT MEASURED YET.
+def measure_layerwise_prefill(lengths: tuple[int, ...], repeats: int, prefix_fraction: float = 0.5) -> dict:
+    """Prefill + store latency, layer-wise vs serialized, on the ``small`` preset (float32, 16-token blocks).
 
-    It needs the engine's per-layer prefill and ``mooncake_jax/transfer/offload.py`` (issue 4 item 3), which
-    depend on the model/engine work in progress; this placeholder keeps the JSON's shape stable until then.
+    Each prompt has ``prefix_fraction`` of its blocks already in the DRAM pool (loaded into the device layer by
+    layer) and the rest computed and stored back; a fresh random tail per trial keeps the stored part new.
     """
-    reason = "layer-wise offload (issue 4 item 3) awaits the engine's per-layer prefill"
-    return {"status": "not measured", "reason": reason, "layerwise_speedup": None}
+    from tqdm import tqdm
+
+    import mooncake_jax as mj
+    from mooncake_jax.model.engine import Engine
+    from mooncake_jax.model.sequence import SamplingParams
+    from mooncake_jax.transfer.offload import LAYERWISE, SERIALIZED, LayerwisePrefill, PerLayer
+
+    model = mj.LLM("small", num_pages=2).model
+    cfg = model.cfg
+    engine = Engine(model, layout=PerLayer(cfg), prefill_chunk_size=2048,
+                    num_pages=2 + 2 * max(lengths) // cfg.block_size)
+    pool = BlockPool(BlockSpec(cfg.block_shape(), np.float32))
+    runners = {mode: LayerwisePrefill(engine, pool, mode) for mode in (LAYERWISE, SERIALIZED)}
+    rng = np.random.default_rng(0)
+    out: dict = {"model": "small", "prefix_fraction": prefix_fraction, "block_tokens": cfg.block_size}
+    for n in tqdm(lengths, desc="layer-wise prefill"):
+        prefix = rng.integers(0, cfg.vocab_size, int(n * prefix_fraction) // 16 * 16).tolist()
+        warm = engine.new_sequence(prefix + [1], SamplingParams(max_new_tokens=1))
+        runners[SERIALIZED].prefill(warm)  # the prefix blocks land in the pool
+        engine.release(warm)
+        times: dict[str, list[float]] = {LAYERWISE: [], SERIALIZED: []}
+        for trial in range(repeats + 1):
+            for mode, runner in runners.items():
+                seq = engine.new_sequence(prefix + rng.integers(0, cfg.vocab_size, n - len(prefix)).tolist(),
+                                          SamplingParams(max_new_tokens=1))
+                t = time.perf_counter()
+                runner.prefill(seq)
+                if trial:  # the first round compiles
+                    times[mode].append(time.perf_counter() - t)
+                engine.release(seq)
+        best = {mode: min(ts) for mode, ts in times.items()}
+        out[f"{n}_layerwise_s"] = round(best[LAYERWISE], 4)
+        out[f"{n}_serialized_s"] = round(best[SERIALIZED], 4)
+        out[f"{n}_layerwise_speedup"] = round(best[SERIALIZED] / best[LAYERWISE], 3)
+    out["layerwise_speedup"] = out[f"{max(lengths)}_layerwise_speedup"]
+    return out
 
 
 # ---- main -----------------------------------------------------------------------------------------------
@@ -259,13 +294,14 @@ def run(quick: bool, repeats: int, directory: Path) -> dict:
             "messenger_push_ratio": med["messenger_push_gbps"] / med["grpc_stream_gbps"],
         }
         results[label] = section
-    results["layerwise_prefill"] = measure_layerwise_prefill()
+    lengths = (1024, 4096) if quick else (1024, 2048, 4096, 8192, 16384)
+    results["layerwise_prefill"] = measure_layerwise_prefill(lengths, repeats=1 if quick else 2)
     headline = results["block128"]["ratios"]
     results["summary"] = {
         **{name: round(value, 3) for name, value in headline.items()},
         "goals": {"dram_put_ratio": 0.3, "dram_get_ratio": 0.3, "ssd_put_ratio": 0.5, "messenger_ratio": 0.7},
         "block_keys_ms_per_1k_tokens": results["block_keys"]["ms_per_1k_tokens_block16"],
-        "layerwise_speedup": None,
+        "layerwise_speedup": results["layerwise_prefill"]["layerwise_speedup"],
     }
     return results
 

@@ -182,13 +182,14 @@ class Engine:
         sampling, mode = self._sampling(seqs, rows)
         return StepInputs(tokens, positions, PagedBatch(table, ctx_len, slots), logits_index, sampling, mode)
 
-    def prefill(self, seq: Sequence, all_logits: bool = False, sample: bool = True) -> np.ndarray:
+    def prefill(self, seq: Sequence, all_logits: bool = False, sample: bool = True, execute=None) -> np.ndarray:
         """Compute the prompt's KV after its cached prefix and sample its first token.
 
         The prompt is cut into chunks of at most ``prefill_chunk_size`` tokens, which go through the pipeline stages
         in the CPP schedule. Returns the float32 logits of the last prompt token [V], or of every computed position
         [n, V] with ``all_logits`` (cached prefix positions are not recomputed, so they are not included; with
-        ``all_logits`` the first token is the greedy one).
+        ``all_logits`` the first token is the greedy one). ``execute(steps) -> outputs`` replaces the runner's
+        schedule (the layer-wise offload runs the same steps layer by layer around its host transfers).
         """
         n, bs, chunk = len(seq.prompt), self.block_size, self.prefill_chunk_size
         start = seq.num_computed
@@ -211,7 +212,7 @@ class Engine:
                                     np.array([start], np.int32), slots, index, [seq], 1))
             lengths.append(t)
             start += t
-        outputs = self.runner.run(steps)
+        outputs = (execute or self.runner.run)(steps)
         seq.num_computed = n
         if all_logits:
             logits = np.concatenate([np.asarray(out[0, :t]) for (_, out), t in zip(outputs, lengths)], axis=0)
