@@ -1,1 +1,38 @@
-"""gateway"""
+"""The client-facing gateway: gRPC ``mooncake.v1.Gateway/Generate`` (server-streaming) and OpenAI-compatible HTTP
+over any ``Backend`` (``backend.py``: the disaggregated cluster, a single engine, or a fake in tests).
+
+Usage::
+
+    from mooncake_jax.gateway import GatewayServer
+
+    with GatewayServer(backend, host="127.0.0.1", grpc_port=0, http_port=0, auth_token=None,
+                       model_name=None, tokenizer=None) as gw:
+        print(gw.grpc_port, gw.http_port)   # the ports bound (0 asks for free ones)
+        ...                                 # serve until done; leaving the block stops both front ends
+
+``GatewayServer(...).start()`` returns the started server; ``.stop(grace_s=1.0)`` ends it (streams still open
+after the grace are cancelled, which tells the backend to free their KV).
+
+What a client gets:
+- gRPC (``mooncake_jax/proto/gateway.proto``): ``Generate`` takes token ids or text, streams one message per
+  token (id, text piece when the prompt was text, index, time since arrival) and a summary (finish reason, TTFT,
+  TBT, prompt / output / cached token counts); ``ListModels``; the standard health service and reflection.
+- HTTP: ``POST /v1/completions`` (OpenAI's format; ``"stream": true`` for server-sent events ending in
+  ``data: [DONE]``), ``GET /v1/models``, ``GET /metrics`` (Prometheus), ``GET /health``.
+- Errors: a bad request is INVALID_ARGUMENT / 400 with a message saying what is wrong; overload is
+  RESOURCE_EXHAUSTED / 429 with a retry hint (trailing metadata ``retry-after-s`` / header ``Retry-After``);
+  a backend that cannot serve is UNAVAILABLE / 503; a missing token is UNAUTHENTICATED / 401.
+
+Modules, one job each: ``backend`` (the contract), ``tokenizer`` (tokenizer.json or bytes, incremental
+decoding), ``validate`` (request rules), ``stream`` (one request's events: timing, text, stop strings),
+``metrics``, ``auth``, ``core`` (what both front ends share), ``grpc_server``, ``openai_format``,
+``http_server``, ``server`` (``GatewayServer``).
+"""
+
+from mooncake_jax.gateway.backend import (Backend, Finished, GenerateRequest, InvalidRequest, Rejected, TokenOut,
+                                          Unavailable)
+from mooncake_jax.gateway.server import GatewayServer
+from mooncake_jax.gateway.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, tokenizer_for
+
+__all__ = ["Backend", "ByteTokenizer", "Finished", "GatewayServer", "GenerateRequest", "HFTokenizer",
+           "InvalidRequest", "Rejected", "TokenOut", "Tokenizer", "Unavailable", "tokenizer_for"]

@@ -1,0 +1,42 @@
+"""What both front ends share: the backend, the tokenizer, the model's name, the metrics, and the one path
+from parsed request to event stream, so a request is validated, counted and streamed the same way over gRPC
+and HTTP."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+
+from mooncake_jax.gateway import stream
+from mooncake_jax.gateway.backend import Backend, InvalidRequest
+from mooncake_jax.gateway.metrics import GatewayMetrics
+from mooncake_jax.gateway.tokenizer import Tokenizer
+from mooncake_jax.gateway.validate import Params, prepare
+
+
+@dataclasses.dataclass
+class GatewayCore:
+    backend: Backend
+    tokenizer: Tokenizer
+    model_name: str
+    metrics: GatewayMetrics
+
+    def check_model(self, name: str | None) -> None:
+        """A request may name the model; it must be this one."""
+        if name and name != self.model_name:
+            raise InvalidRequest(f"unknown model {name!r}; this gateway serves {self.model_name!r}")
+
+    def generate(self, api: str, parse: Callable[[], Params], *, arrival: float, cancelled: threading.Event,
+                 always_text: bool) -> tuple[str, Iterator[stream.TokenEvent | stream.Summary]]:
+        """Validate (``parse`` raises ``InvalidRequest`` for the wire format's own problems) and return the
+        request id and its event stream. Token events carry text when ``always_text`` or the prompt came as
+        text."""
+        try:
+            prepared = prepare(parse(), self.backend, self.tokenizer)
+        except InvalidRequest:
+            self.metrics.finished(api, "invalid")
+            raise
+        return prepared.request.request_id, stream.run(self.backend, prepared, self.tokenizer, arrival=arrival,
+                                                       cancelled=cancelled, metrics=self.metrics, api=api,
+                                                       want_text=always_text or prepared.text_prompt)

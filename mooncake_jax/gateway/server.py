@@ -1,0 +1,94 @@
+"""``GatewayServer``: both front ends over one backend, started and stopped together."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from mooncake_jax.gateway.auth import check_exposure
+from mooncake_jax.gateway.backend import Backend
+from mooncake_jax.gateway.core import GatewayCore
+from mooncake_jax.gateway.grpc_server import GrpcFrontEnd
+from mooncake_jax.gateway.http_server import HttpFrontEnd
+from mooncake_jax.gateway.metrics import GatewayMetrics
+from mooncake_jax.gateway.tokenizer import Tokenizer, tokenizer_for
+
+log = logging.getLogger(__name__)
+
+
+class GatewayServer:
+    """The client-facing gateway: gRPC ``mooncake.v1.Gateway`` on ``grpc_port`` and OpenAI-compatible HTTP on
+    ``http_port`` (0: a free port, see ``.grpc_port`` / ``.http_port`` after construction; None: that front end
+    is not started).
+
+    ``tokenizer``: a ``Tokenizer``, a path to a folder with (or to a) tokenizer.json, or None for the one of
+    ``backend.model_name`` (its tokenizer.json when it names such a folder, else bytes). ``auth_token``: if
+    given, every call but health checks must carry ``Bearer <token>``; without one the gateway refuses a
+    non-loopback ``host`` unless ``allow_unauthenticated``.
+    """
+
+    def __init__(self, backend: Backend, *, host: str = "127.0.0.1", grpc_port: int | None = 0,
+                 http_port: int | None = 0, auth_token: str | None = None, model_name: str | None = None,
+                 tokenizer: Tokenizer | str | Path | None = None, allow_unauthenticated: bool = False,
+                 grpc_workers: int = 128, http_idle_timeout_s: float = 60.0):
+        check_exposure(host, auth_token, allow_unauthenticated)
+        if tokenizer is None or isinstance(tokenizer, (str, Path)):
+            tokenizer = tokenizer_for(tokenizer or backend.model_name, backend.vocab_size)
+        self.backend = backend
+        self.metrics = GatewayMetrics(backend.stats)
+        self.core = GatewayCore(backend, tokenizer, model_name or backend.model_name, self.metrics)
+        self.host = host
+        self._grpc = self._http = None
+        self._started = self._stopped = False
+        try:
+            if grpc_port is not None:
+                self._grpc = GrpcFrontEnd(self.core, host, grpc_port, auth_token=auth_token, max_workers=grpc_workers)
+            if http_port is not None:
+                self._http = HttpFrontEnd(self.core, host, http_port, auth_token=auth_token,
+                                          idle_timeout_s=http_idle_timeout_s)
+        except BaseException:
+            if self._grpc is not None:
+                self._grpc.stop(0).wait()
+            raise
+
+    @property
+    def grpc_port(self) -> int | None:
+        return self._grpc.port if self._grpc is not None else None
+
+    @property
+    def http_port(self) -> int | None:
+        return self._http.port if self._http is not None else None
+
+    @property
+    def model_name(self) -> str:
+        return self.core.model_name
+
+    def start(self) -> "GatewayServer":
+        if not self._started:
+            self._started = True
+            if self._grpc is not None:
+                self._grpc.start()
+                log.info("gateway gRPC listening on %s:%d", self.host, self.grpc_port)
+            if self._http is not None:
+                self._http.start()
+                log.info("gateway HTTP listening on http://%s:%d", self.host, self.http_port)
+        return self
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop both front ends; streams still open after ``grace_s`` are cancelled (their backends told)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grpc_done = self._grpc.stop(grace_s) if self._grpc is not None else None
+        if self._http is not None and self._started:
+            self._http.stop(grace_s)
+        elif self._http is not None:
+            self._http.close()
+        if grpc_done is not None:
+            grpc_done.wait()
+
+    def __enter__(self) -> "GatewayServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

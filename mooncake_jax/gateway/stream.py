@@ -1,0 +1,177 @@
+"""One request's trip through the backend, as both front ends see it: timing, text, stop strings, metrics.
+
+``run`` turns the backend's ``TokenOut``/``Finished`` items into ``TokenEvent``s and one closing ``Summary``.
+Text is released only when it can no longer change: an unfinished UTF-8 character, or a tail that may be the
+start of a stop string, waits for the next token. To keep every piece of text inside a token event, the one token
+whose text is held back is itself held (never more than one, and only while its text is undecided); all other
+tokens go out the moment they arrive. A stop string ends the request: the text stops before it, the backend is
+told through the ``cancelled`` event and its remaining items are drained for the cached-token count.
+
+Times are measured at the gateway from the request's arrival there, so TTFT and TBT include what a client
+waits for (tokenization, scheduling, queueing, transfers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from mooncake_jax.gateway.backend import (FINISH_ABORT, FINISH_STOP, Backend, Finished, InvalidRequest,
+                                          Rejected, TokenOut, Unavailable, paper_tbt)
+from mooncake_jax.gateway.metrics import GatewayMetrics
+from mooncake_jax.gateway.tokenizer import Tokenizer
+from mooncake_jax.gateway.validate import Prepared
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    token: int
+    index: int
+    time_s: float  # since arrival at the gateway
+    text: str = ""
+
+
+@dataclasses.dataclass
+class Summary:
+    reason: str  # backend.FINISH_*
+    ttft_s: float
+    tbt_s: float
+    total_s: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    request_id: str
+
+
+class StopMatcher:
+    """Finds the first stop string in streamed text, releasing only text that cannot be the start of one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self._stops = stops
+        self._held = ""
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._held)
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """``(released text, stopped)``; after a stop the released text ends where the stop string began."""
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buf[:min(hits)], True
+        keep = max((k for s in self._stops for k in range(min(len(s) - 1, len(buf)), 0, -1)
+                    if buf.endswith(s[:k])), default=0)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+class _Text:
+    """Detokenizer followed by the stop matcher."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]):
+        self._detok = tokenizer.detokenizer()
+        self._stops = StopMatcher(stops)
+
+    @property
+    def pending(self) -> bool:
+        return self._detok.pending or self._stops.pending
+
+    def add(self, token: int) -> tuple[str, bool]:
+        return self._stops.feed(self._detok.add(token))
+
+    def flush(self) -> str:
+        text, stopped = self._stops.feed(self._detok.flush())
+        return text if stopped else text + self._stops.flush()
+
+
+def run(backend: Backend, prepared: Prepared, tokenizer: Tokenizer, *, arrival: float,
+        cancelled: threading.Event, metrics: GatewayMetrics, api: str, want_text: bool,
+        clock: Callable[[], float] = time.monotonic) -> Iterator[TokenEvent | Summary]:
+    """Stream one request; token events carry text when ``want_text``. Raises what the backend raises
+    (``Rejected``, ``Unavailable``, ``InvalidRequest``) after counting it. If the consumer stops early (the
+    client went away), ``cancelled`` is set so the backend frees the request's KV."""
+    request = prepared.request
+    text = _Text(tokenizer, prepared.stop) if want_text or prepared.stop else None
+    times: list[float] = []
+    outcome, summary, items = "error", None, None
+    metrics.in_flight.inc()
+
+    def record() -> None:
+        metrics.in_flight.dec()
+        done = summary is not None
+        metrics.finished(api, outcome, ttft_s=times[0] if times else None,
+                         tbt_s=summary.tbt_s if done and len(times) > 1 else None,
+                         prompt_tokens=len(request.prompt) if done else 0,
+                         cached_tokens=summary.cached_tokens if done else 0, output_tokens=len(times))
+
+    try:
+        items = iter(backend.generate(request, cancelled))
+        finished, stopped = yield from _tokens(items, text, times, cancelled, lambda: clock() - arrival)
+        total = clock() - arrival
+        summary = Summary(FINISH_STOP if stopped else finished.reason, times[0] if times else total,
+                          paper_tbt(times), total, len(request.prompt), len(times), finished.cached_tokens,
+                          request.request_id)
+        outcome = "cancelled" if summary.reason == FINISH_ABORT and cancelled.is_set() else summary.reason
+    except GeneratorExit:
+        outcome = "cancelled"
+        raise
+    except Rejected as e:
+        outcome = "rejected"
+        metrics.rejections.labels(e.stage).inc()
+        raise
+    except Unavailable:
+        outcome = "unavailable"
+        raise
+    except InvalidRequest:
+        outcome = "invalid"
+        raise
+    finally:
+        if summary is None:
+            cancelled.set()  # ended early, whatever the reason: let the backend free the KV
+            if hasattr(items, "close"):
+                items.close()
+        record()  # before the summary goes out, so a client that reads it sees its request counted
+    yield summary
+
+
+def _tokens(items, text: _Text | None, times: list[float], cancelled: threading.Event,
+            elapsed: Callable[[], float]):
+    """Yield token events (appending their times); return ``(Finished, stopped by a stop string)``."""
+    held: TokenEvent | None = None
+    stopped = False
+    for item in items:
+        if isinstance(item, Finished):
+            if held is not None:
+                held.text += text.flush()
+                yield held
+            return item, stopped
+        if not isinstance(item, TokenOut) or stopped:
+            continue  # after a stop string: drain until the backend confirms
+        times.append(elapsed())
+        event = TokenEvent(item.token, len(times) - 1, times[-1])
+        if text is None:
+            yield event
+            continue
+        piece, stopped = text.add(item.token)
+        emit_now = stopped or not text.pending
+        if held is not None:  # its text is decided now; the newest token takes the text if it goes out too
+            if not emit_now:
+                held.text, piece = held.text + piece, ""
+            yield held
+            held = None
+        event.text = piece
+        if emit_now:
+            yield event
+        else:
+            held = event
+        if stopped:
+            cancelled.set()
+    raise Unavailable("the backend's stream ended without a final message")

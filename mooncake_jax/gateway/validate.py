@@ -1,0 +1,95 @@
+"""Turn what a front end parsed into a ``GenerateRequest``, or an ``InvalidRequest`` that says what is wrong.
+
+Both front ends check only the *types* of their own wire format (JSON or protobuf) and then come here, so a
+value is judged by the same rule, with the same message, whichever way it arrived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+import uuid
+
+from mooncake_jax.gateway.backend import Backend, GenerateRequest, InvalidRequest
+from mooncake_jax.gateway.tokenizer import Tokenizer
+
+DEFAULT_MAX_TOKENS = 16
+MAX_STOP_STRINGS = 16
+
+
+@dataclasses.dataclass
+class Params:
+    """A request as parsed from the wire; ``None`` means the client left the field out."""
+
+    prompt_ids: list[int] | None = None
+    prompt_text: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    request_id: str | None = None
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A validated request: what the backend gets, plus what only the gateway acts on."""
+
+    request: GenerateRequest
+    stop: tuple[str, ...]
+    text_prompt: bool  # the prompt came as text (so the client gets text back)
+
+
+def prepare(params: Params, backend: Backend, tokenizer: Tokenizer) -> Prepared:
+    prompt = _prompt(params, backend, tokenizer)
+    max_tokens = DEFAULT_MAX_TOKENS if params.max_tokens is None else params.max_tokens
+    if max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}")
+    if len(prompt) + max_tokens > backend.max_context:
+        raise InvalidRequest(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                             f"model's context of {backend.max_context} tokens")
+    temperature = 0.0 if params.temperature is None else params.temperature
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise InvalidRequest(f"temperature must be a finite number >= 0, got {temperature}")
+    top_p = 1.0 if params.top_p is None else params.top_p
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
+    seed = secrets.randbits(63) if params.seed is None else params.seed
+    if not 0 <= seed < 2**63:
+        raise InvalidRequest(f"seed must be in [0, 2**63), got {seed}")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
+    if any(not s for s in params.stop):
+        raise InvalidRequest("stop strings must not be empty")
+    _check_ids("stop token", params.stop_token_ids, backend.vocab_size)
+    request = GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=float(temperature),
+                              top_p=float(top_p), seed=seed, stop_token_ids=tuple(params.stop_token_ids),
+                              ignore_eos=params.ignore_eos, request_id=params.request_id or uuid.uuid4().hex)
+    return Prepared(request, tuple(params.stop), text_prompt=params.prompt_text is not None)
+
+
+def _prompt(params: Params, backend: Backend, tokenizer: Tokenizer) -> list[int]:
+    if params.prompt_ids is not None and params.prompt_text is not None:
+        raise InvalidRequest("give the prompt as token ids or as text, not both")
+    if params.prompt_text is not None:
+        if not params.prompt_text:
+            raise InvalidRequest("the prompt is empty")
+        prompt = tokenizer.encode(params.prompt_text)
+    else:
+        prompt = list(params.prompt_ids or ())
+        if not prompt:
+            raise InvalidRequest("the prompt is empty")
+    _check_ids("prompt token", prompt, backend.vocab_size)
+    if len(prompt) >= backend.max_context:
+        raise InvalidRequest(f"the prompt has {len(prompt)} tokens; the model's context is {backend.max_context} "
+                             f"tokens, including the generated ones")
+    return prompt
+
+
+def _check_ids(what: str, ids, vocab_size: int) -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidRequest(f"{what} {i} (id {t}) is outside the vocabulary [0, {vocab_size})")
