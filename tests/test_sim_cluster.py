@@ -149,7 +149,9 @@ def test_public_call_and_summary_contract(tmp_path):
     assert result.summary["requests"] == 200
     path = tmp_path / "r.json"
     result.write_json(path)
-    assert json.loads(path.read_text())["summary"]["completed"] == result.summary["completed"]
+    written = json.loads(path.read_text())
+    assert {k: written[k] for k in result.summary} == json.loads(json.dumps(result.summary))
+    assert written["config"]["prefill"] == 2 and len(written["load"]["time_s"]) > 1
     assert math.isclose(mj.sim.cache_hit_ratio("conversation", None), 0.3664, abs_tol=5e-4)
 
 

@@ -10,10 +10,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mooncake_jax.conductor import HARDWARE, MODEL_SHAPES, InstanceCosts, instance_costs
+from mooncake_jax.conductor import HARDWARE, MODEL_SHAPES, InstanceCosts, ModelShape
 from mooncake_jax.conductor.profile import load_profile
 
 HardwareSpec = str | Path | InstanceCosts
+
+SIM_MODEL_SHAPES: dict[str, ModelShape] = {
+    **MODEL_SHAPES,
+    # LLaMA-1 65B: full multi-head attention, so 8x the KV per token of LLaMA-2-70B's grouped-query attention
+    # (2.5 MiB vs 320 KiB). With it a decode node holds ~170k tokens instead of ~1.3M, and the decode pool,
+    # not only prefill, runs out under load, as in the paper's overload experiments. Simulation only: the
+    # engine has no preset for it.
+    "llama-65b": ModelShape("llama-65b", 80, 8192, 64, 64, 128, 22016, 32000),
+}
+"""Model shapes the simulator can cost on built-in hardware: the Conductor's, plus multi-head-attention ones."""
 
 
 def resolve_costs(spec: HardwareSpec, model: str) -> InstanceCosts:
@@ -23,9 +33,9 @@ def resolve_costs(spec: HardwareSpec, model: str) -> InstanceCosts:
         return spec
     name = str(spec)
     if name in HARDWARE:
-        if model not in MODEL_SHAPES:
-            raise ValueError(f"unknown model {model!r}; built-in: {sorted(MODEL_SHAPES)}")
-        return instance_costs(name, model)
+        if model not in SIM_MODEL_SHAPES:
+            raise ValueError(f"unknown model {model!r}; built-in: {sorted(SIM_MODEL_SHAPES)}")
+        return HARDWARE[name].costs(SIM_MODEL_SHAPES[model])
     if name.endswith(".json") or Path(name).is_file():
         return load_profile(name)
     raise ValueError(f"unknown hardware {name!r}: not a built-in profile ({sorted(HARDWARE)}) nor a profile file")

@@ -110,7 +110,9 @@ class SimResult:
         }
 
     def to_dict(self, load: bool = True) -> dict:
-        out = {"trace": self.trace, "config": self.config, "summary": self.summary}
+        """The summary's keys at the top level (what ``--json`` promises), plus ``trace``, ``config`` and
+        ``load`` (the series over time, unless ``load`` is False)."""
+        out = {**self.summary, "trace": self.trace, "config": self.config}
         if load:
             out["load"] = self.load
         return _jsonable(out)
