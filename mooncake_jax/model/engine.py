@@ -259,10 +259,11 @@ class Engine:
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output.append(token)
-        eos = seq.params.eos_token_id if seq.params.eos_token_id is not None else self.cfg.eos_token_id
-        if len(seq.output) >= seq.params.max_new_tokens:
+        params = seq.params
+        eos = params.eos_token_id if params.eos_token_id is not None else self.cfg.eos_token_id
+        if len(seq.output) >= params.max_new_tokens:
             seq.finish_reason = FINISH_LENGTH
-        elif not seq.params.ignore_eos and eos is not None and token == eos:
+        elif (not params.ignore_eos and eos is not None and token == eos) or token in params.stop_token_ids:
             seq.finish_reason = FINISH_STOP
 
     # ---- whole blocks in and out (pool, Messenger) -----------------------------------------------------------

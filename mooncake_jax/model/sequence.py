@@ -18,8 +18,8 @@ FINISH_LENGTH, FINISH_STOP, FINISH_ABORT = "length", "stop", "abort"
 @dataclasses.dataclass
 class SamplingParams:
     """How to generate: ``temperature`` 0 is greedy; ``top_p`` < 1 samples from the nucleus; ``seed`` makes sampling
-    reproducible; generation stops after ``max_new_tokens`` or at EOS (the model's unless ``eos_token_id`` is given;
-    ``ignore_eos`` never stops early)."""
+    reproducible; generation stops after ``max_new_tokens``, at EOS (the model's unless ``eos_token_id`` is given;
+    ``ignore_eos`` ignores it) or at any of ``stop_token_ids`` (the stop token is the last output token)."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -27,6 +27,7 @@ class SamplingParams:
     seed: int = 0
     eos_token_id: int | None = None
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
     def validate(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, (int, np.integer)):

@@ -49,3 +49,9 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
     ]
+
+
+def server_options() -> list[tuple[str, int]]:
+    """Options for servers: raised message limits, and no SO_REUSEPORT, so a second server on a taken port fails
+    instead of silently sharing its calls."""
+    return [*channel_options(), ("grpc.so_reuseport", 0)]

@@ -14,7 +14,7 @@ from concurrent import futures
 import grpc
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.proto import CHUNK_BYTES, GRPC_MAX_MESSAGE_BYTES, channel_options
+from mooncake_jax.proto import CHUNK_BYTES, GRPC_MAX_MESSAGE_BYTES, server_options
 from mooncake_jax.transfer.counters import Meter, TransferCounters
 from mooncake_jax.transfer.frame import CorruptBlockError
 from mooncake_jax.transfer.messenger_wire import (
@@ -141,16 +141,22 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
     )
 
 
+def add_messenger(server: grpc.Server, pool: BlockPool) -> Meter:
+    """Serve ``pool`` through the Messenger service on an existing gRPC server (an instance serves its own RPCs and
+    its Messenger on one port); returns the meter counting what moves. The server must have the raised message
+    limits of ``channel_options()``."""
+    meter = Meter()
+    server.add_generic_rpc_handlers((_handlers(_Servicer(pool, meter)),))
+    return meter
+
+
 class MessengerServer:
     """Serves ``pool`` to peers on ``host:port`` (port 0: a free one, read back from ``.port``)."""
 
     def __init__(self, pool: BlockPool, *, host: str = "127.0.0.1", port: int = 0, max_workers: int = 8) -> None:
         self.pool = pool
-        self._meter = Meter()
-        # no SO_REUSEPORT: a second server on a taken port must fail, not silently share its calls
-        options = [*channel_options(), ("grpc.so_reuseport", 0)]
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers), options=options)
-        self._server.add_generic_rpc_handlers((_handlers(_Servicer(pool, self._meter)),))
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers), options=server_options())
+        self._meter = add_messenger(self._server, pool)
         try:
             self.port = self._server.add_insecure_port(f"{host}:{port}")
         except RuntimeError as err:

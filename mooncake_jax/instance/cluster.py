@@ -1,0 +1,244 @@
+"""``mj.Cluster``: a local disaggregated cluster, as a Python object.
+
+    with mj.Cluster.local(model="tiny", prefill=2, decode=1) as cluster:
+        cluster.generate([[1, 5, 9], [1, 7]], max_new_tokens=16)
+
+It starts a Conductor, P prefill and D decode instances and a ``ClusterBackend`` that routes requests through them
+(the gateway serves the same backend over gRPC and HTTP). Instances run in this process (``processes=False``, the
+default: quick to start, they share the model's weights) or each in its own process (``processes=True``, what
+``mooncake-jax serve`` does). The first instance measures the engine for the cost profile every instance then
+registers with.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..conductor.api import PolicyConfig
+from ..conductor.service import serve as serve_conductor
+from ..gateway.backend import Finished, GenerateRequest, TokenOut
+from ..llm import build_model
+from ..model.config import get_config
+from .backend import ClusterBackend
+from .conductor_link import DECODE, PREFILL
+from .server import InstanceConfig, InstanceServer
+
+log = logging.getLogger(__name__)
+
+
+class ChildInstance:
+    """An instance process (``instance/main.py``), tied to this process through its standard input."""
+
+    def __init__(self, args: list[str], log_path: Path | None, timeout_s: float = 600.0):
+        self.log_file = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.instance.main", *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file)
+        self.info = self._ready(timeout_s)
+        self.instance_id, self.address = self.info["instance_id"], self.info["address"]
+
+    def _ready(self, timeout_s: float) -> dict:
+        result: dict = {}
+
+        def read():
+            line = self.proc.stdout.readline()
+            if line:
+                result.update(json.loads(line))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if not result.get("ready"):
+            self.kill()
+            raise RuntimeError(f"instance process did not start (exit code {self.proc.poll()}); see its log")
+        return result
+
+    def kill(self) -> None:
+        """Abrupt death (tests of failure handling)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream:
+                stream.close()
+        if self.log_file is not subprocess.DEVNULL:
+            self.log_file.close()
+
+
+class Cluster:
+    """A running local cluster (use ``Cluster.local``)."""
+
+    def __init__(self, conductor, instances: dict, backend: ClusterBackend, model_name: str):
+        self.conductor = conductor
+        self.instances = instances  # instance id -> InstanceServer or ChildInstance
+        self.backend = backend
+        self.model_name = model_name
+        self._closed = False
+
+    @classmethod
+    def local(cls, model: str = "tiny", prefill: int = 2, decode: int = 1, *, processes: bool = False,
+              policy: str = "kvcache-centric", admission: str = "predictive", ttft_slo_s: float = 30.0,
+              tbt_slo_s: float = 1.0, seed: int = 0, prefill_chunk_size: int = 512, max_batch: int = 32,
+              num_pages: int | None = None, pool_dram_blocks: int = 8192, layerwise: bool = False,
+              heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0,
+              kvcache_balancing_threshold: float = 1.0, profile_json: str | None = None,
+              log_dir: str | Path | None = None, host: str = "127.0.0.1") -> "Cluster":
+        """Start a Conductor with ``prefill`` + ``decode`` instances of ``model`` on this machine."""
+        for name, value in (("prefill", prefill), ("decode", decode)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"a cluster needs at least one {name} instance, got {value!r}")
+        cfg = get_config(model)
+        config = PolicyConfig(strategy=policy, admission=admission, block_size=cfg.block_size,
+                              ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
+                              kvcache_balancing_threshold=kvcache_balancing_threshold, seed=seed)
+        conductor = serve_conductor(config, host=host, heartbeat_interval_s=heartbeat_interval_s,
+                                    heartbeat_timeout_s=heartbeat_timeout_s)
+        instances: dict = {}
+        try:
+            common = dict(conductor_address=conductor.address, model=model, seed=seed, host=host,
+                          prefill_chunk_size=prefill_chunk_size, max_batch=max_batch, num_pages=num_pages,
+                          pool_dram_blocks=pool_dram_blocks, tbt_slo_s=tbt_slo_s)
+            roles = [PREFILL] * prefill + [DECODE] * decode
+            if processes:
+                starter = _ProcessStarter(common, layerwise, Path(log_dir) if log_dir else None)
+            else:
+                starter = _InProcessStarter(common, layerwise, build_model(model, seed=seed))
+            first = starter.start(roles[0], 0, profile_json)
+            instances[first.instance_id] = first
+            profile_json = starter.profile_of(first)
+            with ThreadPoolExecutor(max(1, len(roles) - 1)) as pool:
+                rest = list(pool.map(lambda ir: starter.start(ir[1], ir[0], profile_json),
+                                     enumerate(roles[1:], start=1)))
+            instances.update({inst.instance_id: inst for inst in rest})
+        except BaseException:
+            for inst in instances.values():
+                inst.stop()
+            conductor.stop()
+            raise
+        backend = ClusterBackend(conductor.address, cfg, model_name=model)
+        return cls(conductor, instances, backend, model)
+
+    # ---- using it ------------------------------------------------------------------------------------------
+    def stream(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0, cancelled: threading.Event | None = None):
+        """Yields ``TokenOut`` items then a ``Finished`` (raises InvalidRequest / Rejected / Unavailable)."""
+        request = GenerateRequest(prompt=list(prompt), max_tokens=max_new_tokens, temperature=temperature,
+                                  top_p=top_p, seed=seed)
+        return self.backend.generate(request, cancelled)
+
+    def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0) -> list[list[int]]:
+        """New tokens for each prompt; the prompts run concurrently through the cluster."""
+        def one(prompt):
+            return [item.token for item in self.stream(prompt, max_new_tokens, temperature, top_p, seed)
+                    if isinstance(item, TokenOut)]
+
+        with ThreadPoolExecutor(max(1, min(32, len(prompts)))) as pool:
+            return list(pool.map(one, prompts))
+
+    def run(self, prompt, **kwargs) -> tuple[list[int], Finished]:
+        """(tokens, Finished) of one request."""
+        tokens, finished = [], None
+        for item in self.stream(prompt, **kwargs):
+            if isinstance(item, TokenOut):
+                tokens.append(item.token)
+            else:
+                finished = item
+        return tokens, finished
+
+    def stats(self) -> dict[str, float]:
+        values = dict(self.backend.stats())
+        for inst in self.instances.values():
+            if isinstance(inst, InstanceServer):
+                for name, value in inst.stats().items():
+                    values[f"{inst.config.instance_id}.{name}"] = value
+        return values
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.backend.close()
+        for inst in self.instances.values():
+            inst.stop()
+        self.conductor.stop()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _InProcessStarter:
+    def __init__(self, common: dict, layerwise: bool, model):
+        self.common, self.layerwise, self.model = common, layerwise, model
+
+    def start(self, role: str, index: int, profile_json: str | None) -> InstanceServer:
+        config = InstanceConfig(role=role, instance_id=f"{role}-{index}", profile_json=profile_json,
+                                layerwise=self.layerwise and role == PREFILL, **self.common)
+        return InstanceServer(config, self.model).start()
+
+    @staticmethod
+    def profile_of(instance: InstanceServer) -> str:
+        return instance.profile_json
+
+
+class _ProcessStarter:
+    def __init__(self, common: dict, layerwise: bool, log_dir: Path | None):
+        self.common, self.layerwise, self.log_dir = common, layerwise, log_dir
+        self._profile_dir = tempfile.TemporaryDirectory(prefix="mooncake-profile-")
+        if log_dir:
+            log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, role: str, index: int, profile_json: str | None) -> ChildInstance:
+        c = self.common
+        instance_id = f"{role}-{index}"
+        args = ["--role", role, "--conductor", c["conductor_address"], "--model", c["model"],
+                "--instance-id", instance_id, "--host", c["host"], "--seed", str(c["seed"]),
+                "--prefill-chunk-size", str(c["prefill_chunk_size"]), "--max-batch", str(c["max_batch"]),
+                "--pool-dram-blocks", str(c["pool_dram_blocks"]), "--tbt-slo-s", str(c["tbt_slo_s"])]
+        if c["num_pages"]:
+            args += ["--num-pages", str(c["num_pages"])]
+        if self.layerwise and role == PREFILL:
+            args.append("--layerwise")
+        if profile_json:
+            path = Path(self._profile_dir.name) / "profile.json"
+            if not path.exists():
+                path.write_text(profile_json)
+            args += ["--profile-file", str(path)]
+        log_path = self.log_dir / f"{instance_id}.log" if self.log_dir else None
+        return ChildInstance(args, log_path)
+
+    @staticmethod
+    def profile_of(instance: ChildInstance) -> str:
+        return instance.info["profile_json"]
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or ``timeout_s`` passes; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
+
+

@@ -1,0 +1,119 @@
+"""The decode instance's service: take a prefilled request whose KV has arrived, re-check the TBT SLO, and stream its
+tokens from the continuous batch.
+
+``Decode`` first sends ``accepted`` (or fails with RESOURCE_EXHAUSTED: a *late* rejection, the prefill work wasted)
+and then one message per generated token. On arrival, on the engine loop: the batch must have room, the predicted
+step time with this request added must stay within the TBT SLO (``conductor.admission.decode_accepts``, the rule
+the simulator applies too), and the KV must fit; the request's blocks are then loaded from the pool into pages
+(blocks the engine already caches are not loaded again) and the sequence joins the batch. A client that goes away
+cancels the stream; the sequence is dropped and its pages freed before the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from ..conductor.admission import decode_accepts
+from ..model.engine import Engine
+from ..model.kv_cache import OutOfPages
+from ..model.sequence import Sequence
+from .engine_loop import TokenStream, wait
+from .rpc import LateRejection, MissingKV, messages, rpc, sampling_params, services, status_of
+
+log = logging.getLogger(__name__)
+
+
+class DecodeService(services.InstanceServicer):
+    def __init__(self, instance):
+        self.instance = instance
+        self._lock = threading.Lock()
+        self._counts = {"decode_requests": 0, "decode_rejected_late": 0, "decode_tokens": 0, "decode_aborted": 0}
+        self._active: dict[str, Sequence] = {}
+
+    def add_to_server(self, server) -> None:
+        services.add_InstanceServicer_to_server(self, server)
+
+    def load(self) -> dict:
+        with self._lock:
+            return {"active": {rid: len(seq.tokens) for rid, seq in self._active.items()}}
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {k: float(v) for k, v in self._counts.items()} | {"decode_active": float(len(self._active))}
+
+    def _count(self, **amounts) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                self._counts[name] += amount
+
+    def Decode(self, request, context):
+        inst = self.instance
+        try:
+            seq = inst.engine.new_sequence(list(request.prompt), sampling_params(request.sampling))
+            if not 0 <= request.first_token < inst.engine.cfg.vocab_size:
+                raise ValueError(f"first_token {request.first_token} is outside the vocabulary")
+            stream = TokenStream(timeout_s=inst.config.request_timeout_s)
+            future = inst.loop.submit(lambda engine: self._admit(engine, seq, request, stream))
+            wait(future, inst.config.request_timeout_s)
+        except Exception as e:
+            code = status_of(e)
+            if isinstance(e, LateRejection):
+                self._count(decode_rejected_late=1)
+                if inst.link is not None:
+                    inst.link.report(request.request_id, "DROPPED")
+            context.abort(code, str(e))
+        self._count(decode_requests=1)
+        with self._lock:
+            self._active[request.request_id] = seq
+        if inst.link is not None:
+            inst.link.report(request.request_id, "DECODE_STARTED")
+        context.add_callback(lambda: inst.loop.cancel(seq) if not seq.finished else None)
+        try:
+            yield messages.DecodeEvent(accepted=messages.DecodeEvent.Accepted())
+            for index, token in enumerate(stream, start=1):
+                self._count(decode_tokens=1)
+                yield messages.DecodeEvent(token=messages.DecodeEvent.Token(token=token, index=index))
+            if stream.finish_reason == "abort":
+                self._count(decode_aborted=1)
+            yield messages.DecodeEvent(done=messages.DecodeEvent.Done(reason=stream.finish_reason or "abort"))
+        finally:
+            if not seq.finished:
+                inst.loop.cancel(seq)
+            with self._lock:
+                self._active.pop(request.request_id, None)
+            if inst.link is not None:
+                inst.link.report(request.request_id, "FINISHED")
+
+    def _admit(self, engine: Engine, seq: Sequence, request, stream: TokenStream) -> None:
+        """On the engine loop: the late check, the KV from the pool into pages, and into the batch."""
+        inst = self.instance
+        running = inst.loop.running
+        if len(running) >= engine.max_batch:
+            raise LateRejection(f"decode batch is full ({engine.max_batch} sequences)")
+        context = sum(len(s.tokens) for s in running)
+        if inst.costs is not None and not decode_accepts(inst.costs.decode, len(running), context, seq.max_len,
+                                                         inst.config.tbt_slo_s):
+            raise LateRejection(f"adding this request would exceed the TBT SLO of {inst.config.tbt_slo_s} s")
+        keys = list(request.kv_keys)
+        expected = -(-len(seq.prompt) // engine.block_size)
+        if len(keys) != expected:
+            raise ValueError(f"kv_keys has {len(keys)} keys, the prompt needs {expected}")
+        missing = [key for key in keys if engine.prefix_cache.page_of(key) is None]
+        if missing:
+            blocks = inst.pool.get_many(missing)
+            absent = [key for key, block in zip(missing, blocks) if block is None]
+            if absent:
+                raise MissingKV(f"{len(absent)} of the request's KV blocks are not in this instance's pool")
+            try:
+                engine.load_blocks(missing, np.stack(blocks))
+            except OutOfPages as e:
+                raise LateRejection(f"no room for the request's KV: {e}") from None
+        pages = [engine.prefix_cache.page_of(key) for key in keys]
+        try:
+            engine.adopt(seq, pages, request.first_token)
+        except OutOfPages as e:
+            raise LateRejection(f"no room for the request's KV: {e}") from None
+        inst.loop.join_batch(seq, stream)

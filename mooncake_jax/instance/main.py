@@ -1,0 +1,71 @@
+"""One instance as its own process: ``python -m mooncake_jax.instance.main --role prefill --conductor HOST:PORT``.
+
+When ready it prints one JSON line on stdout (``{"ready": true, "instance_id", "address", "profile_json"}``) and
+serves until SIGTERM/SIGINT, or until its standard input closes: the parent that started it holds the other end,
+so an instance never outlives the cluster that started it (no orphans, even if the parent is killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from .conductor_link import DECODE, PREFILL
+from .server import InstanceConfig, InstanceServer
+
+
+def parse_args(argv=None) -> InstanceConfig:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--role", required=True, choices=[PREFILL, DECODE])
+    p.add_argument("--conductor", required=True, help="Conductor address host:port")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--instance-id", default="")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--prefill-chunk-size", type=int, default=512)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--pool-dram-blocks", type=int, default=8192)
+    p.add_argument("--pool-ssd-path", default=None)
+    p.add_argument("--layerwise", action="store_true")
+    p.add_argument("--tbt-slo-s", type=float, default=1.0)
+    p.add_argument("--profile-file", type=Path, default=None, help="cost profile JSON (default: measure at start)")
+    a = p.parse_args(argv)
+    return InstanceConfig(
+        role=a.role, conductor_address=a.conductor, model=a.model, instance_id=a.instance_id, host=a.host,
+        port=a.port, seed=a.seed, dtype=a.dtype, prefill_chunk_size=a.prefill_chunk_size, max_batch=a.max_batch,
+        num_pages=a.num_pages, pool_dram_blocks=a.pool_dram_blocks, pool_ssd_path=a.pool_ssd_path,
+        layerwise=a.layerwise, tbt_slo_s=a.tbt_slo_s,
+        profile_json=a.profile_file.read_text() if a.profile_file else None)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    config = parse_args(argv)
+    server = InstanceServer(config).start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def lifeline():
+        sys.stdin.read()  # returns at EOF: the parent is gone or wants us to stop
+        stop.set()
+
+    threading.Thread(target=lifeline, daemon=True).start()
+    print(json.dumps({"ready": True, "instance_id": config.instance_id, "address": server.address,
+                      "profile_json": server.profile_json}), flush=True)
+    stop.wait()
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

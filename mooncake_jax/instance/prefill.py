@@ -1,0 +1,128 @@
+"""The prefill instance's service: run the Conductor's transfer plan, prefill reusing every cached block it can,
+store the new KV in the pool, hand the request's KV to the decode instance, and answer with the first token.
+
+Order of work for one request (the engine part runs on the engine loop, FIFO, everything else on the gRPC thread):
+
+1. fetch the planned blocks from the source instance's pool into this pool (Messenger; keys already here are not
+   sent), pinned until the prefill has read them;
+2. on the engine loop: reuse the prompt's leading blocks from the engine's own page cache, then from the pool
+   (loaded into pages), prefill the rest, write every new block of the prompt into the pool (the pool announces
+   them to the Conductor as KV events), release the sequence;
+3. push the request's blocks (full blocks and the partial tail) to the decode instance's pool;
+4. report PREFILL_DONE to the Conductor and return the first token.
+
+A fetch that fails is not fatal: the blocks are recomputed instead. The queue of predicted prefill seconds is what
+the heartbeat reports as ``queued_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from ..model.engine import Engine
+from ..model.sequence import Sequence
+from ..transfer.messenger import TransferError
+from ..transfer.offload import LayerwisePrefill, request_keys
+from .engine_loop import wait
+from .rpc import messages, rpc, sampling_params, services
+
+log = logging.getLogger(__name__)
+
+
+class PrefillService(services.InstanceServicer):
+    def __init__(self, instance):
+        self.instance = instance
+        self._lock = threading.Lock()
+        self._queued_s = 0.0
+        self._counts = {"prefill_requests": 0, "prefill_prompt_tokens": 0, "prefill_cached_tokens": 0,
+                        "prefill_fetched_blocks": 0, "prefill_pushed_blocks": 0, "prefill_fetch_failures": 0}
+        self._layerwise = (LayerwisePrefill(instance.engine, instance.pool)
+                           if instance.config.layerwise else None)
+
+    def add_to_server(self, server) -> None:
+        services.add_InstanceServicer_to_server(self, server)
+
+    def load(self) -> dict:
+        with self._lock:
+            return {"queued_s": self._queued_s}
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {k: float(v) for k, v in self._counts.items()} | {"prefill_queued_s": self._queued_s}
+
+    def _count(self, **amounts) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                self._counts[name] += amount
+
+    @rpc
+    def Prefill(self, request, context):
+        t0 = time.perf_counter()
+        inst, engine = self.instance, self.instance.engine
+        seq = engine.new_sequence(list(request.prompt), sampling_params(request.sampling))
+        keys = request_keys(seq, engine.block_size)
+        if inst.link is not None:
+            inst.link.ignored_keys.update(keys[len(seq.prompt) // engine.block_size:])  # the tail is private
+        with inst.pool.pin(list(request.fetch_keys) + keys):
+            if request.fetch_from and request.fetch_keys:
+                try:
+                    moved = inst.messenger(request.fetch_from).fetch(list(request.fetch_keys)).moved
+                    self._count(prefill_fetched_blocks=len(moved))
+                except TransferError as e:  # recompute what did not arrive
+                    log.warning("fetch from %s failed: %s", request.fetch_from, e)
+                    self._count(prefill_fetch_failures=1)
+            t_fetched = time.perf_counter()
+            predicted = inst.costs.prefill.seconds(len(seq.prompt), 0) if inst.costs else 0.0
+            with self._lock:
+                self._queued_s += predicted
+            try:
+                queued_at = time.perf_counter()
+                started = {}
+                future = inst.loop.submit(lambda eng: self._prefill_job(eng, seq, keys, started))
+                wait(future, inst.config.request_timeout_s)
+            finally:
+                with self._lock:
+                    self._queued_s = max(0.0, self._queued_s - predicted)
+            t_prefilled = time.perf_counter()
+            if request.push_to:
+                moved = inst.messenger(request.push_to).push(keys).moved
+                self._count(prefill_pushed_blocks=len(moved))
+        self._count(prefill_requests=1, prefill_prompt_tokens=len(seq.prompt),
+                    prefill_cached_tokens=seq.cached_tokens)
+        if inst.link is not None:
+            inst.link.report(request.request_id, "PREFILL_DONE")
+        t_end = time.perf_counter()
+        return messages.PrefillReply(
+            first_token=seq.output[0], cached_tokens=seq.cached_tokens, kv_keys=keys,
+            queue_s=started.get("t", queued_at) - queued_at, prefill_s=t_prefilled - started.get("t", queued_at),
+            transfer_s=(t_fetched - t0) + (t_end - t_prefilled), finished=seq.finished)
+
+    def _prefill_job(self, engine: Engine, seq: Sequence, keys: list[int], started: dict) -> None:
+        """On the engine loop: prefill ``seq`` over every reusable block and store its new blocks in the pool."""
+        started["t"] = time.perf_counter()
+        pool = self.instance.pool
+        if self._layerwise is not None:
+            self._layerwise.prefill(seq)
+        else:
+            usable = keys[: (len(seq.prompt) - 1) // engine.block_size]
+            pages = engine.cached_pages(usable)
+            from_pool = []
+            for key in usable[len(pages):]:
+                if key not in pool:
+                    break
+                from_pool.append(key)
+            if from_pool:
+                blocks = pool.get_many(from_pool)
+                good = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
+                if good:
+                    pages += engine.load_blocks(from_pool[:good], np.stack(blocks[:good]))
+            engine.admit(seq, cached_pages=pages)
+            engine.prefill(seq)
+            new = [i for i, key in enumerate(keys) if key not in pool]
+            if new:
+                pool.put_many([keys[i] for i in new], engine.read_blocks([seq.pages[i] for i in new]))
+        engine.release(seq)

@@ -1,0 +1,69 @@
+"""gRPC glue shared by the prefill and decode services: proto <-> engine types, and errors -> status codes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import grpc
+
+from ..model.kv_cache import OutOfPages
+from ..model.sequence import SamplingParams
+from ..proto import load
+from ..transfer.messenger import TransferError
+from .engine_loop import LoopStopped
+
+log = logging.getLogger(__name__)
+messages, services = load("instance")
+
+
+class LateRejection(RuntimeError):
+    """The decode instance cannot take the request now (TBT SLO or KV capacity): RESOURCE_EXHAUSTED."""
+
+
+class MissingKV(RuntimeError):
+    """The request's KV did not arrive in this instance's pool."""
+
+
+def sampling_params(msg) -> SamplingParams:
+    return SamplingParams(max_new_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p or 1.0,
+                          seed=msg.seed, stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
+
+
+def sampling_message(params: SamplingParams):
+    return messages.Sampling(max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+                             seed=params.seed, stop_token_ids=list(params.stop_token_ids),
+                             ignore_eos=params.ignore_eos)
+
+
+STATUS = (
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (LateRejection, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (OutOfPages, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (MissingKV, grpc.StatusCode.FAILED_PRECONDITION),
+    (TransferError, grpc.StatusCode.UNAVAILABLE),
+    (LoopStopped, grpc.StatusCode.UNAVAILABLE),
+    (FutureTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+
+
+def status_of(error: BaseException) -> grpc.StatusCode:
+    for kind, code in STATUS:
+        if isinstance(error, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def rpc(method):
+    """Turn the exceptions of a unary handler into gRPC statuses with their message (never a crash)."""
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as e:
+            code = status_of(e)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", method.__name__)
+            context.abort(code, f"{type(e).__name__}: {e}" if code == grpc.StatusCode.INTERNAL else str(e))
+    return wrapper
