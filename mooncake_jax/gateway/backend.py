@@ -90,11 +90,20 @@ class Backend(Protocol):
         Raises InvalidRequest / Rejected / Unavailable (before the first item, or Unavailable mid-stream). When
         ``cancelled`` is set (the client went away) the backend stops the request and frees its KV, and the
         iterator ends with ``Finished(reason=FINISH_ABORT)``.
+
+        The gateway sets ``cancelled`` also after a stop string, and never ``close()``s the iterator early: after
+        setting it, it reads the iterator to its end (on a background thread when the client is gone), so the
+        abort path runs in the backend's own code, between two items.
         """
         ...
 
     def stats(self) -> dict[str, float]:
-        """Gauges and counters the gateway exports on /metrics (queue depths, cache hits, transfer bytes, ...)."""
+        """Gauges and counters the gateway exports on /metrics (queue depths, cache hits, transfer bytes, ...).
+
+        Each key becomes ``mooncake_backend_<key>``: keys ending in ``_total`` are exported as counters, the rest
+        as gauges; a key may carry Prometheus labels, e.g. ``'queue_depth{instance="p0"}'``. Called at every
+        scrape, from the HTTP server's threads.
+        """
         ...
 
 

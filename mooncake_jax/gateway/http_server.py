@@ -156,7 +156,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
+        self._chunked = self.request_version != "HTTP/1.0"  # 1.0 clients read to the end of the connection
+        if self._chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.close_connection = True
         self.end_headers()
         try:
             for event in _chain(first, events):
@@ -243,7 +247,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%X\r\n%s\r\n" % (len(data), data))
+        """One piece of a streamed body (``b""`` ends it)."""
+        if self._chunked:
+            self.wfile.write(b"%X\r\n%s\r\n" % (len(data), data))
+        else:
+            self.wfile.write(data)
         self.wfile.flush()
 
     def _sse(self, body: dict) -> None:

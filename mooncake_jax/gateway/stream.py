@@ -5,7 +5,9 @@ Text is released only when it can no longer change: an unfinished UTF-8 characte
 start of a stop string, waits for the next token. To keep every piece of text inside a token event, the one token
 whose text is held back is itself held (never more than one, and only while its text is undecided); all other
 tokens go out the moment they arrive. A stop string ends the request: the text stops before it, the backend is
-told through the ``cancelled`` event and its remaining items are drained for the cached-token count.
+told through the ``cancelled`` event and its remaining items are drained for the cached-token count. A request
+that ends any other early way (client gone, error) sets ``cancelled`` too, and its backend stream is read to its
+end on a background thread rather than closed, so the backend's own abort path (which frees the KV) runs.
 
 Times are measured at the gateway from the request's arrival there, so TTFT and TBT include what a client
 waits for (tokenization, scheduling, queueing, transfers).
@@ -14,6 +16,7 @@ waits for (tokenization, scheduling, queueing, transfers).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +26,8 @@ from mooncake_jax.gateway.backend import (FINISH_ABORT, FINISH_STOP, Backend, Fi
 from mooncake_jax.gateway.metrics import GatewayMetrics
 from mooncake_jax.gateway.tokenizer import Tokenizer
 from mooncake_jax.gateway.validate import Prepared
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -114,7 +119,8 @@ def run(backend: Backend, prepared: Prepared, tokenizer: Tokenizer, *, arrival: 
 
     try:
         items = iter(backend.generate(request, cancelled))
-        finished, stopped = yield from _tokens(items, text, times, cancelled, lambda: clock() - arrival)
+        finished, stopped = yield from _tokens(items, text, want_text, times, cancelled,
+                                               lambda: clock() - arrival)
         total = clock() - arrival
         summary = Summary(FINISH_STOP if stopped else finished.reason, times[0] if times else total,
                           paper_tbt(times), total, len(request.prompt), len(times), finished.cached_tokens,
@@ -136,22 +142,43 @@ def run(backend: Backend, prepared: Prepared, tokenizer: Tokenizer, *, arrival: 
     finally:
         if summary is None:
             cancelled.set()  # ended early, whatever the reason: let the backend free the KV
-            if hasattr(items, "close"):
-                items.close()
+            if items is not None:
+                _drain(items)
         record()  # before the summary goes out, so a client that reads it sees its request counted
     yield summary
 
 
-def _tokens(items, text: _Text | None, times: list[float], cancelled: threading.Event,
+def _drain(items: Iterator) -> None:
+    """Read a cancelled backend stream to its end on a thread of its own. Not ``close()``: a backend may free the
+    request's KV on its way to ``Finished(FINISH_ABORT)``, and a close would skip that path."""
+
+    def drain() -> None:
+        try:
+            for _ in items:
+                pass
+        except Exception:  # noqa: BLE001 - the request is over; its backend's failure only matters in the log
+            log.debug("cancelled stream ended with an error", exc_info=True)
+
+    threading.Thread(target=drain, name="gw-drain", daemon=True).start()
+
+
+def _tokens(items, text: _Text | None, want_text: bool, times: list[float], cancelled: threading.Event,
             elapsed: Callable[[], float]):
-    """Yield token events (appending their times); return ``(Finished, stopped by a stop string)``."""
+    """Yield token events (appending their times); return ``(Finished, stopped by a stop string)``. Without
+    ``want_text`` the text is only followed for stop strings, and the events carry none."""
+
+    def out(event: TokenEvent) -> TokenEvent:
+        if not want_text:
+            event.text = ""
+        return event
+
     held: TokenEvent | None = None
     stopped = False
     for item in items:
         if isinstance(item, Finished):
             if held is not None:
                 held.text += text.flush()
-                yield held
+                yield out(held)
             return item, stopped
         if not isinstance(item, TokenOut) or stopped:
             continue  # after a stop string: drain until the backend confirms
@@ -165,11 +192,11 @@ def _tokens(items, text: _Text | None, times: list[float], cancelled: threading.
         if held is not None:  # its text is decided now; the newest token takes the text if it goes out too
             if not emit_now:
                 held.text, piece = held.text + piece, ""
-            yield held
+            yield out(held)
             held = None
         event.text = piece
         if emit_now:
-            yield event
+            yield out(event)
         else:
             held = event
         if stopped:
