@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_gateway_support import (WAIT_S, FakeBackend, _fresh_backend, backend, call_http, gateway,  # noqa: F401
-                                  generate, sse_events, text_ids, wait_for)
+                                  generate, open_request, read_events, sse_events, text_ids, wait_for)
 
 from mooncake_jax.gateway import GatewayServer, Rejected, Unavailable
 from mooncake_jax.gateway.backend import REJECT_LATE
@@ -171,21 +170,10 @@ def test_failure_after_the_first_token(gateway, backend):
     assert "decode instance lost" in events[2]["error"]["message"] and events[-1] == "[DONE]"
 
 
-def _open_stream(port, body) -> socket.socket:
-    """A raw client that sends a completion request and waits for the answer's first bytes."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
-    data = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
-    return sock
-
-
 def test_client_disconnect_mid_stream_sets_cancelled(gateway, backend):
     backend.pause_after = 2
-    sock = _open_stream(gateway.http_port, {"prompt": [1, 5, 6], "max_tokens": 10, "stream": True})
-    received = b""
-    while received.count(b"data: ") < 2:
-        received += sock.recv(4096)
+    sock = open_request(gateway.http_port, {"prompt": [1, 5, 6], "max_tokens": 10, "stream": True})
+    received = read_events(sock, 2)
     assert b"200 OK" in received and not backend.cancel_events[-1].is_set()
     sock.close()
     assert wait_for(backend.aborted.is_set), "the backend saw the cancellation while waiting for the next token"
@@ -194,7 +182,7 @@ def test_client_disconnect_mid_stream_sets_cancelled(gateway, backend):
 
 def test_client_disconnect_while_waiting_for_a_plain_answer_sets_cancelled(gateway, backend):
     backend.pause_after = 0  # nothing comes out until cancelled
-    sock = _open_stream(gateway.http_port, {"prompt": [1, 5, 6], "max_tokens": 10})
+    sock = open_request(gateway.http_port, {"prompt": [1, 5, 6], "max_tokens": 10})
     assert wait_for(lambda: backend.requests)
     sock.close()
     assert wait_for(backend.aborted.is_set)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import time
 
@@ -26,8 +27,10 @@ class FakeBackend:
     """Answers every request with ``reply`` (token ids; by default the prompt's tokens after its first, cycled),
     stops at ``eos_token_id`` or a stop token (both included in the stream), honours ``cancelled`` between tokens.
 
-    Knobs for the failure tests: ``fail`` (an exception raised before the first token), ``fail_after`` (raised
-    after that many tokens), ``pause_after`` (stop after that many tokens until ``release`` or cancellation).
+    Knobs for the failure tests: ``fail`` (an exception raised before the first token, for the requests
+    ``fail_when`` accepts), ``fail_after`` (raised
+    after that many tokens), ``pause_after`` (stop after that many tokens until ``release`` or cancellation, for
+    the requests ``pause_when`` accepts).
     """
 
     model_name = "fake-model"
@@ -41,8 +44,10 @@ class FakeBackend:
     def reset(self) -> None:
         self.reply: list[int] | None = None
         self.fail: Exception | None = None
+        self.fail_when = lambda request: True  # which requests ``fail`` applies to
         self.fail_after: tuple[int, Exception] | None = None
         self.pause_after: int | None = None
+        self.pause_when = lambda request: True  # which requests pause_after applies to
         self.release = threading.Event()
         self.token_delay_s = 0.0
         self.cached_tokens = 3
@@ -62,14 +67,14 @@ class FakeBackend:
 
     def _generate(self, request, cancelled):
         start = time.monotonic()
-        if self.fail is not None:
+        if self.fail is not None and self.fail_when(request):
             raise self.fail
         reply = self.reply if self.reply is not None else request.prompt[1:] or request.prompt
         times, reason = [], FINISH_LENGTH
         for i in range(request.max_tokens):
             if self.fail_after is not None and i == self.fail_after[0]:
                 raise self.fail_after[1]
-            if self.pause_after is not None and i == self.pause_after:
+            if self.pause_after is not None and i == self.pause_after and self.pause_when(request):
                 while not self.release.is_set() and not cancelled.wait(0.005):
                     pass
             if cancelled.is_set():
@@ -150,6 +155,25 @@ def call_http(port: int, method: str, path: str, body=None, headers=None, raw: b
         return resp.status, dict(resp.getheaders()), value
     finally:
         conn.close()
+
+
+def open_request(port: int, body) -> socket.socket:
+    """A raw client socket that has sent a completion request (to be read from, then dropped)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+    data = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def read_events(sock: socket.socket, count: int) -> bytes:
+    """Read from a raw stream until ``count`` server-sent events have started."""
+    received = b""
+    while received.count(b"data: ") < count:
+        data = sock.recv(4096)
+        assert data, f"the server closed the stream after {received!r}"
+        received += data
+    return received
 
 
 def sse_events(text: str) -> list:
