@@ -111,3 +111,25 @@ def test_stop_matcher_holds_back_what_may_become_a_stop_string():
     assert "".join(out) == "one\ntwo" and stopped
     out, stopped = feed_all(["b", "abc"], ["xab"])  # the earliest occurrence wins
     assert out == ["xa"] and stopped
+
+
+def test_gateway_uses_the_checkpoint_tokenizer_json(tmp_path):
+    """A backend whose model is a folder with tokenizer.json: prompts are encoded and streams decoded with it."""
+    from test_gateway_support import FakeBackend, call_http, sse_events
+
+    from mooncake_jax.gateway import GatewayServer
+
+    folder = _write_tokenizer_json(tmp_path)
+    tok = HFTokenizer(folder)
+    backend = FakeBackend()
+    backend.model_name = str(folder)
+    reply = "the lazy dog jumps over the quick brown fox 🙂"
+    backend.reply = tok.encode(reply)[1:]
+    with GatewayServer(backend, grpc_port=None, model_name="tiny-hf") as gw:
+        status, _, text = call_http(gw.http_port, "POST", "/v1/completions",
+                                    {"model": "tiny-hf", "prompt": "héllo wörld", "max_tokens": len(backend.reply),
+                                     "stream": True})
+    assert status == 200
+    assert backend.requests[-1].prompt == tok.encode("héllo wörld")
+    events = sse_events(text)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == reply

@@ -39,6 +39,19 @@ class _HttpError(Exception):
         self.status, self.headers, self.extra = status, headers or {}, extra
 
 
+def _http_error(e: Exception) -> _HttpError:
+    """The answer to a failed request: the backend contract's errors by kind, anything else a logged 500."""
+    if isinstance(e, InvalidRequest):
+        return _HttpError(400, str(e))
+    if isinstance(e, Rejected):
+        return _HttpError(429, f"{e} (retry after {e.retry_after_s:g} s)",
+                          {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}, retry_after_s=e.retry_after_s)
+    if isinstance(e, Unavailable):
+        return _HttpError(503, str(e))
+    log.error("completion failed", exc_info=e)
+    return _HttpError(500, "internal error in the gateway or backend (see its log)")
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -111,19 +124,11 @@ class _Handler(BaseHTTPRequestHandler):
         cancelled = threading.Event()
         with _DisconnectWatch(self.connection, cancelled), _Active(self.server, cancelled):
             try:
-                request_id, events = core.generate("http", parse, arrival=arrival, cancelled=cancelled, always_text=True)
+                request_id, events = core.generate("http", parse, arrival=arrival, cancelled=cancelled,
+                                                   always_text=True)
                 first = next(events)  # errors surface before the status line
-            except InvalidRequest as e:
-                raise _HttpError(400, str(e)) from None
-            except Rejected as e:
-                raise _HttpError(429, f"{e} (retry after {e.retry_after_s:g} s)",
-                                 {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))},
-                                 retry_after_s=e.retry_after_s) from None
-            except Unavailable as e:
-                raise _HttpError(503, str(e)) from None
-            except Exception:  # noqa: BLE001 - one request's bug must not take the server down
-                log.exception("completion failed")
-                raise _HttpError(500, "internal error in the gateway or backend (see its log)") from None
+            except Exception as e:  # noqa: BLE001 - every failure becomes a status; none takes the server down
+                raise _http_error(e) from None
             created = int(time.time())
             if parsed["stream"]:
                 self._stream(request_id, first, events, created, parsed["include_usage"], cancelled)
@@ -139,14 +144,8 @@ class _Handler(BaseHTTPRequestHandler):
                                                           ids, event))
                 pieces.append(event.text)
                 ids.append(event.token)
-        except InvalidRequest as e:
-            raise _HttpError(400, str(e)) from None
-        except (Rejected, Unavailable) as e:  # late: after the first token
-            status = 429 if isinstance(e, Rejected) else 503
-            raise _HttpError(status, str(e)) from None
-        except Exception:  # noqa: BLE001
-            log.exception("completion failed mid-stream")
-            raise _HttpError(500, "internal error in the gateway or backend (see its log)") from None
+        except Exception as e:  # noqa: BLE001 - late (after the first token), still before the status line
+            raise _http_error(e) from None
         finally:
             events.close()
 
@@ -175,11 +174,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         except Exception as e:  # noqa: BLE001 - the status line is gone: report inside the stream
-            status = 429 if isinstance(e, Rejected) else 503 if isinstance(e, Unavailable) else 400 \
-                if isinstance(e, InvalidRequest) else 500
-            if status == 500:
-                log.exception("completion failed mid-stream")
-            self._try_sse(oai.error(status, str(e) if status != 500 else "internal error (see the gateway's log)"))
+            error = _http_error(e)
+            self._try_sse(oai.error(error.status, str(error), **error.extra))
         finally:
             events.close()
         try:

@@ -152,6 +152,9 @@ def _drain(items: Iterator) -> None:
     """Read a cancelled backend stream to its end on a thread of its own. Not ``close()``: a backend may free the
     request's KV on its way to ``Finished(FINISH_ABORT)``, and a close would skip that path."""
 
+    if getattr(items, "gi_frame", True) is None:
+        return  # a generator that has already ended (it raised): nothing to read
+
     def drain() -> None:
         try:
             for _ in items:
