@@ -72,6 +72,9 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.timeout = self.server.idle_timeout_s  # a silent or stuck client does not hold its thread forever
         super().setup()
+        # Headers and body (and each streamed token) are separate small writes: without this, Nagle's algorithm
+        # holds the second until the client's delayed ACK, 40 ms per answer.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
         log.debug("%s " + format, self.address_string(), *args)
