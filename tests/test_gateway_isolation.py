@@ -3,9 +3,11 @@ overload answers and a client vanishing mid-stream; stopping the gateway cancels
 
 from __future__ import annotations
 
+import http.client
 import threading
 
 import grpc
+import pytest
 from test_gateway_support import (WAIT_S, FakeBackend, call_http, generate, grpc_channel, messages, open_request,
                                   read_events, services, sse_events, wait_for)
 
@@ -72,7 +74,14 @@ def test_stop_cancels_open_streams_on_both_front_ends():
     sock = open_request(gw.http_port, {"prompt": [1, 6], "max_tokens": 9, "stream": True})
     read_events(sock, 1)
     assert len(backend.cancel_events) == 2 and not any(e.is_set() for e in backend.cancel_events)
+    idle = http.client.HTTPConnection("127.0.0.1", gw.http_port, timeout=WAIT_S)
+    idle.request("GET", "/health")
+    assert idle.getresponse().read() and backend.cancel_events
     gw.stop(grace_s=0.1)
     assert wait_for(lambda: all(e.is_set() for e in backend.cancel_events))
     sock.close()
     channel.close()
+    with pytest.raises((http.client.HTTPException, OSError)):  # the kept-alive connection was closed too
+        idle.request("GET", "/health")
+        idle.getresponse()
+    idle.close()

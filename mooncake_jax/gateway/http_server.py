@@ -60,6 +60,7 @@ class _Server(ThreadingHTTPServer):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.core, self.auth_token, self.idle_timeout_s = core, auth_token, idle_timeout_s
         self.active: set[threading.Event] = set()  # the cancelled events of requests being served
+        self.connections: set[socket.socket] = set()  # open client connections, busy or kept alive
         self.active_lock = threading.Lock()
         super().__init__(address, _Handler)
 
@@ -75,6 +76,13 @@ class _Handler(BaseHTTPRequestHandler):
         # Headers and body (and each streamed token) are separate small writes: without this, Nagle's algorithm
         # holds the second until the client's delayed ACK, 40 ms per answer.
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self.server.active_lock:
+            self.server.connections.add(self.connection)
+
+    def finish(self) -> None:
+        with self.server.active_lock:
+            self.server.connections.discard(self.connection)
+        super().finish()
 
     def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
         log.debug("%s " + format, self.address_string(), *args)
@@ -330,7 +338,8 @@ class HttpFrontEnd:
         self._thread.start()
 
     def stop(self, grace_s: float) -> None:
-        """Stop accepting; give requests being served ``grace_s`` to finish, then cancel the rest."""
+        """Stop accepting; give requests being served ``grace_s`` to finish, then cancel the rest and close every
+        client connection."""
         self._server.shutdown()
         self._thread.join()
         self.close()
@@ -340,6 +349,11 @@ class HttpFrontEnd:
         with self._server.active_lock:
             for cancelled in self._server.active:
                 cancelled.set()
+            for conn in self._server.connections:  # kept-alive ones too: stopped means no more answers
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def close(self) -> None:
         """Release the socket (of a server never started, or after ``stop``)."""
