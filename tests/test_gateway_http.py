@@ -158,6 +158,9 @@ def test_overload_is_429_with_retry_after_and_unavailable_is_503(gateway, backen
         backend.fail = Unavailable("no decode instance alive")
         status, _, body = complete(gateway.http_port, {"prompt": "hi", "stream": stream})
         assert status == 503 and "no decode instance alive" in body["error"]["message"]
+    backend.fail = Rejected("confused backend", retry_after_s=float("inf"))
+    status, headers, body = complete(gateway.http_port, {"prompt": "hi"})
+    assert status == 429 and headers["Retry-After"] == "1" and body["error"]["retry_after_s"] == 1.0
     backend.fail = None
     assert complete(gateway.http_port, {"prompt": [1, 5]})[0] == 200
 

@@ -5,11 +5,12 @@ and HTTP."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Iterator
 
 from mooncake_jax.gateway import stream
-from mooncake_jax.gateway.backend import Backend, InvalidRequest
+from mooncake_jax.gateway.backend import Backend, InvalidRequest, Rejected
 from mooncake_jax.gateway.metrics import GatewayMetrics
 from mooncake_jax.gateway.tokenizer import Tokenizer
 from mooncake_jax.gateway.validate import Params, prepare
@@ -40,3 +41,9 @@ class GatewayCore:
         return prepared.request.request_id, stream.run(self.backend, prepared, self.tokenizer, arrival=arrival,
                                                        cancelled=cancelled, metrics=self.metrics, api=api,
                                                        want_text=always_text or prepared.text_prompt)
+
+
+def retry_hint_s(rejected: Rejected) -> float:
+    """The wait a rejected client is told, kept sane whatever the backend said (at least 0.1 s, at most an hour)."""
+    hint = rejected.retry_after_s
+    return min(max(float(hint), 0.1), 3600.0) if isinstance(hint, (int, float)) and math.isfinite(hint) else 1.0

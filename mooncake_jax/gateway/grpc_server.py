@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from mooncake_jax.gateway.auth import bearer_ok
 from mooncake_jax.gateway.backend import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, InvalidRequest, Rejected,
                                           Unavailable)
-from mooncake_jax.gateway.core import GatewayCore
+from mooncake_jax.gateway.core import GatewayCore, retry_hint_s
 from mooncake_jax.gateway.stream import Summary
 from mooncake_jax.gateway.validate import Params
 from mooncake_jax.proto import channel_options, load
@@ -61,8 +61,9 @@ class GatewayService(services.GatewayServicer):
         except InvalidRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Rejected as e:
-            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{e.retry_after_s:g}"),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e} (retry after {e.retry_after_s:g} s)")
+            hint = retry_hint_s(e)
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{hint:g}"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e} (retry after {hint:g} s)")
         except Unavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except Exception:  # noqa: BLE001 - a bug in one request must not take the server down

@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from mooncake_jax.gateway import openai_format as oai
 from mooncake_jax.gateway.auth import bearer_ok
 from mooncake_jax.gateway.backend import InvalidRequest, Rejected, Unavailable
-from mooncake_jax.gateway.core import GatewayCore
+from mooncake_jax.gateway.core import GatewayCore, retry_hint_s
 from mooncake_jax.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mooncake_jax.gateway.stream import Summary
 
@@ -44,8 +44,9 @@ def _http_error(e: Exception) -> _HttpError:
     if isinstance(e, InvalidRequest):
         return _HttpError(400, str(e))
     if isinstance(e, Rejected):
-        return _HttpError(429, f"{e} (retry after {e.retry_after_s:g} s)",
-                          {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}, retry_after_s=e.retry_after_s)
+        hint = retry_hint_s(e)
+        return _HttpError(429, f"{e} (retry after {hint:g} s)", {"Retry-After": str(math.ceil(hint))},
+                          retry_after_s=hint)
     if isinstance(e, Unavailable):
         return _HttpError(503, str(e))
     log.error("completion failed", exc_info=e)
