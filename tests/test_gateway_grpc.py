@@ -68,6 +68,17 @@ def test_stop_string_truncates_the_text_and_cancels_the_backend(gateway, backend
     assert backend.cancel_events[-1].is_set() and backend.aborted.is_set(), "the backend was told to stop"
 
 
+def test_text_held_for_a_possible_stop_string_comes_out_at_the_end(gateway, backend):
+    backend.reply = text_ids("abcST")
+    tokens, summary = split(generate(gateway.grpc_port, prompt_text="q", max_tokens=5, stop=["STOP"]))
+    assert [t.text for t in tokens] == ["a", "b", "c", "", "ST"]
+    assert [t.token_id for t in tokens] == backend.reply
+    assert summary.finish_reason == messages.FINISH_REASON_LENGTH
+    backend.reply = text_ids("xSTyz")  # a false start releases the held text with the token that breaks it
+    tokens, _ = split(generate(gateway.grpc_port, prompt_text="q", max_tokens=5, stop=["STOP"]))
+    assert "".join(t.text for t in tokens) == "xSTyz" and len(tokens) == 5
+
+
 def test_stop_string_applies_to_a_token_id_prompt_too(gateway, backend):
     backend.reply = text_ids("abc.def")
     tokens, summary = split(generate(gateway.grpc_port, prompt_token_ids=[1, 9], max_tokens=20, stop=["."]))

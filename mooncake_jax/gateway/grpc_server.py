@@ -45,9 +45,10 @@ class GatewayService(services.GatewayServicer):
         arrival = time.monotonic()
         cancelled = threading.Event()
         context.add_callback(cancelled.set)  # runs when the RPC ends, at once if the client cancels
+        events = None
         try:
             _, events = self.core.generate("grpc", lambda: self._params(request), arrival=arrival,
-                                        cancelled=cancelled, always_text=False)
+                                           cancelled=cancelled, always_text=False)
             for event in events:
                 if isinstance(event, Summary):
                     yield messages.GenerateResponse(summary=messages.GenerateSummary(
@@ -69,6 +70,9 @@ class GatewayService(services.GatewayServicer):
         except Exception:  # noqa: BLE001 - a bug in one request must not take the server down
             log.exception("Generate failed")
             context.abort(grpc.StatusCode.INTERNAL, "internal error in the gateway or backend (see its log)")
+        finally:
+            if events is not None:
+                events.close()  # a client gone mid-stream: the request is cancelled now, not at garbage collection
 
     def _params(self, request) -> Params:
         self.core.check_model(request.model)
