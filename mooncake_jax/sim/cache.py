@@ -14,22 +14,23 @@ from collections.abc import Iterable, Sequence
 EVICTIONS = ("lru", "lfu")
 
 
-class LRUBlockCache:
-    """Least recently used eviction; a lookup that hits and an insert both count as a use."""
+class _BlockCache:
+    """What both caches share: ``_held`` maps every held key to the policy's bookkeeping for it."""
 
-    def __init__(self, capacity_blocks: int | None = None):
-        self._keys: OrderedDict[int, None] = OrderedDict()
+    _held: dict
+
+    def __init__(self, capacity_blocks: int | None):
         self.capacity = _capacity(capacity_blocks)
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._held)
 
     def __contains__(self, key: int) -> bool:
-        return key in self._keys
+        return key in self._held
 
     def prefix(self, keys: Sequence[int]) -> int:
         """Leading ``keys`` held (no use recorded)."""
-        held = self._keys
+        held = self._held
         n = 0
         for key in keys:
             if key not in held:
@@ -37,9 +38,25 @@ class LRUBlockCache:
             n += 1
         return n
 
+    def resize(self, capacity_blocks: int | None) -> list[int]:
+        """Change the capacity; returns the keys evicted to fit it."""
+        self.capacity = _capacity(capacity_blocks)
+        return self._evict()
+
+    def _evict(self) -> list[int]:
+        raise NotImplementedError
+
+
+class LRUBlockCache(_BlockCache):
+    """Least recently used eviction; a lookup that hits and an insert both count as a use."""
+
+    def __init__(self, capacity_blocks: int | None = None):
+        super().__init__(capacity_blocks)
+        self._held: OrderedDict[int, None] = OrderedDict()
+
     def touch(self, keys: Iterable[int]) -> None:
         """Record a use of those ``keys`` that are held."""
-        held = self._keys
+        held = self._held
         for key in keys:
             if key in held:
                 held.move_to_end(key)
@@ -50,7 +67,7 @@ class LRUBlockCache:
         Room is made once all of them are in, so one request's blocks never push each other out unless they
         alone exceed the capacity (for LRU the order makes this the same as evicting per block).
         """
-        held = self._keys
+        held = self._held
         for key in keys:
             if key in held:
                 held.move_to_end(key)
@@ -58,86 +75,62 @@ class LRUBlockCache:
                 held[key] = None
         return self._evict()
 
-    def resize(self, capacity_blocks: int | None) -> list[int]:
-        """Change the capacity; returns the keys evicted to fit it."""
-        self.capacity = _capacity(capacity_blocks)
-        return self._evict()
-
     def _evict(self) -> list[int]:
-        held, cap = self._keys, self.capacity
+        held, cap = self._held, self.capacity
         if cap is None or len(held) <= cap:
             return []
         return [held.popitem(last=False)[0] for _ in range(len(held) - cap)]
 
 
-class LFUBlockCache:
+class LFUBlockCache(_BlockCache):
     """Least frequently used eviction (ties: least recently used among them), O(1) per operation.
 
     Frequency counts uses while the block is held; an evicted block starts again from zero.
     """
 
     def __init__(self, capacity_blocks: int | None = None):
-        self._freq: dict[int, int] = {}
+        super().__init__(capacity_blocks)
+        self._held: dict[int, int] = {}  # key -> uses
         self._buckets: dict[int, OrderedDict[int, None]] = {}
         self._min = 0
-        self.capacity = _capacity(capacity_blocks)
-
-    def __len__(self) -> int:
-        return len(self._freq)
-
-    def __contains__(self, key: int) -> bool:
-        return key in self._freq
-
-    def prefix(self, keys: Sequence[int]) -> int:
-        held = self._freq
-        n = 0
-        for key in keys:
-            if key not in held:
-                break
-            n += 1
-        return n
 
     def touch(self, keys: Iterable[int]) -> None:
         for key in keys:
-            if key in self._freq:
+            if key in self._held:
                 self._bump(key)
 
     def insert(self, keys: Iterable[int]) -> list[int]:
         for key in keys:
-            if key in self._freq:
+            if key in self._held:
                 self._bump(key)
             else:
-                self._freq[key] = 1
+                self._held[key] = 1
                 self._buckets.setdefault(1, OrderedDict())[key] = None
                 self._min = 1
         return self._evict()
 
-    def resize(self, capacity_blocks: int | None) -> list[int]:
-        self.capacity = _capacity(capacity_blocks)
-        return self._evict()
-
     def _bump(self, key: int) -> None:
-        freq = self._freq[key]
+        freq = self._held[key]
         bucket = self._buckets[freq]
         del bucket[key]
         if not bucket:
             del self._buckets[freq]
             if self._min == freq:
                 self._min = freq + 1
-        self._freq[key] = freq + 1
+        self._held[key] = freq + 1
         self._buckets.setdefault(freq + 1, OrderedDict())[key] = None
 
     def _evict(self) -> list[int]:
         cap = self.capacity
         evicted = []
-        while cap is not None and len(self._freq) > cap:
+        while cap is not None and len(self._held) > cap:
             while self._min not in self._buckets:
                 self._min += 1
             bucket = self._buckets[self._min]
             key, _ = bucket.popitem(last=False)
             if not bucket:
                 del self._buckets[self._min]
-            del self._freq[key]
+            del self._held[key]
             evicted.append(key)
         return evicted
 

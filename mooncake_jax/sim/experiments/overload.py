@@ -44,7 +44,9 @@ def _smooth(values) -> np.ndarray:
 def oscillation(load: dict) -> dict:
     """Spread of both loads and their most negative lagged correlation (see the module docstring)."""
     prefill, decode = _smooth(load["prefill_busy"]), _smooth(load["decode_kv"])
-    keep = slice(30, max(len(prefill) - 30, 31))  # drop the ramp-up and the drain
+    if len(prefill) < 120:  # under 4 minutes of samples: too short to speak of oscillation
+        return {"prefill_busy_std": None, "decode_kv_std": None, "min_lagged_corr": None, "at_lag_s": None}
+    keep = slice(30, len(prefill) - 30)  # drop the ramp-up and the drain
     p, d = prefill[keep] - prefill[keep].mean(), decode[keep] - decode[keep].mean()
     best, best_lag = 0.0, 0
     for lag in range(-30, 31):
@@ -82,40 +84,48 @@ def run(out_dir: Path, first: int | None = None, progress: bool = True) -> dict:
                "load_2x": {f"{c}/{p}": {k: [round(v, 4) for v in series] for k, series in load.items()}
                            for (c, p), load in loads.items()}}
     write_json(out_dir, "overload", payload)
-    _plot_load(out_dir, loads, "mha-tbt")
+    _plot_load(out_dir, loads, at_2x, "mha-tbt")
     _plot_sweep(out_dir, sweep)
     return payload
 
 
-def _plot_load(out_dir: Path, loads: dict, config: str) -> None:
+def _plot_load(out_dir: Path, loads: dict, at_2x: dict, config: str) -> None:
     fig, axes = plt.subplots(len(POLICIES), 1, figsize=(10, 7), sharex=True, sharey=True)
     for ax, policy in zip(axes, POLICIES):
         load = loads[(config, policy)]
         t = np.asarray(load["time_s"])
         ax.plot(t, _smooth(load["prefill_busy"]), label="prefill pool: share of instances busy")
         ax.plot(t, _smooth(load["decode_kv"]), label="decode pool: share of KV capacity held")
-        ax.set_title(f"{policy}", fontsize=10)
+        figures = at_2x[config][policy]
+        title = f"{policy}: {figures['rejected']} rejected ({figures['rejected_late']} late)"
+        if figures["prefill_busy_std"] is not None:
+            title += (f"; prefill busy std {figures['prefill_busy_std']:.2f}, most negative lagged correlation "
+                      f"{figures['min_lagged_corr']:.2f} at {figures['at_lag_s']:+.0f} s")
+        ax.set_title(title, fontsize=9)
         ax.set_ylim(0, 1.05)
         end = min(t[-1], 1500.0)
         ax.set_xlim(max(end - 600.0, 0.0), end)
     axes[0].legend(fontsize=8, loc="lower left")
     axes[-1].set_xlabel("time (s), conversation trace at 2x, LLaMA-65B (MHA), TBT SLO 50 ms, 10 s average")
-    fig.suptitle("Load over time: early rejection oscillates in anti-phase; prediction damps it", fontsize=11)
+    fig.suptitle("Load over time under the three admission policies (anti-phase: prefill busy while decode is "
+                 "light, and back)", fontsize=10)
     save_figure(fig, out_dir, "overload_load")
 
 
 def _plot_sweep(out_dir: Path, sweep: dict) -> None:
-    fig, axes = plt.subplots(2, len(CONFIGS), figsize=(13, 6), sharex=True)
+    fig, axes = plt.subplots(3, len(CONFIGS), figsize=(13, 8.5), sharex=True)
     for col, config in enumerate(CONFIGS):
         for policy, marker in zip(POLICIES, "osd"):
             series = sweep[config][policy]
             speeds = [float(s) for s in series]
             axes[0, col].plot(speeds, [v["rejected"] for v in series.values()], marker + "-", label=policy)
             axes[1, col].plot(speeds, [v["wasted_prefill_s"] for v in series.values()], marker + "-", label=policy)
+            axes[2, col].plot(speeds, [v["slo_attainment"] for v in series.values()], marker + "-", label=policy)
         model, tbt = CONFIGS[config]
         axes[0, col].set_title(f"{config}: {model}, TBT SLO {tbt * 1000:.0f} ms", fontsize=10)
-        axes[1, col].set_xlabel("trace speed")
+        axes[2, col].set_xlabel("trace speed")
     axes[0, 0].set_ylabel("rejected requests")
-    axes[1, 0].set_ylabel("prefill seconds wasted (late rejections)")
+    axes[1, 0].set_ylabel("prefill seconds wasted\n(late rejections)")
+    axes[2, 0].set_ylabel("SLO attainment\n(share of all requests)")
     axes[0, 0].legend(fontsize=8)
     save_figure(fig, out_dir, "overload_sweep")

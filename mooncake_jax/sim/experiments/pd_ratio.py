@@ -22,7 +22,7 @@ from mooncake_jax.sim.experiments.common import MHA_MODEL, PAPER_MODEL, PAPER_NO
 from mooncake_jax.sim.trace import load_trace
 
 NODES = 16
-PREFILL_SPLITS = (4, 6, 7, 8, 9, 10, 12, 14)
+PREFILL_SPLITS = (4, 6, 7, 8, 9, 10, 12, 14, 15)
 MODELS = (PAPER_MODEL, MHA_MODEL)
 SLO = {"ttft_slo_s": 10.0, "tbt_slo_s": 0.1}
 TARGET = 0.9
@@ -96,7 +96,7 @@ def _plot(out_dir: Path, results: dict) -> None:
             ax.axhline(found["capacity_rps"], color="gray", ls=style, label=f"coupled, {name} prefill")
         ax.set_xticks(range(len(splits)), splits)
         ax.set_xlabel("prefill : decode nodes (16 x 8xA800)")
-        ax.set_title(model, fontsize=10)
+        ax.set_title(f"{model} ({'multi-head' if model == MHA_MODEL else 'grouped-query'} attention)", fontsize=10)
     axes[0].set_ylabel("effective request capacity (req/s)\n>= 90% within TTFT 10 s, TBT 100 ms")
     axes[0].legend(fontsize=8)
     save_figure(fig, out_dir, "pd_ratio")
