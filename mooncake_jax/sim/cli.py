@@ -4,7 +4,6 @@ experiments (``--experiment``), which writes JSON and PNG plots into ``--out``."
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from mooncake_jax.sim.experiments import EXPERIMENTS

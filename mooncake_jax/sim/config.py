@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from mooncake_jax.conductor import PolicyConfig
+from mooncake_jax.sim.cache import EVICTIONS
 from mooncake_jax.sim.hardware import HardwareSpec
 
 ARCHITECTURES = ("disaggregated", "coupled")
@@ -89,8 +90,6 @@ class SimConfig:
         if not (isinstance(self.sample_interval_s, (int, float)) and math.isfinite(self.sample_interval_s)
                 and self.sample_interval_s > 0):
             raise ValueError(f"sample_interval_s must be positive, got {self.sample_interval_s!r}")
-        from mooncake_jax.sim.cache import EVICTIONS
-
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {list(EVICTIONS)}")
         self.policy_config()  # unknown policy / admission, bad SLOs: the Conductor's own ValueError

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 PENDING = "pending"
 COMPLETED = "completed"
 REJECTED_EARLY = "rejected_early"
@@ -58,8 +60,6 @@ class SimRequest:
 
 def tbt_of(gaps) -> float:
     """The paper's TBT: mean of the longest 10% of a request's token gaps (at least one gap); NaN without gaps."""
-    import numpy as np
-
     n = len(gaps)
     if n == 0:
         return math.nan
