@@ -114,17 +114,16 @@ class Cluster:
             common = dict(conductor_address=conductor.address, model=model, seed=seed, host=host,
                           prefill_chunk_size=prefill_chunk_size, max_batch=max_batch, num_pages=num_pages,
                           pool_dram_blocks=pool_dram_blocks, tbt_slo_s=tbt_slo_s)
-            roles = [PREFILL] * prefill + [DECODE] * decode
+            roles = [(PREFILL, i) for i in range(prefill)] + [(DECODE, i) for i in range(decode)]
             if processes:
                 starter = _ProcessStarter(common, layerwise, Path(log_dir) if log_dir else None)
             else:
                 starter = _InProcessStarter(common, layerwise, build_model(model, seed=seed))
-            first = starter.start(roles[0], 0, profile_json)
+            first = starter.start(*roles[0], profile_json)
             instances[first.instance_id] = first
             profile_json = starter.profile_of(first)
             with ThreadPoolExecutor(max(1, len(roles) - 1)) as pool:
-                rest = list(pool.map(lambda ir: starter.start(ir[1], ir[0], profile_json),
-                                     enumerate(roles[1:], start=1)))
+                rest = list(pool.map(lambda role_index: starter.start(*role_index, profile_json), roles[1:]))
             instances.update({inst.instance_id: inst for inst in rest})
         except BaseException:
             for inst in instances.values():

@@ -58,6 +58,9 @@ class ConductorLink:
         return self
 
     def stop(self, deregister: bool = True) -> None:
+        """Stop heartbeats (and say goodbye unless ``deregister`` is False); a second call does nothing."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():

@@ -81,6 +81,12 @@ class Engine:
         """Pages neither in use nor promised (cached-only pages count as used until evicted)."""
         return self.allocator.num_free - self._reserved
 
+    @property
+    def pages_in_use(self) -> int:
+        """Pages held by sequences (beyond the prefix cache's own) or promised to them: 0 when nothing runs."""
+        cached = len(self.prefix_cache) if self.prefix_cache is not None else 0
+        return self.num_pages - 1 - self.allocator.num_free - cached + self._reserved
+
     def new_sequence(self, prompt, params: SamplingParams | None = None) -> Sequence:
         """A validated sequence (ValueError naming the problem otherwise)."""
         params = params or SamplingParams()

@@ -1,0 +1,153 @@
+"""The disaggregated cluster end to end (Conductor, prefill and decode instances in this process, on loopback):
+outputs equal the single engine's, prefix reuse and the transfer path work, and every failure is an error with a
+status, never a hang or a leak."""
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import mooncake_jax as mj
+from mooncake_jax.blocks import block_keys
+from mooncake_jax.conductor.profile import build_profile
+from mooncake_jax.gateway.backend import (REJECT_EARLY, REJECT_LATE, Finished, InvalidRequest, Rejected, TokenOut,
+                                          Unavailable)
+from mooncake_jax.instance.cluster import wait_until
+from mooncake_jax.instance.rpc import messages, sampling_message
+from mooncake_jax.model.sequence import SamplingParams
+from mooncake_jax.transfer.offload import request_keys
+
+# A fixed cost profile (roughly the tiny model on a 2-core CPU) so the instances skip measuring themselves.
+PROFILE = json.dumps(build_profile(
+    "tiny@test", "tiny", [(16, 0, 0.01), (64, 0, 0.012), (256, 0, 0.02), (256, 128, 0.015), (512, 0, 0.04)],
+    [(1, 64, 0.003), (4, 256, 0.004), (16, 2048, 0.008)], kv_bytes_per_token=16384, nic_bytes_per_s=5e8,
+    kv_capacity_tokens=100000))
+
+
+def prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 512, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with mj.Cluster.local("tiny", prefill=2, decode=1, profile_json=PROFILE, heartbeat_timeout_s=1.5,
+                          heartbeat_interval_s=0.25) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return mj.LLM("tiny")
+
+
+def test_greedy_through_the_cluster_equals_the_single_engine(cluster, llm):
+    ps = prompts([5, 30, 47, 80], seed=1)
+    assert cluster.generate(ps, max_new_tokens=7) == llm.generate(ps, max_new_tokens=7)
+
+
+def test_prefix_reuse_shows_in_the_metrics(cluster, llm):
+    base = prompts([64], seed=2)[0]
+    first, fin1 = cluster.run(base + [1, 2, 3], max_new_tokens=4)
+    second, fin2 = cluster.run(base + [7, 8], max_new_tokens=4)
+    assert fin1.cached_tokens == 0 and fin2.cached_tokens == 64  # four 16-token blocks reused
+    assert second == llm.generate([base + [7, 8]], max_new_tokens=4)[0]
+    assert cluster.stats()["cluster_cached_tokens"] >= 64
+
+
+def test_transfer_path_a_request_placed_where_its_prefix_is_not(cluster, llm):
+    """Prefill on one instance, then force the next request onto the other prefill instance with a plan to fetch
+    the prefix from the first: the blocks move through the Messenger and are reused, and the output is right."""
+    a, b = (cluster.instances[f"prefill-{i}"] for i in (0, 1))
+    d = cluster.instances["decode-0"]
+    prefix = prompts([48], seed=3)[0]
+    first = prefix + [5]
+    call(a, first, d)  # a now holds the prefix blocks
+    second = prefix + [9, 9, 9]
+    keys = block_keys(second, 16)
+    assert all(k in a.pool for k in keys) and not any(k in b.pool for k in keys)
+    reply, tokens = call(b, second, d, fetch_from=a.address, fetch_keys=keys)
+    assert reply.cached_tokens == 48  # all three blocks came from a, none recomputed
+    assert all(k in b.pool for k in keys)
+    assert b.stats()["prefill_fetched_blocks"] >= 3
+    assert tokens == llm.generate([second], max_new_tokens=5)[0]
+
+
+def call(prefill, prompt, decode, fetch_from="", fetch_keys=()):
+    """Drive one request by hand: Prefill on ``prefill`` (with an optional transfer plan), Decode on ``decode``."""
+    from mooncake_jax.instance.backend import instance_services
+    import grpc
+
+    sampling = sampling_message(SamplingParams(max_new_tokens=5))
+    with grpc.insecure_channel(prefill.address) as ch:
+        reply = instance_services.InstanceStub(ch).Prefill(messages.PrefillRequest(
+            request_id=f"manual-{time.monotonic_ns()}", prompt=prompt, sampling=sampling, fetch_from=fetch_from,
+            fetch_keys=list(fetch_keys), push_to=decode.address), timeout=60)
+    with grpc.insecure_channel(decode.address) as ch:
+        events = list(instance_services.InstanceStub(ch).Decode(messages.DecodeRequest(
+            request_id="manual", prompt=prompt, sampling=sampling, first_token=reply.first_token,
+            kv_keys=reply.kv_keys), timeout=60))
+    assert list(reply.kv_keys) == request_keys(type("S", (), {"prompt": prompt})(), 16)
+    return reply, [reply.first_token] + [e.token.token for e in events if e.HasField("token")]
+
+
+@pytest.mark.parametrize("prompt, kwargs, message", [
+    ([], {}, "prompt is empty"),
+    ([1, 600], {}, "outside the vocabulary"),
+    ([1] * 4090, {"max_new_tokens": 10}, "exceeds the model's context"),
+    ([1, 2], {"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+    ([1, 2], {"temperature": -1.0}, "temperature must be >= 0"),
+])
+def test_bad_input_is_invalid_request(cluster, prompt, kwargs, message):
+    with pytest.raises(InvalidRequest, match=message):
+        list(cluster.stream(prompt, **kwargs))
+    assert cluster.generate([[1, 2, 3]], max_new_tokens=2)[0]  # nothing else disturbed
+
+
+def test_client_disconnect_frees_the_kv(cluster):
+    d = cluster.instances["decode-0"]
+    cancelled = threading.Event()
+    stream = cluster.stream(prompts([40], seed=4)[0], max_new_tokens=500, cancelled=cancelled)
+    got = [next(stream), next(stream)]
+    assert all(isinstance(x, TokenOut) for x in got)
+    cancelled.set()
+    rest = list(stream)
+    assert isinstance(rest[-1], Finished) and rest[-1].reason == "abort" and len(rest) < 400
+    assert wait_until(lambda: not d.loop.running and d.engine.pages_in_use == 0, 10)
+
+
+def test_early_and_late_rejection():
+    kw = dict(prefill=1, decode=1, profile_json=PROFILE)
+    with mj.Cluster.local("tiny", ttft_slo_s=1e-6, **kw) as c:  # nothing can meet this TTFT: rejected up front
+        with pytest.raises(Rejected) as e:
+            c.run([1, 2, 3], max_new_tokens=3)
+        assert e.value.stage == REJECT_EARLY and e.value.retry_after_s > 0
+        assert c.stats()["cluster_rejected_early"] == 1
+    with mj.Cluster.local("tiny", admission="none", tbt_slo_s=1e-6, **kw) as c:  # the decode side says no
+        with pytest.raises(Rejected) as e:
+            c.run([1, 2, 3], max_new_tokens=3)
+        assert e.value.stage == REJECT_LATE
+        d = c.instances["decode-0"]
+        assert d.stats()["decode_rejected_late"] == 1 and not d.loop.running
+
+
+def test_dead_instance_is_drained_and_requests_go_elsewhere(llm):
+    with mj.Cluster.local("tiny", prefill=2, decode=1, profile_json=PROFILE, heartbeat_interval_s=0.2,
+                          heartbeat_timeout_s=1.0) as c:
+        victim = c.instances["prefill-0"]
+        victim.link.stop(deregister=False)  # dies silently: no goodbye, no more heartbeats
+        victim._server.stop(0)
+        failures = 0
+        for p in prompts([20] * 6, seed=5):  # before the drain some may hit the dead one: an error, not a hang
+            t = time.monotonic()
+            try:
+                c.run(p, max_new_tokens=3)
+            except Unavailable:
+                failures += 1
+            assert time.monotonic() - t < 30
+        service = c.conductor.service
+        assert wait_until(lambda: "prefill-0" not in service.state.instances.slot_of, 10)
+        ps = prompts([20] * 6, seed=6)
+        assert c.generate(ps, max_new_tokens=3) == llm.generate(ps, max_new_tokens=3)  # all on prefill-1
