@@ -25,6 +25,8 @@ PROFILE = json.dumps(build_profile(
     [(1, 64, 0.003), (4, 256, 0.004), (16, 2048, 0.008)], kv_bytes_per_token=16384, nic_bytes_per_s=5e8,
     kv_capacity_tokens=100000))
 
+FAST = dict(warmup=False, compile_cache=None)  # tests compile only the few shapes they use, and leave no files
+
 
 def prompts(lengths, seed=0):
     rng = np.random.default_rng(seed)
@@ -34,7 +36,7 @@ def prompts(lengths, seed=0):
 @pytest.fixture(scope="module")
 def cluster():
     with mj.Cluster.local("tiny", prefill=2, decode=1, profile_json=PROFILE, heartbeat_timeout_s=1.5,
-                          heartbeat_interval_s=0.25) as c:
+                          heartbeat_interval_s=0.25, **FAST) as c:
         yield c
 
 
@@ -54,7 +56,7 @@ def test_prefix_reuse_shows_in_the_metrics(cluster, llm):
     second, fin2 = cluster.run(base + [7, 8], max_new_tokens=4)
     assert fin1.cached_tokens == 0 and fin2.cached_tokens == 64  # four 16-token blocks reused
     assert second == llm.generate([base + [7, 8]], max_new_tokens=4)[0]
-    assert cluster.stats()["cluster_cached_tokens"] >= 64
+    assert cluster.stats()["cluster_cached_tokens_total"] >= 64
 
 
 def test_transfer_path_a_request_placed_where_its_prefix_is_not(cluster, llm):
@@ -71,7 +73,7 @@ def test_transfer_path_a_request_placed_where_its_prefix_is_not(cluster, llm):
     reply, tokens = call(b, second, d, fetch_from=a.address, fetch_keys=keys)
     assert reply.cached_tokens == 48  # all three blocks came from a, none recomputed
     assert all(k in b.pool for k in keys)
-    assert b.stats()["prefill_fetched_blocks"] >= 3
+    assert b.stats()["prefill_fetched_blocks_total"] >= 3
     assert tokens == llm.generate([second], max_new_tokens=5)[0]
 
 
@@ -119,23 +121,23 @@ def test_client_disconnect_frees_the_kv(cluster):
 
 
 def test_early_and_late_rejection():
-    kw = dict(prefill=1, decode=1, profile_json=PROFILE)
+    kw = dict(prefill=1, decode=1, profile_json=PROFILE, **FAST)
     with mj.Cluster.local("tiny", ttft_slo_s=1e-6, **kw) as c:  # nothing can meet this TTFT: rejected up front
         with pytest.raises(Rejected) as e:
             c.run([1, 2, 3], max_new_tokens=3)
         assert e.value.stage == REJECT_EARLY and e.value.retry_after_s > 0
-        assert c.stats()["cluster_rejected_early"] == 1
+        assert c.stats()["cluster_rejected_early_total"] == 1
     with mj.Cluster.local("tiny", admission="none", tbt_slo_s=1e-6, **kw) as c:  # the decode side says no
         with pytest.raises(Rejected) as e:
             c.run([1, 2, 3], max_new_tokens=3)
         assert e.value.stage == REJECT_LATE
         d = c.instances["decode-0"]
-        assert d.stats()["decode_rejected_late"] == 1 and not d.loop.running
+        assert d.stats()["decode_rejected_late_total"] == 1 and not d.loop.running
 
 
 def test_dead_instance_is_drained_and_requests_go_elsewhere(llm):
     with mj.Cluster.local("tiny", prefill=2, decode=1, profile_json=PROFILE, heartbeat_interval_s=0.2,
-                          heartbeat_timeout_s=1.0) as c:
+                          heartbeat_timeout_s=1.0, **FAST) as c:
         victim = c.instances["prefill-0"]
         victim.link.stop(deregister=False)  # dies silently: no goodbye, no more heartbeats
         victim._server.stop(0)

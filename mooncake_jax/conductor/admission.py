@@ -1,15 +1,21 @@
 """Admission: which decode load a request is checked against, when it is rejected, and the decode side's check.
 
-The four policies differ only in *what load the TBT check sees* and *where it happens*:
+The four policies differ only in *what decode load the checks see* and *where they happen*. Two checks judge
+decode load, each on every decode instance: KV capacity (the request's KV must fit beside the load) and TBT
+(the step time with the request added must stay within the SLO). A request is rejected on decode load only when
+no decode instance passes both.
 
 - ``none``: no check.
-- ``baseline``: TTFT checked here; TBT checked by the decode instance when the KV arrives (``decode_accepts``),
-  so a rejection there wastes the prefill (a *late* rejection).
-- ``early``: TTFT and TBT checked here, TBT under the decode load *now*. Rejecting on current load makes the two
-  pools oscillate in anti-phase: a loaded decode pool turns away requests whose KV would only have arrived
-  after the load drained.
-- ``predictive``: TBT under the load predicted for the moment this request's prefill ends: requests whose prefill
-  ends before then are added, requests that will have spent the uniform decode time t_d by then are removed.
+- ``baseline``: TTFT checked here; KV capacity and TBT checked by the decode instance when the KV arrives
+  (``decode_accepts``), so a rejection there wastes the prefill (a *late* rejection).
+- ``early``: TTFT, KV capacity and TBT checked here, under the decode load *now*: the requests decoding at this
+  moment. Rejecting on current load makes the two pools oscillate in anti-phase: a loaded decode pool turns
+  away requests whose KV would only have arrived after the load drained, and a light one accepts requests that
+  will meet the prefills still in flight.
+- ``predictive``: the same checks under the load predicted for the moment this request's prefill ends:
+  requests whose prefill ends before then are added, requests that will have spent the uniform decode time t_d
+  by then are removed (``DecodeLedger.at``; a request observed decoding past t_d stays until it is reported
+  finished).
 """
 
 from __future__ import annotations
@@ -24,16 +30,16 @@ CHECKS_DECODE_HERE = (Admission.EARLY, Admission.PREDICTIVE)
 """Policies that reject on decode load (TBT, KV capacity) before prefill rather than leaving it to the decode side."""
 
 
-def decode_load(admission: Admission, ledger: DecodeLedger, slot: int, now: float, prefill_end_at: float,
-                decode_s: float) -> tuple[int, float]:
-    """(requests, kv_tokens) on decode ``slot`` as ``admission`` sees them for a request whose prefill ends then.
+def decode_view(admission: Admission, ledger: DecodeLedger, now: float, prefill_end_at: float,
+                decode_s: float) -> np.ndarray:
+    """The ledger entries ``admission`` counts as decode load for a request whose prefill ends at ``prefill_end_at``.
 
     ``early`` sees the current load; the others see the load predicted at ``prefill_end_at`` (for ``none`` and
     ``baseline`` that is only the estimate reported in the decision, never a reason to reject).
     """
     if admission == Admission.EARLY:
-        return ledger.on_slot(ledger.active(now), slot)
-    return ledger.on_slot(ledger.at(prefill_end_at, decode_s), slot)
+        return ledger.active(now)
+    return ledger.at(prefill_end_at, decode_s, now)
 
 
 def predicted_tbt(decode_coef: np.ndarray, batch: float, context_tokens: float, kv_tokens: int) -> float:

@@ -6,6 +6,16 @@ which will have finished (after the uniform decode time t_d). Entries live in fl
 every decode instance at any T is one vectorised pass over the in-flight requests.
 
 An entry's ``start`` is predicted (its prefill's predicted end) until the instance reports the real one.
+
+Predicted decode window of an entry, seen at clock time ``now`` with the uniform decode time t_d:
+
+- not yet decoding: it cannot have spent any decode time, so it starts at max(start, now) and ends t_d later;
+- decoding: it ends at start + t_d, unless that has already passed. A request still decoding past t_d (its
+  finish not reported) has shown it is one of the long ones; it stays until its finish is reported. Dropping
+  it at start + t_d while short requests leave at their reported finish would count each request for
+  min(duration, t_d) instead of its duration: with t_d the mean duration, that undercounts the decode load
+  by the mean excess over t_d (about a quarter of the requests and a third of the KV on the conversation
+  trace), so predictive admission would accept requests the decode side then rejects late.
 """
 
 from __future__ import annotations
@@ -95,18 +105,25 @@ class DecodeLedger:
     # Free entries may pass a mask; the sums leave them out.
 
     def active(self, now: float) -> np.ndarray:
-        """Current load: requests whose decode has begun by ``now``."""
+        """Current load: requests whose decode has begun by ``now`` (as reported, or predicted) and not finished."""
         return self._start[: self._used] <= now
 
-    def at(self, when: float, decode_s: float) -> np.ndarray:
-        """Predicted load at ``when``: begun by then and not yet through their uniform decode time."""
-        start = self._start[: self._used]
-        return (start <= when) & (start + decode_s > when)
+    def window(self, now: float, decode_s: float) -> tuple[np.ndarray, np.ndarray]:
+        """(begin, end) of every entry's predicted decode, seen at ``now`` (see the module docstring)."""
+        start, started = self._start[: self._used], self._started[: self._used]
+        begin = np.where(started, start, np.maximum(start, now))
+        end = begin + decode_s
+        return begin, np.where(started & (end <= now), np.inf, end)
 
-    def committed(self, when: float, decode_s: float) -> np.ndarray:
+    def at(self, when: float, decode_s: float, now: float) -> np.ndarray:
+        """Predicted load at ``when`` (>= ``now``): begun by then and not yet through their decode time."""
+        begin, end = self.window(now, decode_s)
+        return (begin <= when) & (end > when)
+
+    def committed(self, when: float, decode_s: float, now: float) -> np.ndarray:
         """Requests that will share a batch with one arriving at ``when``: all not finished by then, including
         those still in prefill (a routed request counts at once, so a burst spreads over instances)."""
-        return self._start[: self._used] + decode_s > when
+        return self.window(now, decode_s)[1] > when
 
     def per_slot(self, mask: np.ndarray, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
         """(requests, kv_tokens) per slot, arrays of length ``n_slots``, over the entries in ``mask``."""
@@ -122,9 +139,9 @@ class DecodeLedger:
 
     def next_finish(self, slot: int | None, now: float, decode_s: float) -> float | None:
         """Earliest predicted decode end after ``now`` on ``slot`` (any slot when None), or None."""
-        ends = self._start[: self._used] + decode_s
+        ends = self.window(now, decode_s)[1]
         slots = self._slot[: self._used]
-        mask = (ends > now) & (slots >= 0 if slot is None else slots == slot)
+        mask = (ends > now) & np.isfinite(ends) & (slots >= 0 if slot is None else slots == slot)
         return float(ends[mask].min()) if mask.any() else None
 
     def _grow(self) -> None:

@@ -13,9 +13,13 @@ One decision:
    Under ``kvcache-centric``, if best_len / own_len > threshold (own_len 0 counts as infinite) it fetches the
    missing blocks instead: transfer(missing, sender backlog) + queue + prefill(n, best). The strategy picks
    the instance (least TTFT; least queue for ``load-balance``; uniform for ``random``).
-3. Decode instance: least predicted TBT among those that can hold the request's KV, counting every request
-   already routed there that will still be decoding when this one arrives.
-4. Admission (``admission.py``): reject on predicted TTFT or TBT over the SLOs, with a retry-after hint.
+3. Decode instance: least predicted TBT, counting every request already routed there that will still be
+   decoding when this one arrives (so a burst spreads), among those that can take the request. Under ``early``
+   and ``predictive`` "can take" means the request's KV fits and the TBT stays within the SLO under the
+   admission policy's own view of decode load (current, or predicted at the prefill's end); under ``none``
+   and ``baseline`` only that its KV fits beside the routed load, if any instance's does.
+4. Admission (``admission.py``): reject on predicted TTFT over the SLO, and under ``early`` / ``predictive``
+   when no decode instance can take the request (KV capacity, then TBT), with a retry-after hint.
 """
 
 from __future__ import annotations
@@ -152,20 +156,32 @@ class Policy:
 
     def _choose_decode(self, request: Request, snapshot: Snapshot, now: float, end: float,
                        candidates: np.ndarray) -> tuple[int | None, float]:
-        """The decode instance (step 3) and the TBT the admission policy checks; slot None when none fits."""
+        """The decode instance (step 3) and the TBT the admission policy checks; slot None when none can hold
+        the request's KV under the admission view (``early`` / ``predictive`` only)."""
         cfg, table, ledger = self.config, snapshot.instances, snapshot.ledger
-        kv = request.kv_tokens
+        kv, capacity, coef = request.kv_tokens, table.kv_capacity_tokens, table.decode_coef
         decode_s = snapshot.decode_time_s
-        batch, context = ledger.per_slot(ledger.committed(end, decode_s), table.capacity)
-        fits = candidates & (context + kv <= table.kv_capacity_tokens)
-        if not fits.any():
-            if cfg.admission in adm.CHECKS_DECODE_HERE:
+        batch, context = ledger.per_slot(ledger.committed(end, decode_s, now), table.capacity)
+        load = decode_step_seconds(coef, batch + 1, context + kv)  # what spreads a burst: all routed load
+        if cfg.admission in adm.CHECKS_DECODE_HERE:
+            seen_batch, seen_context = ledger.per_slot(adm.decode_view(cfg.admission, ledger, now, end, decode_s),
+                                                       table.capacity)
+            fits = candidates & (seen_context + kv <= capacity)
+            if not fits.any():
                 return None, 0.0
-            fits = candidates  # baseline/none: the decode instance itself queues or rejects it
-        load = decode_step_seconds(table.decode_coef, batch + 1, context + kv)
+            seen_tbt = decode_step_seconds(coef, seen_batch + 1, seen_context + kv)
+            ok = fits & (seen_tbt <= cfg.tbt_slo_s)
+            if ok.any():
+                slot = int(np.argmin(np.where(ok, load, np.inf)))
+            else:  # rejected on TBT: report the best the view allows
+                slot = int(np.argmin(np.where(fits, seen_tbt, np.inf)))
+            return slot, float(seen_tbt[slot])
+        fits = candidates & (context + kv <= capacity)
+        if not fits.any():
+            fits = candidates  # the decode instance itself queues or rejects it
         slot = int(np.argmin(np.where(fits, load, np.inf)))
-        seen_batch, seen_context = adm.decode_load(cfg.admission, ledger, slot, now, end, decode_s)
-        return slot, adm.predicted_tbt(table.decode_coef[:, slot], seen_batch, seen_context, kv)
+        seen_batch, seen_context = ledger.on_slot(ledger.at(end, decode_s, now), slot)
+        return slot, adm.predicted_tbt(coef[:, slot], seen_batch, seen_context, kv)
 
     def _retry_after(self, snapshot: Snapshot, slot: int | None, now: float) -> float:
         """Until the next predicted decode completion (on ``slot``, or anywhere), at least the configured floor."""

@@ -187,7 +187,7 @@ class ConductorService(services.ConductorServicer):
         with self.lock:
             state, now = self.state, self.clock()
             table = state.instances
-            batch, _ = state.ledger.per_slot(state.ledger.committed(now, state.decode_time_s), table.capacity)
+            batch, _ = state.ledger.per_slot(state.ledger.committed(now, state.decode_time_s, now), table.capacity)
             reply = messages.InstanceList(indexed_blocks=len(state.index), decode_time_s=state.decode_time_s)
             for instance_id, slot in sorted(table.slot_of.items()):
                 reply.instances.add(

@@ -57,9 +57,9 @@ def prepare(params: Params, backend: Backend, tokenizer: Tokenizer) -> Prepared:
     top_p = 1.0 if params.top_p is None else params.top_p
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
-    seed = secrets.randbits(63) if params.seed is None else params.seed
-    if not 0 <= seed < 2**63:
-        raise InvalidRequest(f"seed must be in [0, 2**63), got {seed}")
+    seed = secrets.randbits(32) if params.seed is None else params.seed
+    if not 0 <= seed < 2**32:
+        raise InvalidRequest(f"seed must be in [0, 2**32), got {seed}")
     if len(params.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
     if any(not s for s in params.stop):

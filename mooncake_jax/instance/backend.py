@@ -51,7 +51,8 @@ class ClusterBackend:
         self._counts = {"requests": 0, "rejected_early": 0, "rejected_late": 0, "failed": 0, "cached_tokens": 0,
                         "prompt_tokens": 0, "transfer_plans": 0}
 
-    def _instance(self, address: str):
+    def instance_stub(self, address: str):
+        """A (cached) stub of the Instance service at ``address``."""
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:
@@ -66,8 +67,9 @@ class ClusterBackend:
                 self._counts[name] += amount
 
     def stats(self) -> dict[str, float]:
+        """Counters (``*_total``, as the gateway's /metrics exports them)."""
         with self._lock:
-            return {f"cluster_{k}": float(v) for k, v in self._counts.items()}
+            return {f"cluster_{k}_total": float(v) for k, v in self._counts.items()}
 
     def _validate(self, request: GenerateRequest) -> SamplingParams:
         params = SamplingParams(max_new_tokens=request.max_tokens, temperature=request.temperature,
@@ -107,7 +109,7 @@ class ClusterBackend:
         plan = decision.transfer if decision.HasField("transfer") else None
         self._count(transfer_plans=int(plan is not None))
         try:
-            prefill = self._instance(decision.prefill_address).Prefill(instance_messages.PrefillRequest(
+            prefill = self.instance_stub(decision.prefill_address).Prefill(instance_messages.PrefillRequest(
                 request_id=request.request_id, prompt=request.prompt, sampling=sampling,
                 fetch_from=plan.source_address if plan else "", fetch_keys=plan.block_keys if plan else [],
                 push_to=decision.decode_address), timeout=self.timeout_s)
@@ -123,7 +125,7 @@ class ClusterBackend:
             yield TokenOut(prefill.first_token, 0, first_at)
             yield self._finished("stop" if params.max_new_tokens > 1 else "length", request, 1, prefill, times)
             return
-        stream = self._instance(decision.decode_address).Decode(instance_messages.DecodeRequest(
+        stream = self.instance_stub(decision.decode_address).Decode(instance_messages.DecodeRequest(
             request_id=request.request_id, prompt=request.prompt, sampling=sampling,
             first_token=prefill.first_token, kv_keys=prefill.kv_keys), timeout=self.timeout_s)
         watcher = _cancel_on(cancelled, stream)

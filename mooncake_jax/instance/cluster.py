@@ -23,13 +23,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
+
 from ..conductor.api import PolicyConfig
 from ..conductor.service import serve as serve_conductor
 from ..gateway.backend import Finished, GenerateRequest, TokenOut
 from ..llm import build_model
+from ..model.compile_cache import enable_compilation_cache
 from ..model.config import get_config
 from .backend import ClusterBackend
 from .conductor_link import DECODE, PREFILL
+from .rpc import messages as instance_messages
 from .server import InstanceConfig, InstanceServer
 
 log = logging.getLogger(__name__)
@@ -89,7 +93,19 @@ class Cluster:
         self.instances = instances  # instance id -> InstanceServer or ChildInstance
         self.backend = backend
         self.model_name = model_name
+        self.gateway = None
         self._closed = False
+
+    def serve_gateway(self, *, host: str = "127.0.0.1", grpc_port: int | None = 0, http_port: int | None = 0,
+                      auth_token: str | None = None):
+        """Start the client-facing gateway (gRPC and OpenAI HTTP) over this cluster; stopped by ``close``."""
+        from ..gateway import GatewayServer
+
+        if self.gateway is not None:
+            raise ValueError("this cluster already serves a gateway")
+        self.gateway = GatewayServer(self.backend, host=host, grpc_port=grpc_port, http_port=http_port,
+                                     auth_token=auth_token, model_name=self.model_name).start()
+        return self.gateway
 
     @classmethod
     def local(cls, model: str = "tiny", prefill: int = 2, decode: int = 1, *, processes: bool = False,
@@ -98,8 +114,14 @@ class Cluster:
               num_pages: int | None = None, pool_dram_blocks: int = 8192, layerwise: bool = False,
               heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0,
               kvcache_balancing_threshold: float = 1.0, profile_json: str | None = None,
-              log_dir: str | Path | None = None, host: str = "127.0.0.1") -> "Cluster":
-        """Start a Conductor with ``prefill`` + ``decode`` instances of ``model`` on this machine."""
+              log_dir: str | Path | None = None, host: str = "127.0.0.1", warmup: bool = True,
+              compile_cache: str | Path | None = "") -> "Cluster":
+        """Start a Conductor with ``prefill`` + ``decode`` instances of ``model`` on this machine.
+
+        ``warmup`` compiles every step shape before an instance registers (first requests do not wait for XLA);
+        ``compile_cache`` is the persistent XLA cache folder ("" for the user's cache directory, None for none),
+        so later starts load the programs instead of compiling them.
+        """
         for name, value in (("prefill", prefill), ("decode", decode)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"a cluster needs at least one {name} instance, got {value!r}")
@@ -113,11 +135,13 @@ class Cluster:
         try:
             common = dict(conductor_address=conductor.address, model=model, seed=seed, host=host,
                           prefill_chunk_size=prefill_chunk_size, max_batch=max_batch, num_pages=num_pages,
-                          pool_dram_blocks=pool_dram_blocks, tbt_slo_s=tbt_slo_s)
+                          pool_dram_blocks=pool_dram_blocks, tbt_slo_s=tbt_slo_s, warmup=warmup)
             roles = [(PREFILL, i) for i in range(prefill)] + [(DECODE, i) for i in range(decode)]
             if processes:
-                starter = _ProcessStarter(common, layerwise, Path(log_dir) if log_dir else None)
+                starter = _ProcessStarter(common, layerwise, Path(log_dir) if log_dir else None, compile_cache)
             else:
+                if compile_cache is not None:
+                    enable_compilation_cache(compile_cache or None)
                 starter = _InProcessStarter(common, layerwise, build_model(model, seed=seed))
             first = starter.start(*roles[0], profile_json)
             instances[first.instance_id] = first
@@ -162,17 +186,22 @@ class Cluster:
         return tokens, finished
 
     def stats(self) -> dict[str, float]:
+        """The backend's counters and every instance's (``<instance id>.<name>``), asked over its Stats RPC."""
         values = dict(self.backend.stats())
-        for inst in self.instances.values():
-            if isinstance(inst, InstanceServer):
-                for name, value in inst.stats().items():
-                    values[f"{inst.config.instance_id}.{name}"] = value
+        for instance_id, inst in self.instances.items():
+            try:
+                reply = self.backend.instance_stub(inst.address).Stats(instance_messages.StatsRequest(), timeout=5)
+            except grpc.RpcError:
+                continue  # a dead instance has no figures
+            values.update({f"{instance_id}.{name}": value for name, value in reply.values.items()})
         return values
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self.gateway is not None:
+            self.gateway.stop()
         self.backend.close()
         for inst in self.instances.values():
             inst.stop()
@@ -200,8 +229,9 @@ class _InProcessStarter:
 
 
 class _ProcessStarter:
-    def __init__(self, common: dict, layerwise: bool, log_dir: Path | None):
+    def __init__(self, common: dict, layerwise: bool, log_dir: Path | None, compile_cache):
         self.common, self.layerwise, self.log_dir = common, layerwise, log_dir
+        self.compile_cache = "none" if compile_cache is None else str(compile_cache)
         self._profile_dir = tempfile.TemporaryDirectory(prefix="mooncake-profile-")
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -217,6 +247,9 @@ class _ProcessStarter:
             args += ["--num-pages", str(c["num_pages"])]
         if self.layerwise and role == PREFILL:
             args.append("--layerwise")
+        if not c["warmup"]:
+            args.append("--no-warmup")
+        args += ["--compile-cache", self.compile_cache]
         if profile_json:
             path = Path(self._profile_dir.name) / "profile.json"
             if not path.exists():

@@ -12,7 +12,6 @@ cancels the stream; the sequence is dropped and its pages freed before the next 
 from __future__ import annotations
 
 import logging
-import threading
 
 import numpy as np
 
@@ -21,20 +20,15 @@ from ..model.engine import Engine
 from ..model.kv_cache import OutOfPages
 from ..model.sequence import Sequence
 from .engine_loop import TokenStream, wait
-from .rpc import LateRejection, MissingKV, messages, rpc, sampling_params, services, status_of
+from .rpc import InstanceService, LateRejection, MissingKV, messages, sampling_params, status_of
 
 log = logging.getLogger(__name__)
 
 
-class DecodeService(services.InstanceServicer):
+class DecodeService(InstanceService):
     def __init__(self, instance):
-        self.instance = instance
-        self._lock = threading.Lock()
-        self._counts = {"decode_requests": 0, "decode_rejected_late": 0, "decode_tokens": 0, "decode_aborted": 0}
+        super().__init__(instance, ("decode_requests", "decode_rejected_late", "decode_tokens", "decode_aborted"))
         self._active: dict[str, Sequence] = {}
-
-    def add_to_server(self, server) -> None:
-        services.add_InstanceServicer_to_server(self, server)
 
     def load(self) -> dict:
         with self._lock:
@@ -42,12 +36,8 @@ class DecodeService(services.InstanceServicer):
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            return {k: float(v) for k, v in self._counts.items()} | {"decode_active": float(len(self._active))}
-
-    def _count(self, **amounts) -> None:
-        with self._lock:
-            for name, amount in amounts.items():
-                self._counts[name] += amount
+            active = len(self._active)
+        return self.counts() | {"decode_active": float(active)}
 
     def Decode(self, request, context):
         inst = self.instance

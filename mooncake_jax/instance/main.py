@@ -15,6 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ..model.compile_cache import enable_compilation_cache
 from .conductor_link import DECODE, PREFILL
 from .server import InstanceConfig, InstanceServer
 
@@ -37,12 +38,17 @@ def parse_args(argv=None) -> InstanceConfig:
     p.add_argument("--layerwise", action="store_true")
     p.add_argument("--tbt-slo-s", type=float, default=1.0)
     p.add_argument("--profile-file", type=Path, default=None, help="cost profile JSON (default: measure at start)")
+    p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start")
+    p.add_argument("--compile-cache", default="", help="persistent XLA cache folder ('none' to disable; "
+                                                          "default: the user's cache directory)")
     a = p.parse_args(argv)
+    if a.compile_cache != "none":
+        enable_compilation_cache(a.compile_cache or None)
     return InstanceConfig(
         role=a.role, conductor_address=a.conductor, model=a.model, instance_id=a.instance_id, host=a.host,
         port=a.port, seed=a.seed, dtype=a.dtype, prefill_chunk_size=a.prefill_chunk_size, max_batch=a.max_batch,
         num_pages=a.num_pages, pool_dram_blocks=a.pool_dram_blocks, pool_ssd_path=a.pool_ssd_path,
-        layerwise=a.layerwise, tbt_slo_s=a.tbt_slo_s,
+        layerwise=a.layerwise, tbt_slo_s=a.tbt_slo_s, warmup=not a.no_warmup,
         profile_json=a.profile_file.read_text() if a.profile_file else None)
 
 

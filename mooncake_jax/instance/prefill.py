@@ -18,7 +18,6 @@ the heartbeat reports as ``queued_s``.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import numpy as np
@@ -28,23 +27,18 @@ from ..model.sequence import Sequence
 from ..transfer.messenger import TransferError
 from ..transfer.offload import LayerwisePrefill, request_keys
 from .engine_loop import wait
-from .rpc import messages, rpc, sampling_params, services
+from .rpc import InstanceService, messages, rpc, sampling_params
 
 log = logging.getLogger(__name__)
 
 
-class PrefillService(services.InstanceServicer):
+class PrefillService(InstanceService):
     def __init__(self, instance):
-        self.instance = instance
-        self._lock = threading.Lock()
+        super().__init__(instance, ("prefill_requests", "prefill_prompt_tokens", "prefill_cached_tokens",
+                                    "prefill_fetched_blocks", "prefill_pushed_blocks", "prefill_fetch_failures"))
         self._queued_s = 0.0
-        self._counts = {"prefill_requests": 0, "prefill_prompt_tokens": 0, "prefill_cached_tokens": 0,
-                        "prefill_fetched_blocks": 0, "prefill_pushed_blocks": 0, "prefill_fetch_failures": 0}
         self._layerwise = (LayerwisePrefill(instance.engine, instance.pool)
                            if instance.config.layerwise else None)
-
-    def add_to_server(self, server) -> None:
-        services.add_InstanceServicer_to_server(self, server)
 
     def load(self) -> dict:
         with self._lock:
@@ -52,12 +46,8 @@ class PrefillService(services.InstanceServicer):
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            return {k: float(v) for k, v in self._counts.items()} | {"prefill_queued_s": self._queued_s}
-
-    def _count(self, **amounts) -> None:
-        with self._lock:
-            for name, amount in amounts.items():
-                self._counts[name] += amount
+            queued = self._queued_s
+        return self.counts() | {"prefill_queued_s": queued}
 
     @rpc
     def Prefill(self, request, context):

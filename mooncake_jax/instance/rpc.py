@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
@@ -67,3 +68,28 @@ def rpc(method):
                 log.exception("%s failed", method.__name__)
             context.abort(code, f"{type(e).__name__}: {e}" if code == grpc.StatusCode.INTERNAL else str(e))
     return wrapper
+
+
+class InstanceService(services.InstanceServicer):
+    """What the prefill and decode services share: counters, registration on a server, and the Stats RPC."""
+
+    def __init__(self, instance, counters: tuple[str, ...]):
+        self.instance = instance
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(counters, 0)
+
+    def add_to_server(self, server) -> None:
+        services.add_InstanceServicer_to_server(self, server)
+
+    def _count(self, **amounts) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                self._counts[name] += amount
+
+    def counts(self) -> dict[str, float]:
+        with self._lock:
+            return {f"{k}_total": float(v) for k, v in self._counts.items()}
+
+    @rpc
+    def Stats(self, request, context):
+        return messages.StatsReply(values=self.instance.stats())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 import uuid
 from concurrent import futures
 
@@ -54,7 +55,8 @@ class InstanceConfig:
     tbt_slo_s: float = 1.0
     profile_json: str | None = None
     request_timeout_s: float = 120.0
-
+    warmup: bool = True  # compile every step shape of its role before registering
+    bucket_factor: int = 4  # step shapes grow 4x: few programs to compile per instance
     def __post_init__(self):
         if self.role not in (PREFILL, DECODE):
             raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {self.role!r}")
@@ -71,7 +73,8 @@ class InstanceServer:
         cfg = self.model.cfg
         layout = PerLayer(cfg) if config.role == PREFILL and config.layerwise else None
         self.engine = Engine(self.model, num_pages=config.num_pages, max_batch=config.max_batch,
-                             prefill_chunk_size=config.prefill_chunk_size, layout=layout)
+                             prefill_chunk_size=config.prefill_chunk_size, layout=layout,
+                             bucket_factor=config.bucket_factor)
         self.loop = EngineLoop(self.engine, name=f"engine-{config.instance_id}")
         self.link: ConductorLink | None = None
         self.pool = BlockPool(BlockSpec(cfg.block_shape(), self.engine.runner.kv[0][0].dtype),
@@ -117,6 +120,11 @@ class InstanceServer:
 
     def start(self) -> "InstanceServer":
         self.loop.start()
+        if self.config.warmup:
+            prefill = self.config.role == PREFILL
+            t = time.perf_counter()
+            n = wait(self.loop.submit(lambda engine: engine.warmup(prefill=prefill, decode=not prefill)), 1800)
+            log.info("%s: compiled %d step shapes in %.1f s", self.instance_id, n, time.perf_counter() - t)
         profile = self.config.profile_json
         if profile is None:
             log.info("%s: measuring the engine for its cost profile", self.config.instance_id)

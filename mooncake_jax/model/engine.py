@@ -33,13 +33,24 @@ from ..sharding.pipeline import PipelineRunner, StepInputs
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def bucket(n: int, cap: int, minimum: int = 1, factor: int = 2) -> int:
+    """Smallest power of ``factor`` >= n (and >= minimum), but never above ``cap`` (``cap`` itself is a bucket)."""
+    size = 1
+    while size < max(n, minimum):
+        size *= factor
+    return min(size, cap)
 
 
-def bucket(n: int, cap: int, minimum: int = 1) -> int:
-    """Smallest power of two >= n (and >= minimum), but never above ``cap`` (``cap`` itself is a bucket)."""
-    return min(max(next_pow2(n), minimum), cap)
+def buckets(cap: int, minimum: int = 1, factor: int = 2) -> list[int]:
+    """Every bucket ``bucket`` can return for n in 1..cap."""
+    out, n = [], 1
+    while True:
+        b = bucket(n, cap, minimum, factor)
+        if not out or b != out[-1]:
+            out.append(b)
+        if b >= cap:
+            return out
+        n = b + 1
 
 
 class Engine:
@@ -47,7 +58,7 @@ class Engine:
 
     def __init__(self, model: Llama, *, num_pages: int | None = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
                  max_batch: int = 32, prefill_chunk_size: int = 512, prefix_caching: bool = True,
-                 layout=None, kv_dtype=None):
+                 layout=None, kv_dtype=None, bucket_factor: int = 2):
         cfg: ModelConfig = model.cfg
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
@@ -59,6 +70,9 @@ class Engine:
         self.block_size = cfg.block_size
         self.max_batch = max_batch
         self.prefill_chunk_size = prefill_chunk_size
+        if bucket_factor < 2:
+            raise ValueError(f"bucket_factor must be >= 2, got {bucket_factor}")
+        self.bucket_factor = bucket_factor  # shapes grow by this factor: fewer compiles vs less padding
         self.max_pages_per_seq = num_blocks(cfg.max_seq_len, cfg.block_size)
         if num_pages is None:
             per_page = cfg.kv_bytes_per_block(kv_dtype)
@@ -205,9 +219,9 @@ class Engine:
         steps, lengths = [], []
         while start < n:
             t = min(chunk, n - start)
-            tb = bucket(t, chunk, 16)
+            tb = bucket(t, chunk, 16, self.bucket_factor)
             ctx_pages = seq.pages[: num_blocks(start, bs)]
-            pb = 0 if not ctx_pages else bucket(len(ctx_pages), self.max_pages_per_seq)
+            pb = 0 if not ctx_pages else bucket(len(ctx_pages), self.max_pages_per_seq, 1, self.bucket_factor)
             tokens = np.zeros((1, tb), np.int32)
             tokens[0, :t] = seq.prompt[start: start + t]
             positions = np.arange(start, start + tb, dtype=np.int32)[None]
@@ -239,7 +253,7 @@ class Engine:
         if len(seqs) > self.max_batch:
             raise ValueError(f"decode batch of {len(seqs)} exceeds max_batch {self.max_batch}")
         bs = self.block_size
-        rows = bucket(len(seqs), self.max_batch)
+        rows = bucket(len(seqs), self.max_batch)  # batch sizes stay powers of two: decode speed matters most
         tokens = np.zeros((rows, 1), np.int32)
         positions = np.zeros((rows, 1), np.int32)
         ctx_len = np.zeros(rows, np.int32)
@@ -253,7 +267,7 @@ class Engine:
             tokens[r, 0], positions[r, 0], ctx_len[r] = seq.tokens[-1], pos, pos
             slots[r, 0] = write_slots(seq.pages, pos, 1, bs)[0]
             ctx_pages.append(seq.pages[: num_blocks(pos, bs)])
-        width = bucket(max(1, max(len(p) for p in ctx_pages)), self.max_pages_per_seq)
+        width = bucket(max(1, max(len(p) for p in ctx_pages)), self.max_pages_per_seq, 1, self.bucket_factor)
         table = self._context_table(ctx_pages, rows, width)
         step = self._step(tokens, positions, table, ctx_len, slots, np.zeros(rows, np.int32), seqs, rows)
         ((next_tokens, _),) = self.runner.run([step])
@@ -271,6 +285,31 @@ class Engine:
             seq.finish_reason = FINISH_LENGTH
         elif (not params.ignore_eos and eos is not None and token == eos) or token in params.stop_token_ids:
             seq.finish_reason = FINISH_STOP
+
+    # ---- compiling ahead of traffic -----------------------------------------------------------------------------
+    def warmup(self, prefill: bool = True, decode: bool = True, progress=None) -> int:
+        """Compile every step shape this engine can run (greedy sampling), so no request waits for XLA.
+
+        The steps run on the scratch page only (nothing allocated, no sequence touched). Returns the number of
+        shapes; ``progress(done, total)`` is called after each.
+        """
+        shapes = []
+        if prefill:
+            chunks = buckets(self.prefill_chunk_size, 16, self.bucket_factor)
+            contexts = [0] + buckets(self.max_pages_per_seq, 1, self.bucket_factor)
+            shapes += [(1, t, p) for t in chunks for p in contexts]
+        if decode:
+            widths = buckets(self.max_pages_per_seq, 1, self.bucket_factor)
+            shapes += [(b, 1, w) for b in buckets(self.max_batch) for w in widths]
+        for i, (rows, t, width) in enumerate(shapes):
+            step = self._step(np.zeros((rows, t), np.int32), np.tile(np.arange(t, dtype=np.int32), (rows, 1)),
+                              np.zeros((rows, width), np.int32), np.zeros(rows, np.int32),
+                              np.full((rows, t), self._scratch_slot, np.int32),
+                              np.zeros(rows, np.int32) if t == 1 else np.array([t - 1], np.int32), [], rows)
+            jax.block_until_ready(self.runner.run([step])[-1][1])
+            if progress is not None:
+                progress(i + 1, len(shapes))
+        return len(shapes)
 
     # ---- whole blocks in and out (pool, Messenger) -----------------------------------------------------------
     def read_blocks(self, pages: SequenceABC[int]) -> np.ndarray:

@@ -1,0 +1,178 @@
+"""``mooncake-jax demo``: the main job end to end on the embedded default.
+
+Starts the default local cluster (the ``tiny`` model, 2 prefill + 1 decode instance processes, the Conductor and
+the gateway), replays the first requests of the bundled conversation trace through the gateway's OpenAI HTTP
+endpoint at their recorded arrival times, and prints what a serving operator looks at: completions, rejections,
+TTFT and TBT percentiles, SLO attainment, prefix cache hits and KV bytes moved.
+
+Trace lengths are scaled to the tiny model: a trace block of 512 tokens becomes an engine block of 16 tokens
+(``scale`` 32), and each block id becomes 16 token ids drawn from a generator seeded by the id, so the trace's
+shared prefixes are real shared prefixes in the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+TRACE_BLOCK, ENGINE_BLOCK = 512, 16
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--requests", type=int, default=100, help="first N requests of the trace")
+    p.add_argument("--speed", type=float, default=1.0, help="replay speed (2.0 halves the gaps)")
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--ttft-slo-s", type=float, default=2.0)
+    p.add_argument("--tbt-slo-s", type=float, default=0.25)
+    p.add_argument("--admission", default="predictive", choices=["none", "baseline", "early", "predictive"])
+    p.add_argument("--in-process", action="store_true", help="instances as threads instead of processes")
+    p.add_argument("--json", type=Path, default=None, help="also write the results table as JSON")
+
+
+def workload(n: int, vocab_size: int, max_context: int) -> list[dict]:
+    """The first ``n`` trace requests as token-id prompts for the tiny model (arrival s, prompt, max_tokens)."""
+    from .sim.trace import load_trace, synthesize_prompt
+
+    scale = TRACE_BLOCK // ENGINE_BLOCK
+    trace = load_trace("conversation", first=n)
+    t0 = trace.requests[0].timestamp_s
+    out = []
+    for r in trace.requests:
+        max_tokens = max(1, round(r.output_length / scale))
+        prompt = synthesize_prompt(r.hash_ids, r.input_length, ENGINE_BLOCK, vocab_size, scale=scale)
+        prompt = prompt[: max_context - max_tokens]
+        out.append({"at": r.timestamp_s - t0, "prompt": prompt, "max_tokens": max_tokens})
+    return out
+
+
+def send(url: str, item: dict, timeout_s: float = 300.0) -> dict:
+    """One streaming completion; returns the outcome and the client-side token times."""
+    body = json.dumps({"model": "tiny", "prompt": item["prompt"], "max_tokens": item["max_tokens"],
+                       "temperature": 0.0, "stream": True, "ignore_eos": True}).encode()
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    times, usage = [], {}
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if "error" in chunk:
+                    return {"status": "failed", "error": chunk["error"].get("message", "")}
+                if chunk.get("choices"):
+                    times += [time.perf_counter() - t0] * len(chunk["choices"][0].get("token_ids") or [])
+                usage = chunk.get("usage") or usage
+    except urllib.error.HTTPError as e:
+        return {"status": "rejected" if e.code == 429 else "failed", "code": e.code}
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        return {"status": "failed", "error": str(e)}
+    return {"status": "completed", "times": times, "usage": usage, "prompt_tokens": len(item["prompt"])}
+
+
+def paper_tbt(times: list[float]) -> float | None:
+    from .gateway.backend import paper_tbt as tbt
+
+    return tbt(times) if len(times) > 1 else None
+
+
+def summarize(results: list[dict], ttft_slo: float, tbt_slo: float, wall_s: float, stats: dict) -> dict:
+    done = [r for r in results if r["status"] == "completed" and r["times"]]
+    ttft = np.array([r["times"][0] for r in done]) if done else np.zeros(0)
+    tbts = np.array([t for t in (paper_tbt(r["times"]) for r in done) if t is not None])
+    ok = sum(1 for r in done if r["times"][0] <= ttft_slo and (paper_tbt(r["times"]) or 0.0) <= tbt_slo)
+    prompt_tokens = sum(r["prompt_tokens"] for r in done)
+    cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in done)
+    # each transfer counted once, at the Messenger server it went through (pushes received, fetches sent)
+    moved = sum(v for k, v in stats.items() if k.endswith(("messenger_bytes_received", "messenger_bytes_sent")))
+
+    def pct(a, q):
+        return round(float(np.percentile(a, q)), 4) if a.size else None
+
+    return {
+        "requests": len(results), "completed": len(done),
+        "rejected_early": int(stats.get("cluster_rejected_early_total", 0)),
+        "rejected_late": int(stats.get("cluster_rejected_late_total", 0)),
+        "failed": sum(1 for r in results if r["status"] == "failed"),
+        "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
+        "tbt_p50_s": pct(tbts, 50), "tbt_p90_s": pct(tbts, 90), "tbt_p99_s": pct(tbts, 99),
+        "slo_attainment": round(ok / len(results), 4) if results else None,
+        "ttft_slo_s": ttft_slo, "tbt_slo_s": tbt_slo,
+        "cache_hit_ratio": round(cached / prompt_tokens, 4) if prompt_tokens else None,
+        "transfer_bytes": int(moved), "wall_s": round(wall_s, 2),
+        "output_tokens_per_s": round(sum(len(r["times"]) for r in done) / wall_s, 1) if wall_s else None,
+    }
+
+
+def print_table(summary: dict) -> None:
+    rows = [("requests", summary["requests"]), ("completed", summary["completed"]),
+            ("rejected early / late", f"{summary['rejected_early']} / {summary['rejected_late']}"),
+            ("failed", summary["failed"]),
+            ("TTFT p50 / p90 / p99 (s)", f"{summary['ttft_p50_s']} / {summary['ttft_p90_s']} / {summary['ttft_p99_s']}"),
+            ("TBT p50 / p90 / p99 (s)", f"{summary['tbt_p50_s']} / {summary['tbt_p90_s']} / {summary['tbt_p99_s']}"),
+            (f"SLO attainment (TTFT <= {summary['ttft_slo_s']} s, TBT <= {summary['tbt_slo_s']} s)",
+             summary["slo_attainment"]),
+            ("prefix cache hit ratio (tokens)", summary["cache_hit_ratio"]),
+            ("KV bytes moved between instances", f"{summary['transfer_bytes']:,}"),
+            ("output tokens / s", summary["output_tokens_per_s"]),
+            ("wall time (s)", summary["wall_s"])]
+    width = max(len(name) for name, _ in rows)
+    print()
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+    print()
+
+
+def run(args) -> int:
+    from tqdm import tqdm
+
+    from .instance.cluster import Cluster
+    from .model.config import PRESETS
+
+    if args.requests < 1 or args.speed <= 0:
+        print("mooncake-jax demo: --requests must be >= 1 and --speed > 0", file=sys.stderr)
+        return 2
+    cfg = PRESETS["tiny"]
+    items = workload(args.requests, cfg.vocab_size, cfg.max_seq_len)
+    print(f"starting the cluster: tiny model, {args.prefill} prefill + {args.decode} decode instances ...",
+          flush=True)
+    log_dir = tempfile.mkdtemp(prefix="mooncake-demo-")
+    with Cluster.local("tiny", prefill=args.prefill, decode=args.decode, processes=not args.in_process,
+                       admission=args.admission, ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s,
+                       log_dir=log_dir) as cluster:
+        gateway = cluster.serve_gateway(grpc_port=None, http_port=0)
+        url = f"http://127.0.0.1:{gateway.http_port}/v1/completions"
+        print(f"replaying {len(items)} trace requests through {url} (instance logs in {log_dir})", flush=True)
+        results: list = [None] * len(items)
+        bar = tqdm(total=len(items), desc="requests", unit="req")
+        lock = threading.Lock()
+        start = time.perf_counter()
+
+        def one(i: int) -> None:
+            delay = items[i]["at"] / args.speed - (time.perf_counter() - start)
+            if delay > 0:
+                time.sleep(delay)
+            results[i] = send(url, items[i])
+            with lock:
+                bar.update()
+
+        with ThreadPoolExecutor(64) as pool:
+            list(pool.map(one, range(len(items))))
+        bar.close()
+        wall = time.perf_counter() - start
+        summary = summarize(results, args.ttft_slo_s, args.tbt_slo_s, wall, cluster.stats())
+    print_table(summary)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if summary["failed"] == 0 else 1

@@ -1,0 +1,99 @@
+"""One engine doing both prefill and decode (coupled, like a single vLLM server) as a gateway ``Backend``.
+
+The baseline the disaggregated cluster is compared with, and the simplest way to serve a model: each request is
+prefilled on the engine loop as soon as it is taken (a long prompt delays the running batch's next token, which
+is what disaggregation avoids) and then joins the continuous batch. A request that cannot get KV pages now is
+rejected with a retry hint rather than queued without bound.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+from ..gateway.backend import (FINISH_ABORT, REJECT_EARLY, Finished, GenerateRequest, InvalidRequest, Rejected,
+                               TokenOut, Unavailable, paper_tbt)
+from ..llm import LLM
+from ..model.engine import Engine
+from ..model.kv_cache import OutOfPages
+from ..model.sequence import SamplingParams, Sequence
+from .engine_loop import EngineLoop, LoopStopped, TokenStream, wait
+
+
+class EngineBackend:
+    """Serves ``llm``'s engine on its own loop thread."""
+
+    def __init__(self, llm: LLM, model_name: str = "model", timeout_s: float = 120.0):
+        self.engine = llm.engine
+        cfg = llm.config
+        self.model_name, self.vocab_size, self.max_context = model_name, cfg.vocab_size, cfg.max_seq_len
+        self.eos_token_id = cfg.eos_token_id
+        self.timeout_s = timeout_s
+        self.loop = EngineLoop(self.engine, name="engine-coupled").start()
+        self._lock = threading.Lock()
+        self._counts = {"requests": 0, "rejected": 0, "prompt_tokens": 0, "cached_tokens": 0}
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            counts = {f"engine_{k}_total": float(v) for k, v in self._counts.items()}
+        return counts | {"engine_running": float(len(self.loop.running)),
+                         "engine_queued_jobs": float(self.loop.queued_jobs)}
+
+    def _count(self, **amounts) -> None:
+        with self._lock:
+            for name, amount in amounts.items():
+                self._counts[name] += amount
+
+    def generate(self, request: GenerateRequest, cancelled: threading.Event | None = None
+                 ) -> Iterator[TokenOut | Finished]:
+        t0 = time.perf_counter()
+        params = SamplingParams(max_new_tokens=request.max_tokens, temperature=request.temperature,
+                                top_p=request.top_p, seed=request.seed, ignore_eos=request.ignore_eos,
+                                stop_token_ids=tuple(request.stop_token_ids))
+        try:
+            seq = self.engine.new_sequence(request.prompt, params)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        self._count(requests=1, prompt_tokens=len(seq.prompt))
+        stream = TokenStream(timeout_s=self.timeout_s)
+        try:
+            wait(self.loop.submit(lambda engine: self._start(engine, seq, stream)), self.timeout_s)
+        except OutOfPages as e:
+            self._count(rejected=1)
+            raise Rejected(f"the engine's KV cache is full: {e}", 1.0, REJECT_EARLY) from None
+        except (LoopStopped, TimeoutError) as e:
+            raise Unavailable(str(e)) from None
+        self._count(cached_tokens=seq.cached_tokens)
+        times = []
+        try:
+            for token in self._tokens(seq, stream, cancelled):
+                times.append(time.perf_counter() - t0)
+                yield TokenOut(token, len(times) - 1, times[-1])
+        except LoopStopped as e:
+            raise Unavailable(str(e)) from None
+        yield Finished(reason=stream.finish_reason or FINISH_ABORT, prompt_tokens=len(seq.prompt),
+                       output_tokens=len(times), cached_tokens=seq.cached_tokens,
+                       ttft_s=times[0] if times else 0.0, tbt_s=paper_tbt(times))
+
+    def _tokens(self, seq: Sequence, stream: TokenStream, cancelled: threading.Event | None):
+        yield seq.output[0]
+        for token in stream:
+            if cancelled is not None and cancelled.is_set():
+                self.loop.cancel(seq)
+                for _ in stream:  # drain until the loop confirms the abort
+                    pass
+                return
+            yield token
+
+    def _start(self, engine: Engine, seq: Sequence, stream: TokenStream) -> None:
+        engine.admit(seq)
+        try:
+            engine.prefill(seq)
+        except BaseException:
+            engine.release(seq)
+            raise
+        self.loop.join_batch(seq, stream)
+
+    def close(self) -> None:
+        self.loop.stop()

@@ -1,0 +1,72 @@
+"""``mooncake-jax serve``: a whole local cluster behind the gateway.
+
+Starts the Conductor, P prefill and D decode instance processes and the gateway (gRPC ``mooncake.v1.Gateway``
+with health and reflection, OpenAI-compatible HTTP) on loopback, logs where each listens, and serves until
+SIGINT/SIGTERM, then stops everything (instances are tied to this process and exit with it: no orphans).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+log = logging.getLogger("mooncake_jax.serve")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="tiny", help="preset name or local Hugging Face folder")
+    p.add_argument("--prefill", type=int, default=2, help="prefill instances")
+    p.add_argument("--decode", type=int, default=1, help="decode instances")
+    p.add_argument("--host", default="127.0.0.1", help="address every server listens on (default loopback)")
+    p.add_argument("--grpc-port", type=int, default=0, help="gateway gRPC port (0: a free one)")
+    p.add_argument("--http-port", type=int, default=0, help="gateway HTTP port (0: a free one)")
+    p.add_argument("--auth-token", default=None, help="shared token every gateway request must carry")
+    p.add_argument("--policy", default="kvcache-centric",
+                   choices=["random", "load-balance", "local-cache-aware", "kvcache-centric"])
+    p.add_argument("--admission", default="predictive", choices=["none", "baseline", "early", "predictive"])
+    p.add_argument("--ttft-slo-s", type=float, default=30.0)
+    p.add_argument("--tbt-slo-s", type=float, default=1.0)
+    p.add_argument("--prefill-chunk-size", type=int, default=512)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--layerwise", action="store_true", help="layer-wise prefill with the KV pool")
+    p.add_argument("--in-process", action="store_true", help="run the instances as threads of this process")
+    p.add_argument("--log-dir", default=None, help="write each instance's log here")
+
+
+def run(args) -> int:
+    from ..instance.cluster import Cluster
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.auth_token:
+        print("mooncake-jax serve: listening beyond loopback needs --auth-token", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        cluster = Cluster.local(args.model, prefill=args.prefill, decode=args.decode,
+                                processes=not args.in_process, policy=args.policy, admission=args.admission,
+                                ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s,
+                                prefill_chunk_size=args.prefill_chunk_size, max_batch=args.max_batch,
+                                layerwise=args.layerwise, log_dir=args.log_dir, host=args.host)
+    except ValueError as e:
+        print(f"mooncake-jax serve: {e}", file=sys.stderr)
+        return 2
+    with cluster:
+        try:
+            gateway = cluster.serve_gateway(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+                                            auth_token=args.auth_token)
+        except (ValueError, OSError) as e:
+            print(f"mooncake-jax serve: {e}", file=sys.stderr)
+            return 2
+        log.info("conductor     %s", cluster.conductor.address)
+        for instance_id, inst in cluster.instances.items():
+            log.info("%-13s %s", instance_id, inst.address)
+        log.info("gateway gRPC  %s:%s (mooncake.v1.Gateway, health, reflection)", args.host, gateway.grpc_port)
+        log.info("gateway HTTP  http://%s:%s/v1/completions  /v1/models  /metrics", args.host, gateway.http_port)
+        print(f"READY grpc={gateway.grpc_port} http={gateway.http_port}", flush=True)
+        stop.wait()
+        log.info("shutting down")
+    return 0
