@@ -75,7 +75,8 @@ def send(url: str, item: dict, timeout_s: float = 300.0) -> dict:
                     times += [time.perf_counter() - t0] * len(chunk["choices"][0].get("token_ids") or [])
                 usage = chunk.get("usage") or usage
     except urllib.error.HTTPError as e:
-        return {"status": "rejected" if e.code == 429 else "failed", "code": e.code}
+        return {"status": "rejected" if e.code == 429 else "failed", "code": e.code,
+                "error": e.read().decode(errors="replace")[:300]}
     except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
         return {"status": "failed", "error": str(e)}
     return {"status": "completed", "times": times, "usage": usage, "prompt_tokens": len(item["prompt"])}
@@ -173,6 +174,8 @@ def run(args) -> int:
         wall = time.perf_counter() - start
         summary = summarize(results, args.ttft_slo_s, args.tbt_slo_s, wall, cluster.stats())
     print_table(summary)
+    for r in [r for r in results if r["status"] == "failed"][:5]:
+        print(f"  failed: {r.get('code', '')} {r.get('error', '')}")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
     return 0 if summary["failed"] == 0 else 1

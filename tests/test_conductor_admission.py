@@ -2,7 +2,10 @@
 
 Timeline costs: every prefill takes 1 s whatever its length; a decode step takes 10 ms per request in the batch;
 TBT SLO 35 ms, so a decode instance takes this request only while at most 2 others decode beside it;
-uniform decode time t_d = 5 s.
+uniform decode time t_d = 5 s. Every request holds 20 KV tokens (16 prompt + 4 output).
+
+Memory timelines (``memory_timeline``): the same, but the TBT SLO is 1 s (never binds) and the decode instance
+holds 70 KV tokens, so it takes this request only while at most 2 others (40 tokens) are on it.
 """
 
 import pytest
@@ -59,6 +62,107 @@ def test_predictive_rejects_what_early_accepts_because_prefills_in_flight_arrive
     # baseline leaves TBT to the decode instance; its estimate still reports the predicted 40 ms
     assert outcomes["baseline"].accepted and outcomes["baseline"].predicted_tbt_s == pytest.approx(0.04)
     assert outcomes["none"].accepted
+
+
+def memory_timeline(admission, decode=("D",)):
+    state, policy = cluster(prefill=("P0", "P1", "P2", "P3"), decode=(), costs=FLAT, admission=admission,
+                            tbt_slo_s=1.0, decode_time_s=5.0)
+    for name in decode:
+        state.add_instance(name, "decode", FLAT, 0.0, kv_capacity_tokens=70)
+    return state, policy
+
+
+def test_memory_full_now_but_drained_by_prefill_end_early_rejects_predictive_accepts():
+    # t=5: three requests routed (prefills on P0..P2 end at 6); t=6 they begin decoding, 60 of D's 70 tokens,
+    # until 6 + t_d = 11. t=10: a new request (20 tokens) would finish prefill at 11.
+    # Now: 60 + 20 = 80 > 70. At 11: all three done, 0 + 20 <= 70.
+    outcomes, a_moment_earlier = {}, {}
+    for admission in POLICIES:
+        state, policy = memory_timeline(admission)
+        for i in range(3):
+            assert state.schedule(policy, req(f"a{i}"), 5.0).accepted
+        for i in range(3):
+            state.decode_started(f"a{i}", 6.0)
+        outcomes[admission] = policy.decide(req("new"), state.snapshot(), 10.0)
+        # at t=9.9 the prefill would end at 10.9, while all three still decode: 80 > 70 for predictive too
+        a_moment_earlier[admission] = policy.decide(req("new"), state.snapshot(), 9.9)
+    assert outcomes["early"].reason == RejectReason.DECODE_CAPACITY
+    assert outcomes["predictive"].accepted and outcomes["predictive"].prefill_end_at == 11.0
+    assert outcomes["predictive"].decode == "D" and outcomes["predictive"].predicted_tbt_s == pytest.approx(0.01)
+    assert a_moment_earlier["predictive"].reason == RejectReason.DECODE_CAPACITY
+    assert a_moment_earlier["early"].reason == RejectReason.DECODE_CAPACITY
+    for admission in ("none", "baseline"):  # the decode instance's own check is left to judge memory
+        assert outcomes[admission].accepted and a_moment_earlier[admission].accepted
+
+
+def test_memory_free_now_but_filled_by_prefills_in_flight_early_accepts_predictive_rejects():
+    # t=9.5: three requests routed to P0..P2, their prefills end at 10.5, when their 60 tokens reach D.
+    # t=10: the new request goes to idle P3 and ends at 11. Now D holds nothing: 0 + 20 <= 70. At 11: 60 + 20 > 70.
+    outcomes = {}
+    for admission in POLICIES:
+        state, policy = memory_timeline(admission)
+        for i in range(3):
+            assert state.schedule(policy, req(f"a{i}"), 9.5).prefill_end_at == 10.5
+        outcomes[admission] = policy.decide(req("new"), state.snapshot(), 10.0)
+    assert outcomes["early"].accepted and outcomes["early"].decode == "D"
+    assert outcomes["early"].predicted_tbt_s == pytest.approx(0.01)  # alone in the batch now
+    assert outcomes["predictive"].prefill == "P3" and outcomes["predictive"].prefill_end_at == 11.0
+    assert outcomes["predictive"].reason == RejectReason.DECODE_CAPACITY
+    assert outcomes["none"].accepted and outcomes["baseline"].accepted
+
+
+def test_decode_load_is_rejected_only_when_no_decode_instance_can_take_the_request():
+    # Among the decode instances that can take the request under its admission view, the one with the least
+    # routed load is chosen (so bursts spread); the view decides which can, not the spreading order.
+    # D0: three (60 tokens) decoding since 0, predicted to end at 5. D1: one (20) decoding since 4, until 9.
+    # t=4.5, prefill ends at 5.5. Routed load left at 5.5: D0 none, D1 20 -> D0 is preferred.
+    # early (now): D0 60 + 20 > 70, D1 20 + 20 fits -> D1.  predictive (at 5.5): both fit -> D0.
+    picks = {}
+    for admission in ("early", "predictive"):
+        state, policy = memory_timeline(admission, decode=("D0", "D1"))
+        state.heartbeat("D0", 0.0, active={"a": 20, "b": 20, "c": 20})
+        state.heartbeat("D1", 4.0, active={"d": 20})
+        picks[admission] = policy.decide(req("new"), state.snapshot(), 4.5)
+    assert picks["early"].accepted and picks["early"].decode == "D1"
+    assert picks["early"].predicted_tbt_s == pytest.approx(0.02)
+    assert picks["predictive"].accepted and picks["predictive"].decode == "D0"
+    assert picks["predictive"].predicted_tbt_s == pytest.approx(0.01)
+
+    # D0: three (60) decoding since 4, until 9. D1: one (20) decoding since 4, and three more (60) whose prefills
+    # end at 6. t=4.5, prefill ends at 5.5: routed load D0 60, D1 80 -> D0 preferred, but at 5.5 only D1 has
+    # room (20 + 20); predictive takes D1. Once D1's three arrive earlier (at 5), neither has room.
+    state, policy = memory_timeline("predictive", decode=("D0", "D1"))
+    state.heartbeat("D0", 4.0, active={"a": 20, "b": 20, "c": 20})
+    state.heartbeat("D1", 4.0, active={"d": 20})
+    d1 = state.instances.slot("D1")
+    for i in range(3):
+        state.ledger.add(f"e{i}", d1, 6.0, 20)
+    d = policy.decide(req("new"), state.snapshot(), 4.5)
+    assert d.accepted and d.decode == "D1" and d.predicted_tbt_s == pytest.approx(0.02)
+    for i in range(3):
+        state.ledger.set_start(f"e{i}", 5.0, started=False)
+    assert policy.decide(req("new"), state.snapshot(), 4.5).reason == RejectReason.DECODE_CAPACITY
+
+
+def test_a_request_decoding_past_t_d_stays_in_the_prediction_until_reported_finished():
+    # Three requests begin decoding at 6 and, at t_d = 5 s, are predicted to end at 11. At t=12 they still run
+    # (no finish reported): they are longer than t_d, not gone. A request routed at 12 (prefill ends at 13)
+    # would meet all three: 80 > 70 tokens. Counting each request only until start + t_d while shorter ones
+    # leave at their reported finish would undercount the decode load by every request's excess over t_d.
+    state, policy = memory_timeline("predictive")
+    for i in range(3):
+        state.schedule(policy, req(f"a{i}"), 5.0)
+        state.decode_started(f"a{i}", 6.0)
+    assert policy.decide(req("new"), state.snapshot(), 10.9).accepted  # predicted gone by 11.9
+    assert policy.decide(req("new"), state.snapshot(), 12.0).reason == RejectReason.DECODE_CAPACITY
+    state.finished("a0", 12.1)
+    assert policy.decide(req("new"), state.snapshot(), 12.2).accepted  # 40 + 20 <= 70
+    # A request whose prefill overran its prediction (routed at 0 to end at 1, never reported done) has not
+    # begun decoding, so it has spent none of t_d: at t=8 it counts for the next t_d, not from 1 to 6.
+    state, policy = memory_timeline("predictive")
+    for i in range(3):
+        state.schedule(policy, req(f"b{i}"), 0.0)
+    assert policy.decide(req("new"), state.snapshot(), 8.0).reason == RejectReason.DECODE_CAPACITY
 
 
 def test_ttft_slo_applies_to_every_policy_but_none():

@@ -165,8 +165,10 @@ def test_fetch_waits_for_blocks_still_being_computed_at_the_source():
     assert d.transfer.seconds == pytest.approx(0.1)
 
 
-def test_burst_spreads_over_instances_because_routed_load_counts_at_once():
-    state, policy = cluster(prefill=("P0", "P1"), decode=("D0", "D1"))
+@pytest.mark.parametrize("admission", ["none", "baseline", "early", "predictive"])
+def test_burst_spreads_over_instances_because_routed_load_counts_at_once(admission):
+    # early judges admission on the load now, which none of the burst is yet; the choice still counts it
+    state, policy = cluster(prefill=("P0", "P1"), decode=("D0", "D1"), admission=admission)
     decisions = [state.schedule(policy, req(f"r{i}", keys=[], n=10), 0.0) for i in range(4)]
     assert [d.prefill for d in decisions] == ["P0", "P1", "P0", "P1"]
     assert [d.decode for d in decisions] == ["D0", "D1", "D0", "D1"]

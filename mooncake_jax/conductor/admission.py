@@ -30,16 +30,16 @@ CHECKS_DECODE_HERE = (Admission.EARLY, Admission.PREDICTIVE)
 """Policies that reject on decode load (TBT, KV capacity) before prefill rather than leaving it to the decode side."""
 
 
-def decode_view(admission: Admission, ledger: DecodeLedger, now: float, prefill_end_at: float,
-                decode_s: float) -> np.ndarray:
-    """The ledger entries ``admission`` counts as decode load for a request whose prefill ends at ``prefill_end_at``.
-
-    ``early`` sees the current load; the others see the load predicted at ``prefill_end_at`` (for ``none`` and
-    ``baseline`` that is only the estimate reported in the decision, never a reason to reject).
-    """
+def decode_views(admission: Admission, ledger: DecodeLedger, now: float, prefill_end_at: float,
+                 decode_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """Two masks over the ledger for a request whose prefill ends at ``prefill_end_at``: the routed load that
+    decode selection spreads over (every request not predicted finished by then), and the load ``admission``
+    judges: ``early`` the current load, the others the load predicted at ``prefill_end_at`` (for ``none`` and
+    ``baseline`` only the estimate reported in the decision, never a reason to reject)."""
+    committed, predicted = ledger.committed_and_at(prefill_end_at, decode_s, now)
     if admission == Admission.EARLY:
-        return ledger.active(now)
-    return ledger.at(prefill_end_at, decode_s, now)
+        return committed, ledger.active(now)
+    return committed, predicted
 
 
 def predicted_tbt(decode_coef: np.ndarray, batch: float, context_tokens: float, kv_tokens: int) -> float:

@@ -125,6 +125,12 @@ class DecodeLedger:
         those still in prefill (a routed request counts at once, so a burst spreads over instances)."""
         return self.window(now, decode_s)[1] > when
 
+    def committed_and_at(self, when: float, decode_s: float, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """``committed(when, ...)`` and ``at(when, ...)`` from one pass over the windows."""
+        begin, end = self.window(now, decode_s)
+        committed = end > when
+        return committed, committed & (begin <= when)
+
     def per_slot(self, mask: np.ndarray, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
         """(requests, kv_tokens) per slot, arrays of length ``n_slots``, over the entries in ``mask``."""
         shifted = self._slot[: self._used][mask] + 1  # free entries (-1) fall in bucket 0, dropped below

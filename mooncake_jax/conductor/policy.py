@@ -161,11 +161,11 @@ class Policy:
         cfg, table, ledger = self.config, snapshot.instances, snapshot.ledger
         kv, capacity, coef = request.kv_tokens, table.kv_capacity_tokens, table.decode_coef
         decode_s = snapshot.decode_time_s
-        batch, context = ledger.per_slot(ledger.committed(end, decode_s, now), table.capacity)
+        routed, seen = adm.decode_views(cfg.admission, ledger, now, end, decode_s)
+        batch, context = ledger.per_slot(routed, table.capacity)
         load = decode_step_seconds(coef, batch + 1, context + kv)  # what spreads a burst: all routed load
         if cfg.admission in adm.CHECKS_DECODE_HERE:
-            seen_batch, seen_context = ledger.per_slot(adm.decode_view(cfg.admission, ledger, now, end, decode_s),
-                                                       table.capacity)
+            seen_batch, seen_context = ledger.per_slot(seen, table.capacity)
             fits = candidates & (seen_context + kv <= capacity)
             if not fits.any():
                 return None, 0.0
@@ -180,7 +180,7 @@ class Policy:
         if not fits.any():
             fits = candidates  # the decode instance itself queues or rejects it
         slot = int(np.argmin(np.where(fits, load, np.inf)))
-        seen_batch, seen_context = ledger.on_slot(ledger.at(end, decode_s, now), slot)
+        seen_batch, seen_context = ledger.on_slot(seen, slot)
         return slot, adm.predicted_tbt(coef[:, slot], seen_batch, seen_context, kv)
 
     def _retry_after(self, snapshot: Snapshot, slot: int | None, now: float) -> float:

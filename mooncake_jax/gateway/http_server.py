@@ -56,6 +56,7 @@ def _http_error(e: Exception) -> _HttpError:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 1024  # listen backlog: a burst of clients (the standard library's 5) must not be reset
 
     def __init__(self, address, core: GatewayCore, auth_token: str | None, idle_timeout_s: float):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET

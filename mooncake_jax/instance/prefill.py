@@ -17,6 +17,7 @@ the heartbeat reports as ``queued_s``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -24,12 +25,14 @@ import numpy as np
 
 from ..model.engine import Engine
 from ..model.sequence import Sequence
-from ..transfer.messenger import TransferError
+from ..transfer.messenger import BlocksNotFoundError, TransferError
 from ..transfer.offload import LayerwisePrefill, request_keys
 from .engine_loop import wait
 from .rpc import InstanceService, messages, rpc, sampling_params
 
 log = logging.getLogger(__name__)
+
+FETCH_WAIT_S = 2.0
 
 
 class PrefillService(InstanceService):
@@ -59,12 +62,7 @@ class PrefillService(InstanceService):
             inst.link.ignored_keys.update(keys[len(seq.prompt) // engine.block_size:])  # the tail is private
         with inst.pool.pin(list(request.fetch_keys) + keys):
             if request.fetch_from and request.fetch_keys:
-                try:
-                    moved = inst.messenger(request.fetch_from).fetch(list(request.fetch_keys)).moved
-                    self._count(prefill_fetched_blocks=len(moved))
-                except TransferError as e:  # recompute what did not arrive
-                    log.warning("fetch from %s failed: %s", request.fetch_from, e)
-                    self._count(prefill_fetch_failures=1)
+                self._fetch(request.fetch_from, list(request.fetch_keys))
             t_fetched = time.perf_counter()
             predicted = inst.costs.prefill.seconds(len(seq.prompt), 0) if inst.costs else 0.0
             with self._lock:
@@ -90,6 +88,34 @@ class PrefillService(InstanceService):
             first_token=seq.output[0], cached_tokens=seq.cached_tokens, kv_keys=keys,
             queue_s=started.get("t", queued_at) - queued_at, prefill_s=t_prefilled - started.get("t", queued_at),
             transfer_s=(t_fetched - t0) + (t_end - t_prefilled), finished=seq.finished)
+
+    def _fetch(self, source: str, keys: list[int]) -> None:
+        """Run the transfer plan. The Conductor may plan blocks the source is still computing (another request's
+        prefill there): the leading blocks it has are fetched at once, the rest retried for a short while, and
+        whatever did not arrive is recomputed."""
+        deadline = time.monotonic() + FETCH_WAIT_S
+        messenger = self.instance.messenger(source)
+        while keys:
+            try:
+                self._count(prefill_fetched_blocks=len(messenger.fetch(keys).moved))
+                return
+            except BlocksNotFoundError as e:
+                missing = set(e.keys)
+                lead = list(itertools.takewhile(lambda k: k not in missing, keys))
+                keys = keys[len(lead):]
+                try:
+                    if lead:
+                        self._count(prefill_fetched_blocks=len(messenger.fetch(lead).moved))
+                except TransferError:
+                    keys = []
+                if time.monotonic() > deadline:
+                    self._count(prefill_fetch_failures=1)
+                    return
+                time.sleep(0.02)
+            except TransferError as e:
+                log.warning("fetch from %s failed: %s", source, e)
+                self._count(prefill_fetch_failures=1)
+                return
 
     def _prefill_job(self, engine: Engine, seq: Sequence, keys: list[int], started: dict) -> None:
         """On the engine loop: prefill ``seq`` over every reusable block and store its new blocks in the pool."""

@@ -56,7 +56,7 @@ class InstanceConfig:
     profile_json: str | None = None
     request_timeout_s: float = 120.0
     warmup: bool = True  # compile every step shape of its role before registering
-    bucket_factor: int = 4  # step shapes grow 4x: few programs to compile per instance
+    bucket_factor: int = 4  # prefill chunk lengths grow 4x: fewer programs to compile per instance
     def __post_init__(self):
         if self.role not in (PREFILL, DECODE):
             raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {self.role!r}")

@@ -72,7 +72,9 @@ class Engine:
         self.prefill_chunk_size = prefill_chunk_size
         if bucket_factor < 2:
             raise ValueError(f"bucket_factor must be >= 2, got {bucket_factor}")
-        self.bucket_factor = bucket_factor  # shapes grow by this factor: fewer compiles vs less padding
+        # Prefill chunk lengths are padded to powers of this factor (fewer programs to compile vs less padding);
+        # context widths and batch sizes always to powers of two (their padding costs every step).
+        self.bucket_factor = bucket_factor
         self.max_pages_per_seq = num_blocks(cfg.max_seq_len, cfg.block_size)
         if num_pages is None:
             per_page = cfg.kv_bytes_per_block(kv_dtype)
@@ -221,7 +223,7 @@ class Engine:
             t = min(chunk, n - start)
             tb = bucket(t, chunk, 16, self.bucket_factor)
             ctx_pages = seq.pages[: num_blocks(start, bs)]
-            pb = 0 if not ctx_pages else bucket(len(ctx_pages), self.max_pages_per_seq, 1, self.bucket_factor)
+            pb = 0 if not ctx_pages else bucket(len(ctx_pages), self.max_pages_per_seq)
             tokens = np.zeros((1, tb), np.int32)
             tokens[0, :t] = seq.prompt[start: start + t]
             positions = np.arange(start, start + tb, dtype=np.int32)[None]
@@ -267,7 +269,7 @@ class Engine:
             tokens[r, 0], positions[r, 0], ctx_len[r] = seq.tokens[-1], pos, pos
             slots[r, 0] = write_slots(seq.pages, pos, 1, bs)[0]
             ctx_pages.append(seq.pages[: num_blocks(pos, bs)])
-        width = bucket(max(1, max(len(p) for p in ctx_pages)), self.max_pages_per_seq, 1, self.bucket_factor)
+        width = bucket(max(1, max(len(p) for p in ctx_pages)), self.max_pages_per_seq)
         table = self._context_table(ctx_pages, rows, width)
         step = self._step(tokens, positions, table, ctx_len, slots, np.zeros(rows, np.int32), seqs, rows)
         ((next_tokens, _),) = self.runner.run([step])
@@ -296,10 +298,10 @@ class Engine:
         shapes = []
         if prefill:
             chunks = buckets(self.prefill_chunk_size, 16, self.bucket_factor)
-            contexts = [0] + buckets(self.max_pages_per_seq, 1, self.bucket_factor)
+            contexts = [0] + buckets(self.max_pages_per_seq)
             shapes += [(1, t, p) for t in chunks for p in contexts]
         if decode:
-            widths = buckets(self.max_pages_per_seq, 1, self.bucket_factor)
+            widths = buckets(self.max_pages_per_seq)
             shapes += [(b, 1, w) for b in buckets(self.max_batch) for w in widths]
         for i, (rows, t, width) in enumerate(shapes):
             step = self._step(np.zeros((rows, t), np.int32), np.tile(np.arange(t, dtype=np.int32), (rows, 1)),
@@ -312,9 +314,15 @@ class Engine:
         return len(shapes)
 
     # ---- whole blocks in and out (pool, Messenger) -----------------------------------------------------------
+    def _padded_pages(self, pages: SequenceABC[int]) -> np.ndarray:
+        """Page ids padded with the scratch page to a bucketed count, so block moves compile a few shapes only."""
+        padded = np.full(bucket(len(pages), 1 << 30), SCRATCH_PAGE, np.int32)
+        padded[: len(pages)] = pages
+        return padded
+
     def read_blocks(self, pages: SequenceABC[int]) -> np.ndarray:
         """KV of ``pages`` as blocks [n, layers, 2, block_size, kv_heads, head_dim] on the host."""
-        return self.runner.read_blocks(np.asarray(pages, np.int32))
+        return self.runner.read_blocks(self._padded_pages(pages))[: len(pages)]
 
     def cached_pages(self, keys: SequenceABC[BlockKey]) -> list[int]:
         """Pages of the leading ``keys`` already in the prefix cache (no hit counting)."""
@@ -344,7 +352,10 @@ class Engine:
         missing = [i for i, key in enumerate(keys) if self.prefix_cache.page_of(key) is None]
         if missing:
             fresh = self._take_pages(len(missing))
-            self.runner.write_blocks(np.asarray(fresh, np.int32), blocks[missing])
+            padded = self._padded_pages(fresh)
+            data = np.zeros((len(padded),) + blocks.shape[1:], blocks.dtype)  # padding rows land in scratch
+            data[: len(fresh)] = blocks[missing]
+            self.runner.write_blocks(padded, data)
             self.prefix_cache.insert([keys[i] for i in missing], fresh)
             self.allocator.release(fresh)  # the cache's reference is the only one left
         return [self.prefix_cache.page_of(key) for key in keys]
