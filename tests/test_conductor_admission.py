@@ -27,17 +27,36 @@ def req(name, n=16):
     return Request(name, [], n, 4)
 
 
+def memory_timeline(admission, decode=("D",)):
+    state, policy = cluster(prefill=("P0", "P1", "P2", "P3"), decode=(), costs=FLAT, admission=admission,
+                            tbt_slo_s=1.0, decode_time_s=5.0)
+    for name in decode:
+        state.add_instance(name, "decode", FLAT, 0.0, kv_capacity_tokens=70)
+    return state, policy
+
+
+def after_three(make, routed_at, decoding_at=None, decide_at=10.0):
+    """Every policy's decision for a new request at ``decide_at`` (one or a tuple of times) on the timeline
+    ``make`` builds, after three requests routed at ``routed_at`` to P0..P2 (prefills ending 1 s later) that
+    begin decoding at ``decoding_at`` when given."""
+    outcomes = {}
+    for admission in POLICIES:
+        state, policy = make(admission)
+        for i in range(3):
+            d = state.schedule(policy, req(f"a{i}"), routed_at)
+            assert d.accepted and d.prefill == f"P{i}" and d.prefill_end_at == routed_at + 1.0
+        for i in range(3 if decoding_at is not None else 0):
+            state.decode_started(f"a{i}", decoding_at)
+        times = decide_at if isinstance(decide_at, tuple) else (decide_at,)
+        decisions = [policy.decide(req("new"), state.snapshot(), t) for t in times]
+        outcomes[admission] = decisions if isinstance(decide_at, tuple) else decisions[0]
+    return outcomes
+
+
 def test_predictive_accepts_what_early_rejects_because_decode_load_will_have_drained():
     # t=5: three requests are routed (prefills on P0..P2 end at 6); t=6 their decode begins, ending at 6 + t_d = 11.
     # t=10: a new request would finish prefill at 11. Now: 3 decoding -> 40 ms > 35 ms. At 11: all done -> 10 ms.
-    outcomes = {}
-    for admission in POLICIES:
-        state, policy = timeline(admission)
-        for i in range(3):
-            assert state.schedule(policy, req(f"a{i}"), 5.0).prefill_end_at == 6.0
-        for i in range(3):
-            state.decode_started(f"a{i}", 6.0)
-        outcomes[admission] = policy.decide(req("new"), state.snapshot(), 10.0)
+    outcomes = after_three(timeline, routed_at=5.0, decoding_at=6.0)
     assert outcomes["early"].reason == RejectReason.TBT_SLO
     assert outcomes["early"].predicted_tbt_s == pytest.approx(0.04)
     assert outcomes["predictive"].accepted and outcomes["predictive"].predicted_tbt_s == pytest.approx(0.01)
@@ -49,12 +68,7 @@ def test_predictive_rejects_what_early_accepts_because_prefills_in_flight_arrive
     # t=9.5: three requests routed to P0..P2, their prefills end at 10.5 (their KV reaches D then).
     # t=10: the new request goes to idle P3 and ends at 11. Now D runs nothing -> 10 ms; at 11 it runs those
     # three -> 40 ms > 35 ms.
-    outcomes = {}
-    for admission in POLICIES:
-        state, policy = timeline(admission)
-        for i in range(3):
-            state.schedule(policy, req(f"a{i}"), 9.5)
-        outcomes[admission] = policy.decide(req("new"), state.snapshot(), 10.0)
+    outcomes = after_three(timeline, routed_at=9.5)
     assert outcomes["predictive"].prefill == "P3"
     assert outcomes["predictive"].reason == RejectReason.TBT_SLO
     assert outcomes["predictive"].predicted_tbt_s == pytest.approx(0.04)
@@ -64,46 +78,26 @@ def test_predictive_rejects_what_early_accepts_because_prefills_in_flight_arrive
     assert outcomes["none"].accepted
 
 
-def memory_timeline(admission, decode=("D",)):
-    state, policy = cluster(prefill=("P0", "P1", "P2", "P3"), decode=(), costs=FLAT, admission=admission,
-                            tbt_slo_s=1.0, decode_time_s=5.0)
-    for name in decode:
-        state.add_instance(name, "decode", FLAT, 0.0, kv_capacity_tokens=70)
-    return state, policy
-
-
 def test_memory_full_now_but_drained_by_prefill_end_early_rejects_predictive_accepts():
     # t=5: three requests routed (prefills on P0..P2 end at 6); t=6 they begin decoding, 60 of D's 70 tokens,
     # until 6 + t_d = 11. t=10: a new request (20 tokens) would finish prefill at 11.
     # Now: 60 + 20 = 80 > 70. At 11: all three done, 0 + 20 <= 70.
-    outcomes, a_moment_earlier = {}, {}
-    for admission in POLICIES:
-        state, policy = memory_timeline(admission)
-        for i in range(3):
-            assert state.schedule(policy, req(f"a{i}"), 5.0).accepted
-        for i in range(3):
-            state.decode_started(f"a{i}", 6.0)
-        outcomes[admission] = policy.decide(req("new"), state.snapshot(), 10.0)
-        # at t=9.9 the prefill would end at 10.9, while all three still decode: 80 > 70 for predictive too
-        a_moment_earlier[admission] = policy.decide(req("new"), state.snapshot(), 9.9)
-    assert outcomes["early"].reason == RejectReason.DECODE_CAPACITY
-    assert outcomes["predictive"].accepted and outcomes["predictive"].prefill_end_at == 11.0
-    assert outcomes["predictive"].decode == "D" and outcomes["predictive"].predicted_tbt_s == pytest.approx(0.01)
-    assert a_moment_earlier["predictive"].reason == RejectReason.DECODE_CAPACITY
-    assert a_moment_earlier["early"].reason == RejectReason.DECODE_CAPACITY
+    # At t=9.9 the prefill would end at 10.9, while all three still decode: 80 > 70 for predictive too.
+    outcomes = after_three(memory_timeline, routed_at=5.0, decoding_at=6.0, decide_at=(10.0, 9.9))
+    (early, early_before), (predictive, predictive_before) = outcomes["early"], outcomes["predictive"]
+    assert early.reason == RejectReason.DECODE_CAPACITY
+    assert predictive.accepted and predictive.prefill_end_at == 11.0
+    assert predictive.decode == "D" and predictive.predicted_tbt_s == pytest.approx(0.01)
+    assert predictive_before.reason == RejectReason.DECODE_CAPACITY
+    assert early_before.reason == RejectReason.DECODE_CAPACITY
     for admission in ("none", "baseline"):  # the decode instance's own check is left to judge memory
-        assert outcomes[admission].accepted and a_moment_earlier[admission].accepted
+        assert all(d.accepted for d in outcomes[admission])
 
 
 def test_memory_free_now_but_filled_by_prefills_in_flight_early_accepts_predictive_rejects():
     # t=9.5: three requests routed to P0..P2, their prefills end at 10.5, when their 60 tokens reach D.
     # t=10: the new request goes to idle P3 and ends at 11. Now D holds nothing: 0 + 20 <= 70. At 11: 60 + 20 > 70.
-    outcomes = {}
-    for admission in POLICIES:
-        state, policy = memory_timeline(admission)
-        for i in range(3):
-            assert state.schedule(policy, req(f"a{i}"), 9.5).prefill_end_at == 10.5
-        outcomes[admission] = policy.decide(req("new"), state.snapshot(), 10.0)
+    outcomes = after_three(memory_timeline, routed_at=9.5)
     assert outcomes["early"].accepted and outcomes["early"].decode == "D"
     assert outcomes["early"].predicted_tbt_s == pytest.approx(0.01)  # alone in the batch now
     assert outcomes["predictive"].prefill == "P3" and outcomes["predictive"].prefill_end_at == 11.0
