@@ -74,8 +74,9 @@ class DecodeService(InstanceService):
                 inst.loop.cancel(seq)
             with self._lock:
                 self._active.pop(request.request_id, None)
-            if inst.link is not None:
-                inst.link.report(request.request_id, "FINISHED")
+            if inst.link is not None:  # an aborted request's duration would mislead the Conductor's t_d
+                inst.link.report(request.request_id,
+                                 "FINISHED" if seq.finish_reason in ("length", "stop") else "DROPPED")
 
     def _admit(self, engine: Engine, seq: Sequence, request, stream: TokenStream) -> None:
         """On the engine loop: the late check, the KV from the pool into pages, and into the batch."""

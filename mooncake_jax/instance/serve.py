@@ -33,6 +33,9 @@ def add_arguments(p) -> None:
     p.add_argument("--layerwise", action="store_true", help="layer-wise prefill with the KV pool")
     p.add_argument("--in-process", action="store_true", help="run the instances as threads of this process")
     p.add_argument("--log-dir", default=None, help="write each instance's log here")
+    p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start")
+    p.add_argument("--compile-cache", default="", help="persistent XLA cache folder ('none' to disable; default: "
+                                                          "the user's cache directory)")
 
 
 def run(args) -> int:
@@ -50,7 +53,9 @@ def run(args) -> int:
                                 processes=not args.in_process, policy=args.policy, admission=args.admission,
                                 ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s,
                                 prefill_chunk_size=args.prefill_chunk_size, max_batch=args.max_batch,
-                                layerwise=args.layerwise, log_dir=args.log_dir, host=args.host)
+                                layerwise=args.layerwise, log_dir=args.log_dir, host=args.host,
+                                warmup=not args.no_warmup,
+                                compile_cache=None if args.compile_cache == "none" else args.compile_cache)
     except ValueError as e:
         print(f"mooncake-jax serve: {e}", file=sys.stderr)
         return 2

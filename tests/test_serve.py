@@ -1,0 +1,117 @@
+"""``mooncake-jax serve`` as a user runs it: separate instance processes behind the gateway, on loopback ports it
+picks; gRPC streaming, OpenAI HTTP (streaming and not), health and reflection; greedy output equal to the single
+engine; a clean shutdown on SIGINT that leaves no process behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+import mooncake_jax as mj
+from mooncake_jax.proto import load
+
+gateway_messages, gateway_services = load("gateway")
+PROMPT = [1, 17, 42, 99, 250, 3, 77, 301, 12, 5, 400, 8, 19, 23, 64, 2, 9, 11, 13]
+
+
+def children_of(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return {int(x) for x in out.split()}
+
+
+@pytest.fixture(scope="module")
+def served():
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.cli", "serve", "--model", "tiny", "--prefill",
+                             "1", "--decode", "1", "--no-warmup", "--compile-cache", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = {}
+    reader = threading.Thread(target=lambda: line.update(text=proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(300)
+    if not line.get("text", "").startswith("READY"):
+        proc.kill()
+        pytest.fail(f"serve did not become ready: {line}")
+    ports = dict(part.split("=") for part in line["text"].split()[1:])
+    yield proc, int(ports["grpc"]), int(ports["http"])
+    if proc.poll() is None:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return mj.LLM("tiny").generate([PROMPT], max_new_tokens=6, ignore_eos=True)[0]
+
+
+def post(port, body):
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=120)
+
+
+def test_openai_http_plain_and_streaming(served, expected):
+    _, _, http = served
+    with post(http, {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}) as r:
+        body = json.loads(r.read())
+    assert body["choices"][0]["token_ids"] == expected
+    assert body["usage"]["completion_tokens"] == 6 and body["usage"]["prompt_tokens"] == len(PROMPT)
+    with post(http, {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "stream": True}) as r:
+        lines = [raw.decode().strip() for raw in r if raw.strip()]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(x[len("data: "):]) for x in lines[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == expected
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=30) as r:
+        assert json.loads(r.read())["data"][0]["id"] == "tiny"
+
+
+def test_grpc_generate_health_and_reflection(served, expected):
+    _, port, _ = served
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = gateway_services.GatewayStub(channel)
+        events = list(stub.Generate(gateway_messages.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=6,
+                                                                     ignore_eos=True), timeout=120))
+        assert [e.token.token_id for e in events if e.HasField("token")] == expected
+        summary = events[-1].summary
+        assert summary.output_tokens == 6 and summary.ttft_s > 0
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(gateway_messages.GenerateRequest(prompt_token_ids=[]), timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+        names = {s.name for reply in replies for s in reply.list_services_response.service}
+        assert "mooncake.v1.Gateway" in names and "grpc.health.v1.Health" in names
+
+
+def test_bad_http_input_gets_400_and_the_server_keeps_serving(served, expected):
+    _, _, http = served
+    for body in ({"model": "tiny", "prompt": [], "max_tokens": 3}, {"model": "nope", "prompt": [1]},
+                 {"model": "tiny", "prompt": [1], "max_tokens": -1}):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            post(http, body)
+        assert err.value.code == 400 and "error" in json.loads(err.value.read())
+    with post(http, {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}) as r:
+        assert json.loads(r.read())["choices"][0]["token_ids"] == expected
+
+
+def test_sigint_stops_everything(served):
+    proc, _, _ = served
+    instances = children_of(proc.pid)
+    assert len(instances) == 2  # one prefill, one decode process
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0
+    for pid in instances:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
