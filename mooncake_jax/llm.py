@@ -52,7 +52,7 @@ class LLM:
     def __init__(self, model: str | Path = "tiny", *, tensor_parallel: int = 1, pipeline_stages: int = 1,
                  prefill_chunk_size: int = 512, block_size: int | None = None, dtype: str | None = None,
                  seed: int = 0, max_batch: int = 32, num_pages: int | None = None,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefix_caching: bool = True):
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefix_caching: bool = True, bucket_factor: int = 2):
         if isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be a positive integer, got {prefill_chunk_size!r}")
         for name, value in (("tensor_parallel", tensor_parallel), ("pipeline_stages", pipeline_stages)):
@@ -66,7 +66,8 @@ class LLM:
         self.config: ModelConfig = self.model.cfg
         layout = None if spec.devices == 1 else MeshLayout(self.config, spec)
         self.engine = Engine(self.model, num_pages=num_pages, kv_cache_bytes=kv_cache_bytes, max_batch=max_batch,
-                             prefill_chunk_size=prefill_chunk_size, prefix_caching=prefix_caching, layout=layout)
+                             prefill_chunk_size=prefill_chunk_size, prefix_caching=prefix_caching, layout=layout,
+                             bucket_factor=bucket_factor)
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, eos_token_id: int | None = None, ignore_eos: bool = False) -> list[list[int]]:

@@ -160,3 +160,17 @@ def test_kv_handed_to_another_engine_continues_exactly(llm, ref):
     assert moved.output == reference_greedy(ref, p, 8)
     decode.release(moved)
     assert decode.pages_in_use == 0
+
+
+def test_loading_blocks_never_evicts_the_callers_own_prefix(llm):
+    """A full cache must make room by evicting other blocks, not the cached part of the prefix being loaded."""
+    engine = Engine(llm.model, num_pages=5, prefill_chunk_size=64)  # 4 usable pages
+    blocks = np.random.default_rng(0).standard_normal((4,) + llm.config.block_shape()).astype(np.float32)
+    engine.load_blocks([1, 2], blocks[:2])  # the request's first two blocks, cached earlier
+    engine.load_blocks([7, 8], blocks[2:])  # someone else's, used more recently
+    pages = engine.load_blocks([1, 2, 3], blocks[:3])  # needs one page: must evict 7 or 8, never 1 or 2
+    assert None not in pages and len(set(pages)) == 3
+    assert np.array_equal(engine.read_blocks(pages), blocks[:3])
+    mine = engine.load_blocks([4], blocks[3:], protect=pages)  # protect: the caller's pages survive as well
+    assert all(engine.prefix_cache.page_of(k) == p for k, p in zip([1, 2, 3], pages))
+    assert mine[0] not in pages

@@ -157,6 +157,10 @@ class Cluster:
         backend = ClusterBackend(conductor.address, cfg, model_name=model)
         return cls(conductor, instances, backend, model)
 
+    def addresses(self) -> list[tuple[str, str]]:
+        """(name, address) of the Conductor and every instance."""
+        return [("conductor", self.conductor.address)] + [(i, inst.address) for i, inst in self.instances.items()]
+
     # ---- using it ------------------------------------------------------------------------------------------
     def stream(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, cancelled: threading.Event | None = None):

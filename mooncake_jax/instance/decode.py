@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 
+import grpc
+
 import numpy as np
 
 from ..conductor.admission import decode_accepts
@@ -20,7 +22,7 @@ from ..model.engine import Engine
 from ..model.kv_cache import OutOfPages
 from ..model.sequence import Sequence
 from .engine_loop import TokenStream, wait
-from .rpc import InstanceService, LateRejection, MissingKV, messages, sampling_params, status_of
+from .rpc import InstanceService, LateRejection, MissingKV, messages, sampling_params, status_of, validated
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +44,14 @@ class DecodeService(InstanceService):
     def Decode(self, request, context):
         inst = self.instance
         try:
-            seq = inst.engine.new_sequence(list(request.prompt), sampling_params(request.sampling))
-            if not 0 <= request.first_token < inst.engine.cfg.vocab_size:
-                raise ValueError(f"first_token {request.first_token} is outside the vocabulary")
+            seq = validated(lambda: self._parse(request))
             stream = TokenStream(timeout_s=inst.config.request_timeout_s)
             future = inst.loop.submit(lambda engine: self._admit(engine, seq, request, stream))
             wait(future, inst.config.request_timeout_s)
         except Exception as e:
             code = status_of(e)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("Decode %s failed", request.request_id)
             if isinstance(e, LateRejection):
                 self._count(decode_rejected_late=1)
                 if inst.link is not None:
@@ -78,6 +80,16 @@ class DecodeService(InstanceService):
                 inst.link.report(request.request_id,
                                  "FINISHED" if seq.finish_reason in ("length", "stop") else "DROPPED")
 
+    def _parse(self, request) -> Sequence:
+        engine = self.instance.engine
+        seq = engine.new_sequence(list(request.prompt), sampling_params(request.sampling))
+        if not 0 <= request.first_token < engine.cfg.vocab_size:
+            raise ValueError(f"first_token {request.first_token} is outside the vocabulary")
+        expected = -(-len(seq.prompt) // engine.block_size)
+        if len(request.kv_keys) != expected:
+            raise ValueError(f"kv_keys has {len(request.kv_keys)} keys, the prompt needs {expected}")
+        return seq
+
     def _admit(self, engine: Engine, seq: Sequence, request, stream: TokenStream) -> None:
         """On the engine loop: the late check, the KV from the pool into pages, and into the batch."""
         inst = self.instance
@@ -89,9 +101,6 @@ class DecodeService(InstanceService):
                                                          inst.config.tbt_slo_s):
             raise LateRejection(f"adding this request would exceed the TBT SLO of {inst.config.tbt_slo_s} s")
         keys = list(request.kv_keys)
-        expected = -(-len(seq.prompt) // engine.block_size)
-        if len(keys) != expected:
-            raise ValueError(f"kv_keys has {len(keys)} keys, the prompt needs {expected}")
         missing = [key for key in keys if engine.prefix_cache.page_of(key) is None]
         if missing:
             blocks = inst.pool.get_many(missing)

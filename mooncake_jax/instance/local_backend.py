@@ -97,3 +97,41 @@ class EngineBackend:
 
     def close(self) -> None:
         self.loop.stop()
+
+
+class CoupledServer:
+    """A coupled engine ready for the gateway (``mooncake-jax serve --coupled``): the same interface as a
+    ``Cluster`` for serving, without a Conductor or instances."""
+
+    def __init__(self, model: str = "tiny", *, prefill_chunk_size: int = 512, max_batch: int = 32,
+                 warmup: bool = True, compile_cache: str | None = ""):
+        if compile_cache is not None:
+            from ..model.compile_cache import enable_compilation_cache
+
+            enable_compilation_cache(compile_cache or None)
+        llm = LLM(model, prefill_chunk_size=prefill_chunk_size, max_batch=max_batch, bucket_factor=4)
+        if warmup:
+            llm.engine.warmup()
+        self.backend = EngineBackend(llm, model_name=str(model))
+        self.model_name = str(model)
+        self.gateway = None
+
+    def addresses(self) -> list[tuple[str, str]]:
+        return [("engine", "in-process")]
+
+    def serve_gateway(self, **kwargs):
+        from ..gateway import GatewayServer
+
+        self.gateway = GatewayServer(self.backend, model_name=self.model_name, **kwargs).start()
+        return self.gateway
+
+    def close(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+        self.backend.close()
+
+    def __enter__(self) -> "CoupledServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -28,7 +28,7 @@ from ..model.sequence import Sequence
 from ..transfer.messenger import BlocksNotFoundError, TransferError
 from ..transfer.offload import LayerwisePrefill, request_keys
 from .engine_loop import wait
-from .rpc import InstanceService, messages, rpc, sampling_params
+from .rpc import InstanceService, messages, rpc, sampling_params, validated
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class PrefillService(InstanceService):
     def Prefill(self, request, context):
         t0 = time.perf_counter()
         inst, engine = self.instance, self.instance.engine
-        seq = engine.new_sequence(list(request.prompt), sampling_params(request.sampling))
+        seq = validated(lambda: engine.new_sequence(list(request.prompt), sampling_params(request.sampling)))
         keys = request_keys(seq, engine.block_size)
         if inst.link is not None:
             inst.link.ignored_keys.update(keys[len(seq.prompt) // engine.block_size:])  # the tail is private
@@ -135,7 +135,7 @@ class PrefillService(InstanceService):
                 blocks = pool.get_many(from_pool)
                 good = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
                 if good:
-                    pages += engine.load_blocks(from_pool[:good], np.stack(blocks[:good]))
+                    pages += engine.load_blocks(from_pool[:good], np.stack(blocks[:good]), protect=pages)
             engine.admit(seq, cached_pages=pages)
             engine.prefill(seq)
             new = [i for i, key in enumerate(keys) if key not in pool]

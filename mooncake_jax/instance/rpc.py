@@ -19,6 +19,19 @@ log = logging.getLogger(__name__)
 messages, services = load("instance")
 
 
+class InvalidArgument(ValueError):
+    """The request itself is malformed (validated at the top of a handler): INVALID_ARGUMENT. Any other error,
+    ValueErrors from deeper down included, is a server fault: INTERNAL, logged with its traceback."""
+
+
+def validated(make):
+    """Run ``make()`` (parsing and validating a request), turning its ValueError into InvalidArgument."""
+    try:
+        return make()
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
+
+
 class LateRejection(RuntimeError):
     """The decode instance cannot take the request now (TBT SLO or KV capacity): RESOURCE_EXHAUSTED."""
 
@@ -39,7 +52,7 @@ def sampling_message(params: SamplingParams):
 
 
 STATUS = (
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (LateRejection, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (OutOfPages, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (MissingKV, grpc.StatusCode.FAILED_PRECONDITION),

@@ -3,6 +3,7 @@
 Starts the Conductor, P prefill and D decode instance processes and the gateway (gRPC ``mooncake.v1.Gateway``
 with health and reflection, OpenAI-compatible HTTP) on loopback, logs where each listens, and serves until
 SIGINT/SIGTERM, then stops everything (instances are tied to this process and exit with it: no orphans).
+``--coupled`` serves one engine doing both prefill and decode instead (the baseline, and the simplest server).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--layerwise", action="store_true", help="layer-wise prefill with the KV pool")
     p.add_argument("--in-process", action="store_true", help="run the instances as threads of this process")
+    p.add_argument("--coupled", action="store_true",
+                   help="no disaggregation: one engine does prefill and decode (the baseline)")
     p.add_argument("--log-dir", default=None, help="write each instance's log here")
     p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start")
     p.add_argument("--compile-cache", default="", help="persistent XLA cache folder ('none' to disable; default: "
@@ -39,8 +42,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..instance.cluster import Cluster
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.auth_token:
         print("mooncake-jax serve: listening beyond loopback needs --auth-token", file=sys.stderr)
@@ -49,29 +50,41 @@ def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        cluster = Cluster.local(args.model, prefill=args.prefill, decode=args.decode,
-                                processes=not args.in_process, policy=args.policy, admission=args.admission,
-                                ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s,
-                                prefill_chunk_size=args.prefill_chunk_size, max_batch=args.max_batch,
-                                layerwise=args.layerwise, log_dir=args.log_dir, host=args.host,
-                                warmup=not args.no_warmup,
-                                compile_cache=None if args.compile_cache == "none" else args.compile_cache)
+        service = _coupled(args) if args.coupled else _cluster(args)
     except ValueError as e:
         print(f"mooncake-jax serve: {e}", file=sys.stderr)
         return 2
-    with cluster:
+    with service:
         try:
-            gateway = cluster.serve_gateway(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+            gateway = service.serve_gateway(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                                             auth_token=args.auth_token)
         except (ValueError, OSError) as e:
             print(f"mooncake-jax serve: {e}", file=sys.stderr)
             return 2
-        log.info("conductor     %s", cluster.conductor.address)
-        for instance_id, inst in cluster.instances.items():
-            log.info("%-13s %s", instance_id, inst.address)
+        for name, address in service.addresses():
+            log.info("%-13s %s", name, address)
         log.info("gateway gRPC  %s:%s (mooncake.v1.Gateway, health, reflection)", args.host, gateway.grpc_port)
         log.info("gateway HTTP  http://%s:%s/v1/completions  /v1/models  /metrics", args.host, gateway.http_port)
         print(f"READY grpc={gateway.grpc_port} http={gateway.http_port}", flush=True)
         stop.wait()
         log.info("shutting down")
     return 0
+
+
+def _cluster(args):
+    from ..instance.cluster import Cluster
+
+    return Cluster.local(args.model, prefill=args.prefill, decode=args.decode, processes=not args.in_process,
+                         policy=args.policy, admission=args.admission, ttft_slo_s=args.ttft_slo_s,
+                         tbt_slo_s=args.tbt_slo_s, prefill_chunk_size=args.prefill_chunk_size,
+                         max_batch=args.max_batch, layerwise=args.layerwise, log_dir=args.log_dir, host=args.host,
+                         warmup=not args.no_warmup,
+                         compile_cache=None if args.compile_cache == "none" else args.compile_cache)
+
+
+def _coupled(args):
+    from ..instance.local_backend import CoupledServer
+
+    return CoupledServer(args.model, prefill_chunk_size=args.prefill_chunk_size, max_batch=args.max_batch,
+                         warmup=not args.no_warmup,
+                         compile_cache=None if args.compile_cache == "none" else args.compile_cache)

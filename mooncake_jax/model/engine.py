@@ -336,12 +336,15 @@ class Engine:
             pages.append(page)
         return pages
 
-    def load_blocks(self, keys: SequenceABC[BlockKey], blocks: np.ndarray) -> list[int]:
+    def load_blocks(self, keys: SequenceABC[BlockKey], blocks: np.ndarray,
+                    protect: SequenceABC[int] = ()) -> list[int]:
         """Put whole blocks that arrived from elsewhere (pool, Messenger) into the prefix cache; returns the page
         of every key (keys already cached keep their page and their block is not written again).
 
-        The pages are held by the prefix cache only: an ``admit`` or ``adopt`` that uses them takes its own
-        reference.
+        Making room may evict unused cached pages; the pages of ``keys`` already cached and the ``protect`` pages
+        (say, the caller's other prefix pages) are held meanwhile, so a request never loses part of its own prefix
+        to its own load. The returned pages are held by the prefix cache only: an ``admit`` or ``adopt`` that uses
+        them takes its own reference.
         """
         if self.prefix_cache is None:
             raise ValueError("load_blocks needs prefix caching enabled")
@@ -351,7 +354,12 @@ class Engine:
             raise ValueError(f"blocks have shape {blocks.shape}, expected {expected}")
         missing = [i for i, key in enumerate(keys) if self.prefix_cache.page_of(key) is None]
         if missing:
-            fresh = self._take_pages(len(missing))
+            held = list(protect) + [p for p in map(self.prefix_cache.page_of, keys) if p is not None]
+            self.allocator.retain(held)
+            try:
+                fresh = self._take_pages(len(missing))
+            finally:
+                self.allocator.release(held)
             padded = self._padded_pages(fresh)
             data = np.zeros((len(padded),) + blocks.shape[1:], blocks.dtype)  # padding rows land in scratch
             data[: len(fresh)] = blocks[missing]
