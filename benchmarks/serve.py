@@ -84,9 +84,9 @@ def load_test(http_port: int, prompts: list[dict], clients: int, duration_s: flo
     wall = time.perf_counter() - t0
     done = [r for r in results if r["status"] == "completed" and r["times"]]
     ttft = np.array([r["times"][0] for r in done])
-    from mooncake_jax.gateway.backend import paper_tbt
+    from mooncake_jax.slo import tbt_of_times
 
-    tbt = np.array([paper_tbt(r["times"]) for r in done if len(r["times"]) > 1])
+    tbt = np.array([tbt_of_times(r["times"]) for r in done if len(r["times"]) > 1])
 
     def pct(a, q):
         return round(float(np.percentile(a, q)), 4) if a.size else None

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .slo import tbt_of_times
+
 TRACE_BLOCK, ENGINE_BLOCK = 512, 16
 
 
@@ -83,9 +85,7 @@ def send(url: str, item: dict, timeout_s: float = 300.0) -> dict:
 
 
 def paper_tbt(times: list[float]) -> float | None:
-    from .gateway.backend import paper_tbt as tbt
-
-    return tbt(times) if len(times) > 1 else None
+    return tbt_of_times(times) if len(times) > 1 else None
 
 
 def summarize(results: list[dict], ttft_slo: float, tbt_slo: float, wall_s: float, stats: dict) -> dict:

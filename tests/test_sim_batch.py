@@ -8,7 +8,7 @@ import pytest
 
 from mooncake_jax.conductor import DecodeCost
 from mooncake_jax.sim.batch import ContinuousBatch
-from mooncake_jax.sim.records import tbt_of
+from mooncake_jax.slo import tbt_of_gaps as tbt_of
 
 
 class Req:

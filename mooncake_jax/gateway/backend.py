@@ -20,6 +20,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Protocol
 
+from ..slo import tbt_of_times
+
 FINISH_LENGTH, FINISH_STOP, FINISH_ABORT = "length", "stop", "abort"
 REJECT_EARLY, REJECT_LATE = "early", "late"
 
@@ -108,9 +110,5 @@ class Backend(Protocol):
 
 
 def paper_tbt(token_times: list[float]) -> float:
-    """Mean of the longest 10% of the gaps between consecutive token times (at least one gap)."""
-    gaps = sorted((b - a for a, b in zip(token_times, token_times[1:])), reverse=True)
-    if not gaps:
-        return 0.0
-    k = max(1, len(gaps) // 10)
-    return sum(gaps[:k]) / k
+    """The paper's TBT of a request from its token times (``mooncake_jax.slo``); 0.0 with fewer than two tokens."""
+    return tbt_of_times(token_times)

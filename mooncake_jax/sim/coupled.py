@@ -23,7 +23,8 @@ from collections import deque
 from mooncake_jax.sim.batch import ContinuousBatch
 from mooncake_jax.sim.cache import make_cache
 from mooncake_jax.sim.hardware import resolve_costs
-from mooncake_jax.sim.records import COMPLETED, REJECTED_LATE, SimRequest, tbt_of
+from mooncake_jax.slo import tbt_of_gaps
+from mooncake_jax.sim.records import COMPLETED, REJECTED_LATE, SimRequest
 from mooncake_jax.sim.runner import ClusterSim
 
 
@@ -204,7 +205,7 @@ class CoupledSim(ClusterSim):
     def _finished(self, node: CoupledNode, done: list[SimRequest]) -> None:
         for req in done:
             req.status = COMPLETED
-            req.tbt_s = tbt_of(node.batch.gaps(req))
+            req.tbt_s = tbt_of_gaps(node.batch.gaps(req))
         if done:
             node.cache.resize(node.free_tokens() // self.block)
 

@@ -26,7 +26,8 @@ from mooncake_jax.conductor import ClusterState, Policy, Request, decode_accepts
 from mooncake_jax.sim.batch import ContinuousBatch
 from mooncake_jax.sim.cache import make_cache
 from mooncake_jax.sim.hardware import resolve_costs
-from mooncake_jax.sim.records import COMPLETED, REJECTED_EARLY, REJECTED_LATE, SimRequest, tbt_of
+from mooncake_jax.slo import tbt_of_gaps
+from mooncake_jax.sim.records import COMPLETED, REJECTED_EARLY, REJECTED_LATE, SimRequest
 from mooncake_jax.sim.runner import ClusterSim
 
 
@@ -228,7 +229,7 @@ class DisaggregatedSim(ClusterSim):
         b = d.batch
         for req in done:
             req.status = COMPLETED
-            req.tbt_s = tbt_of(b.gaps(req))
+            req.tbt_s = tbt_of_gaps(b.gaps(req))
             self.state.finished(req.request_id, req.finished_at)
         while d.waiting and b.fits(d.waiting[0].input_tokens + d.waiting[0].output_tokens):
             self._join(d, d.waiting.popleft())

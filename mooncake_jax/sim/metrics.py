@@ -3,7 +3,7 @@
 Definitions (all over the requests of the trace, rejected ones included where it says so):
 
 - TTFT: first token minus arrival, over completed requests. TBT: per request, the mean of its longest 10% of
-  token gaps (``records.tbt_of``); percentiles over completed requests that have at least one gap.
+  token gaps (``mooncake_jax.slo.tbt_of_gaps``); percentiles over completed requests that have at least one gap.
 - SLO attainment: completed requests with TTFT <= ``ttft_slo_s`` and TBT <= ``tbt_slo_s``, divided by *all*
   requests (the effective share the cluster served well; rejected requests count against it).
 - Cache hit ratio: cached prefix blocks reused / prompt blocks, over prefilled requests (``_tokens``: tokens).

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 
 PENDING = "pending"
 COMPLETED = "completed"
@@ -56,15 +55,6 @@ class SimRequest:
     @property
     def ttft_s(self) -> float:
         return self.first_token_at - self.arrival
-
-
-def tbt_of(gaps) -> float:
-    """The paper's TBT: mean of the longest 10% of a request's token gaps (at least one gap); NaN without gaps."""
-    n = len(gaps)
-    if n == 0:
-        return math.nan
-    k = max(1, math.ceil(0.1 * n))
-    return float(np.partition(np.asarray(gaps), n - k)[n - k:].mean())
 
 
 class LoadLog:
