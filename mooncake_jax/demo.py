@@ -96,7 +96,8 @@ def summarize(results: list[dict], ttft_slo: float, tbt_slo: float, wall_s: floa
     prompt_tokens = sum(r["prompt_tokens"] for r in done)
     cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in done)
     # each transfer counted once, at the Messenger server it went through (pushes received, fetches sent)
-    moved = sum(v for k, v in stats.items() if k.endswith(("messenger_bytes_received", "messenger_bytes_sent")))
+    moved = sum(v for k, v in stats.items() if k.split("{")[0].endswith(("messenger_bytes_received",
+                                                                         "messenger_bytes_sent")))
 
     def pct(a, q):
         return round(float(np.percentile(a, q)), 4) if a.size else None

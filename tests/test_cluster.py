@@ -56,7 +56,9 @@ def test_prefix_reuse_shows_in_the_metrics(cluster, llm):
     second, fin2 = cluster.run(base + [7, 8], max_new_tokens=4)
     assert fin1.cached_tokens == 0 and fin2.cached_tokens == 64  # four 16-token blocks reused
     assert second == llm.generate([base + [7, 8]], max_new_tokens=4)[0]
-    assert cluster.stats()["cluster_cached_tokens_total"] >= 64
+    stats = cluster.stats()
+    assert stats["cluster_cached_tokens_total"] >= 64
+    assert sum(v for k, v in stats.items() if k.startswith("instance_prefill_cached_tokens_total")) >= 64
 
 
 def test_transfer_path_a_request_placed_where_its_prefix_is_not(cluster, llm):

@@ -67,9 +67,25 @@ class ClusterBackend:
                 self._counts[name] += amount
 
     def stats(self) -> dict[str, float]:
-        """Counters (``*_total``, as the gateway's /metrics exports them)."""
+        """This router's counters, and every live instance's figures (queue depths, pool and Messenger traffic,
+        cache hits) labelled by instance, as the gateway's /metrics exports them (``*_total`` are counters)."""
         with self._lock:
-            return {f"cluster_{k}_total": float(v) for k, v in self._counts.items()}
+            values = {f"cluster_{k}_total": float(v) for k, v in self._counts.items()}
+        try:
+            listing = self._conductor.ListInstances(conductor_messages.ListInstancesRequest(), timeout=2)
+        except grpc.RpcError:
+            return values
+        values["cluster_instances"] = float(len(listing.instances))
+        values["cluster_indexed_blocks"] = float(listing.indexed_blocks)
+        for info in listing.instances:
+            label = f'{{instance="{info.instance_id}"}}'
+            values[f"instance_predicted_queue_s{label}"] = info.queued_s
+            try:
+                reply = self.instance_stub(info.address).Stats(instance_messages.StatsRequest(), timeout=2)
+            except grpc.RpcError:
+                continue
+            values.update({f"instance_{name}{label}": value for name, value in reply.values.items()})
+        return values
 
     def _validate(self, request: GenerateRequest) -> SamplingParams:
         params = SamplingParams(max_new_tokens=request.max_tokens, temperature=request.temperature,

@@ -23,8 +23,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
-
 from ..conductor.api import PolicyConfig
 from ..conductor.service import serve as serve_conductor
 from ..gateway.backend import Finished, GenerateRequest, TokenOut
@@ -33,7 +31,6 @@ from ..model.compile_cache import enable_compilation_cache
 from ..model.config import get_config
 from .backend import ClusterBackend
 from .conductor_link import DECODE, PREFILL
-from .rpc import messages as instance_messages
 from .server import InstanceConfig, InstanceServer
 
 log = logging.getLogger(__name__)
@@ -190,15 +187,8 @@ class Cluster:
         return tokens, finished
 
     def stats(self) -> dict[str, float]:
-        """The backend's counters and every instance's (``<instance id>.<name>``), asked over its Stats RPC."""
-        values = dict(self.backend.stats())
-        for instance_id, inst in self.instances.items():
-            try:
-                reply = self.backend.instance_stub(inst.address).Stats(instance_messages.StatsRequest(), timeout=5)
-            except grpc.RpcError:
-                continue  # a dead instance has no figures
-            values.update({f"{instance_id}.{name}": value for name, value in reply.values.items()})
-        return values
+        """The router's counters and every live instance's figures (``name{instance="id"}``)."""
+        return self.backend.stats()
 
     def close(self) -> None:
         if self._closed:
