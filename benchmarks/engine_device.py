@@ -1,0 +1,102 @@
+"""Engine speed on an accelerator: a ``llama2-70b``-shaped slice of a few layers, against the device's own limits
+measured in the same run.
+
+Figures: the measured dense matmul rate in the model's dtype (square products) and device copy bandwidth
+(bytes of an on-device copy per second); prefill tokens/s and ``prefill_matmul_util`` (model FLOP/s over the
+measured matmul rate) at each prompt length; decode tokens/s and ``decode_bw_util`` (bytes a step must read:
+weights + KV, per second, over the measured copy bandwidth) at each batch size. Goals (issue 2): prefill >= 0.5 of
+the matmul rate, decode >= 0.6 of the copy bandwidth.
+
+    python benchmarks/engine_device.py --json results/engine_device.json                    # GPU / TPU
+    python benchmarks/engine_device.py --model small --layers 2 --dtype float32 --prefill 256 --batches 1,4  # CPU smoke
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import arg_parser, best_time, machine_info, write_json  # noqa: E402
+
+
+def device_copy_gbps(nbytes: int, repeats: int = 5) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones(nbytes // 2, jnp.bfloat16)
+    f = jax.jit(lambda a: a + 1)  # reads and writes every byte once
+    dt = best_time(lambda: f(x).block_until_ready(), repeats=repeats)
+    return nbytes / dt / 1e9
+
+
+def main() -> None:
+    p = arg_parser(__doc__)
+    p.add_argument("--model", default="llama2-70b")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prefill", default="2048,8192")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--matmul", type=int, default=8192, help="side of the square matmul for the peak")
+    p.add_argument("--copy-mib", type=int, default=2048)
+    args = p.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    from common import matmul_peak_gflops
+    from mooncake_jax.model.host_memory import keep_large_blocks_on_heap
+    from mooncake_jax.model.config import PRESETS
+    from mooncake_jax.model.engine import Engine
+    from mooncake_jax.model.llama import init_model
+    from mooncake_jax.model.sequence import SamplingParams
+
+    prefill_lens = [int(x) for x in args.prefill.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    if jax.default_backend() == "cpu":
+        keep_large_blocks_on_heap()  # as the engine does; fresh mmap pages would halve the copy rate
+    cfg = PRESETS[args.model].replace(n_layers=args.layers, dtype=args.dtype, block_size=16)
+    res = dict(machine_info(), model=f"{args.model} x {args.layers} layers", dtype=args.dtype)
+    res["matmul_gflops"] = round(matmul_peak_gflops(args.matmul, jnp.dtype(args.dtype)), 1)
+    res["copy_gbps"] = round(device_copy_gbps(args.copy_mib << 20), 1)
+    model = init_model(cfg, seed=0)
+    pages = 8 + max(max(prefill_lens), max(batches) * (args.context + 64)) // cfg.block_size
+    engine = Engine(model, num_pages=pages, max_batch=max(batches), prefill_chunk_size=max(prefill_lens))
+    rng = np.random.default_rng(0)
+    weight_bytes = (cfg.param_count() - cfg.vocab_size * cfg.d_model) * cfg.param_dtype.itemsize
+    for n in tqdm(prefill_lens, desc="prefill"):
+        prompt = rng.integers(0, cfg.vocab_size, n).tolist()
+
+        def once():
+            seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=1))
+            engine.admit(seq, cached_pages=[])
+            engine.prefill(seq)
+            engine.release(seq)
+
+        dt = best_time(once, repeats=3)
+        res[f"prefill_{n}_tok_s"] = round(n / dt, 1)
+        res[f"prefill_{n}_matmul_util"] = round(cfg.prefill_flops(n) / dt / 1e9 / res["matmul_gflops"], 3)
+    for b in tqdm(batches, desc="decode"):
+        seqs = []
+        for _ in range(b):
+            seq = engine.new_sequence(rng.integers(0, cfg.vocab_size, args.context).tolist(),
+                                      SamplingParams(max_new_tokens=40))
+            engine.admit(seq, cached_pages=[])
+            engine.prefill(seq)
+            seqs.append(seq)
+        steps = 8
+        dt = best_time(lambda: [engine.decode(seqs) for _ in range(steps)], repeats=2) / steps
+        kv = b * (args.context + 16) * cfg.kv_bytes_per_token()
+        res[f"decode_b{b}_tok_s"] = round(b / dt, 1)
+        res[f"decode_b{b}_bw_util"] = round((weight_bytes + kv) / dt / 1e9 / res["copy_gbps"], 3)
+        for seq in seqs:
+            engine.release(seq)
+    write_json(res, args.json)
+
+
+if __name__ == "__main__":
+    main()
