@@ -155,3 +155,13 @@ def test_dead_instance_is_drained_and_requests_go_elsewhere(llm):
         assert wait_until(lambda: "prefill-0" not in service.state.instances.slot_of, 10)
         ps = prompts([20] * 6, seed=6)
         assert c.generate(ps, max_new_tokens=3) == llm.generate(ps, max_new_tokens=3)  # all on prefill-1
+
+
+def test_layerwise_prefill_instances_serve_the_same_tokens(llm):
+    """Prefill instances in layer-wise mode (prefix KV loaded from the pool layer by layer, new KV stored layer by
+    layer) give the single engine's tokens, and reuse a prefix from their pool."""
+    with mj.Cluster.local("tiny", prefill=1, decode=1, profile_json=PROFILE, layerwise=True, **FAST) as c:
+        base = prompts([48], seed=7)[0]
+        ps = [base + [3, 4], base + [9]]
+        assert [c.run(p, max_new_tokens=5)[0] for p in ps] == llm.generate(ps, max_new_tokens=5)
+        assert c.stats()["cluster_cached_tokens_total"] == 48
