@@ -61,17 +61,16 @@ def hf_checkpoint(folder, case):
 
 
 def expected_config(llm, hf_model):
-    """xfail (not fail) while our config import misses HF's v5 ``rope_parameters``; a plain pass once it reads it."""
+    """Our config import reads HF's RoPE settings in either layout (v5 ``rope_parameters`` or the older keys)."""
     hf = hf_model.config
     rope = getattr(hf, "rope_parameters", None)  # transformers >= 5
     if rope:
         theta, scaled = rope["rope_theta"], rope.get("rope_type", "default") != "default"
     else:
         theta, scaled = hf.rope_theta, bool(getattr(hf, "rope_scaling", None))
-    if llm.config.rope_theta != theta or (llm.config.rope_scaling is not None) != scaled:
-        pytest.xfail(f"mj read rope_theta={llm.config.rope_theta}, rope_scaling={llm.config.rope_scaling} from a "
-                     f"config.json whose HF rope is theta={theta}, scaled={scaled} (transformers "
-                     f"{transformers.__version__} writes 'rope_parameters', which from_hf_config does not read)")
+    assert llm.config.rope_theta == theta and (llm.config.rope_scaling is not None) == scaled, (
+        f"mj read rope_theta={llm.config.rope_theta}, rope_scaling={llm.config.rope_scaling}; HF has theta={theta}, "
+        f"scaled={scaled} (transformers {transformers.__version__})")
 
 
 @pytest.fixture(scope="module", params=list(CASES))

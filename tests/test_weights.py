@@ -67,13 +67,21 @@ def hf_reference(cfg, w, tokens):
                             theta=cfg["rope_theta"], scaling=scaling, tied=cfg["tie_word_embeddings"])
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_hf_import_matches_reference(tmp_path, tied):
+def rope_parameters_layout(cfg):
+    """The same config as transformers >= 5 writes it: theta and scaling in one "rope_parameters" block."""
+    out = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling")}
+    out["rope_parameters"] = {"rope_theta": cfg["rope_theta"], **cfg["rope_scaling"]}
+    return out
+
+
+@pytest.mark.parametrize("tied, layout", [(False, "classic"), (True, "classic"), (False, "rope_parameters")])
+def test_hf_import_matches_reference(tmp_path, tied, layout):
     cfg = {**HF_CONFIG, "tie_word_embeddings": tied}
     w = random_hf_tensors(cfg)
-    write_checkpoint(tmp_path / "ckpt", cfg, w)
+    write_checkpoint(tmp_path / "ckpt", rope_parameters_layout(cfg) if layout != "classic" else cfg, w)
     llm = mj.LLM(str(tmp_path / "ckpt"), block_size=16)
     assert llm.config.rope_scaling is not None and llm.config.tie_embeddings == tied
+    assert llm.config.rope_theta == 50000.0
     tokens = np.random.default_rng(1).integers(0, 300, 40).tolist()
     ref = hf_reference(cfg, {k: v.astype(np.float64) for k, v in w.items()}, tokens)
     got = llm.score(tokens)

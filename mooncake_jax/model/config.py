@@ -172,12 +172,19 @@ def from_hf_config(path: str | Path) -> ModelConfig:
     if absent:
         raise ValueError(f"{file} lacks {absent}")
     n_heads = cfg["num_attention_heads"]
-    scaling = cfg.get("rope_scaling")
+    # transformers >= 5 writes one "rope_parameters" block (theta and scaling); older versions write a top-level
+    # "rope_theta" and "rope_scaling".
+    rope = cfg.get("rope_parameters") or {}
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     rope_scaling = None
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind != "llama3":
+        if kind == "default":
+            scaling = None
+        elif kind != "llama3":
             raise ValueError(f"{file}: rope_scaling type {kind!r} is not supported; allowed: 'llama3' or none")
+    if scaling:
         rope_scaling = RopeScaling(factor=float(scaling["factor"]),
                                    low_freq_factor=float(scaling["low_freq_factor"]),
                                    high_freq_factor=float(scaling["high_freq_factor"]),
@@ -191,7 +198,7 @@ def from_hf_config(path: str | Path) -> ModelConfig:
         n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads, ffn_dim=cfg["intermediate_size"],
-        max_seq_len=cfg.get("max_position_embeddings", 4096), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        max_seq_len=cfg.get("max_position_embeddings", 4096), rope_theta=theta,
         rope_scaling=rope_scaling, norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         dtype="bfloat16" if torch_dtype == "bfloat16" else "float32",
