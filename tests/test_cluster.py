@@ -6,6 +6,7 @@ import json
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -79,22 +80,39 @@ def test_transfer_path_a_request_placed_where_its_prefix_is_not(cluster, llm):
     assert tokens == llm.generate([second], max_new_tokens=5)[0]
 
 
-def call(prefill, prompt, decode, fetch_from="", fetch_keys=()):
+def call(prefill, prompt, decode, fetch_from="", fetch_keys=(), before_decode=None, kv_source=""):
     """Drive one request by hand: Prefill on ``prefill`` (with an optional transfer plan), Decode on ``decode``."""
     from mooncake_jax.instance.backend import instance_services
-    import grpc
 
     sampling = sampling_message(SamplingParams(max_new_tokens=5))
     with grpc.insecure_channel(prefill.address) as ch:
         reply = instance_services.InstanceStub(ch).Prefill(messages.PrefillRequest(
             request_id=f"manual-{time.monotonic_ns()}", prompt=prompt, sampling=sampling, fetch_from=fetch_from,
             fetch_keys=list(fetch_keys), push_to=decode.address), timeout=60)
+    if before_decode is not None:
+        before_decode(reply)
     with grpc.insecure_channel(decode.address) as ch:
         events = list(instance_services.InstanceStub(ch).Decode(messages.DecodeRequest(
             request_id="manual", prompt=prompt, sampling=sampling, first_token=reply.first_token,
-            kv_keys=reply.kv_keys), timeout=60))
+            kv_keys=reply.kv_keys, kv_source=kv_source), timeout=60))
     assert list(reply.kv_keys) == request_keys(type("S", (), {"prompt": prompt})(), 16)
     return reply, [reply.first_token] + [e.token.token for e in events if e.HasField("token")]
+
+
+def test_decode_fetches_kv_evicted_from_its_pool_since_the_push(cluster, llm):
+    """The decode pool may evict a pushed block before the request is admitted (LRU under load): the decode
+    instance fetches it again from the prefill instance named in the request, instead of failing it."""
+    p, d = cluster.instances["prefill-0"], cluster.instances["decode-0"]
+    prompt = prompts([40], seed=8)[0]
+
+    def evict(reply):
+        for key in reply.kv_keys:
+            d.pool.remove(key)
+    _, tokens = call(p, prompt, d, before_decode=evict, kv_source=p.address)
+    assert tokens == llm.generate([prompt], max_new_tokens=5)[0]
+    with pytest.raises(grpc.RpcError) as err:  # without a source to fetch from, it is an error, not garbage
+        call(p, prompts([40], seed=9)[0], d, before_decode=evict)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 @pytest.mark.parametrize("prompt, kwargs, message", [

@@ -143,7 +143,8 @@ class ClusterBackend:
             return
         stream = self.instance_stub(decision.decode_address).Decode(instance_messages.DecodeRequest(
             request_id=request.request_id, prompt=request.prompt, sampling=sampling,
-            first_token=prefill.first_token, kv_keys=prefill.kv_keys), timeout=self.timeout_s)
+            first_token=prefill.first_token, kv_keys=prefill.kv_keys, kv_source=decision.prefill_address),
+            timeout=self.timeout_s)
         watcher = _cancel_on(cancelled, stream)
         try:
             try:

@@ -101,14 +101,20 @@ class DecodeService(InstanceService):
                                                          inst.config.tbt_slo_s):
             raise LateRejection(f"adding this request would exceed the TBT SLO of {inst.config.tbt_slo_s} s")
         keys = list(request.kv_keys)
-        missing = [key for key in keys if engine.prefix_cache.page_of(key) is None]
+        present = [engine.prefix_cache.page_of(key) for key in keys]
+        missing = [key for key, page in zip(keys, present) if page is None]
         if missing:
-            blocks = inst.pool.get_many(missing)
-            absent = [key for key, block in zip(missing, blocks) if block is None]
+            with inst.pool.pin(missing):
+                blocks = inst.pool.get_many(missing)
+                absent = [key for key, block in zip(missing, blocks) if block is None]
+                if absent and request.kv_source:  # evicted from this pool since the push: fetch them again
+                    inst.messenger(request.kv_source).fetch(absent)
+                    blocks = inst.pool.get_many(missing)
+                    absent = [key for key, block in zip(missing, blocks) if block is None]
             if absent:
                 raise MissingKV(f"{len(absent)} of the request's KV blocks are not in this instance's pool")
-            try:
-                engine.load_blocks(missing, np.stack(blocks))
+            try:  # the request's blocks already in pages are held while room is made for the others
+                engine.load_blocks(missing, np.stack(blocks), protect=[p for p in present if p is not None])
             except OutOfPages as e:
                 raise LateRejection(f"no room for the request's KV: {e}") from None
         pages = [engine.prefix_cache.page_of(key) for key in keys]
