@@ -1,6 +1,6 @@
 """KVCache pool and Messenger throughput against this machine's physical baselines, measured in the same run.
 
-    python benchmarks/pool.py --json /tmp/pool.json [--quick]
+    python benchmarks/pool.py --json /tmp/pool.json [--quick] [--skip-layerwise]
 
 Figures (issue 4, Measure):
 * block keys: milliseconds per 1000 tokens for a 128K-token prompt;
@@ -12,7 +12,11 @@ Figures (issue 4, Measure):
   (an SSD-only pool, ``put_many`` of 16): ``ssd_put_ratio`` (goal >= 0.5);
 * Messenger GB/s between two processes on loopback (a fetch into an empty DRAM pool; a push) and a bare gRPC
   stream of the same bytes in the same message sizes from the same peer process and connection (its Probe
-  RPC, one prebuilt message sent again and again): ``messenger_ratio`` (goal >= 0.7);
+  RPC, one prebuilt message sent again and again, read as protobuf ``BlockPiece`` messages):
+  ``messenger_ratio`` (goal >= 0.7). For context, measured alongside too: the same stream read as raw bytes,
+  the way the Messenger reads (``messenger_raw_stream_ratio``), and in pieces of at most 2 MiB, the piece size
+  before blocks travelled whole (``grpc_stream_2mib_gbps``: this machine's loopback moves 1.5 MiB messages faster
+  than 3 MiB ones, but sending a block whole saves a copy at each end);
 * layer-wise vs serialized prefill + store latency on the ``small`` preset, 1K to 16K-token prompts with half of
   their blocks already in the pool: ``layerwise_speedup`` = serialized / layer-wise time (best of the trials).
 
@@ -210,14 +214,21 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
                 assert len(result.moved) == n_blocks
                 return gbps(result.bytes, result.seconds)
 
-            def bare_stream() -> float:  # the same bytes in the same message sizes as a fetch
-                piece_bytes = piece_bytes_for(source.frame_bytes)
-                return fetcher.probe(n_blocks * source.frame_bytes, piece_bytes=piece_bytes) / 1e9
+            def stream(piece_bytes: int, parse: bool = True) -> Callable[[], float]:
+                return lambda: fetcher.probe(n_blocks * source.frame_bytes, piece_bytes=piece_bytes, parse=parse) / 1e9
 
-            push(), fetch(), bare_stream()  # warm both processes' allocators and connections
-            figures = alternate(
-                repeats, grpc_stream_gbps=bare_stream, messenger_fetch_gbps=fetch, messenger_push_gbps=push
-            )
+            same_pieces = piece_bytes_for(source.frame_bytes)  # the same bytes in the same message sizes as a fetch
+            trials = {
+                "grpc_stream_gbps": stream(same_pieces),
+                "messenger_fetch_gbps": fetch,
+                "messenger_push_gbps": push,
+                "grpc_raw_stream_gbps": stream(same_pieces, parse=False),
+                "grpc_stream_2mib_gbps": stream(piece_bytes_for(source.frame_bytes, 2 << 20)),
+            }
+            push()  # the peer holds blocks to fetch from now on
+            for trial in trials.values():  # warm both processes' allocators and connections
+                trial()
+            figures = alternate(repeats, **trials)
             figures["counters"] = {"fetcher": fetcher.counters.as_dict(), "pusher": pusher.counters.as_dict()}
             return figures
     finally:
@@ -274,7 +285,7 @@ def measure_layerwise_prefill(lengths: tuple[int, ...], repeats: int, prefix_fra
 # ---- main -----------------------------------------------------------------------------------------------
 
 
-def run(quick: bool, repeats: int, directory: Path) -> dict:
+def run(quick: bool, repeats: int, directory: Path, layerwise: bool = True) -> dict:
     scale = 4 if quick else 1
     results: dict = {"machine": {"cpus": os.cpu_count()}, "block_keys": measure_block_keys()}
     for label, block_tokens, full_blocks in (("block128", 128, 96), ("block16", 16, 512)):
@@ -292,16 +303,18 @@ def run(quick: bool, repeats: int, directory: Path) -> dict:
             "ssd_put_ratio": med["ssd_put_gbps"] / med["raw_write_gbps"],
             "messenger_ratio": med["messenger_fetch_gbps"] / med["grpc_stream_gbps"],
             "messenger_push_ratio": med["messenger_push_gbps"] / med["grpc_stream_gbps"],
+            "messenger_raw_stream_ratio": med["messenger_fetch_gbps"] / med["grpc_raw_stream_gbps"],
         }
         results[label] = section
-    lengths = (1024, 4096) if quick else (1024, 2048, 4096, 8192, 16384)
-    results["layerwise_prefill"] = measure_layerwise_prefill(lengths, repeats=1 if quick else 2)
+    if layerwise:
+        lengths = (1024, 4096) if quick else (1024, 2048, 4096, 8192, 16384)
+        results["layerwise_prefill"] = measure_layerwise_prefill(lengths, repeats=1 if quick else 2)
     headline = results["block128"]["ratios"]
     results["summary"] = {
         **{name: round(value, 3) for name, value in headline.items()},
         "goals": {"dram_put_ratio": 0.3, "dram_get_ratio": 0.3, "ssd_put_ratio": 0.5, "messenger_ratio": 0.7},
         "block_keys_ms_per_1k_tokens": results["block_keys"]["ms_per_1k_tokens_block16"],
-        "layerwise_speedup": results["layerwise_prefill"]["layerwise_speedup"],
+        "layerwise_speedup": results["layerwise_prefill"]["layerwise_speedup"] if layerwise else None,
     }
     return results
 
@@ -311,10 +324,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--quick", action="store_true", help="a quarter of the data (a smoke run)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-layerwise", action="store_true", help="leave out the (minutes-long) prefill section")
     parser.add_argument("--dir", type=Path, default=None, help="directory for SSD-tier files (default: a temp dir)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
-        results = run(args.quick, args.repeats, Path(scratch))
+        results = run(args.quick, args.repeats, Path(scratch), layerwise=not args.skip_layerwise)
     text = json.dumps(results, indent=2)
     if args.json:
         args.json.write_text(text)

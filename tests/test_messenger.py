@@ -9,11 +9,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mooncake_jax.proto import CHUNK_BYTES, channel_options
+from mooncake_jax.proto import channel_options
 from mooncake_jax.transfer import BlockPool, BlockSpec, EventKind
-from mooncake_jax.transfer.frame import frame_bytes
+from mooncake_jax.transfer.frame import PREFIX_BYTES, frame_bytes
 from mooncake_jax.transfer.peer import PeerProcess
-from mooncake_jax.transfer.pieces import encode_piece
+from mooncake_jax.transfer.pieces import PIECE_BYTES, encode_piece, parse_piece
 from mooncake_jax.transfer.messenger import (
     BlocksNotFoundError,
     MessengerClient,
@@ -22,6 +22,7 @@ from mooncake_jax.transfer.messenger import (
     messages,
     services,
 )
+from mooncake_jax.transfer.messenger_wire import SERVICE
 
 SPEC = BlockSpec((2, 2, 16, 2, 32), np.float32)  # 16 KiB blocks
 BIG_SPEC = BlockSpec((8, 2, 16, 16, 64), np.float32)  # 1 MiB blocks
@@ -127,11 +128,31 @@ def test_large_blocks_travel_in_pieces_under_the_limit(serve):
     with grpc.insecure_channel(server.address, options=channel_options()) as channel:
         request = messages.FetchRequest(keys=[1, 2], spec_fingerprint=spec.fingerprint)
         pieces = list(services.MessengerStub(channel).Fetch(request, timeout=30))
-    assert len(pieces) == 2 * 3 and all(0 < len(p.data) <= CHUNK_BYTES for p in pieces)
+    assert len(pieces) == 2 * 2 and all(0 < len(p.data) <= PIECE_BYTES for p in pieces)
+    assert all(len(p.SerializeToString()) < 4 * 1024 * 1024 for p in pieces)  # under gRPC's default cap
     receiver = BlockPool(spec)
     with MessengerClient(server.address, receiver) as client:
         client.fetch([1, 2])
     assert_exact(receiver, [1, 2], spec)
+
+
+def test_a_block_under_the_limit_travels_as_its_stored_record(serve):
+    spec = BlockSpec((12, 2, 128, 4, 64), np.float32)  # 3 MiB: the small preset's block
+    sender = filled_pool([1, 2], spec)
+    server = serve(sender)
+    with grpc.insecure_channel(server.address, options=channel_options()) as channel:
+        request = messages.FetchRequest(keys=[1, 2], spec_fingerprint=spec.fingerprint)
+        raw = list(channel.unary_stream(f"/{SERVICE}/Fetch", messages.FetchRequest.SerializeToString)(request))
+    assert raw == [sender.get_record(1), sender.get_record(2)]  # one message per block, the stored bytes as they are
+    piece = messages.BlockPiece.FromString(raw[0])  # and a well-formed BlockPiece for any gRPC peer
+    assert (piece.key, piece.offset, piece.frame_bytes, len(piece.data)) == (1, 0, frame_bytes(spec), frame_bytes(spec))
+    assert piece.spec_fingerprint == spec.fingerprint and raw[0].endswith(piece.data)
+    receiver = BlockPool(spec)
+    with MessengerClient(server.address, receiver) as client:
+        assert client.fetch([1, 2]).moved == [1, 2]
+        assert client.probe(3 << 20, parse=False) > 0
+    assert_exact(receiver, [1, 2], spec)
+    assert receiver.get_record(1) == raw[0]
 
 
 @pytest.mark.parametrize(
@@ -140,7 +161,32 @@ def test_large_blocks_travel_in_pieces_under_the_limit(serve):
 def test_hand_encoded_pieces_are_exactly_protobuf(fields):
     key, offset, total, data, fingerprint = fields
     reference = messages.BlockPiece(key=key, offset=offset, frame_bytes=total, data=data, spec_fingerprint=fingerprint)
-    assert encode_piece(key, offset, total, memoryview(data), fingerprint) == reference.SerializeToString()
+    wire = encode_piece(key, offset, total, memoryview(data), fingerprint)
+    assert wire == reference.SerializeToString()
+    parsed = parse_piece(wire)
+    assert (parsed.key, parsed.offset, parsed.frame_bytes, parsed.spec_fingerprint) == (key, offset, total, fingerprint)
+    assert parsed.data == data
+
+
+def test_pieces_parse_in_any_field_order_and_malformed_ones_are_refused():
+    reordered = b"\x22\x08abcdefgh" + b"\x3a\x02zz" + b"\x28\x03\x18\x0c\x08\x09\x10\x04"  # field 7: unknown
+    parsed, reference = parse_piece(reordered), messages.BlockPiece.FromString(reordered)
+    fields = (parsed.key, parsed.offset, parsed.frame_bytes, parsed.data, parsed.spec_fingerprint)
+    expected = (reference.key, reference.offset, reference.frame_bytes, reference.data, reference.spec_fingerprint)
+    assert fields == expected
+    assert fields == (9, 4, 12, b"abcdefgh", 3)
+    for bad in (b"\x22\x09abcdefgh", b"\x08", b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x0b"):
+        with pytest.raises(ValueError, match="malformed"):
+            parse_piece(bad)
+
+
+def test_a_whole_frame_pushed_in_another_encoding_is_stored(serve):
+    receiver = BlockPool(SPEC)
+    server = serve(receiver)
+    frame = frame_of(filled_pool([5]), 5)
+    piece = messages.BlockPiece(key=5, frame_bytes=len(frame), data=frame, spec_fingerprint=SPEC.fingerprint)
+    assert raw_push(server.address, [piece]).stored == 1  # protobuf's own layout: not a record, rebuilt as one
+    assert_exact(receiver, [5])
 
 
 def test_other_block_spec_is_refused(serve):
@@ -157,6 +203,10 @@ def raw_push(address: str, pieces):
         return services.MessengerStub(channel).Push(iter(pieces), timeout=10)
 
 
+def frame_of(pool: BlockPool, key: int) -> bytes:
+    return pool.get_record(key)[PREFIX_BYTES:]
+
+
 def pieces_of(key: int, data: bytes, cut: int, fingerprint: int = SPEC.fingerprint):
     first = messages.BlockPiece(key=key, offset=0, frame_bytes=len(data), data=data[:cut], spec_fingerprint=fingerprint)
     return [first, messages.BlockPiece(key=key, offset=cut, frame_bytes=len(data), data=data[cut:])]
@@ -166,8 +216,8 @@ def test_push_stream_that_stops_inside_a_block_stores_no_partial_block(serve):
     source = filled_pool([1, 2])
     receiver = BlockPool(SPEC)
     server = serve(receiver)
-    whole = pieces_of(1, source.get_frame(1), 1000)
-    torn = pieces_of(2, source.get_frame(2), 1000, fingerprint=0)[:1]
+    whole = pieces_of(1, frame_of(source, 1), 1000)
+    torn = pieces_of(2, frame_of(source, 2), 1000, fingerprint=0)[:1]
     with pytest.raises(grpc.RpcError) as caught:
         raw_push(server.address, whole + torn)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -184,25 +234,50 @@ def test_push_stream_that_stops_inside_a_block_stores_no_partial_block(serve):
     ],
     ids=["corrupt", "wrong-size"],
 )
-def test_bad_pushed_frames_are_refused(serve, bad, code, message):
+@pytest.mark.parametrize("whole", [False, True], ids=["in-pieces", "whole-record"])
+def test_bad_pushed_frames_are_refused(serve, bad, code, message, whole):
     receiver = BlockPool(SPEC)
     server = serve(receiver)
-    frame = bad(filled_pool([5]).get_frame(5))
-    with pytest.raises(grpc.RpcError) as caught:
-        raw_push(server.address, pieces_of(5, frame, 4096))
+    record = filled_pool([5]).get_record(5)
+    frame = bad(record[PREFIX_BYTES:])
+    with grpc.insecure_channel(server.address, options=channel_options()) as channel:
+        push = channel.stream_unary(f"/{SERVICE}/Push", None, messages.PushReply.FromString)
+        with pytest.raises(grpc.RpcError) as caught:  # the record's own layout, as a Mooncake peer sends it
+            if whole:
+                push(iter([encode_piece(5, 0, len(frame), frame, SPEC.fingerprint)]), timeout=10)
+            else:
+                push(iter(p.SerializeToString() for p in pieces_of(5, frame, 4096)), timeout=10)
     assert caught.value.code() == code and message in caught.value.details()
     assert len(receiver) == 0
 
 
+def test_a_block_corrupt_at_the_sender_is_not_found_never_sent(serve, tmp_path):
+    sender = filled_pool([1, 2, 3], dram_blocks=0, ssd_path=tmp_path)
+    name = f"{2:016x}"
+    path = tmp_path / name[:2] / name
+    damaged = bytearray(path.read_bytes())
+    damaged[-10] ^= 1
+    path.write_bytes(bytes(damaged))
+    server = serve(sender)
+    receiver = BlockPool(SPEC)
+    with MessengerClient(server.address, receiver) as client:
+        with pytest.raises(BlocksNotFoundError) as caught:
+            client.fetch([1, 2, 3])
+        assert caught.value.keys == [2] and caught.value.stored == [1]
+        assert client.fetch([3]).moved == [3]
+    assert sorted(receiver.keys()) == [1, 3] and 2 not in sender
+    assert_exact(receiver, [1, 3])
+
+
 def test_deadline_ends_a_slow_transfer(serve):
     sender = filled_pool(range(6))
-    slow_get = sender.get_frame
+    slow_get = sender.get_record
 
-    def get_frame_slowly(key, promote=True):
+    def get_record_slowly(key, promote=True):
         time.sleep(0.15)
         return slow_get(key, promote)
 
-    sender.get_frame = get_frame_slowly
+    sender.get_record = get_record_slowly
     server = serve(sender)
     receiver = BlockPool(SPEC)
     with MessengerClient(server.address, receiver, timeout_s=0.4) as client:

@@ -9,7 +9,7 @@ import pytest
 
 from mooncake_jax.blocks import block_keys
 from mooncake_jax.transfer import BlockEvent, BlockPool, BlockSpec, EventKind, EvictionPolicy, PoolFullError
-from mooncake_jax.transfer.frame import frame_bytes
+from mooncake_jax.transfer.frame import DATA_OFFSET, PREFIX_BYTES, record_bytes
 
 SPEC = BlockSpec((2, 2, 4, 2, 8), np.float32)  # (layers, K/V, block_size, kv_heads, head_dim)
 
@@ -239,6 +239,10 @@ def test_ssd_survives_restart_and_refuses_another_spec(tmp_path):
         BlockPool(SPEC, ssd_path=tmp_path / "spec.json")
 
 
+def flip(raw: bytes, at: int, bits: int) -> bytes:
+    return raw[:at] + bytes([raw[at] ^ bits]) + raw[at + 1 :]
+
+
 def stored_file(root, key):
     name = f"{key:016x}"
     return root / name[:2] / name
@@ -247,13 +251,14 @@ def stored_file(root, key):
 @pytest.mark.parametrize(
     "damage",
     [
-        lambda raw: raw[:100] + bytes([raw[100] ^ 0x10]) + raw[101:],  # one bit of the data
-        lambda raw: raw[:20] + bytes([raw[20] ^ 1]) + raw[21:],  # the key in the header
+        lambda raw: flip(raw, DATA_OFFSET + 36, 0x10),  # one bit of the data
+        lambda raw: flip(raw, PREFIX_BYTES + 20, 1),  # the key in the frame header
+        lambda raw: flip(raw, 1, 1),  # the key in the wire prefix (sent to peers as it is)
         lambda raw: raw[: len(raw) // 2],  # a write cut short
         lambda raw: raw[: len(raw) // 2] + bytes(len(raw) - len(raw) // 2),  # tail never reached the disk
-        lambda raw: raw[:64] + raw[64 + 512 :] + raw[64 : 64 + 512],  # data reordered
+        lambda raw: raw[:DATA_OFFSET] + raw[DATA_OFFSET + 512 :] + raw[DATA_OFFSET : DATA_OFFSET + 512],  # reordered
     ],
-    ids=["bit", "header", "truncated", "zero-tail", "reordered"],
+    ids=["bit", "header", "prefix", "truncated", "zero-tail", "reordered"],
 )
 def test_damaged_file_is_a_counted_miss_never_garbage(tmp_path, damage):
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
@@ -304,8 +309,8 @@ def test_pinned_dram_full_spills_to_ssd(tmp_path):
         assert pool.tier_of(2) == "ssd"
 
 
-def test_capacity_in_bytes_counts_whole_frames():
-    pool = BlockPool(SPEC, dram_bytes=3 * frame_bytes(SPEC) + 10)
+def test_capacity_in_bytes_counts_whole_records():
+    pool = BlockPool(SPEC, dram_bytes=3 * record_bytes(SPEC) + 10)
     for key in range(10):
         pool.put(key, block_of(key))
     assert len(pool) == 3 and pool.stats()["dram"]["capacity_blocks"] == 3
@@ -354,7 +359,7 @@ def test_closed_pool_refuses_reads_and_writes(tmp_path):
     pool.put(1, block_of(1))
     pool.close()
     assert 1 not in pool and pool.prefix_len([1]) == 0
-    for operation in (lambda: pool.get(1), lambda: pool.put(2, block_of(2)), lambda: pool.get_frame(1)):
+    for operation in (lambda: pool.get(1), lambda: pool.put(2, block_of(2)), lambda: pool.get_record(1)):
         with pytest.raises(ValueError, match="closed"):
             operation()
 

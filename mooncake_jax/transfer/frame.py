@@ -1,16 +1,25 @@
-"""The stored and transmitted form of a block: a fixed header (identity, length, checksum) then the raw data.
+"""The stored and transmitted form of a block: a record, which is a frame behind a fixed wire prefix.
 
-The same bytes live in the DRAM tier, in the SSD tier's files and in the Messenger's streamed pieces, so a block
-is checksummed once when it enters a pool and verified wherever it is read, with no re-encoding between tiers or
-instances. The header names the block's key and spec, so a frame filed under the wrong key or produced for
-another model is rejected instead of decoded.
+A **frame** is a fixed header (identity, length, checksum) then the raw data. A **record** is that frame behind
+the 64-byte protobuf encoding of a ``BlockPiece`` carrying it whole (key, frame length, spec fingerprint, zero
+padding to a fixed size, then the tag and length of the ``data`` field), so a record *is* the wire message of a
+one-piece transfer. The same bytes live in the DRAM tier, in the SSD tier's files and on the wire: a block is
+checksummed once when it enters a pool and verified wherever it is read, and a record moves between tiers and
+instances with no re-encoding (the Messenger sends the bytes a tier read returned, and stores the bytes gRPC
+handed it). Frames too large for one message travel in pieces and are reassembled into a record (``pieces.py``).
 
-Header (64 bytes, little-endian): magic ``MKVB``, format version (u16), header length (u16), spec fingerprint
-(u64), key (u64), data length (u64), checksum total (u64), checksum weighted (u64), zero padding.
+The frame header names the block's key and spec, so a frame filed under the wrong key or produced for another
+model is rejected instead of decoded, and the prefix of a stored record must be exactly the one its key and spec
+give, so a damaged prefix is never sent on.
+
+Frame header (64 bytes, little-endian): magic ``MKVB``, format version (u16), header length (u16), spec
+fingerprint (u64), key (u64), data length (u64), checksum total (u64), checksum weighted (u64), zero padding.
+The data starts 128 bytes into a record, so it keeps the alignment of the buffer holding the record.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import numpy as np
@@ -21,9 +30,14 @@ from mooncake_jax.transfer.spec import BlockSpec
 
 MAGIC = b"MKVB"
 VERSION = 1
-HEADER_BYTES = 64  # a cache line; keeps the data 8-byte aligned inside the frame
+HEADER_BYTES = 64  # a cache line; keeps the data aligned inside the frame
+PREFIX_BYTES = 64  # the record's wire prefix
+DATA_OFFSET = PREFIX_BYTES + HEADER_BYTES  # where a block's data starts in its record
 _HEADER = struct.Struct("<4sHHQQQQQ")
 _MAX_KEY = (1 << 64) - 1
+
+# BlockPiece field tags (field number << 3 | wire type): see messenger.proto
+TAG_KEY, TAG_OFFSET, TAG_FRAME_BYTES, TAG_DATA, TAG_SPEC, TAG_PADDING = 0x08, 0x10, 0x18, 0x22, 0x28, 0x32
 
 
 class CorruptBlockError(ValueError):
@@ -40,33 +54,81 @@ def check_key(key: object) -> BlockKey:
     return key
 
 
+def varint(value: int) -> bytes:
+    """Protobuf base-128 encoding of an unsigned integer."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def frame_bytes(spec: BlockSpec) -> int:
     """Size of every frame of ``spec``."""
     return HEADER_BYTES + spec.nbytes
 
 
+def record_bytes(spec: BlockSpec) -> int:
+    """Size of every stored record of ``spec``: what a block takes in a tier."""
+    return PREFIX_BYTES + frame_bytes(spec)
+
+
+@functools.cache
+def _prefix_tails(spec: BlockSpec) -> tuple[bytes, ...]:
+    """What follows the key in a record prefix, by the key's varint length (1 to 10 bytes)."""
+    n_frame = frame_bytes(spec)
+    fields = bytes((TAG_FRAME_BYTES,)) + varint(n_frame) + bytes((TAG_SPEC,)) + varint(spec.fingerprint)
+    data_field = bytes((TAG_DATA,)) + varint(n_frame)
+    tails = []
+    for key_len in range(11):
+        pad = PREFIX_BYTES - 1 - key_len - len(fields) - len(data_field) - 2  # 2: the padding field's tag, length
+        tails.append(b"".join((fields, bytes((TAG_PADDING, pad)), bytes(pad), data_field)))
+    return tuple(tails)
+
+
+def record_prefix(spec: BlockSpec, key: BlockKey) -> bytes:
+    """The 64-byte wire prefix of ``key``'s record: ``BlockPiece{key, frame_bytes, spec_fingerprint, padding}``
+    then the tag and length of ``data``, which is the frame that follows (offset 0 is proto3's default)."""
+    key_field = varint(key)
+    return b"\x08" + key_field + _prefix_tails(spec)[len(key_field)]
+
+
 def encode(spec: BlockSpec, key: BlockKey, block: np.ndarray) -> bytes:
-    """The frame of ``block`` (already checked against ``spec``) under ``key``."""
+    """The record of ``block`` (already checked against ``spec``) under ``key``."""
     data = memoryview(block.reshape(-1).view(np.uint8))
     total, weighted = checksum(block)
     header = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, spec.fingerprint, key, spec.nbytes, total, weighted)
-    return b"".join((header, bytes(HEADER_BYTES - _HEADER.size), data))
+    return b"".join((record_prefix(spec, key), header, bytes(HEADER_BYTES - _HEADER.size), data))
 
 
-def decode(spec: BlockSpec, key: BlockKey, frame: bytes) -> np.ndarray:
-    """The block in ``frame`` as a read-only array sharing its memory; CorruptBlockError if any check fails."""
+def verify_frame(spec: BlockSpec, key: BlockKey, frame: bytes | bytearray | memoryview) -> None:
+    """CorruptBlockError unless ``frame`` is ``key``'s frame for ``spec`` with a matching checksum."""
     if len(frame) != frame_bytes(spec):
         raise CorruptBlockError(f"block {key:#018x}: frame is {len(frame)} bytes, expected {frame_bytes(spec)}")
     magic, version, header_len, fingerprint, stored_key, n_bytes, total, weighted = _HEADER.unpack_from(frame)
     if magic != MAGIC or version != VERSION or header_len != HEADER_BYTES:
-        raise CorruptBlockError(f"block {key:#018x}: not a block frame (magic {magic!r}, version {version})")
+        raise CorruptBlockError(f"block {key:#018x}: not a block frame (magic {bytes(magic)!r}, version {version})")
     if fingerprint != spec.fingerprint:
         raise CorruptBlockError(f"block {key:#018x}: frame was written for another block spec than {spec.describe()}")
     if stored_key != key:
         raise CorruptBlockError(f"block {key:#018x}: frame holds block {stored_key:#018x}")
     if n_bytes != spec.nbytes:
         raise CorruptBlockError(f"block {key:#018x}: header says {n_bytes} data bytes, spec has {spec.nbytes}")
-    data = memoryview(frame)[HEADER_BYTES:]
-    if checksum(data) != (total, weighted):
+    if checksum(memoryview(frame)[HEADER_BYTES:]) != (total, weighted):
         raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
-    return np.frombuffer(frame, dtype=spec.dtype, offset=HEADER_BYTES).reshape(spec.shape)
+
+
+def verify(spec: BlockSpec, key: BlockKey, record: bytes | bytearray) -> None:
+    """CorruptBlockError unless ``record`` is exactly ``key``'s record for ``spec``, checksum included."""
+    if len(record) != record_bytes(spec):
+        raise CorruptBlockError(f"block {key:#018x}: record is {len(record)} bytes, expected {record_bytes(spec)}")
+    if record[:PREFIX_BYTES] != record_prefix(spec, key):
+        raise CorruptBlockError(f"block {key:#018x}: damaged or foreign wire prefix")
+    verify_frame(spec, key, memoryview(record)[PREFIX_BYTES:])
+
+
+def decode(spec: BlockSpec, key: BlockKey, record: bytes) -> np.ndarray:
+    """The block in ``record`` as a read-only array sharing its memory; CorruptBlockError if any check fails."""
+    verify(spec, key, record)
+    return np.frombuffer(record, dtype=spec.dtype, offset=DATA_OFFSET).reshape(spec.shape)

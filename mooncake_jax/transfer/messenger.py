@@ -2,9 +2,10 @@
 
 The paper moves blocks with GPUDirect RDMA; gRPC streaming is the portable data plane here, behind an interface
 (fetch by keys, push by keys) that a device-native path could implement too. Both directions skip the blocks
-the receiver already holds (a fetch asks only for what its pool lacks, a push first asks the peer), frames travel
-in pieces (``pieces.py``) and are verified before they are stored, so a transfer that dies midway leaves only
-whole, checked blocks behind, each announced by the pool's STORED event. Every call has a deadline.
+the receiver already holds (a fetch asks only for what its pool lacks, a push first asks the peer). A block
+travels as the record its pool stores, one message when it fits under the message limit, else in pieces
+(``pieces.py``), and is verified once, whole, before the receiver stores it, so a transfer that dies midway
+leaves only whole, checked blocks behind, each announced by the pool's STORED event. Every call has a deadline.
 
 Server side, ``MessengerServer(pool).start()`` (``messenger_server.py``); client side,
 ``MessengerClient(address, pool)``: ``fetch(keys)`` for on-demand loads, ``push(keys)`` for transfers the
@@ -21,7 +22,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.proto import CHUNK_BYTES, channel_options
+from mooncake_jax.proto import channel_options
 from mooncake_jax.transfer.counters import Meter, TransferCounters
 from mooncake_jax.transfer.frame import check_key
 from mooncake_jax.transfer.messenger_server import MessengerServer
@@ -32,7 +33,7 @@ from mooncake_jax.transfer.messenger_wire import (
     messages,
     services,
 )
-from mooncake_jax.transfer.pieces import FrameAssembler, encoded_pieces
+from mooncake_jax.transfer.pieces import PIECE_BYTES, RecordAssembler, parse_piece, record_pieces
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
 
 __all__ = [
@@ -94,10 +95,15 @@ class MessengerClient:
         self._meter = Meter()
         self._channel = grpc.insecure_channel(address, options=channel_options())
         self._stub = services.MessengerStub(self._channel)
-        self._push_encoded = self._channel.stream_unary(  # Push with pieces already encoded by pieces.py
-            f"/{SERVICE}/Push",
-            request_serializer=lambda data: data,
-            response_deserializer=messages.PushReply.FromString,
+        # Fetch, Push (and Probe) with pieces as raw bytes, encoded and parsed by pieces.py
+        self._fetch_raw = self._channel.unary_stream(
+            f"/{SERVICE}/Fetch", request_serializer=messages.FetchRequest.SerializeToString
+        )
+        self._probe_raw = self._channel.unary_stream(
+            f"/{SERVICE}/Probe", request_serializer=messages.ProbeRequest.SerializeToString
+        )
+        self._push_raw = self._channel.stream_unary(
+            f"/{SERVICE}/Push", request_serializer=None, response_deserializer=messages.PushReply.FromString
         )
 
     @property
@@ -129,17 +135,18 @@ class MessengerClient:
         received = 0
         if wanted:
             request = messages.FetchRequest(keys=wanted, spec_fingerprint=self.pool.spec.fingerprint)
-            call = self._stub.Fetch(request, timeout=timeout_s or self.timeout_s)
-            assembler = FrameAssembler(self.pool.frame_bytes)
+            call = self._fetch_raw(request, timeout=timeout_s or self.timeout_s)
+            assembler = RecordAssembler(self.pool.spec)
             try:
-                for piece in call:
+                for raw in call:
+                    piece = parse_piece(raw)
                     if piece.key not in expected:
                         raise TransferError(f"peer sent block {piece.key:#018x}, which was not asked for")
-                    frame = assembler.add(piece.key, piece.offset, piece.frame_bytes, piece.data)
-                    if frame is not None:
-                        self.pool.put_frame(piece.key, frame)
+                    record = assembler.add(piece, raw)
+                    if record is not None:
+                        self.pool.put_record(piece.key, record)
                         stored.append(piece.key)
-                        received += len(frame)
+                        received += assembler.frame_bytes
             except grpc.RpcError as err:
                 self._failed(received, len(stored), started)
                 raise self._error("fetch", err, stored) from err
@@ -174,23 +181,22 @@ class MessengerClient:
         lost: list[BlockKey] = []
         sent_bytes = 0
 
-        def pieces() -> Iterator:
+        def pieces() -> Iterator[bytes]:
             nonlocal sent_bytes
             fingerprint = self.pool.spec.fingerprint
             for key in to_send:
-                frame = self.pool.get_frame(key, promote=False)
-                if frame is None:  # failed its checksum here: end the stream cleanly, report after
+                record = self.pool.get_record(key, promote=False)
+                if record is None:  # failed its checksum here: end the stream cleanly, report after
                     lost.append(key)
                     return
-                yield from encoded_pieces(key, frame, fingerprint)
-                fingerprint = 0
+                yield from record_pieces(key, record, fingerprint)
                 sent.append(key)
-                sent_bytes += len(frame)
+                sent_bytes += self.pool.frame_bytes
 
         if to_send:
             with self.pool.pin(to_send):
                 try:
-                    self._push_encoded(pieces(), timeout=max(deadline - time.monotonic(), 0.001))
+                    self._push_raw(pieces(), timeout=max(deadline - time.monotonic(), 0.001))
                 except grpc.RpcError as err:
                     self._failed(sent_bytes, 0, started, sending=True)
                     raise self._error("push", err) from err
@@ -203,14 +209,24 @@ class MessengerClient:
             raise BlocksNotFoundError(message, lost, stored=sent)
         return TransferResult(sent, skipped, sent_bytes, seconds)
 
-    def probe(self, total_bytes: int, *, piece_bytes: int = CHUNK_BYTES, timeout_s: float | None = None) -> float:
-        """Bytes per second of a bare stream of ``total_bytes`` from the peer (no pool, no checks)."""
+    def probe(
+        self, total_bytes: int, *, piece_bytes: int = PIECE_BYTES, parse: bool = True, timeout_s: float | None = None
+    ) -> float:
+        """Bytes per second of a bare stream of ``total_bytes`` from the peer (no pool, no checks).
+
+        ``parse=True`` reads each piece as a protobuf ``BlockPiece`` (what a generic gRPC client does);
+        ``parse=False`` counts the raw messages, the way ``fetch`` receives them.
+        """
         started = time.perf_counter()
         received = 0
         request = messages.ProbeRequest(total_bytes=total_bytes, piece_bytes=piece_bytes)
         try:
-            for piece in self._stub.Probe(request, timeout=timeout_s or self.timeout_s):
-                received += len(piece.data)
+            if parse:
+                for piece in self._stub.Probe(request, timeout=timeout_s or self.timeout_s):
+                    received += len(piece.data)
+            else:
+                for raw in self._probe_raw(request, timeout=timeout_s or self.timeout_s):
+                    received += len(parse_piece(raw).data)
         except grpc.RpcError as err:
             raise self._error("probe", err) from err
         return received / (time.perf_counter() - started)

@@ -1,7 +1,8 @@
 """The Messenger's server side: serves one pool's blocks to peers and stores the blocks they push.
 
-Streamed pieces leave as bytes already encoded by ``pieces.py`` (see there why), so the service is registered
-with its own handlers instead of the generated servicer base; the wire format is the .proto's all the same.
+Streamed pieces leave as the stored records themselves or as pieces ``pieces.py`` encoded, and pushed pieces
+arrive as raw bytes that ``pieces.py`` parses (see there why), so the service is registered with its own handlers
+instead of the generated servicer base; the wire format is the .proto's all the same.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from concurrent import futures
 import grpc
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.proto import CHUNK_BYTES, GRPC_MAX_MESSAGE_BYTES, server_options
+from mooncake_jax.proto import GRPC_MAX_MESSAGE_BYTES, server_options
 from mooncake_jax.transfer.counters import Meter, TransferCounters
 from mooncake_jax.transfer.frame import CorruptBlockError
 from mooncake_jax.transfer.messenger_wire import (
@@ -24,7 +25,7 @@ from mooncake_jax.transfer.messenger_wire import (
     describe_keys,
     messages,
 )
-from mooncake_jax.transfer.pieces import FrameAssembler, encode_piece, encoded_pieces
+from mooncake_jax.transfer.pieces import PIECE_BYTES, RecordAssembler, encode_piece, parse_piece, record_pieces
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
 
 _MAX_PROBE_BYTES = 1 << 36
@@ -60,31 +61,33 @@ class _Servicer:
             missing = [key for key in keys if key not in self.pool]
             if missing:
                 self._not_found(missing, context)
+            fingerprint = self.pool.spec.fingerprint
             for key in keys:
-                frame = self.pool.get_frame(key, promote=False)
-                if frame is None:  # failed its checksum just now: gone from the pool
+                record = self.pool.get_record(key, promote=False)
+                if record is None:  # failed its checksum just now: gone from the pool
                     self._not_found([key], context)
-                for piece in encoded_pieces(key, frame):
+                for piece in record_pieces(key, record, fingerprint):
                     if not context.is_active():
                         return
                     yield piece
-                self.meter.add(blocks_sent=1, bytes_sent=len(frame))
+                self.meter.add(blocks_sent=1, bytes_sent=self.pool.frame_bytes)
         self.meter.add(transfers=1, busy_s=time.perf_counter() - started)
 
     def Push(self, request_iterator, context):
-        assembler = FrameAssembler(self.pool.frame_bytes)
+        assembler = RecordAssembler(self.pool.spec)
         stored = already = 0
         started = time.perf_counter()
         first = True
-        for piece in request_iterator:
-            if first:
-                self._check_spec(piece.spec_fingerprint, context)
-                first = False
+        for raw in request_iterator:
             try:
-                frame = assembler.add(piece.key, piece.offset, piece.frame_bytes, piece.data)
-                if frame is None:
+                piece = parse_piece(raw)
+                if first:
+                    self._check_spec(piece.spec_fingerprint, context)
+                    first = False
+                record = assembler.add(piece, raw)
+                if record is None:
                     continue
-                if self.pool.put_frame(piece.key, frame):
+                if self.pool.put_record(piece.key, record):
                     stored += 1
                 else:
                     already += 1
@@ -94,7 +97,7 @@ class _Servicer:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err}; {stored} earlier block(s) were stored")
             except PoolFullError as err:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
-            self.meter.add(blocks_received=1, bytes_received=len(frame))
+            self.meter.add(blocks_received=1, bytes_received=self.pool.frame_bytes)
         if assembler.pending_key is not None:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -105,7 +108,7 @@ class _Servicer:
         return messages.PushReply(stored=stored, already_present=already)
 
     def Probe(self, request, context):
-        piece_bytes = request.piece_bytes or CHUNK_BYTES
+        piece_bytes = request.piece_bytes or PIECE_BYTES
         if request.total_bytes > _MAX_PROBE_BYTES or piece_bytes > GRPC_MAX_MESSAGE_BYTES // 2:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -121,7 +124,7 @@ class _Servicer:
 
 
 def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
-    """The service's handlers; streamed BlockPieces leave as bytes already encoded by ``pieces.py``."""
+    """The service's handlers; streamed BlockPieces travel as raw bytes, encoded and parsed by ``pieces.py``."""
 
     def as_is(data: bytes) -> bytes:
         return data
@@ -133,9 +136,7 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
                 servicer.Has, messages.HasRequest.FromString, messages.HasReply.SerializeToString
             ),
             "Fetch": grpc.unary_stream_rpc_method_handler(servicer.Fetch, messages.FetchRequest.FromString, as_is),
-            "Push": grpc.stream_unary_rpc_method_handler(
-                servicer.Push, messages.BlockPiece.FromString, messages.PushReply.SerializeToString
-            ),
+            "Push": grpc.stream_unary_rpc_method_handler(servicer.Push, as_is, messages.PushReply.SerializeToString),
             "Probe": grpc.unary_stream_rpc_method_handler(servicer.Probe, messages.ProbeRequest.FromString, as_is),
         },
     )

@@ -1,10 +1,14 @@
-"""Cutting a frame into streamed pieces, encoding them for the wire, and putting frames back together.
+"""Records on the wire: sent whole when they fit one message, else cut into pieces; read back without protobuf.
 
 gRPC caps a message (4 MiB by default, and a 70B model's block is 160 MiB), so a frame travels as ``BlockPiece``
-messages of at most ``CHUNK_BYTES`` of data. Pieces are encoded here by hand rather than by building protobuf
-objects: building and serialising a 1.5 MiB ``BlockPiece`` with the upb runtime runs at about 0.9 GB/s (its arena
-takes fresh pages for every message), slower than the loopback link, while joining a 20-byte header to a slice of
-the frame runs at memory speed. The bytes are exactly what protobuf would produce (a test checks it).
+messages of at most ``PIECE_BYTES`` of data. A record whose frame fits one piece is already that piece's wire
+bytes (``frame.py``), so it is sent as the bytes a tier read returned and stored as the bytes gRPC delivered:
+no copy on either side beyond the transport's own. Larger frames are cut here, each piece encoded by hand
+(joining a short header to a slice of the frame runs at memory speed; building a protobuf object per piece
+runs slower than the link), and reassembled into a record by the receiver.
+
+Received pieces are parsed here too, by hand, giving the data as a view into the received bytes: protobuf's
+parser would copy the data once into its arena and again into a ``bytes`` when read.
 
 The assembler accepts pieces only in order and of the one frame size the pool's spec allows, so a confused or
 hostile peer cannot make it buffer more than one frame, and a block whose pieces stop coming is never handed on.
@@ -13,85 +17,163 @@ hostile peer cannot make it buffer more than one frame, and a block whose pieces
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.proto import CHUNK_BYTES
+from mooncake_jax.transfer.frame import frame_bytes as frame_size
+from mooncake_jax.transfer.frame import (
+    PREFIX_BYTES,
+    TAG_DATA,
+    TAG_FRAME_BYTES,
+    TAG_KEY,
+    TAG_OFFSET,
+    TAG_SPEC,
+    record_prefix,
+    varint,
+)
+from mooncake_jax.transfer.spec import BlockSpec
 
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+PIECE_BYTES = 4 * 1024 * 1024 - 4096
+"""Most data bytes in one piece: with its few header bytes a piece stays under gRPC's default 4 MiB message cap
+(foreign peers keep that default), and the blocks of common models (a few MiB) travel as one message each."""
 
 
 def encode_piece(
     key: BlockKey, offset: int, frame_bytes: int, data: bytes | memoryview, spec_fingerprint: int = 0
 ) -> bytes:
     """Wire bytes of ``BlockPiece{key, offset, frame_bytes, data, spec_fingerprint}`` (proto3: zeros omitted)."""
-    fields = [b"\x08", _varint(key)] if key else []
+    fields = [b"\x08", varint(key)] if key else []
     if offset:
-        fields += [b"\x10", _varint(offset)]
+        fields += [b"\x10", varint(offset)]
     if frame_bytes:
-        fields += [b"\x18", _varint(frame_bytes)]
+        fields += [b"\x18", varint(frame_bytes)]
     if len(data):
-        fields += [b"\x22", _varint(len(data)), data]
+        fields += [b"\x22", varint(len(data)), data]
     if spec_fingerprint:
-        fields += [b"\x28", _varint(spec_fingerprint)]
+        fields += [b"\x28", varint(spec_fingerprint)]
     return b"".join(fields)
 
 
-def piece_bytes_for(frame_bytes: int, limit: int = CHUNK_BYTES) -> int:
+def piece_bytes_for(frame_bytes: int, limit: int = PIECE_BYTES) -> int:
     """Data bytes per piece of a frame: as few pieces as ``limit`` allows, of near-equal size."""
     n_pieces = max(1, -(-frame_bytes // limit))
     return -(-frame_bytes // n_pieces)
 
 
-def encoded_pieces(key: BlockKey, frame: bytes, spec_fingerprint: int = 0, limit: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """The encoded pieces of ``frame``; the first carries ``spec_fingerprint`` (pushes announce their spec)."""
-    size = piece_bytes_for(len(frame), limit)
-    view = memoryview(frame)
-    for offset in range(0, len(frame), size):
-        yield encode_piece(key, offset, len(frame), view[offset : offset + size], spec_fingerprint if not offset else 0)
+def record_pieces(
+    key: BlockKey, record: bytes, spec_fingerprint: int, limit: int = PIECE_BYTES
+) -> Iterator[bytes]:
+    """The wire messages of ``key``'s record: the record itself if its frame fits one piece, else pieces of it
+    (the first carrying ``spec_fingerprint``, as the record does)."""
+    n_frame = len(record) - PREFIX_BYTES
+    if n_frame <= limit:
+        yield record
+        return
+    size = piece_bytes_for(n_frame, limit)
+    frame = memoryview(record)[PREFIX_BYTES:]
+    for offset in range(0, n_frame, size):
+        yield encode_piece(key, offset, n_frame, frame[offset : offset + size], 0 if offset else spec_fingerprint)
 
 
-class FrameAssembler:
-    """Rebuilds frames of exactly ``frame_bytes`` from in-order pieces, one block at a time.
+class Piece(NamedTuple):
+    """One parsed ``BlockPiece``: ``data`` is a view into the received bytes, starting at ``data_start``."""
 
-    A frame in several pieces is gathered into one buffer reused for every block of the transfer: a fresh
-    multi-MiB object per block would take fresh pages from the kernel each time (glibc maps allocations of that
-    size anew), which measured slower than the network. The frame returned is that buffer, valid until the next
-    ``add``; the pool copies what it stores.
+    key: BlockKey
+    offset: int
+    frame_bytes: int
+    data: memoryview
+    spec_fingerprint: int
+    data_start: int
+
+
+def _read_varint(raw: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(raw) or shift > 63:
+            raise ValueError("malformed piece: truncated or overlong varint")
+        byte = raw[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value & 0xFFFF_FFFF_FFFF_FFFF, at
+        shift += 7
+
+
+def parse_piece(raw: bytes) -> Piece:
+    """The fields of a ``BlockPiece`` from its wire bytes (any field order; unknown fields skipped); ValueError if
+    the bytes are not a well-formed message."""
+    fields = {TAG_KEY: 0, TAG_OFFSET: 0, TAG_FRAME_BYTES: 0, TAG_SPEC: 0}
+    data_start = data_end = 0
+    at, end = 0, len(raw)
+    while at < end:
+        tag, at = _read_varint(raw, at)
+        wire_type = tag & 7
+        if wire_type == 0:
+            value, at = _read_varint(raw, at)
+            if tag in fields:
+                fields[tag] = value
+        elif wire_type == 2:
+            length, at = _read_varint(raw, at)
+            if at + length > end:
+                raise ValueError("malformed piece: a field runs past the end of the message")
+            if tag == TAG_DATA:
+                data_start, data_end = at, at + length
+            at += length
+        elif wire_type in (1, 5):
+            at += 8 if wire_type == 1 else 4
+        else:
+            raise ValueError(f"malformed piece: wire type {wire_type}")
+    if at != end:
+        raise ValueError("malformed piece: a field runs past the end of the message")
+    data = memoryview(raw)[data_start:data_end]
+    return Piece(fields[TAG_KEY], fields[TAG_OFFSET], fields[TAG_FRAME_BYTES], data, fields[TAG_SPEC], data_start)
+
+
+class RecordAssembler:
+    """Rebuilds records of the pool's one frame size from in-order pieces, one block at a time.
+
+    A piece holding a whole frame laid out as a record (what a Mooncake peer sends) is that record: no copy. Any
+    other frame is gathered into one buffer reused for every block of the transfer: a fresh multi-MiB object per
+    block would take fresh pages from the kernel each time (glibc maps allocations of that size anew), which
+    measured slower than the network. That buffer is valid until the next ``add``; the pool copies what it stores.
     """
 
-    def __init__(self, frame_bytes: int) -> None:
-        self.frame_bytes = frame_bytes
+    def __init__(self, spec: BlockSpec) -> None:
+        self.spec = spec
+        self.frame_bytes = frame_size(spec)
         self.pending_key: BlockKey | None = None
         self._buffer: bytearray | None = None
         self._received = 0
 
-    def add(self, key: BlockKey, offset: int, frame_bytes: int, data: bytes) -> bytes | bytearray | None:
-        """Take one piece; returns the whole frame when this piece completes it. ValueError if inconsistent."""
-        if frame_bytes != self.frame_bytes:
+    def add(self, piece: Piece, raw: bytes) -> bytes | bytearray | None:
+        """Take one piece (``raw``: its wire bytes); returns the record when this piece completes a frame.
+        ValueError if the piece does not follow on from the previous one."""
+        key, offset, data = piece.key, piece.offset, piece.data
+        if piece.frame_bytes != self.frame_bytes:
             raise ValueError(
-                f"block {key:#018x}: frame of {frame_bytes} bytes, this pool's blocks take {self.frame_bytes}"
+                f"block {key:#018x}: frame of {piece.frame_bytes} bytes, this pool's blocks take {self.frame_bytes}"
             )
         if self.pending_key is not None and key != self.pending_key:
             raise ValueError(f"block {key:#018x} started before block {self.pending_key:#018x} was complete")
         if offset != self._received:
             raise ValueError(f"block {key:#018x}: piece at offset {offset}, expected {self._received}")
         end = offset + len(data)
-        if not data or end > frame_bytes:
+        if not data or end > self.frame_bytes:
             raise ValueError(f"block {key:#018x}: piece of {len(data)} bytes at {offset} does not fit the frame")
-        if offset == 0 and end == frame_bytes:
-            return data  # a frame in one piece: no copy
+        if offset == 0 and end == self.frame_bytes:
+            if (
+                piece.data_start == PREFIX_BYTES
+                and len(raw) == PREFIX_BYTES + end
+                and raw[:PREFIX_BYTES] == record_prefix(self.spec, key)
+            ):
+                return raw  # already the record
         if self._buffer is None:
-            self._buffer = bytearray(frame_bytes)
-        self._buffer[offset:end] = data
-        self.pending_key, self._received = key, end
-        if end < frame_bytes:
+            self._buffer = bytearray(PREFIX_BYTES + self.frame_bytes)
+        if offset == 0:
+            self._buffer[:PREFIX_BYTES] = record_prefix(self.spec, key)
+        self._buffer[PREFIX_BYTES + offset : PREFIX_BYTES + end] = data
+        if end < self.frame_bytes:
+            self.pending_key, self._received = key, end
             return None
         self.pending_key, self._received = None, 0
         return self._buffer

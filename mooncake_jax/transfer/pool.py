@@ -2,7 +2,7 @@
 
 A block enters the fastest tier. When a tier is full its policy picks a victim that is not pinned; a DRAM victim
 is demoted to SSD (if there is one) instead of being lost; an SSD hit is promoted back to DRAM and keeps its SSD
-copy, so evicting it again costs no write. Every read verifies the frame's checksum: a block that fails is
+copy, so evicting it again costs no write. Every read verifies the block's checksum: a block that fails is
 removed, counted as corrupt and as a miss, and never returned. ``contains`` and ``prefix_len`` read only the
 in-memory indexes, never storage. One lock serialises operations: they are short, and it keeps eviction,
 pinning and demotion simple to reason about.
@@ -26,7 +26,7 @@ from mooncake_jax.blocks import BlockKey, prefix_match
 from mooncake_jax.transfer.counters import TierCounters
 from mooncake_jax.transfer.events import BlockEvent, EventKind, EventListener
 from mooncake_jax.transfer.eviction import PolicyChoice, make_policy
-from mooncake_jax.transfer.frame import CorruptBlockError, check_key, decode, encode, frame_bytes
+from mooncake_jax.transfer.frame import CorruptBlockError, check_key, decode, encode, frame_bytes, record_bytes, verify
 from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_tier
 
@@ -55,8 +55,9 @@ class BlockPool:
 
     Args:
         spec: shape and dtype of every block.
-        dram_blocks / dram_bytes: DRAM capacity (bytes count whole stored frames: data plus a 64-byte header);
-            both None means unbounded, ``dram_blocks=0`` means no DRAM tier.
+        dram_blocks / dram_bytes: DRAM capacity (bytes count whole stored records: the data plus 128 bytes of
+            wire prefix and header, see ``frame.py``); both None means unbounded, ``dram_blocks=0`` means no DRAM
+            tier.
         ssd_path: directory of the SSD tier (created, or reopened with the blocks it holds); None for no SSD.
         ssd_blocks / ssd_bytes: SSD capacity; None means unbounded.
         eviction: ``"lru"`` (default), ``"lfu"``, or a factory of ``EvictionPolicy`` (one instance per tier).
@@ -80,8 +81,9 @@ class BlockPool:
             raise ValueError(f"spec must be a BlockSpec, got {type(spec).__name__}")
         self.spec = spec
         self.frame_bytes = frame_bytes(spec)
-        dram_capacity = _capacity("dram", dram_blocks, dram_bytes, self.frame_bytes)
-        ssd_capacity = _capacity("ssd", ssd_blocks, ssd_bytes, self.frame_bytes)
+        self.record_bytes = record_bytes(spec)
+        dram_capacity = _capacity("dram", dram_blocks, dram_bytes, self.record_bytes)
+        ssd_capacity = _capacity("ssd", ssd_blocks, ssd_bytes, self.record_bytes)
         if ssd_path is None and ssd_capacity is not None:
             raise ValueError("an SSD capacity was given without ssd_path")
         self._tiers: list[Tier] = []
@@ -168,20 +170,20 @@ class BlockPool:
                     stored += 1
         return stored
 
-    def put_frame(self, key: BlockKey, frame: bytes | bytearray) -> bool:
-        """Store an encoded frame (as received from a peer) after verifying it; False if already held.
+    def put_record(self, key: BlockKey, record: bytes | bytearray) -> bool:
+        """Store a block's record (as received from a peer) after verifying it; False if already held.
 
-        The pool keeps a copy, so the caller may reuse ``frame``. A frame that fails verification raises
+        The pool keeps a copy, so the caller may reuse ``record``. A record that fails verification raises
         ``CorruptBlockError`` (a ValueError) and stores nothing.
         """
         key = check_key(key)
-        if not isinstance(frame, (bytes, bytearray)):
-            raise ValueError(f"frame must be bytes, got {type(frame).__name__}")
-        decode(self.spec, key, frame)
+        if not isinstance(record, (bytes, bytearray)):
+            raise ValueError(f"record must be bytes, got {type(record).__name__}")
+        verify(self.spec, key, record)
         with self._operation():
             if self._touch(key):
                 return False
-            self._insert(0, key, frame)
+            self._insert(0, key, record)
             return True
 
     def remove(self, key: BlockKey) -> bool:
@@ -225,10 +227,11 @@ class BlockPool:
                     out[i] = found[1]
                     found = (found[0], out[i])
                 blocks.append(None if found is None else found[1])
+                del found  # the record goes before the next is read: one fewer multi-MiB buffer alive
         return blocks
 
-    def get_frame(self, key: BlockKey, promote: bool = True) -> bytes | None:
-        """The verified frame of ``key`` (what the Messenger sends), or None on a miss.
+    def get_record(self, key: BlockKey, promote: bool = True) -> bytes | None:
+        """The verified record of ``key`` (what the Messenger sends), or None on a miss.
 
         ``promote=False`` serves an SSD hit without copying it into DRAM: a block sent to a peer is not
         thereby hot here.
@@ -306,20 +309,20 @@ class BlockPool:
                 return True
         return False
 
-    def _insert(self, level: int, key: BlockKey, frame: bytes) -> int:
-        """Store ``frame`` in tier ``level`` (or, if every block there is pinned, a lower one); returns the level."""
+    def _insert(self, level: int, key: BlockKey, record: bytes | bytearray) -> int:
+        """Store ``record`` in tier ``level`` (or, if every block there is pinned, a lower one); returns the level."""
         tier = self._tiers[level]
         if key in tier:
             tier.accessed(key)
             return level
         if tier.full and not self._evict_one(level):
             if level + 1 < len(self._tiers):
-                return self._insert(level + 1, key, frame)
+                return self._insert(level + 1, key, record)
             raise PoolFullError(
                 f"cannot store block {key:#018x}: all {tier.capacity_blocks} blocks of the {tier.name} tier are pinned"
             )
         before = self.tier_of(key)
-        tier.write(key, frame)
+        tier.write(key, record)
         self._announce(key, before)
         return level
 
@@ -331,10 +334,10 @@ class BlockPool:
             return False
         if level + 1 < len(self._tiers):
             lower = self._tiers[level + 1]
-            frame = None if victim in lower else tier.read(victim)
+            record = None if victim in lower else tier.read(victim)
             try:
-                if frame is not None:
-                    self._insert(level + 1, victim, frame)
+                if record is not None:
+                    self._insert(level + 1, victim, record)
                 tier.counters.demotions += victim in lower
             except PoolFullError:
                 log.warning("dropping block %#018x: no unpinned room below the %s tier", victim, tier.name)
@@ -343,17 +346,17 @@ class BlockPool:
         return True
 
     def _read(self, key: BlockKey, promote: bool) -> tuple[bytes, np.ndarray] | None:
-        """``(frame, block)`` of ``key`` from the fastest tier holding a sound copy, or None."""
+        """``(record, block)`` of ``key`` from the fastest tier holding a sound copy, or None."""
         self._check_open()
         for level, tier in enumerate(self._tiers):
             if key not in tier:
                 tier.counters.misses += 1
                 continue
-            frame = tier.read(key)
+            record = tier.read(key)
             try:
-                if frame is None:
+                if record is None:
                     raise CorruptBlockError(f"block {key:#018x}: lost from the {tier.name} tier")
-                block = decode(self.spec, key, frame)
+                block = decode(self.spec, key, record)
             except CorruptBlockError as err:
                 log.warning("%s tier: %s; treated as a miss", tier.name, err)
                 tier.counters.corrupt += 1
@@ -362,9 +365,9 @@ class BlockPool:
                 continue
             tier.counters.hits += 1
             tier.accessed(key)
-            if promote and level > 0 and self._insert(0, key, frame) == 0:
+            if promote and level > 0 and self._insert(0, key, record) == 0:
                 self._tiers[0].counters.promotions += 1
-            return frame, block
+            return record, block
         return None
 
     def _check_open(self) -> None:

@@ -1,9 +1,9 @@
-"""One storage level of the pool: a TensorStore kvstore of frames plus an in-memory index of what it holds.
+"""One storage level of the pool: a TensorStore kvstore of block records plus an in-memory index of what it holds.
 
 The index (a set of keys, kept exact by this class) answers ``contains`` and prefix lookups without I/O; the
-kvstore holds the frames. DRAM is a TensorStore memory kvstore with its own context (two pools in one process
+kvstore holds the records. DRAM is a TensorStore memory kvstore with its own context (two pools in one process
 must not share a store); SSD is a TensorStore file kvstore in a directory, written without fsync (the checksum in
-every frame, not fsync, is what keeps a torn write from being served) and relisted on open so it survives a
+every record, not fsync, is what keeps a torn write from being served) and relisted on open so it survives a
 restart. A tier never evicts by itself: the pool decides, because eviction from DRAM means demotion to SSD.
 """
 
@@ -43,7 +43,7 @@ class TierWriteError(OSError):
 class Tier:
     """Frames of one storage level, its capacity (in blocks), eviction policy, index and counters.
 
-    One write may be in flight: ``write`` returns once the write is started (TensorStore has copied the frame)
+    One write may be in flight: ``write`` returns once the write is started (TensorStore has copied the record)
     and waits only for the previous one, so the pool encodes the next block of a batch while this one goes to
     disk (about 15% more SSD throughput here; more writes in flight measured no faster). Every other operation
     first ``settle``s it, so reads never race a write, and the pool settles at the end of each call.
@@ -82,7 +82,7 @@ class Tier:
         return self.capacity_blocks is not None and len(self._present) >= self.capacity_blocks
 
     def read(self, key: BlockKey) -> bytes | None:
-        """The stored frame, or None when the store has lost it (unverified: the pool checks it)."""
+        """The stored record, or None when the store has lost it (unverified: the pool checks it)."""
         self.settle()
         try:
             result = self._store.read(_path_of(key)).result()
@@ -93,14 +93,14 @@ class Tier:
         self.counters.bytes_read += len(result.value)
         return result.value
 
-    def write(self, key: BlockKey, frame: bytes | bytearray) -> None:
-        """Start storing the frame of a key not yet in the tier (the caller may reuse ``frame`` at once)."""
+    def write(self, key: BlockKey, record: bytes | bytearray) -> None:
+        """Start storing the record of a key not yet in the tier (the caller may reuse ``record`` at once)."""
         self.settle()
-        self._in_flight = (key, self._store.write(_path_of(key), frame))
+        self._in_flight = (key, self._store.write(_path_of(key), record))
         self._present.add(key)
         self.policy.inserted(key)
         self.counters.stored += 1
-        self.counters.bytes_written += len(frame)
+        self.counters.bytes_written += len(record)
 
     def settle(self) -> None:
         """Wait for the write in flight; if it failed, forget its block and raise TierWriteError."""
