@@ -37,10 +37,7 @@ def load(name: str) -> tuple[ModuleType, ModuleType]:
 
 GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Message size limit set on every server and channel of the project; large payloads are still streamed in
-pieces well under it (``CHUNK_BYTES``)."""
-
-CHUNK_BYTES = 2 * 1024 * 1024
-"""Size of one streamed piece of a large payload (below gRPC's default 4 MiB cap, so foreign peers work too)."""
+pieces under gRPC's default 4 MiB cap (``transfer/pieces.py``), so foreign peers work too."""
 
 
 def channel_options() -> list[tuple[str, int]]:
