@@ -183,3 +183,37 @@ def test_layerwise_prefill_instances_serve_the_same_tokens(llm):
         ps = [base + [3, 4], base + [9]]
         assert [c.run(p, max_new_tokens=5)[0] for p in ps] == llm.generate(ps, max_new_tokens=5)
         assert c.stats()["cluster_cached_tokens_total"] == 48
+
+
+def test_shared_token_gates_every_internal_rpc(llm):
+    """With a token, the Conductor, the instances and their Messengers refuse calls without it (health stays
+    open), and the cluster's own traffic, which carries it, works."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from mooncake_jax.instance.backend import conductor_messages, conductor_services, instance_services
+    from mooncake_jax.transfer.messenger import MessengerClient, TransferError
+
+    with mj.Cluster.local("tiny", prefill=1, decode=1, profile_json=PROFILE, auth_token="s3cret", **FAST) as c:
+        p = prompts([20], seed=10)[0]
+        assert c.generate([p], max_new_tokens=3) == llm.generate([p], max_new_tokens=3)
+        prefill = c.instances["prefill-0"]
+        with grpc.insecure_channel(c.conductor.address) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                conductor_services.ConductorStub(ch).ListInstances(conductor_messages.ListInstancesRequest(),
+                                                                   timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with grpc.insecure_channel(prefill.address) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                instance_services.InstanceStub(ch).Stats(messages.StatsRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        for token, ok in ((None, False), ("wrong", False), ("s3cret", True)):
+            client = MessengerClient(prefill.address, c.instances["decode-0"].pool, timeout_s=10, auth_token=token)
+            try:
+                assert client.has(block_keys(p, 16)) == [True]
+                assert ok
+            except TransferError as e:
+                assert not ok and "UNAUTHENTICATED" in str(e)
+            finally:
+                client.close()

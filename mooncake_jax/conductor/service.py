@@ -30,7 +30,8 @@ from mooncake_jax.conductor.instances import Role, UnknownInstance
 from mooncake_jax.conductor.policy import Policy
 from mooncake_jax.conductor.profile import costs_from_profile
 from mooncake_jax.conductor.state import ClusterState
-from mooncake_jax.proto import channel_options, load
+from mooncake_jax.proto import load, server_options
+from mooncake_jax.proto.auth import interceptors
 
 messages, services = load("conductor")
 log = logging.getLogger(__name__)
@@ -210,9 +211,10 @@ class ConductorServer:
     """A running Conductor: gRPC server (with health and reflection) and its heartbeat sweeper."""
 
     def __init__(self, service: ConductorService, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16,
-                 sweep: bool = True):
+                 sweep: bool = True, auth_token: str | None = None):
         self.service = service
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=channel_options())
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=server_options(),
+                                   interceptors=interceptors(auth_token))
         services.add_ConductorServicer_to_server(service, self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -254,10 +256,11 @@ class ConductorServer:
 
 
 def serve(config: PolicyConfig | None = None, host: str = "127.0.0.1", port: int = 0, sweep: bool = True,
-          **service_options) -> ConductorServer:
+          auth_token: str | None = None, **service_options) -> ConductorServer:
     """Start a Conductor on ``host:port`` (port 0: a free one; see ``.port``) and return it running.
 
     ``service_options`` go to ``ConductorService`` (clock, heartbeat interval and timeout); ``sweep=False``
     leaves draining to explicit ``server.service.sweep()`` calls (tests on a fake clock).
     """
-    return ConductorServer(ConductorService(config, **service_options), host, port, sweep=sweep).start()
+    return ConductorServer(ConductorService(config, **service_options), host, port, sweep=sweep,
+                           auth_token=auth_token).start()

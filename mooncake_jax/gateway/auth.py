@@ -6,29 +6,7 @@ cluster's KV), so ``check_exposure`` refuses that unless the caller says it is i
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
-
-LOOPBACK_NAMES = ("localhost",)
-
-
-def bearer_ok(header: str | None, token: str | None) -> bool:
-    """Whether an ``Authorization`` value carries ``token`` (always true without a token); constant-time."""
-    if token is None:
-        return True
-    if not header:
-        return False
-    scheme, _, value = header.strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+from mooncake_jax.proto.auth import bearer_ok, is_loopback  # noqa: F401 (the gateway's gate uses them)
 
 
 def check_exposure(host: str, token: str | None, allow_unauthenticated: bool) -> None:

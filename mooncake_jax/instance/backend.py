@@ -25,7 +25,8 @@ from ..gateway.backend import (FINISH_ABORT, REJECT_EARLY, REJECT_LATE, Finished
                                Rejected, TokenOut, Unavailable, paper_tbt)
 from ..model.config import ModelConfig
 from ..model.sequence import SamplingParams, validate_prompt
-from ..proto import channel_options, load
+from ..proto import load
+from ..proto.auth import open_channel
 from .rpc import messages as instance_messages
 from .rpc import sampling_message
 from .rpc import services as instance_services
@@ -36,14 +37,16 @@ conductor_messages, conductor_services = load("conductor")
 class ClusterBackend:
     """Routes requests through a running Conductor and its instances."""
 
-    def __init__(self, conductor_address: str, config: ModelConfig, model_name: str, timeout_s: float = 120.0):
+    def __init__(self, conductor_address: str, config: ModelConfig, model_name: str, timeout_s: float = 120.0,
+                 auth_token: str | None = None):
         self.model_name = model_name
         self.vocab_size = config.vocab_size
         self.max_context = config.max_seq_len
         self.eos_token_id = config.eos_token_id
         self.config = config
         self.timeout_s = timeout_s
-        self._conductor_channel = grpc.insecure_channel(conductor_address, options=channel_options())
+        self._token = auth_token
+        self._conductor_channel = open_channel(conductor_address, auth_token)
         self._conductor = conductor_services.ConductorStub(self._conductor_channel)
         self._stubs: dict[str, object] = {}
         self._channels: list[grpc.Channel] = []
@@ -56,7 +59,7 @@ class ClusterBackend:
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:
-                channel = grpc.insecure_channel(address, options=channel_options())
+                channel = open_channel(address, self._token)
                 self._channels.append(channel)
                 stub = self._stubs[address] = instance_services.InstanceStub(channel)
             return stub

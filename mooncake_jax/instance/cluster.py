@@ -39,10 +39,16 @@ log = logging.getLogger(__name__)
 class ChildInstance:
     """An instance process (``instance/main.py``), tied to this process through its standard input."""
 
-    def __init__(self, args: list[str], log_path: Path | None, timeout_s: float = 600.0):
+    def __init__(self, args: list[str], log_path: Path | None, timeout_s: float = 600.0,
+                 auth_token: str | None = None):
         self.log_file = open(log_path, "ab") if log_path else subprocess.DEVNULL
+        if auth_token:
+            args = [*args, "--auth-token-stdin"]
         self.proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.instance.main", *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file)
+        if auth_token:  # not on the command line, where every user of the machine could read it
+            self.proc.stdin.write(auth_token.encode() + b"\n")
+            self.proc.stdin.flush()
         self.info = self._ready(timeout_s)
         self.instance_id, self.address = self.info["instance_id"], self.info["address"]
 
@@ -91,6 +97,7 @@ class Cluster:
         self.backend = backend
         self.model_name = model_name
         self.gateway = None
+        self.auth_token = None
         self._closed = False
 
     def serve_gateway(self, *, host: str = "127.0.0.1", grpc_port: int | None = 0, http_port: int | None = 0,
@@ -101,7 +108,7 @@ class Cluster:
         if self.gateway is not None:
             raise ValueError("this cluster already serves a gateway")
         self.gateway = GatewayServer(self.backend, host=host, grpc_port=grpc_port, http_port=http_port,
-                                     auth_token=auth_token, model_name=self.model_name).start()
+                                     auth_token=auth_token or self.auth_token, model_name=self.model_name).start()
         return self.gateway
 
     @classmethod
@@ -112,12 +119,13 @@ class Cluster:
               heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0,
               kvcache_balancing_threshold: float = 1.0, profile_json: str | None = None,
               log_dir: str | Path | None = None, host: str = "127.0.0.1", warmup: bool = True,
-              compile_cache: str | Path | None = "") -> "Cluster":
+              compile_cache: str | Path | None = "", auth_token: str | None = None) -> "Cluster":
         """Start a Conductor with ``prefill`` + ``decode`` instances of ``model`` on this machine.
 
         ``warmup`` compiles every step shape before an instance registers (first requests do not wait for XLA);
         ``compile_cache`` is the persistent XLA cache folder ("" for the user's cache directory, None for none),
-        so later starts load the programs instead of compiling them.
+        so later starts load the programs instead of compiling them. ``auth_token`` is required on every RPC
+        between the cluster's processes (and by ``serve_gateway`` unless it is given its own).
         """
         for name, value in (("prefill", prefill), ("decode", decode)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -127,12 +135,13 @@ class Cluster:
                               ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
                               kvcache_balancing_threshold=kvcache_balancing_threshold, seed=seed)
         conductor = serve_conductor(config, host=host, heartbeat_interval_s=heartbeat_interval_s,
-                                    heartbeat_timeout_s=heartbeat_timeout_s)
+                                    heartbeat_timeout_s=heartbeat_timeout_s, auth_token=auth_token)
         instances: dict = {}
         try:
             common = dict(conductor_address=conductor.address, model=model, seed=seed, host=host,
                           prefill_chunk_size=prefill_chunk_size, max_batch=max_batch, num_pages=num_pages,
-                          pool_dram_blocks=pool_dram_blocks, tbt_slo_s=tbt_slo_s, warmup=warmup)
+                          pool_dram_blocks=pool_dram_blocks, tbt_slo_s=tbt_slo_s, warmup=warmup,
+                          auth_token=auth_token)
             roles = [(PREFILL, i) for i in range(prefill)] + [(DECODE, i) for i in range(decode)]
             if processes:
                 starter = _ProcessStarter(common, layerwise, Path(log_dir) if log_dir else None, compile_cache)
@@ -151,8 +160,10 @@ class Cluster:
                 inst.stop()
             conductor.stop()
             raise
-        backend = ClusterBackend(conductor.address, cfg, model_name=model)
-        return cls(conductor, instances, backend, model)
+        backend = ClusterBackend(conductor.address, cfg, model_name=model, auth_token=auth_token)
+        cluster = cls(conductor, instances, backend, model)
+        cluster.auth_token = auth_token
+        return cluster
 
     def addresses(self) -> list[tuple[str, str]]:
         """(name, address) of the Conductor and every instance."""
@@ -250,7 +261,7 @@ class _ProcessStarter:
                 path.write_text(profile_json)
             args += ["--profile-file", str(path)]
         log_path = self.log_dir / f"{instance_id}.log" if self.log_dir else None
-        return ChildInstance(args, log_path)
+        return ChildInstance(args, log_path, auth_token=c["auth_token"])
 
     @staticmethod
     def profile_of(instance: ChildInstance) -> str:

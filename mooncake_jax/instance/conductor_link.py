@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import grpc
 
-from ..proto import channel_options, load
+from ..proto import load
+from ..proto.auth import open_channel
 from ..transfer.events import BlockEvent, EventKind
 
 log = logging.getLogger(__name__)
@@ -36,13 +37,13 @@ class ConductorLink:
 
     def __init__(self, conductor_address: str, instance_id: str, role: str, address: str, profile_json: str,
                  kv_capacity_tokens: int, load: Callable[[], dict], block_lists: Callable[[], tuple[list, list]],
-                 publish_events: bool = True):
+                 publish_events: bool = True, auth_token: str | None = None):
         if role not in (PREFILL, DECODE):
             raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {role!r}")
         self.instance_id, self.role, self.address = instance_id, role, address
         self._profile_json, self._capacity = profile_json, kv_capacity_tokens
         self._load, self._block_lists, self._publish = load, block_lists, publish_events
-        self._channel = grpc.insecure_channel(conductor_address, options=channel_options())
+        self._channel = open_channel(conductor_address, auth_token)
         self._stub = services.ConductorStub(self._channel)
         self._events: queue.Queue[BlockEvent] = queue.Queue()
         self._stop = threading.Event()

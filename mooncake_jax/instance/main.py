@@ -39,6 +39,8 @@ def parse_args(argv=None) -> InstanceConfig:
     p.add_argument("--tbt-slo-s", type=float, default=1.0)
     p.add_argument("--profile-file", type=Path, default=None, help="cost profile JSON (default: measure at start)")
     p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start")
+    p.add_argument("--auth-token-stdin", action="store_true",
+                   help="read the cluster's shared token from the first line of standard input")
     p.add_argument("--compile-cache", default="", help="persistent XLA cache folder ('none' to disable; "
                                                           "default: the user's cache directory)")
     a = p.parse_args(argv)
@@ -49,6 +51,7 @@ def parse_args(argv=None) -> InstanceConfig:
         port=a.port, seed=a.seed, dtype=a.dtype, prefill_chunk_size=a.prefill_chunk_size, max_batch=a.max_batch,
         num_pages=a.num_pages, pool_dram_blocks=a.pool_dram_blocks, pool_ssd_path=a.pool_ssd_path,
         layerwise=a.layerwise, tbt_slo_s=a.tbt_slo_s, warmup=not a.no_warmup,
+        auth_token=sys.stdin.readline().strip() or None if a.auth_token_stdin else None,
         profile_json=a.profile_file.read_text() if a.profile_file else None)
 
 

@@ -78,7 +78,7 @@ def _cluster(args):
                          policy=args.policy, admission=args.admission, ttft_slo_s=args.ttft_slo_s,
                          tbt_slo_s=args.tbt_slo_s, prefill_chunk_size=args.prefill_chunk_size,
                          max_batch=args.max_batch, layerwise=args.layerwise, log_dir=args.log_dir, host=args.host,
-                         warmup=not args.no_warmup,
+                         warmup=not args.no_warmup, auth_token=args.auth_token,
                          compile_cache=None if args.compile_cache == "none" else args.compile_cache)
 
 

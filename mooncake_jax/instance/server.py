@@ -23,6 +23,7 @@ from ..llm import build_model
 from ..model.engine import Engine
 from ..model.llama import Llama
 from ..proto import server_options
+from ..proto.auth import interceptors
 from ..transfer import BlockPool, BlockSpec
 from ..transfer.messenger import MessengerClient
 from ..transfer.messenger_server import add_messenger
@@ -56,6 +57,7 @@ class InstanceConfig:
     profile_json: str | None = None
     request_timeout_s: float = 120.0
     warmup: bool = True  # compile every step shape of its role before registering
+    auth_token: str | None = None  # required on every RPC to this instance (and sent on its own calls)
     bucket_factor: int = 4  # prefill chunk lengths grow 4x: fewer programs to compile per instance
     def __post_init__(self):
         if self.role not in (PREFILL, DECODE):
@@ -80,7 +82,8 @@ class InstanceServer:
         self.pool = BlockPool(BlockSpec(cfg.block_shape(), self.engine.runner.kv[0][0].dtype),
                               dram_blocks=config.pool_dram_blocks, ssd_path=config.pool_ssd_path,
                               on_event=self._on_pool_event)
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=server_options())
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=server_options(),
+                                   interceptors=interceptors(config.auth_token))
         self.messenger_meter = add_messenger(self._server, self.pool)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -115,7 +118,8 @@ class InstanceServer:
             client = self._clients.get(address)
             if client is None:
                 client = self._clients[address] = MessengerClient(address, self.pool,
-                                                                  timeout_s=self.config.request_timeout_s)
+                                                                  timeout_s=self.config.request_timeout_s,
+                                                                  auth_token=self.config.auth_token)
             return client
 
     def start(self) -> "InstanceServer":
@@ -137,7 +141,7 @@ class InstanceServer:
         self.link = ConductorLink(
             self.config.conductor_address, self.config.instance_id, self.config.role, self.address, profile,
             self.kv_capacity_tokens, load=self.service.load, block_lists=self._block_lists,
-            publish_events=self.config.role == PREFILL)
+            publish_events=self.config.role == PREFILL, auth_token=self.config.auth_token)
         self.link.start()
         log.info("%s instance %s listening on %s", self.config.role, self.config.instance_id, self.address)
         return self

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.proto import channel_options
+from mooncake_jax.proto.auth import open_channel
 from mooncake_jax.transfer.counters import Meter, TransferCounters
 from mooncake_jax.transfer.frame import check_key
 from mooncake_jax.transfer.messenger_server import MessengerServer
@@ -86,14 +86,15 @@ def _unique(keys: Iterable[BlockKey]) -> list[BlockKey]:
 class MessengerClient:
     """Moves blocks between ``pool`` and the Messenger at ``address``; every call has a deadline."""
 
-    def __init__(self, address: str, pool: BlockPool, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str, pool: BlockPool, *, timeout_s: float = 60.0,
+                 auth_token: str | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.address = address
         self.pool = pool
         self.timeout_s = timeout_s
         self._meter = Meter()
-        self._channel = grpc.insecure_channel(address, options=channel_options())
+        self._channel = open_channel(address, auth_token)
         self._stub = services.MessengerStub(self._channel)
         # Fetch, Push (and Probe) with pieces as raw bytes, encoded and parsed by pieces.py
         self._fetch_raw = self._channel.unary_stream(

@@ -16,6 +16,7 @@ import grpc
 
 from mooncake_jax.blocks import BlockKey
 from mooncake_jax.proto import GRPC_MAX_MESSAGE_BYTES, server_options
+from mooncake_jax.proto.auth import interceptors
 from mooncake_jax.transfer.counters import Meter, TransferCounters
 from mooncake_jax.transfer.frame import CorruptBlockError
 from mooncake_jax.transfer.messenger_wire import (
@@ -154,9 +155,11 @@ def add_messenger(server: grpc.Server, pool: BlockPool) -> Meter:
 class MessengerServer:
     """Serves ``pool`` to peers on ``host:port`` (port 0: a free one, read back from ``.port``)."""
 
-    def __init__(self, pool: BlockPool, *, host: str = "127.0.0.1", port: int = 0, max_workers: int = 8) -> None:
+    def __init__(self, pool: BlockPool, *, host: str = "127.0.0.1", port: int = 0, max_workers: int = 8,
+                 auth_token: str | None = None) -> None:
         self.pool = pool
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers), options=server_options())
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers), options=server_options(),
+                                   interceptors=interceptors(auth_token))
         self._meter = add_messenger(self._server, pool)
         try:
             self.port = self._server.add_insecure_port(f"{host}:{port}")

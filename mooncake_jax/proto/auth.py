@@ -1,0 +1,100 @@
+"""The shared token that gates every RPC between the cluster's own processes when they leave loopback.
+
+Servers add ``TokenGate(token)``; clients open channels with ``open_channel(address, token)``, which sends
+``authorization: Bearer <token>`` on every call. Health checks stay open (orchestrators probe them without
+secrets). The comparison is constant-time.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import ipaddress
+
+import grpc
+
+from . import channel_options
+
+OPEN_SERVICES = ("grpc.health.v1.Health",)
+LOOPBACK_NAMES = ("localhost",)
+
+
+def bearer_ok(header: str | None, token: str | None) -> bool:
+    """Whether an ``Authorization`` value carries ``token`` (always true without a token); constant-time."""
+    if token is None:
+        return True
+    if not header:
+        return False
+    scheme, _, value = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _deny(context, *args):
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong authorization token")
+
+
+class TokenGate(grpc.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED) every call without the token, except to the open services."""
+
+    def __init__(self, token: str):
+        if not token or not token.strip():
+            raise ValueError("the auth token must not be empty")
+        self.token = token
+
+    def intercept_service(self, continuation, details):
+        service = details.method.rsplit("/", 2)[-2] if details.method.count("/") >= 2 else ""
+        headers = dict(details.invocation_metadata or ())
+        handler = continuation(details)
+        if handler is None or service in OPEN_SERVICES or bearer_ok(headers.get("authorization"), self.token):
+            return handler
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + \
+               ("stream" if handler.response_streaming else "unary")
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(lambda request, context: _deny(context), handler.request_deserializer,
+                    handler.response_serializer)
+
+
+_Details = collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
+                                               "wait_for_ready", "compression"))
+
+
+class _AddToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, token: str):
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _details(self, d):
+        return _Details(d.method, d.timeout, list(d.metadata or ()) + [self.header], d.credentials,
+                        getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
+def open_channel(address: str, token: str | None = None) -> grpc.Channel:
+    """A channel to ``address`` with the project's message limits, carrying ``token`` on every call if given."""
+    channel = grpc.insecure_channel(address, options=channel_options())
+    return grpc.intercept_channel(channel, _AddToken(token)) if token else channel
+
+
+def interceptors(token: str | None) -> tuple:
+    """Server interceptors for ``grpc.server(..., interceptors=...)``: the gate when there is a token."""
+    return (TokenGate(token),) if token else ()
