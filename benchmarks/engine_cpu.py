@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, best_time, machine_info, matmul_peak_gflops, memcpy_gbps, write_json  # noqa: E402
+from common import arg_parser, machine_info, matmul_peak_gflops, memcpy_gbps, write_json  # noqa: E402
 
 
 def decode_bytes_per_step(cfg, batch: int, context: int) -> float:
@@ -37,7 +37,7 @@ def main() -> None:
     args = p.parse_args()
 
     import mooncake_jax as mj
-    from mooncake_jax.model.sequence import SamplingParams
+    from mooncake_jax.model.measure import decode_step_seconds, prefill_seconds
 
     prefill_lens = [int(x) for x in args.prefill.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
@@ -55,35 +55,19 @@ def main() -> None:
 
     for n in prefill_lens:
         prompt = rng.integers(0, cfg.vocab_size, n).tolist()
-
-        def prefill_once():
-            seq = eng.new_sequence(prompt, SamplingParams(max_new_tokens=1))
-            eng.admit(seq, cached_pages=[])
-            eng.prefill(seq)
-            eng.release(seq)
-
-        dt = best_time(prefill_once, repeats=args.repeats)
+        dt = min(prefill_seconds(eng, prompt) for _ in range(args.repeats + 1))  # the first run compiles
         res[f"prefill_{n}_tok_s"] = round(n / dt, 1)
         res[f"prefill_{n}_gflops"] = round(cfg.prefill_flops(n) / dt / 1e9, 1)
         res[f"prefill_mfu_{n}"] = round(cfg.prefill_flops(n) / dt / 1e9 / res["matmul_peak_gflops"], 3)
         bar.update()
 
     for b in batches:
-        seqs = []
-        for _ in range(b):
-            seq = eng.new_sequence(rng.integers(0, cfg.vocab_size, args.context).tolist(),
-                                   SamplingParams(max_new_tokens=64))
-            eng.admit(seq, cached_pages=[])
-            eng.prefill(seq)
-            seqs.append(seq)
         steps = 8
-        dt = best_time(lambda: [eng.decode(seqs) for _ in range(steps)], repeats=args.repeats) / steps
-        ctx = args.context + 1 + (args.repeats + 1) * steps  # mean context is within a few tokens of this
+        dt = decode_step_seconds(eng, rng, b, args.context, steps=steps, repeats=args.repeats)
+        ctx = args.context + 1 + (args.repeats + 1) * steps // 2  # the mean context over the timed steps
         res[f"decode_b{b}_tok_s"] = round(b / dt, 1)
         res[f"decode_b{b}_step_ms"] = round(dt * 1e3, 2)
         res[f"decode_bw_util_b{b}"] = round(decode_bytes_per_step(cfg, b, ctx) / dt / 1e9 / res["memcpy_gbps"], 3)
-        for seq in seqs:
-            eng.release(seq)
         bar.update()
     bar.close()
     res["prefill_mfu"] = res.get("prefill_mfu_2048")

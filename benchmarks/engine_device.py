@@ -53,7 +53,7 @@ def main() -> None:
     from mooncake_jax.model.config import PRESETS
     from mooncake_jax.model.engine import Engine
     from mooncake_jax.model.llama import init_model
-    from mooncake_jax.model.sequence import SamplingParams
+    from mooncake_jax.model.measure import decode_step_seconds, prefill_seconds
 
     prefill_lens = [int(x) for x in args.prefill.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
@@ -70,31 +70,14 @@ def main() -> None:
     weight_bytes = (cfg.param_count() - cfg.vocab_size * cfg.d_model) * cfg.param_dtype.itemsize
     for n in tqdm(prefill_lens, desc="prefill"):
         prompt = rng.integers(0, cfg.vocab_size, n).tolist()
-
-        def once():
-            seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=1))
-            engine.admit(seq, cached_pages=[])
-            engine.prefill(seq)
-            engine.release(seq)
-
-        dt = best_time(once, repeats=3)
+        dt = min(prefill_seconds(engine, prompt) for _ in range(3))
         res[f"prefill_{n}_tok_s"] = round(n / dt, 1)
         res[f"prefill_{n}_matmul_util"] = round(cfg.prefill_flops(n) / dt / 1e9 / res["matmul_gflops"], 3)
     for b in tqdm(batches, desc="decode"):
-        seqs = []
-        for _ in range(b):
-            seq = engine.new_sequence(rng.integers(0, cfg.vocab_size, args.context).tolist(),
-                                      SamplingParams(max_new_tokens=40))
-            engine.admit(seq, cached_pages=[])
-            engine.prefill(seq)
-            seqs.append(seq)
-        steps = 8
-        dt = best_time(lambda: [engine.decode(seqs) for _ in range(steps)], repeats=2) / steps
+        dt = decode_step_seconds(engine, rng, b, args.context, steps=8, repeats=2)
         kv = b * (args.context + 16) * cfg.kv_bytes_per_token()
         res[f"decode_b{b}_tok_s"] = round(b / dt, 1)
         res[f"decode_b{b}_bw_util"] = round((weight_bytes + kv) / dt / 1e9 / res["copy_gbps"], 3)
-        for seq in seqs:
-            engine.release(seq)
     write_json(res, args.json)
 
 

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, best_time, machine_info, write_json  # noqa: E402
+from common import arg_parser, machine_info, write_json  # noqa: E402
 
 
 def boundary_bytes(cfg, n_tokens: int, devices: int, chunk: int) -> dict:
@@ -45,7 +45,7 @@ def main() -> None:
 
     import mooncake_jax as mj
     from mooncake_jax.model.config import PRESETS
-    from mooncake_jax.model.sequence import SamplingParams
+    from mooncake_jax.model.measure import prefill_seconds
 
     res = dict(machine_info())
     cfg = PRESETS["llama2-70b"]
@@ -57,15 +57,7 @@ def main() -> None:
     prompt = np.random.default_rng(0).integers(0, 512, prompt_len).tolist()
     for stages in tqdm((1, 2, 4), desc="pipeline stages"):
         llm = mj.LLM("tiny", pipeline_stages=stages, prefill_chunk_size=args.tiny_chunk, max_batch=1)
-        eng = llm.engine
-
-        def prefill():
-            seq = eng.new_sequence(prompt, SamplingParams(max_new_tokens=1))
-            eng.admit(seq, cached_pages=[])
-            eng.prefill(seq)
-            eng.release(seq)
-
-        dt = best_time(prefill, repeats=3)
+        dt = min(prefill_seconds(llm.engine, prompt) for _ in range(4))  # the first run compiles
         steps = args.chunks + stages - 1
         res[f"tiny_{stages}stage_prefill_s"] = round(dt, 4)
         res[f"tiny_{stages}stage_steps"] = steps

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mooncake_jax.gateway.auth import bearer_ok
+from mooncake_jax.proto.auth import bearer_ok
 from mooncake_jax.gateway.backend import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, InvalidRequest, Rejected,
                                           Unavailable)
 from mooncake_jax.gateway.core import GatewayCore, retry_hint_s

@@ -21,7 +21,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from mooncake_jax.gateway import openai_format as oai
-from mooncake_jax.gateway.auth import bearer_ok
+from mooncake_jax.proto.auth import bearer_ok
 from mooncake_jax.gateway.backend import InvalidRequest, Rejected, Unavailable
 from mooncake_jax.gateway.core import GatewayCore, retry_hint_s
 from mooncake_jax.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE

@@ -9,54 +9,16 @@ with the resulting profile JSON.
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 
 from ..conductor.profile import build_profile
 from ..model.engine import Engine
-from ..model.sequence import SamplingParams
+from ..model.measure import decode_step_seconds, prefill_seconds
 
 PREFILL_GRID = ((16, 0), (64, 0), (128, 64), (256, 0), (256, 128), (512, 0), (512, 256))
 DECODE_GRID = ((1, 64), (4, 64), (8, 256), (16, 128), (16, 512))
 LOOPBACK_BYTES_PER_S = 0.5e9  # gRPC on loopback moves about this much KV per second on a 2-core machine
-
-
-def _prefill_seconds(engine: Engine, rng, n: int, prefix: int) -> float:
-    prompt = rng.integers(0, engine.cfg.vocab_size, n).tolist()
-    cached = prefix // engine.block_size
-    warm = None
-    if cached:
-        warm = engine.new_sequence(prompt[: cached * engine.block_size + 1], SamplingParams(max_new_tokens=1))
-        engine.admit(warm, cached_pages=[])
-        engine.prefill(warm)
-    seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=1))
-    engine.admit(seq, cached_pages=warm.pages[:cached] if warm else [])
-    t = time.perf_counter()
-    engine.prefill(seq)
-    seconds = time.perf_counter() - t
-    engine.release(seq)
-    if warm:
-        engine.release(warm)
-    return seconds
-
-
-def _decode_seconds(engine: Engine, rng, batch: int, context: int, steps: int = 3) -> float:
-    seqs = []
-    for _ in range(batch):
-        seq = engine.new_sequence(rng.integers(0, engine.cfg.vocab_size, context).tolist(),
-                                  SamplingParams(max_new_tokens=steps + 2))
-        engine.admit(seq, cached_pages=[])
-        engine.prefill(seq)
-        seqs.append(seq)
-    engine.decode(seqs)  # compiles this batch bucket
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.decode(seqs)
-    seconds = (time.perf_counter() - t) / steps
-    for seq in seqs:
-        engine.release(seq)
-    return seconds
 
 
 def calibrate(engine: Engine, name: str, model: str, kv_capacity_tokens: int, repeats: int = 2) -> str:
@@ -67,12 +29,13 @@ def calibrate(engine: Engine, name: str, model: str, kv_capacity_tokens: int, re
     prefill_points = []
     for n, prefix in PREFILL_GRID:
         if n <= limit:
-            seconds = min(_prefill_seconds(engine, rng, n, prefix) for _ in range(repeats + 1))
+            prompt = rng.integers(0, cfg.vocab_size, n).tolist()
+            seconds = min(prefill_seconds(engine, prompt, prefix) for _ in range(repeats + 1))
             prefill_points.append((n, prefix, seconds))
     decode_points = []
     for batch, context in DECODE_GRID:
         if batch <= engine.max_batch and batch * (context + 8) <= limit:
-            seconds = min(_decode_seconds(engine, rng, batch, context) for _ in range(repeats))
+            seconds = decode_step_seconds(engine, rng, batch, context, steps=3, repeats=repeats)
             decode_points.append((batch, batch * context, seconds))
     profile = build_profile(name, model, prefill_points, decode_points,
                             kv_bytes_per_token=cfg.kv_bytes_per_token(), nic_bytes_per_s=LOOPBACK_BYTES_PER_S,

@@ -1,7 +1,9 @@
-"""Timing the local engine for cost-model profiles (``mooncake-jax profile``).
+"""Timing an engine: one prefill (optionally over a cached prefix) and steady decode steps.
 
-Each function reuses one engine per model (compiles are paid once) and times the steady state: the first call
-for a shape compiles and is not counted.
+The cost-model profile (``mooncake-jax profile``, an instance's start-up calibration) and the benchmark scripts all
+time the engine through these two functions, so "prefill time" and "decode step time" mean the same everywhere.
+``measure_prefill`` / ``measure_decode_step`` are the by-model-name entry points ``mooncake-jax profile`` calls;
+they reuse one engine per model and time the steady state (a first, compiling run is not counted).
 """
 
 from __future__ import annotations
@@ -15,6 +17,51 @@ from .engine import Engine
 from .sequence import SamplingParams
 
 
+def prefill_seconds(engine: Engine, prompt: list[int], prefix_tokens: int = 0) -> float:
+    """Seconds to prefill ``prompt`` when its first ``prefix_tokens`` (rounded down to whole blocks) are cached."""
+    cached = prefix_tokens // engine.block_size
+    warm = None
+    if cached:
+        warm = engine.new_sequence(prompt[: cached * engine.block_size + 1], SamplingParams(max_new_tokens=1))
+        engine.admit(warm, cached_pages=[])
+        engine.prefill(warm)
+    seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=1))
+    engine.admit(seq, cached_pages=warm.pages[:cached] if warm else [])
+    t = time.perf_counter()
+    engine.prefill(seq)
+    engine.block_until_ready()
+    seconds = time.perf_counter() - t
+    engine.release(seq)
+    if warm:
+        engine.release(warm)
+    return seconds
+
+
+def decode_step_seconds(engine: Engine, rng: np.random.Generator, batch: int, context_tokens: int,
+                        steps: int = 4, repeats: int = 1) -> float:
+    """Seconds per decode step for ``batch`` sequences of ``context_tokens`` each (fastest of ``repeats``
+    rounds of ``steps`` steps, after one compiling step)."""
+    seqs = []
+    for _ in range(batch):
+        seq = engine.new_sequence(rng.integers(0, engine.cfg.vocab_size, context_tokens).tolist(),
+                                  SamplingParams(max_new_tokens=steps * repeats + 2))
+        engine.admit(seq, cached_pages=[])
+        engine.prefill(seq)
+        seqs.append(seq)
+    try:
+        engine.decode(seqs)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(steps):
+                engine.decode(seqs)
+            best = min(best, (time.perf_counter() - t) / steps)
+        return best
+    finally:
+        for seq in seqs:
+            engine.release(seq)
+
+
 @functools.cache
 def _engine(model: str) -> Engine:
     from ..llm import LLM
@@ -22,55 +69,18 @@ def _engine(model: str) -> Engine:
     return LLM(model, prefill_chunk_size=2048, max_batch=64).engine
 
 
-def _prefilled(engine: Engine, rng, n_tokens: int, max_new: int):
-    seq = engine.new_sequence(rng.integers(0, engine.cfg.vocab_size, n_tokens).tolist(),
-                              SamplingParams(max_new_tokens=max_new))
-    engine.admit(seq, cached_pages=[])
-    engine.prefill(seq)
-    return seq
-
-
 def measure_prefill(model: str, n_tokens: int, prefix_tokens: int) -> float:
-    """Seconds to prefill ``n_tokens`` - ``prefix_tokens`` new tokens on top of a cached ``prefix_tokens`` prefix
-    (rounded down to whole blocks, as the cache holds them)."""
-    engine = _engine(model)
+    """``prefill_seconds`` of a random ``n_tokens`` prompt on ``model``'s engine (steady state)."""
     if not 0 <= prefix_tokens < n_tokens:
         raise ValueError(f"need 0 <= prefix_tokens < n_tokens, got {prefix_tokens} and {n_tokens}")
+    engine = _engine(model)
     rng = np.random.default_rng(n_tokens * 7919 + prefix_tokens)
     prompt = rng.integers(0, engine.cfg.vocab_size, n_tokens).tolist()
-    cached_blocks = prefix_tokens // engine.block_size
-
-    def run_once() -> float:
-        warm = engine.new_sequence(prompt[: max(1, cached_blocks * engine.block_size) + 1],
-                                   SamplingParams(max_new_tokens=1))
-        engine.admit(warm, cached_pages=[])
-        engine.prefill(warm)  # puts the prefix blocks into the prefix cache
-        seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=1))
-        engine.admit(seq, cached_pages=warm.pages[:cached_blocks])
-        t = time.perf_counter()
-        engine.prefill(seq)
-        engine.block_until_ready()
-        seconds = time.perf_counter() - t
-        engine.release(seq)
-        engine.release(warm)
-        return seconds
-
-    run_once()
-    return run_once()
+    prefill_seconds(engine, prompt, prefix_tokens)
+    return prefill_seconds(engine, prompt, prefix_tokens)
 
 
 def measure_decode_step(model: str, batch: int, context_tokens: int) -> float:
-    """Seconds per decode step for ``batch`` sequences of ``context_tokens`` tokens each."""
-    engine = _engine(model)
-    rng = np.random.default_rng(batch * 131 + context_tokens)
-    seqs = [_prefilled(engine, rng, context_tokens, 16) for _ in range(batch)]
-    try:
-        engine.decode(seqs)  # compile
-        steps = 4
-        t = time.perf_counter()
-        for _ in range(steps):
-            engine.decode(seqs)
-        return (time.perf_counter() - t) / steps
-    finally:
-        for seq in seqs:
-            engine.release(seq)
+    """``decode_step_seconds`` on ``model``'s engine."""
+    return decode_step_seconds(_engine(model), np.random.default_rng(batch * 131 + context_tokens), batch,
+                               context_tokens)
