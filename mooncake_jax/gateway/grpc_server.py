@@ -19,20 +19,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mooncake_jax.proto.auth import bearer_ok
 from mooncake_jax.gateway.backend import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, InvalidRequest, Rejected,
                                           Unavailable)
 from mooncake_jax.gateway.core import GatewayCore, retry_hint_s
 from mooncake_jax.gateway.stream import Summary
 from mooncake_jax.gateway.validate import Params
-from mooncake_jax.proto import channel_options, load
+from mooncake_jax.proto import load, server_options
+from mooncake_jax.proto.auth import interceptors
 
 messages, services = load("gateway")
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = messages.DESCRIPTOR.services_by_name["Gateway"].full_name
 RETRY_AFTER_KEY = "retry-after-s"
-_HEALTH_PREFIX = f"/{health.SERVICE_NAME}/"
 _FINISH = {FINISH_LENGTH: messages.FINISH_REASON_LENGTH, FINISH_STOP: messages.FINISH_REASON_STOP,
            FINISH_ABORT: messages.FINISH_REASON_ABORT}
 
@@ -91,42 +90,12 @@ class GatewayService(services.GatewayServicer):
             tokenizer=core.tokenizer.name)])
 
 
-class _TokenGate(grpc.ServerInterceptor):
-    """Refuses every call but health checks unless it carries ``authorization: Bearer <token>``."""
-
-    def __init__(self, token: str):
-        self._token = token
-
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if handler is None or details.method.startswith(_HEALTH_PREFIX):
-            return handler
-        if bearer_ok(dict(details.invocation_metadata).get("authorization"), self._token):
-            return handler
-        return _refusing(handler)
-
-
-def _refusing(handler):
-    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
-
-    def refuse(_request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: send 'authorization: Bearer <token>'")
-
-    make = {(False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler}[handler.request_streaming, handler.response_streaming]
-    return make(refuse, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-
-
 class GrpcFrontEnd:
     """The gRPC server of a gateway; ``port`` is the one bound (a free one when asked for 0)."""
 
     def __init__(self, core: GatewayCore, host: str, port: int, *, auth_token: str | None, max_workers: int):
-        interceptors = [_TokenGate(auth_token)] if auth_token is not None else []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="gw-grpc"),
-                                   options=[*channel_options(), ("grpc.so_reuseport", 0)], interceptors=interceptors)
+                                   options=server_options(), interceptors=interceptors(auth_token))
         services.add_GatewayServicer_to_server(GatewayService(core), self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

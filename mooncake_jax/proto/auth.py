@@ -38,10 +38,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _deny(context, *args):
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong authorization token")
-
-
 class TokenGate(grpc.ServerInterceptor):
     """Refuses (UNAUTHENTICATED) every call without the token, except to the open services."""
 
@@ -56,11 +52,21 @@ class TokenGate(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or service in OPEN_SERVICES or bearer_ok(headers.get("authorization"), self.token):
             return handler
-        kind = ("stream" if handler.request_streaming else "unary") + "_" + \
-               ("stream" if handler.response_streaming else "unary")
-        make = getattr(grpc, f"{kind}_rpc_method_handler")
-        return make(lambda request, context: _deny(context), handler.request_deserializer,
-                    handler.response_serializer)
+        return _refusing(handler)
+
+
+def _refusing(handler):
+    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
+
+    def refuse(_request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: send 'authorization: Bearer <token>'")
+
+    make = {(False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler}[handler.request_streaming, handler.response_streaming]
+    return make(refuse, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
 
 
 _Details = collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
