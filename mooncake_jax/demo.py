@@ -84,15 +84,11 @@ def send(url: str, item: dict, timeout_s: float = 300.0) -> dict:
     return {"status": "completed", "times": times, "usage": usage, "prompt_tokens": len(item["prompt"])}
 
 
-def paper_tbt(times: list[float]) -> float | None:
-    return tbt_of_times(times) if len(times) > 1 else None
-
-
 def summarize(results: list[dict], ttft_slo: float, tbt_slo: float, wall_s: float, stats: dict) -> dict:
     done = [r for r in results if r["status"] == "completed" and r["times"]]
     ttft = np.array([r["times"][0] for r in done]) if done else np.zeros(0)
-    tbts = np.array([t for t in (paper_tbt(r["times"]) for r in done) if t is not None])
-    ok = sum(1 for r in done if r["times"][0] <= ttft_slo and (paper_tbt(r["times"]) or 0.0) <= tbt_slo)
+    tbts = np.array([tbt_of_times(r["times"]) for r in done if len(r["times"]) > 1])
+    ok = sum(1 for r in done if r["times"][0] <= ttft_slo and tbt_of_times(r["times"]) <= tbt_slo)
     prompt_tokens = sum(r["prompt_tokens"] for r in done)
     cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in done)
     # each transfer counted once, at the Messenger server it went through (pushes received, fetches sent)

@@ -15,7 +15,6 @@ from mooncake_jax.blocks import block_keys
 from mooncake_jax.conductor.profile import build_profile
 from mooncake_jax.gateway.backend import (REJECT_EARLY, REJECT_LATE, Finished, InvalidRequest, Rejected, TokenOut,
                                           Unavailable)
-from mooncake_jax.instance.cluster import wait_until
 from mooncake_jax.instance.rpc import messages, sampling_message
 from mooncake_jax.model.sequence import SamplingParams
 from mooncake_jax.transfer.offload import request_keys
@@ -25,6 +24,16 @@ PROFILE = json.dumps(build_profile(
     "tiny@test", "tiny", [(16, 0, 0.01), (64, 0, 0.012), (256, 0, 0.02), (256, 128, 0.015), (512, 0, 0.04)],
     [(1, 64, 0.003), (4, 256, 0.004), (16, 2048, 0.008)], kv_bytes_per_token=16384, nic_bytes_per_s=5e8,
     kv_capacity_tokens=100000))
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or ``timeout_s`` passes; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
 
 FAST = dict(warmup=False, compile_cache=None)  # tests compile only the few shapes they use, and leave no files
 

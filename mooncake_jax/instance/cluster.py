@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -266,16 +265,3 @@ class _ProcessStarter:
     @staticmethod
     def profile_of(instance: ChildInstance) -> str:
         return instance.info["profile_json"]
-
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
-    """Poll ``predicate`` until true or ``timeout_s`` passes; returns its last value."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return bool(predicate())
-
-
-

@@ -125,7 +125,10 @@ class Engine:
         return self.allocator.allocate(n)
 
     def prompt_keys(self, seq: Sequence) -> list[BlockKey]:
-        return block_keys(seq.prompt, self.block_size)
+        """The prompt's block keys (computed once per sequence: admission and prefill both use them)."""
+        if seq.prompt_keys is None:
+            seq.prompt_keys = block_keys(seq.prompt, self.block_size)
+        return seq.prompt_keys
 
     def admit(self, seq: Sequence, cached_pages: SequenceABC[int] | None = None,
               cached_tokens: int | None = None) -> None:

@@ -77,6 +77,7 @@ class Sequence:
     cached_tokens: int = 0
     reserved_pages: int = 0
     finish_reason: str | None = None
+    prompt_keys: list[int] | None = None  # block keys of the prompt, computed once by the engine
 
     @property
     def tokens(self) -> list[int]:
