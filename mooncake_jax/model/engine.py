@@ -317,7 +317,7 @@ class Engine:
         return len(shapes)
 
     # ---- whole blocks in and out (pool, Messenger) -----------------------------------------------------------
-    def _padded_pages(self, pages: SequenceABC[int]) -> np.ndarray:
+    def padded_pages(self, pages: SequenceABC[int]) -> np.ndarray:
         """Page ids padded with the scratch page to a bucketed count, so block moves compile a few shapes only."""
         padded = np.full(bucket(len(pages), 1 << 30), SCRATCH_PAGE, np.int32)
         padded[: len(pages)] = pages
@@ -325,7 +325,7 @@ class Engine:
 
     def read_blocks(self, pages: SequenceABC[int]) -> np.ndarray:
         """KV of ``pages`` as blocks [n, layers, 2, block_size, kv_heads, head_dim] on the host."""
-        return self.runner.read_blocks(self._padded_pages(pages))[: len(pages)]
+        return self.runner.read_blocks(self.padded_pages(pages))[: len(pages)]
 
     def cached_pages(self, keys: SequenceABC[BlockKey]) -> list[int]:
         """Pages of the leading ``keys`` already in the prefix cache (no hit counting)."""
@@ -363,7 +363,7 @@ class Engine:
                 fresh = self._take_pages(len(missing))
             finally:
                 self.allocator.release(held)
-            padded = self._padded_pages(fresh)
+            padded = self.padded_pages(fresh)
             data = np.zeros((len(padded),) + blocks.shape[1:], blocks.dtype)  # padding rows land in scratch
             data[: len(fresh)] = blocks[missing]
             self.runner.write_blocks(padded, data)

@@ -89,17 +89,22 @@ class LayerwisePrefill:
             prefix = self.pool.get_many(keys[:usable])
         if any(block is None for block in prefix):  # lost to damage between the lookup and the read
             usable = next(i for i, block in enumerate(prefix) if block is None)
-        prefix = np.stack(prefix[:usable]) if usable else None
         engine.admit(seq, cached_pages=[])
         seq.cached_tokens = seq.num_computed = usable * bs
-        prefix_pages = np.asarray(seq.pages[:usable], np.int32)
-        new_pages = np.asarray(seq.pages[usable:], np.int32)
+        # Page counts padded to buckets (the padding rows go to the scratch page): a few programs, not one per size.
+        prefix_pages = engine.padded_pages(seq.pages[:usable])
+        new_pages = engine.padded_pages(seq.pages[usable:])
+        if usable:
+            prefix = np.concatenate([np.stack(prefix[:usable]), np.zeros(
+                (len(prefix_pages) - usable,) + engine.cfg.block_shape(), prefix[0].dtype)])
+        else:
+            prefix = None
         run = self._layerwise if self.mode == LAYERWISE else self._serialized
         stored = {}
         logits = engine.prefill(seq, execute=lambda steps: run(steps, prefix, prefix_pages, new_pages, stored))
         blocks = np.concatenate([np.asarray(stored[layer]) for layer in range(engine.cfg.n_layers)], axis=1)
         new_keys = keys[usable:]
-        self.pool.put_many(new_keys, blocks)
+        self.pool.put_many(new_keys, blocks[: len(new_keys)])
         return logits, new_keys
 
     def _layerwise(self, steps, prefix, prefix_pages, new_pages, stored):
