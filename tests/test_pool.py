@@ -243,6 +243,22 @@ def flip(raw: bytes, at: int, bits: int) -> bytes:
     return raw[:at] + bytes([raw[at] ^ bits]) + raw[at + 1 :]
 
 
+def swap_words(raw: bytes, a: int, b: int) -> bytes:
+    """``raw`` with the 8-byte words at offsets a < b exchanged (a word sum over the sector is unchanged)."""
+    assert raw[a : a + 8] != raw[b : b + 8]
+    return raw[:a] + raw[b : b + 8] + raw[a + 8 : b] + raw[a : a + 8] + raw[b + 8 :]
+
+
+def cancelling_bit_flips(raw: bytes) -> bytes:
+    """Set bit 0 of one data word and clear it in another of the same sector: +1 and -1 leave every additive
+    sum (plain or sector-weighted) as it was, which the pool's old checksum could not see."""
+    words = np.frombuffer(raw, "<u8", count=64, offset=DATA_OFFSET).copy()
+    clear, setb = int(np.flatnonzero(words & 1)[0]), int(np.flatnonzero((words & 1) == 0)[0])
+    words[clear] -= 1
+    words[setb] += 1
+    return raw[:DATA_OFFSET] + words.tobytes() + raw[DATA_OFFSET + 64 * 8 :]
+
+
 def stored_file(root, key):
     name = f"{key:016x}"
     return root / name[:2] / name
@@ -257,8 +273,10 @@ def stored_file(root, key):
         lambda raw: raw[: len(raw) // 2],  # a write cut short
         lambda raw: raw[: len(raw) // 2] + bytes(len(raw) - len(raw) // 2),  # tail never reached the disk
         lambda raw: raw[:DATA_OFFSET] + raw[DATA_OFFSET + 512 :] + raw[DATA_OFFSET : DATA_OFFSET + 512],  # reordered
+        lambda raw: swap_words(raw, DATA_OFFSET, DATA_OFFSET + 8),  # two words of one sector swapped
+        cancelling_bit_flips,  # a bit set in one word and cleared in another: the sums stay equal
     ],
-    ids=["bit", "header", "prefix", "truncated", "zero-tail", "reordered"],
+    ids=["bit", "header", "prefix", "truncated", "zero-tail", "reordered", "swapped-words", "cancelling-bits"],
 )
 def test_damaged_file_is_a_counted_miss_never_garbage(tmp_path, damage):
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
@@ -272,6 +290,25 @@ def test_damaged_file_is_a_counted_miss_never_garbage(tmp_path, damage):
     assert 1 not in pool and ("removed", 1, "ssd") in events
     assert pool.counters()["ssd"].corrupt == 1 and pool.counters()["ssd"].misses == 1
     assert same_bits(pool.get(2), block_of(2))
+
+
+def test_a_record_of_an_older_format_is_dropped_as_stale_not_corrupt(tmp_path, caplog):
+    """Blocks written by a build with another record format are misses counted as stale, logged once."""
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])
+    for key in (1, 2):  # version 1 in the header (offset 4 of the frame)
+        path = stored_file(tmp_path, key)
+        raw = bytearray(path.read_bytes())
+        raw[PREFIX_BYTES + 4 : PREFIX_BYTES + 6] = (1).to_bytes(2, "little")
+        path.write_bytes(bytes(raw))
+    pool = BlockPool(SPEC, dram_blocks=4, ssd_path=tmp_path)
+    with caplog.at_level("WARNING"):
+        assert pool.get(1) is None and pool.get(2) is None
+    counters = pool.counters()["ssd"]
+    assert counters.stale == 2 and counters.corrupt == 0 and counters.misses == 2
+    assert 1 not in pool and 2 not in pool
+    assert sum("record format version 1" in r.getMessage() for r in caplog.records) == 1
+    assert same_bits(pool.get(3), block_of(3))
 
 
 def test_block_filed_under_another_key_is_not_served(tmp_path):

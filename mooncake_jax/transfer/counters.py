@@ -12,7 +12,8 @@ class TierCounters:
     """What happened in one tier since the pool opened.
 
     ``misses`` counts reads of keys the tier did not hold or held corrupt; ``corrupt`` counts blocks that failed
-    their checksum (also removed from the tier); ``demotions`` counts blocks moved from this tier to the next;
+    their checksum (also removed from the tier); ``stale`` counts blocks of another record format version (dropped
+    as misses, not corruption); ``demotions`` counts blocks moved from this tier to the next;
     ``promotions`` counts blocks copied into this tier from a slower one.
     """
 
@@ -23,6 +24,7 @@ class TierCounters:
     demotions: int = 0
     promotions: int = 0
     corrupt: int = 0
+    stale: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
 

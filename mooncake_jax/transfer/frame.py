@@ -13,8 +13,12 @@ model is rejected instead of decoded, and the prefix of a stored record must be 
 give, so a damaged prefix is never sent on.
 
 Frame header (64 bytes, little-endian): magic ``MKVB``, format version (u16), header length (u16), spec
-fingerprint (u64), key (u64), data length (u64), checksum total (u64), checksum weighted (u64), zero padding.
+fingerprint (u64), key (u64), data length (u64), checksum (XXH3-128 as two u64), zero padding.
 The data starts 128 bytes into a record, so it keeps the alignment of the buffer holding the record.
+
+Format versions: 1 had an additive checksum; 2 has XXH3-128. A record of another version is not damage: reading
+one raises ``StaleFormatError`` (a ``CorruptBlockError``, so it is never served), and the pool drops it as stale
+with one log line instead of counting it as corrupt.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from mooncake_jax.transfer.checksum import checksum
 from mooncake_jax.transfer.spec import BlockSpec
 
 MAGIC = b"MKVB"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 64  # a cache line; keeps the data aligned inside the frame
 PREFIX_BYTES = 64  # the record's wire prefix
 DATA_OFFSET = PREFIX_BYTES + HEADER_BYTES  # where a block's data starts in its record
@@ -42,6 +46,14 @@ TAG_KEY, TAG_OFFSET, TAG_FRAME_BYTES, TAG_DATA, TAG_SPEC, TAG_PADDING = 0x08, 0x
 
 class CorruptBlockError(ValueError):
     """A frame that fails its checks: it must be treated as a miss, never served."""
+
+
+class StaleFormatError(CorruptBlockError):
+    """A sound frame of another format version (written by an older or newer build): dropped, not corruption."""
+
+    def __init__(self, message: str, version: int):
+        super().__init__(message)
+        self.version = version
 
 
 def check_key(key: object) -> BlockKey:
@@ -97,8 +109,8 @@ def record_prefix(spec: BlockSpec, key: BlockKey) -> bytes:
 def encode(spec: BlockSpec, key: BlockKey, block: np.ndarray) -> bytes:
     """The record of ``block`` (already checked against ``spec``) under ``key``."""
     data = memoryview(block.reshape(-1).view(np.uint8))
-    total, weighted = checksum(block)
-    header = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, spec.fingerprint, key, spec.nbytes, total, weighted)
+    high, low = checksum(block)
+    header = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, spec.fingerprint, key, spec.nbytes, high, low)
     return b"".join((record_prefix(spec, key), header, bytes(HEADER_BYTES - _HEADER.size), data))
 
 
@@ -106,16 +118,19 @@ def verify_frame(spec: BlockSpec, key: BlockKey, frame: bytes | bytearray | memo
     """CorruptBlockError unless ``frame`` is ``key``'s frame for ``spec`` with a matching checksum."""
     if len(frame) != frame_bytes(spec):
         raise CorruptBlockError(f"block {key:#018x}: frame is {len(frame)} bytes, expected {frame_bytes(spec)}")
-    magic, version, header_len, fingerprint, stored_key, n_bytes, total, weighted = _HEADER.unpack_from(frame)
-    if magic != MAGIC or version != VERSION or header_len != HEADER_BYTES:
-        raise CorruptBlockError(f"block {key:#018x}: not a block frame (magic {bytes(magic)!r}, version {version})")
+    magic, version, header_len, fingerprint, stored_key, n_bytes, high, low = _HEADER.unpack_from(frame)
+    if magic == MAGIC and version != VERSION:
+        raise StaleFormatError(f"block {key:#018x}: record format version {version}, this build reads {VERSION}",
+                               version)
+    if magic != MAGIC or header_len != HEADER_BYTES:
+        raise CorruptBlockError(f"block {key:#018x}: not a block frame (magic {bytes(magic)!r})")
     if fingerprint != spec.fingerprint:
         raise CorruptBlockError(f"block {key:#018x}: frame was written for another block spec than {spec.describe()}")
     if stored_key != key:
         raise CorruptBlockError(f"block {key:#018x}: frame holds block {stored_key:#018x}")
     if n_bytes != spec.nbytes:
         raise CorruptBlockError(f"block {key:#018x}: header says {n_bytes} data bytes, spec has {spec.nbytes}")
-    if checksum(memoryview(frame)[HEADER_BYTES:]) != (total, weighted):
+    if checksum(memoryview(frame)[HEADER_BYTES:]) != (high, low):
         raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
 
 

@@ -26,7 +26,8 @@ from mooncake_jax.blocks import BlockKey, prefix_match
 from mooncake_jax.transfer.counters import TierCounters
 from mooncake_jax.transfer.events import BlockEvent, EventKind, EventListener
 from mooncake_jax.transfer.eviction import PolicyChoice, make_policy
-from mooncake_jax.transfer.frame import CorruptBlockError, check_key, decode, encode, frame_bytes, record_bytes, verify
+from mooncake_jax.transfer.frame import (VERSION, CorruptBlockError, StaleFormatError, check_key, decode, encode,
+                                         frame_bytes, record_bytes, verify)
 from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_tier
 
@@ -97,6 +98,7 @@ class BlockPool:
         self._pins: dict[BlockKey, int] = {}
         self._lock = threading.RLock()
         self._closed = False
+        self._stale_versions: set[int] = set()  # old record formats already reported in the log
 
     # ---- lookups (no I/O) -------------------------------------------------------------------------------
 
@@ -357,6 +359,15 @@ class BlockPool:
                 if record is None:
                     raise CorruptBlockError(f"block {key:#018x}: lost from the {tier.name} tier")
                 block = decode(self.spec, key, record)
+            except StaleFormatError as err:
+                if err.version not in self._stale_versions:  # one line per old format, not one per block
+                    self._stale_versions.add(err.version)
+                    log.warning("%s tier: dropping blocks stored in record format version %d (this build writes "
+                                "version %d); they are misses and will be recomputed", tier.name, err.version, VERSION)
+                tier.counters.stale += 1
+                tier.counters.misses += 1
+                self._drop(tier, key)
+                continue
             except CorruptBlockError as err:
                 log.warning("%s tier: %s; treated as a miss", tier.name, err)
                 tier.counters.corrupt += 1
