@@ -202,7 +202,10 @@ def test_models_and_health(gateway):
     assert call_http(gateway.http_port, "GET", "/v1/models/other")[0] == 404
     assert call_http(gateway.http_port, "GET", "/health")[:3:2] == (200, {"status": "ok"})
     assert call_http(gateway.http_port, "GET", "/nope")[0] == 404
-    assert call_http(gateway.http_port, "POST", "/v1/chat/completions", {"messages": []})[0] == 404
+    status, _, body = call_http(gateway.http_port, "POST", "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and "no chat template" in body["error"]["message"], "the fake model has none"
+    assert call_http(gateway.http_port, "GET", "/v1/completions")[0] == 405
 
 
 def scrape(port) -> dict:

@@ -152,7 +152,7 @@ def call_http(port: int, method: str, path: str, body=None, headers=None, raw: b
         payload = resp.read()
         kind = resp.getheader("Content-Type", "")
         value = json.loads(payload) if kind.startswith("application/json") else payload.decode()
-        return resp.status, dict(resp.getheaders()), value
+        return resp.status, resp.headers, value  # case-insensitive, as HTTP header names are
     finally:
         conn.close()
 

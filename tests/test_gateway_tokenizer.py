@@ -85,9 +85,13 @@ def test_tokenizer_json_round_trip_and_streaming(tmp_path, text):
     assert "\ufffd" not in "".join(pieces), "no piece ends inside a character"
 
 
-def test_tokenizer_for_falls_back_to_bytes(tmp_path):
+def test_presets_use_bytes_and_a_folder_without_tokenizer_json_is_refused(tmp_path):
     assert isinstance(tokenizer_for("tiny", 512), ByteTokenizer)
-    assert isinstance(tokenizer_for(tmp_path, 512), ByteTokenizer)  # a folder without tokenizer.json
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x00")  # a SentencePiece-only checkpoint
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="has no tokenizer.json \\(only tokenizer.model\\).*--tokenizer bytes"):
+        tokenizer_for(tmp_path, 512)
+    assert isinstance(tokenizer_for(tmp_path, 512, "bytes"), ByteTokenizer), "bytes only when asked for"
 
 
 def feed_all(stops, pieces):

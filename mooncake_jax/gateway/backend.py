@@ -99,6 +99,12 @@ class Backend(Protocol):
         """
         ...
 
+    def health(self) -> str | None:
+        """Optional. None when the backend can serve now, else a message naming what is missing (for the
+        cluster: the Conductor, or a live prefill or decode instance). ``/health`` answers 503 with it and the
+        gRPC health service NOT_SERVING; a backend without this method is taken to be always ready."""
+        ...
+
     def stats(self) -> dict[str, float]:
         """Gauges and counters the gateway exports on /metrics (queue depths, cache hits, transfer bytes, ...).
 

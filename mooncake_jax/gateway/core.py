@@ -5,6 +5,7 @@ and HTTP."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -14,6 +15,8 @@ from mooncake_jax.gateway.backend import Backend, InvalidRequest, Rejected
 from mooncake_jax.gateway.metrics import GatewayMetrics
 from mooncake_jax.gateway.tokenizer import Tokenizer
 from mooncake_jax.gateway.validate import Params, prepare
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -27,6 +30,18 @@ class GatewayCore:
         """A request may name the model; it must be this one."""
         if name and name != self.model_name:
             raise InvalidRequest(f"unknown model {name!r}; this gateway serves {self.model_name!r}")
+
+    def health(self) -> str | None:
+        """None when the backend can serve, else what is missing (its ``health()``; a backend without one is
+        taken to be ready). Blocking: a cluster backend asks its Conductor."""
+        check = getattr(self.backend, "health", None)
+        if check is None:
+            return None
+        try:
+            return check()
+        except Exception as e:  # noqa: BLE001 - a failing check means the backend cannot be trusted to serve
+            log.warning("backend health check failed: %s", e)
+            return f"the backend's health check failed: {e}"
 
     def generate(self, api: str, parse: Callable[[], Params], *, arrival: float, cancelled: threading.Event,
                  always_text: bool) -> tuple[str, Iterator[stream.TokenEvent | stream.Summary]]:

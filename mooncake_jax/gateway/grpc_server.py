@@ -90,6 +90,21 @@ class GatewayService(services.GatewayServicer):
             tokenizer=core.tokenizer.name)])
 
 
+class _LiveHealth(health.HealthServicer):
+    """The standard health service, whose SERVING also needs the backend to be able to serve (``core.health``):
+    NOT_SERVING while, say, no decode instance is alive, as ``/health`` answers 503."""
+
+    def __init__(self, core: GatewayCore):
+        super().__init__()
+        self._core = core
+
+    def Check(self, request, context):
+        reply = super().Check(request, context)
+        if reply.status == health_pb2.HealthCheckResponse.SERVING and self._core.health() is not None:
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return reply
+
+
 class GrpcFrontEnd:
     """The gRPC server of a gateway; ``port`` is the one bound (a free one when asked for 0)."""
 
@@ -97,7 +112,7 @@ class GrpcFrontEnd:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="gw-grpc"),
                                    options=server_options(), interceptors=interceptors(auth_token))
         services.add_GatewayServicer_to_server(GatewayService(core), self._server)
-        self._health = health.HealthServicer()
+        self._health = _LiveHealth(core)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME],
                                             self._server)

@@ -1,36 +1,64 @@
-"""OpenAI-compatible HTTP front end on the standard library (``ThreadingHTTPServer``, one thread per connection).
+"""OpenAI-compatible HTTP front end: Starlette on uvicorn, in a thread of its own with one asyncio event loop.
 
-Routes: ``POST /v1/completions`` (JSON, or server-sent events with ``"stream": true``), ``GET /v1/models``,
-``GET /v1/models/<id>``, ``GET /metrics`` (Prometheus text), ``GET /health`` (open even with a token).
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or server-sent events with
+``"stream": true``), ``GET /v1/models``, ``GET /v1/models/<id>``, ``GET /metrics`` (Prometheus text),
+``GET /health`` (200 only when the backend can serve; open even with a token).
 
-A streamed answer's status line is sent only once the backend has produced its first token, so a rejection
-still becomes a proper 429 (with ``Retry-After``), 400 or 503 rather than an error inside a 200 stream. A client
-that goes away is noticed by a watcher thread that waits for the connection's end-of-stream (while the handler
-itself waits on the backend), and by a failing write; either sets the request's ``cancelled`` event.
+Why Starlette on uvicorn: it is the stack vLLM's and SGLang's OpenAI servers run on (through FastAPI), so its
+behaviour under many connections, slow clients and shutdown is well trodden; uvicorn gives an event loop (no
+thread per connection, no ``select.select`` and its 1,024-descriptor limit), a connection cap
+(``limit_concurrency``: requests beyond it get 503, the connections already served are untouched), keep-alive
+expiry, TCP_NODELAY on every connection, and graceful shutdown (stop accepting, close idle connections, wait for
+the busy ones); Starlette gives the routing, the disconnect detection of a streamed response (it listens for the
+ASGI ``http.disconnect`` beside the stream and cancels it) and the chunked framing of a streamed body. FastAPI
+was not taken: its request validation answers 422 in its own shape, where this API answers 400 in OpenAI's, so
+its main feature would be worked around; the pydantic request models live in ``openai_format`` instead.
+aiohttp would do too; uvicorn's ASGI keeps the app portable to any ASGI server.
+
+What is added here: a deadline for a request's head (uvicorn's keep-alive timer is dropped at the first byte, so
+a client sending one header byte per second would hold its connection as long as it liked) and for its body;
+the drain deadline (after ``stop``'s grace, streams still open end with an error event and ``data: [DONE]``
+instead of being cut, plain requests get 503).
+
+The backend's ``generate`` is a blocking iterator. Each generation runs on a thread of a bounded pool (a
+running generation holds one; an idle connection holds none) that reads the iterator to its end and hands each
+event to the event loop. A streamed answer's status line is sent only once the first token exists, so a
+rejection still becomes a proper 429 (with ``Retry-After``), 400 or 503 rather than an error inside a 200 stream.
+A client that goes away sets the request's ``cancelled`` event (the backend stops and frees its KV).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
-import select
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mooncake_jax.gateway import openai_format as oai
-from mooncake_jax.proto.auth import bearer_ok
 from mooncake_jax.gateway.backend import InvalidRequest, Rejected, Unavailable
 from mooncake_jax.gateway.core import GatewayCore, retry_hint_s
 from mooncake_jax.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mooncake_jax.gateway.stream import Summary
+from mooncake_jax.proto.auth import bearer_ok
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
-_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+MAX_JSON_DEPTH = 64
+_SHUTTING_DOWN = "the server is shutting down"
 
 
 class _HttpError(Exception):
@@ -41,6 +69,8 @@ class _HttpError(Exception):
 
 def _http_error(e: Exception) -> _HttpError:
     """The answer to a failed request: the backend contract's errors by kind, anything else a logged 500."""
+    if isinstance(e, _HttpError):
+        return e
     if isinstance(e, InvalidRequest):
         return _HttpError(400, str(e))
     if isinstance(e, Rejected):
@@ -53,310 +83,398 @@ def _http_error(e: Exception) -> _HttpError:
     return _HttpError(500, "internal error in the gateway or backend (see its log)")
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 1024  # listen backlog: a burst of clients (the standard library's 5) must not be reset
+def _error_response(status: int, message: str, headers: dict[str, str] | None = None, **extra) -> JSONResponse:
+    return JSONResponse(oai.error(status, message, **extra), status_code=status, headers=headers)
 
-    def __init__(self, address, core: GatewayCore, auth_token: str | None, idle_timeout_s: float):
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.core, self.auth_token, self.idle_timeout_s = core, auth_token, idle_timeout_s
+
+def _sse(body) -> bytes:
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class _End:
+    """The pump's last item: the backend stream has been read to its end."""
+
+
+class _Started:
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+
+
+# --- the connection protocol: uvicorn's h11, with deadlines for a request's head ---------------------------------
+
+def _protocol(idle_timeout_s: float, header_timeout_s: float):
+    """uvicorn's h11 protocol with two deadlines while no request is being served: ``idle_timeout_s`` for the first
+    byte of the next request (from the connection's start or the previous answer), then ``header_timeout_s`` for
+    the rest of its head. A connection that misses one is closed."""
+
+    class DeadlineH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:  # headers and body are separate writes: Nagle would hold the second ~40 ms
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._deadline = None
+            self._awaiting_head = False
+            self._arm(idle_timeout_s)
+
+        def _arm(self, seconds: float | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(seconds, self._expire) if seconds is not None else None
+
+        def _idle(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def data_received(self, data: bytes) -> None:
+            if self._idle() and not self._awaiting_head:
+                self._awaiting_head = True
+                self._arm(header_timeout_s)
+            super().data_received(data)
+            if not self._idle():
+                self._awaiting_head = False
+                self._arm(None)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._idle() and not self.transport.is_closing():
+                self._awaiting_head = False
+                self._arm(idle_timeout_s)
+
+        def connection_lost(self, exc) -> None:
+            self._arm(None)
+            super().connection_lost(exc)
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if self._idle() and not self.transport.is_closing():
+                self.transport.close()
+
+    return DeadlineH11Protocol
+
+
+# --- the application ---------------------------------------------------------------------------------------------
+
+class _Gateway:
+    """The routes, over one ``GatewayCore``; lives on the server's event loop."""
+
+    def __init__(self, core: GatewayCore, auth_token: str | None, pool: ThreadPoolExecutor,
+                 body_timeout_s: float, chat_template):
+        self.core, self.auth_token, self.pool = core, auth_token, pool
+        self.body_timeout_s = body_timeout_s
+        self.chat_template = chat_template
+        self.draining: asyncio.Event | None = None  # set when stop's grace is over (made on the loop)
         self.active: set[threading.Event] = set()  # the cancelled events of requests being served
-        self.connections: set[socket.socket] = set()  # open client connections, busy or kept alive
-        self.active_lock = threading.Lock()
-        super().__init__(address, _Handler)
+        self.lock = threading.Lock()
+        self.app = Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{name:path}", self.model, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+        ], exception_handlers={HTTPException: self._http_exception, Exception: self._crash})
 
+    # --- plumbing ----------------------------------------------------------------------------------------------
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
-    server_version = "mooncake-jax-gateway"
+    @staticmethod
+    async def _http_exception(request: Request, exc: HTTPException) -> Response:
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        return _error_response(exc.status_code, message, dict(exc.headers or {}))
 
-    def setup(self) -> None:
-        self.timeout = self.server.idle_timeout_s  # a silent or stuck client does not hold its thread forever
-        super().setup()
-        # Headers and body (and each streamed token) are separate small writes: without this, Nagle's algorithm
-        # holds the second until the client's delayed ACK, 40 ms per answer.
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with self.server.active_lock:
-            self.server.connections.add(self.connection)
+    @staticmethod
+    async def _crash(request: Request, exc: Exception) -> Response:
+        log.error("HTTP request failed", exc_info=exc)
+        return _error_response(500, "internal error in the gateway (see its log)")
 
-    def finish(self) -> None:
-        with self.server.active_lock:
-            self.server.connections.discard(self.connection)
-        super().finish()
+    def _refused(self, request: Request) -> Response | None:
+        if bearer_ok(request.headers.get("authorization"), self.auth_token):
+            return None
+        return _error_response(401, "missing or wrong token: send 'Authorization: Bearer <token>'",
+                               {"WWW-Authenticate": 'Bearer realm="mooncake-jax"'})
 
-    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
-        log.debug("%s " + format, self.address_string(), *args)
+    async def _json_body(self, request: Request):
+        length = request.headers.get("content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                raise _HttpError(400, f"bad Content-Length {length!r}") from None
+            if not 0 <= n <= MAX_BODY_BYTES:
+                raise _HttpError(413, f"the body is {n} bytes; the limit is {MAX_BODY_BYTES}")
 
-    # --- routing ---------------------------------------------------------------------------------------------
+        async def read() -> bytes:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise _HttpError(413, f"the body is over the limit of {MAX_BODY_BYTES} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks)
 
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/")
-        core = self.server.core
-        if path == "/health":
-            return self._json(200, {"status": "ok"})
-        if not self._authorized():
-            return
-        if path == "/v1/models":
-            return self._json(200, oai.models(core.model_name, core.backend.max_context))
-        if path.startswith("/v1/models/"):
-            if path[len("/v1/models/"):] == core.model_name:
-                return self._json(200, oai.model_card(core.model_name, core.backend.max_context))
-            return self._error(404, f"no model {path[len('/v1/models/'):]!r}; this gateway serves {core.model_name!r}")
-        if path == "/metrics":
-            return self._send(200, core.metrics.render(), METRICS_CONTENT_TYPE)
-        self._error(404, f"no route GET {path}")
-
-    def do_POST(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/")
-        if not self._authorized():
-            return
-        if path != "/v1/completions":
-            self._drain_body()
-            return self._error(404, f"no route POST {path}")
         try:
-            self._completions()
-        except _HttpError as e:
-            self._error(e.status, str(e), e.headers, **e.extra)
+            raw = await asyncio.wait_for(read(), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise _HttpError(408, f"the body did not arrive within {self.body_timeout_s:g} s") from None
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise _HttpError(400, f"the JSON body is nested too deeply (the limit is {MAX_JSON_DEPTH})") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _HttpError(400, f"malformed JSON body: {e}") from None
+        if _depth_over(body, MAX_JSON_DEPTH):
+            raise _HttpError(400, f"the JSON body is nested too deeply (the limit is {MAX_JSON_DEPTH})")
+        return body
 
-    # --- completions -----------------------------------------------------------------------------------------
+    # --- simple routes -----------------------------------------------------------------------------------------
 
-    def _completions(self) -> None:
+    async def health(self, request: Request) -> Response:
+        if self.draining is not None and self.draining.is_set():
+            return _error_response(503, _SHUTTING_DOWN)
+        problem = await run_in_threadpool(self.core.health)
+        if problem is not None:
+            return _error_response(503, f"cannot serve: {problem}")
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        if (refused := self._refused(request)) is not None:
+            return refused
+        return JSONResponse(oai.models(self.core.model_name, self.core.backend.max_context))
+
+    async def model(self, request: Request) -> Response:
+        if (refused := self._refused(request)) is not None:
+            return refused
+        name = request.path_params["name"]
+        if name != self.core.model_name:
+            return _error_response(404, f"no model {name!r}; this gateway serves {self.core.model_name!r}")
+        return JSONResponse(oai.model_card(self.core.model_name, self.core.backend.max_context))
+
+    async def metrics(self, request: Request) -> Response:
+        if (refused := self._refused(request)) is not None:
+            return refused
+        text = await run_in_threadpool(self.core.metrics.render)  # backend.stats() may call other processes
+        return Response(text, media_type=METRICS_CONTENT_TYPE)
+
+    # --- generation --------------------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, oai.parse_completion, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, lambda body: oai.parse_chat(body, self.chat_template), chat=True)
+
+    async def _generate(self, request: Request, parse_body, chat: bool) -> Response:
         arrival = time.monotonic()
-        core = self.server.core
-        body = self._read_json()
+        if (refused := self._refused(request)) is not None:
+            return refused
+        try:
+            body = await self._json_body(request)
+        except _HttpError as e:
+            return _error_response(e.status, str(e), e.headers, **e.extra)
+        except ClientDisconnect:
+            return Response(status_code=400)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
         parsed: dict = {}
 
         def parse():
-            params, model, stream, include_usage = oai.parse_completion(body)
-            core.check_model(model)
+            params, model, stream, include_usage = parse_body(body)
+            self.core.check_model(model)
             parsed.update(stream=stream, include_usage=include_usage)
             return params
 
-        cancelled = threading.Event()
-        with _DisconnectWatch(self.connection, cancelled), _Active(self.server, cancelled):
-            try:
-                request_id, events = core.generate("http", parse, arrival=arrival, cancelled=cancelled,
-                                                   always_text=True)
-                first = next(events)  # errors surface before the status line
-            except Exception as e:  # noqa: BLE001 - every failure becomes a status; none takes the server down
-                raise _http_error(e) from None
+        with self.lock:
+            self.active.add(cancelled)
+        self.pool.submit(self._pump, loop, queue, parse, arrival, cancelled)
+        watch = asyncio.create_task(_watch_disconnect(request, cancelled))
+        handed_over = False
+        try:
+            started = await self._next(queue, cancelled)
+            first = await self._next(queue, cancelled)
             created = int(time.time())
             if parsed["stream"]:
-                self._stream(request_id, first, events, created, parsed["include_usage"], cancelled)
-            else:
-                self._complete(first, events, created)
-
-    def _complete(self, first, events, created: int) -> None:
-        pieces, ids = [], []
-        try:
-            for event in _chain(first, events):
-                if isinstance(event, Summary):
-                    return self._json(200, oai.completion(self.server.core.model_name, created, "".join(pieces),
-                                                          ids, event))
+                watch.cancel()
+                handed_over = True  # the stream's generator unregisters the request
+                return StreamingResponse(
+                    self._stream(started.request_id, first, queue, cancelled, created, parsed["include_usage"], chat),
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            pieces, ids, event = [], [], first
+            while not isinstance(event, Summary):
                 pieces.append(event.text)
                 ids.append(event.token)
-        except Exception as e:  # noqa: BLE001 - late (after the first token), still before the status line
-            raise _http_error(e) from None
+                event = await self._next(queue, cancelled)
+            answer = (oai.chat_completion if chat else oai.completion)(self.core.model_name, created,
+                                                                        "".join(pieces), ids, event)
+            return JSONResponse(answer)
+        except Exception as e:  # noqa: BLE001 - every failure becomes a status; none takes the server down
+            error = _http_error(e)
+            return _error_response(error.status, str(error), error.headers, **error.extra)
         finally:
-            events.close()
+            watch.cancel()
+            if not handed_over:
+                self._done(cancelled)
 
-    def _stream(self, request_id: str, first, events, created: int, include_usage: bool,
-                cancelled: threading.Event) -> None:
-        model = self.server.core.model_name
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self._chunked = self.request_version != "HTTP/1.0"  # 1.0 clients read to the end of the connection
-        if self._chunked:
-            self.send_header("Transfer-Encoding", "chunked")
-        else:
-            self.close_connection = True
-        self.end_headers()
+    def _done(self, cancelled: threading.Event) -> None:
+        cancelled.set()  # a no-op for a request that has ended; stops one that has not
+        with self.lock:
+            self.active.discard(cancelled)
+
+    async def _next(self, queue: asyncio.Queue, cancelled: threading.Event):
+        """The pump's next item (raised if it is an error); after the drain deadline, Unavailable."""
+        if self.draining is None or self.draining.is_set():
+            raise Unavailable(_SHUTTING_DOWN)
+        get = asyncio.ensure_future(queue.get())
+        drain = asyncio.ensure_future(self.draining.wait())
         try:
-            for event in _chain(first, events):
-                if isinstance(event, Summary):
-                    self._sse(oai.chunk(event.request_id, model, created, "", [], event))
-                    if include_usage:
-                        self._sse(oai.usage_chunk(model, created, event))
-                else:
-                    self._sse(oai.chunk(request_id, model, created, event.text, [event.token]))
-        except _GONE:
+            await asyncio.wait((get, drain), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            drain.cancel()
+            if not get.done():
+                get.cancel()
+        if not get.done() or get.cancelled():
             cancelled.set()
-            self.close_connection = True
-            return
+            raise Unavailable(_SHUTTING_DOWN)
+        item = get.result()
+        if isinstance(item, BaseException):
+            raise item
+        if isinstance(item, _End):
+            raise Unavailable("the backend's stream ended without a final message")
+        return item
+
+    def _pump(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, parse, arrival: float,
+              cancelled: threading.Event) -> None:
+        """On a pool thread: validate, run the generation and hand every event to the loop, reading the backend's
+        stream to its end even when nobody listens any more (so its abort path frees the KV)."""
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop has closed (server stopped): nobody is listening
+                cancelled.set()
+
+        try:
+            request_id, events = self.core.generate("http", parse, arrival=arrival, cancelled=cancelled,
+                                                    always_text=True)
+            put(_Started(request_id))
+            for event in events:
+                put(event)
+        except Exception as e:  # noqa: BLE001 - handed to the request's coroutine, which maps it to a status
+            put(e)
+        put(_End())
+
+    async def _stream(self, request_id: str, first, queue: asyncio.Queue, cancelled: threading.Event,
+                      created: int, include_usage: bool, chat: bool):
+        model = self.core.model_name
+        chunk = oai.chat_chunk if chat else oai.chunk
+        event = first
+        try:
+            if chat:
+                yield _sse(oai.chat_chunk(request_id, model, created, "", [], first=True))
+            while True:
+                if isinstance(event, Summary):
+                    yield _sse(chunk(event.request_id, model, created, "", [], event))
+                    if include_usage:
+                        yield _sse((oai.chat_usage_chunk if chat else oai.usage_chunk)(model, created, event))
+                    break
+                yield _sse(chunk(request_id, model, created, event.text, [event.token]))
+                event = await self._next(queue, cancelled)
         except Exception as e:  # noqa: BLE001 - the status line is gone: report inside the stream
             error = _http_error(e)
-            self._try_sse(oai.error(error.status, str(error), **error.extra))
+            yield _sse(oai.error(error.status, str(error), **error.extra))
         finally:
-            events.close()
-        try:
-            self._chunk(b"data: [DONE]\n\n")
-            self._chunk(b"")
-        except _GONE:
-            self.close_connection = True
+            self._done(cancelled)  # also when the client went away (the generator is closed)
+        yield _DONE
 
-    # --- plumbing --------------------------------------------------------------------------------------------
 
-    def _authorized(self) -> bool:
-        if bearer_ok(self.headers.get("Authorization"), self.server.auth_token):
+async def _watch_disconnect(request: Request, cancelled: threading.Event) -> None:
+    """Until cancelled: the client's ``http.disconnect`` (the connection closed) sets ``cancelled``."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            cancelled.set()
+            return
+
+
+def _depth_over(value, limit: int) -> bool:
+    """Whether a parsed JSON value nests containers deeper than ``limit`` (iterative: no recursion to overflow)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
             return True
-        self._drain_body()
-        self._error(401, "missing or wrong token: send 'Authorization: Bearer <token>'",
-                    {"WWW-Authenticate": 'Bearer realm="mooncake-jax"'})
-        return False
-
-    def _read_json(self):
-        length = self.headers.get("Content-Length")
-        if self.headers.get("Transfer-Encoding") or length is None:
-            self.close_connection = True
-            raise _HttpError(411, "send the body with a Content-Length")
-        try:
-            n = int(length)
-        except ValueError:
-            self.close_connection = True
-            raise _HttpError(400, f"bad Content-Length {length!r}") from None
-        if not 0 <= n <= MAX_BODY_BYTES:
-            self.close_connection = True
-            raise _HttpError(413, f"the body is {n} bytes; the limit is {MAX_BODY_BYTES}")
-        raw = self.rfile.read(n)
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise _HttpError(400, f"malformed JSON body: {e}") from None
-
-    def _drain_body(self) -> None:
-        """Read (and drop) a request body we will not use, so the connection stays in step for the next one."""
-        try:
-            n = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            n = -1
-        if 0 <= n <= MAX_BODY_BYTES:
-            self.rfile.read(n)
-        else:
-            self.close_connection = True
-
-    def _json(self, status: int, body, headers: dict[str, str] | None = None) -> None:
-        self._send(status, json.dumps(body).encode(), "application/json", headers)
-
-    def _error(self, status: int, message: str, headers: dict[str, str] | None = None, **extra) -> None:
-        self._json(status, oai.error(status, message, **extra), headers)
-
-    def _send(self, status: int, data: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            for key, value in (headers or {}).items():
-                self.send_header(key, value)
-            self.end_headers()
-            self.wfile.write(data)
-        except _GONE:
-            self.close_connection = True
-
-    def _chunk(self, data: bytes) -> None:
-        """One piece of a streamed body (``b""`` ends it)."""
-        if self._chunked:
-            self.wfile.write(b"%X\r\n%s\r\n" % (len(data), data))
-        else:
-            self.wfile.write(data)
-        self.wfile.flush()
-
-    def _sse(self, body: dict) -> None:
-        self._chunk(b"data: " + json.dumps(body).encode() + b"\n\n")
-
-    def _try_sse(self, body: dict) -> None:
-        try:
-            self._sse(body)
-        except _GONE:
-            self.close_connection = True
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest
-
-
-class _Active:
-    """Registers a request's ``cancelled`` event with the server while it is served, so stop can cancel it."""
-
-    def __init__(self, server: _Server, cancelled: threading.Event):
-        self._server, self._cancelled = server, cancelled
-
-    def __enter__(self) -> None:
-        with self._server.active_lock:
-            self._server.active.add(self._cancelled)
-
-    def __exit__(self, *exc) -> None:
-        with self._server.active_lock:
-            self._server.active.discard(self._cancelled)
-
-
-class _DisconnectWatch:
-    """While a request is served, a thread waits for the client's end-of-stream and sets ``cancelled``.
-
-    HTTP/1.1 clients send nothing more while they wait for an answer, so readable-with-no-bytes means the peer
-    closed. Bytes (a pipelined next request) are left unread and end the watch. A socketpair wakes the thread
-    when the request is done, so the watch costs no polling and ends at once.
-    """
-
-    def __init__(self, conn: socket.socket, cancelled: threading.Event):
-        self._conn, self._cancelled = conn, cancelled
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._thread = threading.Thread(target=self._watch, name="gw-http-watch", daemon=True)
-
-    def __enter__(self) -> "_DisconnectWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._wake_w.send(b"x")
-        self._thread.join()
-        self._wake_r.close()
-        self._wake_w.close()
-
-    def _watch(self) -> None:
-        try:
-            readable, _, _ = select.select([self._conn, self._wake_r], [], [])
-            if self._conn in readable and self._wake_r not in readable:
-                if not self._conn.recv(1, socket.MSG_PEEK):
-                    self._cancelled.set()
-        except (OSError, ValueError):
-            self._cancelled.set()
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (list, dict)))
+    return False
 
 
 class HttpFrontEnd:
-    """The HTTP server of a gateway, served by a background thread; ``port`` is the one bound."""
+    """The HTTP server of a gateway, served by a background thread; ``port`` is the one bound (at construction)."""
 
     def __init__(self, core: GatewayCore, host: str, port: int, *, auth_token: str | None,
-                 idle_timeout_s: float = 60.0):
-        self._server = _Server((host, port), core, auth_token, idle_timeout_s)
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="gw-http", daemon=True)
+                 idle_timeout_s: float = 60.0, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0,
+                 max_connections: int = 4096, generation_threads: int = 256, chat_template=None):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so (accepted ones inherit it)
+        self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((host, port))
+            self._sock.listen(2048)
+        except OSError:
+            self._sock.close()
+            raise
+        self.port = self._sock.getsockname()[1]
+        self._pool = ThreadPoolExecutor(max_workers=generation_threads, thread_name_prefix="gw-http-gen")
+        self._gateway = _Gateway(core, auth_token, self._pool, body_timeout_s, chat_template)
+        config = uvicorn.Config(self._gateway.app, http=_protocol(idle_timeout_s, header_timeout_s),
+                                lifespan="off", log_config=None, access_log=False, server_header=False,
+                                limit_concurrency=max_connections, timeout_keep_alive=max(1, int(idle_timeout_s)),
+                                timeout_graceful_shutdown=None, backlog=2048)
+        self._server = uvicorn.Server(config)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._serve, name="gw-http", daemon=True)
+        self._ready = threading.Event()
+
+    def _serve(self) -> None:
+        async def serve() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._gateway.draining = asyncio.Event()
+            self._ready.set()
+            await self._server.serve(sockets=[self._sock])
+
+        try:
+            asyncio.run(serve())
+        finally:
+            self._ready.set()
 
     def start(self) -> None:
         self._thread.start()
+        self._ready.wait()
 
     def stop(self, grace_s: float) -> None:
-        """Stop accepting; give requests being served ``grace_s`` to finish, then cancel the rest and close every
-        client connection."""
-        self._server.shutdown()
-        self._thread.join()
-        self.close()
-        deadline = time.monotonic() + grace_s
-        while self._server.active and time.monotonic() < deadline:
-            time.sleep(0.01)
-        with self._server.active_lock:
-            for cancelled in self._server.active:
+        """Stop accepting and close idle connections; give requests being served ``grace_s`` to finish, then end
+        open streams with an error event and ``[DONE]`` (plain requests: 503) and cancel their generations."""
+        loop = self._loop
+        if loop is not None and self._thread.is_alive():
+            draining = self._gateway.draining
+
+            def begin() -> None:
+                loop.call_later(max(0.0, grace_s), draining.set)
+
+            self._server.config.timeout_graceful_shutdown = max(1, math.ceil(grace_s) + 5)
+            loop.call_soon_threadsafe(begin)
+            self._server.should_exit = True
+            self._thread.join(grace_s + 15)
+        with self._gateway.lock:
+            for cancelled in self._gateway.active:
                 cancelled.set()
-            for conn in self._server.connections:  # kept-alive ones too: stopped means no more answers
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        self._pool.shutdown(wait=False)
+        self.close()
 
     def close(self) -> None:
         """Release the socket (of a server never started, or after ``stop``)."""
-        self._server.server_close()
+        self._sock.close()

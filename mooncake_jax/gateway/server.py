@@ -7,6 +7,7 @@ from pathlib import Path
 
 from mooncake_jax.gateway.auth import check_exposure
 from mooncake_jax.gateway.backend import Backend
+from mooncake_jax.gateway.chat import load_chat_template
 from mooncake_jax.gateway.core import GatewayCore
 from mooncake_jax.gateway.grpc_server import GrpcFrontEnd
 from mooncake_jax.gateway.http_server import HttpFrontEnd
@@ -21,19 +22,29 @@ class GatewayServer:
     ``http_port`` (0: a free port, see ``.grpc_port`` / ``.http_port`` after construction; None: that front end
     is not started).
 
-    ``tokenizer``: a ``Tokenizer``, a path to a folder with (or to a) tokenizer.json, or None for the one of
-    ``backend.model_name`` (its tokenizer.json when it names such a folder, else bytes). ``auth_token``: if
-    given, every call but health checks must carry ``Bearer <token>``; without one the gateway refuses a
+    ``tokenizer``: a ``Tokenizer``, a path to a folder with (or to a) tokenizer.json, "bytes", or None for the
+    one of ``backend.model_name`` (its tokenizer.json when it names a folder, which must have one; bytes for a
+    preset). ``chat_template``: a Jinja file for /v1/chat/completions instead of the model's own. ``auth_token``:
+    if given, every call but health checks must carry ``Bearer <token>``; without one the gateway refuses a
     non-loopback ``host`` unless ``allow_unauthenticated``.
+
+    HTTP limits: at most ``http_max_connections`` open connections (requests beyond get 503), a connection
+    waits at most ``http_idle_timeout_s`` for its next request and ``http_header_timeout_s`` for the rest of a
+    request's head once it has begun, a body must arrive within ``http_body_timeout_s``; at most
+    ``http_generation_threads`` generations run at once (more wait for a thread).
     """
 
     def __init__(self, backend: Backend, *, host: str = "127.0.0.1", grpc_port: int | None = 0,
                  http_port: int | None = 0, auth_token: str | None = None, model_name: str | None = None,
-                 tokenizer: Tokenizer | str | Path | None = None, allow_unauthenticated: bool = False,
-                 grpc_workers: int = 128, http_idle_timeout_s: float = 60.0):
+                 tokenizer: Tokenizer | str | Path | None = None, chat_template: str | Path | None = None,
+                 allow_unauthenticated: bool = False, grpc_workers: int = 128, http_idle_timeout_s: float = 60.0,
+                 http_header_timeout_s: float = 10.0, http_body_timeout_s: float = 30.0,
+                 http_max_connections: int = 4096, http_generation_threads: int = 256):
         check_exposure(host, auth_token, allow_unauthenticated)
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
-            tokenizer = tokenizer_for(tokenizer or backend.model_name, backend.vocab_size)
+            tokenizer = tokenizer_for(backend.model_name, backend.vocab_size,
+                                      None if tokenizer is None else str(tokenizer))
+        template = load_chat_template(tokenizer, chat_template)
         self.backend = backend
         self.metrics = GatewayMetrics(backend.stats)
         self.core = GatewayCore(backend, tokenizer, model_name or backend.model_name, self.metrics)
@@ -45,7 +56,9 @@ class GatewayServer:
                 self._grpc = GrpcFrontEnd(self.core, host, grpc_port, auth_token=auth_token, max_workers=grpc_workers)
             if http_port is not None:
                 self._http = HttpFrontEnd(self.core, host, http_port, auth_token=auth_token,
-                                          idle_timeout_s=http_idle_timeout_s)
+                                          idle_timeout_s=http_idle_timeout_s, header_timeout_s=http_header_timeout_s,
+                                          body_timeout_s=http_body_timeout_s, max_connections=http_max_connections,
+                                          generation_threads=http_generation_threads, chat_template=template)
         except BaseException:
             if self._grpc is not None:
                 self._grpc.stop(0).wait()
@@ -75,7 +88,8 @@ class GatewayServer:
         return self
 
     def stop(self, grace_s: float = 1.0) -> None:
-        """Stop both front ends; streams still open after ``grace_s`` are cancelled (their backends told)."""
+        """Stop both front ends; streams still open after ``grace_s`` are cancelled (their backends told; an SSE
+        stream gets an error event and ``[DONE]``)."""
         if self._stopped:
             return
         self._stopped = True

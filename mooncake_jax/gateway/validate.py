@@ -2,6 +2,9 @@
 
 Both front ends check only the *types* of their own wire format (JSON or protobuf) and then come here, so a
 value is judged by the same rule, with the same message, whichever way it arrived.
+
+Stopping: the request's ``stop_token_ids`` also carry every EOS id the tokenizer's files name (an instruct model
+may end a turn with any of several), unless ``ignore_eos``; the backend stops on all of them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class Params:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     request_id: str | None = None
+    add_special_tokens: bool = True  # False for a chat prompt whose template already wrote the BOS token
 
 
 @dataclasses.dataclass
@@ -64,9 +68,15 @@ def prepare(params: Params, backend: Backend, tokenizer: Tokenizer) -> Prepared:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
     if any(not s for s in params.stop):
         raise InvalidRequest("stop strings must not be empty")
+    for i, s in enumerate(params.stop):
+        _check_unicode(f"stop string {i}", s)
     _check_ids("stop token", params.stop_token_ids, backend.vocab_size)
+    stop_ids = tuple(params.stop_token_ids)
+    if not params.ignore_eos:
+        eos = getattr(tokenizer, "eos_token_ids", ())
+        stop_ids += tuple(t for t in eos if t not in stop_ids and 0 <= t < backend.vocab_size)
     request = GenerateRequest(prompt=prompt, max_tokens=max_tokens, temperature=float(temperature),
-                              top_p=float(top_p), seed=seed, stop_token_ids=tuple(params.stop_token_ids),
+                              top_p=float(top_p), seed=seed, stop_token_ids=stop_ids,
                               ignore_eos=params.ignore_eos, request_id=params.request_id or uuid.uuid4().hex)
     return Prepared(request, tuple(params.stop), text_prompt=params.prompt_text is not None)
 
@@ -77,7 +87,8 @@ def _prompt(params: Params, backend: Backend, tokenizer: Tokenizer) -> list[int]
     if params.prompt_text is not None:
         if not params.prompt_text:
             raise InvalidRequest("the prompt is empty")
-        prompt = tokenizer.encode(params.prompt_text)
+        _check_unicode("the prompt", params.prompt_text)
+        prompt = tokenizer.encode(params.prompt_text, add_special_tokens=params.add_special_tokens)
     else:
         prompt = list(params.prompt_ids or ())
         if not prompt:
@@ -93,3 +104,12 @@ def _check_ids(what: str, ids, vocab_size: int) -> None:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab_size:
             raise InvalidRequest(f"{what} {i} (id {t}) is outside the vocabulary [0, {vocab_size})")
+
+
+def _check_unicode(what: str, text: str) -> None:
+    """JSON may carry a lone UTF-16 surrogate (``"\\ud800"``), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"{what} contains a lone surrogate (U+{ord(text[e.start]):04X} at character "
+                             f"{e.start}), which is not valid Unicode") from None
