@@ -69,6 +69,18 @@ class ClusterBackend:
             for name, amount in amounts.items():
                 self._counts[name] += amount
 
+    def health(self) -> str | None:
+        """None when a request can be served (the Conductor answers and lists a live prefill and a live decode
+        instance; it drops instances that miss heartbeats), else what is missing."""
+        try:
+            listing = self._conductor.ListInstances(conductor_messages.ListInstancesRequest(), timeout=2)
+        except grpc.RpcError as e:
+            return f"the Conductor does not answer ({e.code().name})"
+        roles = {info.role for info in listing.instances}
+        missing = [name for name, role in (("prefill", conductor_messages.PREFILL),
+                                           ("decode", conductor_messages.DECODE)) if role not in roles]
+        return f"no {' and no '.join(missing)} instance alive" if missing else None
+
     def stats(self) -> dict[str, float]:
         """This router's counters, and every live instance's figures (queue depths, pool and Messenger traffic,
         cache hits) labelled by instance, as the gateway's /metrics exports them (``*_total`` are counters)."""

@@ -35,6 +35,11 @@ def add_arguments(p) -> None:
     p.add_argument("--in-process", action="store_true", help="run the instances as threads of this process")
     p.add_argument("--coupled", action="store_true",
                    help="no disaggregation: one engine does prefill and decode (the baseline)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json (or its folder) to use instead of the model's; 'bytes' serves text as raw "
+                        "bytes (needed for a model folder without tokenizer.json)")
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template file for /v1/chat/completions (default: the model's own)")
     p.add_argument("--log-dir", default=None, help="write each instance's log here")
     p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start")
     p.add_argument("--compile-cache", default="", help="persistent XLA cache folder ('none' to disable; default: "
@@ -57,14 +62,16 @@ def run(args) -> int:
     with service:
         try:
             gateway = service.serve_gateway(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-                                            auth_token=args.auth_token)
+                                            auth_token=args.auth_token, tokenizer=args.tokenizer,
+                                            chat_template=args.chat_template)
         except (ValueError, OSError) as e:
             print(f"mooncake-jax serve: {e}", file=sys.stderr)
             return 2
         for name, address in service.addresses():
             log.info("%-13s %s", name, address)
         log.info("gateway gRPC  %s:%s (mooncake.v1.Gateway, health, reflection)", args.host, gateway.grpc_port)
-        log.info("gateway HTTP  http://%s:%s/v1/completions  /v1/models  /metrics", args.host, gateway.http_port)
+        log.info("gateway HTTP  http://%s:%s/v1/completions  /v1/chat/completions  /v1/models  /metrics",
+                 args.host, gateway.http_port)
         print(f"READY grpc={gateway.grpc_port} http={gateway.http_port}", flush=True)
         stop.wait()
         log.info("shutting down")
