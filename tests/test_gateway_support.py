@@ -56,6 +56,7 @@ class FakeBackend:
         self.aborted = threading.Event()  # a stream ended because its cancelled event was set
         self.ended = threading.Event()  # a stream's generator finished (normally, aborted or closed)
         self.stats_calls = 0
+        self.unhealthy: str | None = None  # what health() reports missing (None: ready)
 
     def generate(self, request: GenerateRequest, cancelled: threading.Event | None = None):
         self.requests.append(request)
@@ -91,6 +92,9 @@ class FakeBackend:
                 break
         yield Finished(reason, len(request.prompt), len(times), self.cached_tokens, times[0] if times else 0.0,
                        paper_tbt(times))
+
+    def health(self) -> str | None:
+        return self.unhealthy
 
     def stats(self) -> dict[str, float]:
         self.stats_calls += 1

@@ -13,7 +13,6 @@ starts with BOS and the caller then tokenizes without adding special tokens.
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 from pathlib import Path
 
@@ -67,11 +66,6 @@ def _tojson(value, indent=None, ensure_ascii=False, sort_keys=False):
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
-@functools.lru_cache(maxsize=8)
-def _read(path: str) -> str:
-    return Path(path).read_text()
-
-
 def load_chat_template(tokenizer, override: str | Path | None) -> ChatTemplate | None:
     """The chat template to serve: the ``override`` file when given, else the tokenizer's (from the model
     folder), else None (then /v1/chat/completions answers 400)."""
@@ -80,7 +74,7 @@ def load_chat_template(tokenizer, override: str | Path | None) -> ChatTemplate |
         path = Path(override)
         if not path.is_file():
             raise ValueError(f"chat template {str(path)!r}: no such file")
-        return ChatTemplate(_read(str(path)), bos_token=bos, eos_token=eos, origin=str(path))
+        return ChatTemplate(path.read_text(), bos_token=bos, eos_token=eos, origin=str(path))
     source = getattr(tokenizer, "chat_template", None)
     if source:
         return ChatTemplate(source, bos_token=bos, eos_token=eos, origin=f"the chat template of {tokenizer.name}")
