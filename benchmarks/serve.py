@@ -8,10 +8,21 @@ every process; requests/s and output tokens/s. Two runs on the same CPUs: 2 pref
 (disaggregated) and ``serve --coupled`` (one engine doing both).
 
     python benchmarks/serve.py --json results/serve.json
+
+``--mode idle`` measures the gateway's front end under idle connections: ``--idle`` keep-alive connections
+(default 200) are opened and held (each asks ``GET /v1/models`` when opened and every ``--idle-ping`` seconds, as
+a client's connection pool keeps its connections warm) while ``--clients`` streaming clients (default 16) run
+for ``--duration`` seconds (default 20) against ``serve`` (2 prefill + 1 decode, or ``--coupled``). The gateway
+process's thread count and RSS are sampled throughout. Flat keys: ``idle_connections_held`` (answering at the
+end), ``requests_per_s``, ``ttft_p90_s``, ``tbt_p90_s``, ``gateway_threads_max``, ``gateway_rss_mib_max``,
+``failed``, ``lost``. The issue's full size:
+
+    python benchmarks/serve.py --mode idle --idle 1000 --clients 64 --duration 60 --json results/serve_idle.json
 """
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
@@ -103,12 +114,147 @@ def load_test(http_port: int, prompts: list[dict], clients: int, duration_s: flo
                               if r["status"] in ("failed", "lost")})[:5]}
 
 
+class IdleConnections:
+    """``count`` kept-alive HTTP connections to the gateway, each used for one small request at opening and
+    every ``ping_s`` seconds (a thread of its own walks them in turn); counts those that stop answering."""
+
+    _REQUEST = b"GET /v1/models HTTP/1.1\r\nHost: bench\r\n\r\n"
+
+    def __init__(self, port: int, count: int, ping_s: float):
+        self.port, self.ping_s = port, ping_s
+        self.socks: list[socket.socket | None] = []
+        self.failures = 0
+        for _ in range(count):
+            self.socks.append(self._open())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._keep, daemon=True)
+        self._thread.start()
+
+    def _open(self) -> socket.socket | None:
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+            return sock if self._ask(sock) else None
+        except OSError:
+            self.failures += 1
+            return None
+
+    def _ask(self, sock: socket.socket) -> bool:
+        """One request on ``sock``; False (and the socket closed) if it did not get a 200 answer."""
+        try:
+            sock.sendall(self._REQUEST)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise OSError("closed")
+                data += chunk
+            head, body = data.split(b"\r\n\r\n", 1)
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            while len(body) < length:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise OSError("closed")
+                body += chunk
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise OSError(head.split(b"\r\n")[0].decode())
+            return True
+        except (OSError, StopIteration, ValueError):
+            self.failures += 1
+            sock.close()
+            return False
+
+    def _keep(self) -> None:
+        while not self._stop.wait(self.ping_s):
+            self.ping()
+
+    def ping(self) -> int:
+        """Use every live connection once; the number that answered."""
+        for i, sock in enumerate(self.socks):
+            if sock is not None and not self._ask(sock):
+                self.socks[i] = None
+        return sum(sock is not None for sock in self.socks)
+
+    def close(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        held = self.ping()
+        for sock in self.socks:
+            if sock is not None:
+                sock.close()
+        return held
+
+
+class ProcessSampler:
+    """Thread count and RSS of one process, sampled every ``every_s`` seconds; the maxima."""
+
+    def __init__(self, pid: int, every_s: float = 0.5):
+        self.pid, self.threads_max, self.rss_mib_max = pid, 0, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, every_s: float) -> None:
+        while True:
+            try:
+                status = Path(f"/proc/{self.pid}/status").read_text().splitlines()
+                fields = {line.split(":")[0]: line.split()[1] for line in status if ":" in line and line.split()[1:]}
+                self.threads_max = max(self.threads_max, int(fields["Threads"]))
+                self.rss_mib_max = max(self.rss_mib_max, int(fields["VmRSS"]) / 1024)
+            except (OSError, KeyError, ValueError):
+                pass
+            if self._stop.wait(every_s):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def idle_mode(args, prompts: list[dict], res: dict) -> None:
+    idle = 200 if args.idle is None else args.idle
+    extra = ["--coupled"] if args.coupled else ["--prefill", "2", "--decode", "1"]
+    print(f"idle mode ({' '.join(extra)}): starting", flush=True)
+    proc, port = start(extra)
+    try:
+        sampler = ProcessSampler(proc.pid)
+        baseline = dict(threads=0, rss=0.0)
+        time.sleep(1.0)
+        baseline.update(threads=sampler.threads_max, rss=sampler.rss_mib_max)
+        holder = IdleConnections(port, idle, args.idle_ping)
+        print(f"holding {sum(s is not None for s in holder.socks)} idle connections; {args.clients} clients for "
+              f"{args.duration:.0f} s", flush=True)
+        figures = load_test(port, prompts, args.clients, args.duration)
+        held = holder.close()
+        sampler.stop()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown")
+    res.update(cpu_model=cpu, server="disaggregated_2p1d" if not args.coupled else "coupled",
+               idle_connections_asked=idle,
+               idle_connections_held=held, idle_connection_failures=holder.failures,
+               gateway_threads_before_load=baseline["threads"], gateway_rss_mib_before_load=round(baseline["rss"], 1),
+               gateway_threads_max=sampler.threads_max, gateway_rss_mib_max=round(sampler.rss_mib_max, 1),
+               **figures)
+    print(res, flush=True)
+
+
 def main() -> None:
     p = arg_parser(__doc__)
-    p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--mode", choices=["compare", "idle"], default="compare",
+                   help="compare: disaggregated vs coupled; idle: the gateway under idle connections")
+    p.add_argument("--clients", type=int, default=None, help="streaming clients (compare: 64, idle: 16)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of load (compare: 60, idle: 20)")
     p.add_argument("--requests", type=int, default=400, help="distinct trace requests to cycle through")
+    p.add_argument("--idle", type=int, default=None, help="idle mode: keep-alive connections held (200)")
+    p.add_argument("--idle-ping", type=float, default=20.0, help="idle mode: seconds between uses of each one")
+    p.add_argument("--coupled", action="store_true", help="idle mode: serve --coupled instead of 2p1d")
     args = p.parse_args()
+    idle_mode_on = args.mode == "idle"
+    args.clients = args.clients or (16 if idle_mode_on else 64)
+    args.duration = args.duration or (20.0 if idle_mode_on else 60.0)
 
     from mooncake_jax.demo import workload
     from mooncake_jax.model.config import PRESETS
@@ -118,6 +264,10 @@ def main() -> None:
     res = dict(machine_info(), clients=args.clients, duration_s=args.duration,
                mean_prompt_tokens=round(float(np.mean([len(x["prompt"]) for x in prompts])), 1),
                mean_max_tokens=round(float(np.mean([x["max_tokens"] for x in prompts])), 1))
+    if idle_mode_on:
+        idle_mode(args, prompts, res)
+        write_json(res, args.json)
+        return
     for name, extra in (("disaggregated_2p1d", ["--prefill", "2", "--decode", "1"]), ("coupled", ["--coupled"])):
         print(f"{name}: starting", flush=True)
         proc, port = start(extra)
