@@ -31,7 +31,8 @@ class GatewayServer:
     HTTP limits: at most ``http_max_connections`` open connections (requests beyond get 503), a connection
     waits at most ``http_idle_timeout_s`` for its next request and ``http_header_timeout_s`` for the rest of a
     request's head once it has begun, a body must arrive within ``http_body_timeout_s``; at most
-    ``http_generation_threads`` generations run at once (more wait for a thread).
+    ``http_generation_threads`` generations run at once (more wait for a thread). ``drain_grace_s``: what
+    ``stop()`` gives open requests to finish when not told otherwise.
     """
 
     def __init__(self, backend: Backend, *, host: str = "127.0.0.1", grpc_port: int | None = 0,
@@ -39,7 +40,7 @@ class GatewayServer:
                  tokenizer: Tokenizer | str | Path | None = None, chat_template: str | Path | None = None,
                  allow_unauthenticated: bool = False, grpc_workers: int = 128, http_idle_timeout_s: float = 60.0,
                  http_header_timeout_s: float = 10.0, http_body_timeout_s: float = 30.0,
-                 http_max_connections: int = 4096, http_generation_threads: int = 256):
+                 http_max_connections: int = 4096, http_generation_threads: int = 256, drain_grace_s: float = 1.0):
         check_exposure(host, auth_token, allow_unauthenticated)
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
             tokenizer = tokenizer_for(backend.model_name, backend.vocab_size,
@@ -49,6 +50,7 @@ class GatewayServer:
         self.metrics = GatewayMetrics(backend.stats)
         self.core = GatewayCore(backend, tokenizer, model_name or backend.model_name, self.metrics)
         self.host = host
+        self.drain_grace_s = drain_grace_s
         self._grpc = self._http = None
         self._started = self._stopped = False
         try:
@@ -87,11 +89,12 @@ class GatewayServer:
                 log.info("gateway HTTP listening on http://%s:%d", self.host, self.http_port)
         return self
 
-    def stop(self, grace_s: float = 1.0) -> None:
-        """Stop both front ends; streams still open after ``grace_s`` are cancelled (their backends told; an SSE
-        stream gets an error event and ``[DONE]``)."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop both front ends; streams still open after ``grace_s`` (default ``drain_grace_s``) are cancelled
+        (their backends told; an SSE stream gets an error event and ``[DONE]``, a gRPC stream a status)."""
         if self._stopped:
             return
+        grace_s = self.drain_grace_s if grace_s is None else grace_s
         self._stopped = True
         grpc_done = self._grpc.stop(grace_s) if self._grpc is not None else None
         if self._http is not None and self._started:

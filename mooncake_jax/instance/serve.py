@@ -40,6 +40,8 @@ def add_arguments(p) -> None:
                         "bytes (needed for a model folder without tokenizer.json)")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template file for /v1/chat/completions (default: the model's own)")
+    p.add_argument("--drain-grace-s", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds open requests get to finish before they are ended")
     p.add_argument("--log-dir", default=None, help="write each instance's log here")
     p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start")
     p.add_argument("--compile-cache", default="", help="persistent XLA cache folder ('none' to disable; default: "
@@ -63,7 +65,7 @@ def run(args) -> int:
         try:
             gateway = service.serve_gateway(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                                             auth_token=args.auth_token, tokenizer=args.tokenizer,
-                                            chat_template=args.chat_template)
+                                            chat_template=args.chat_template, drain_grace_s=args.drain_grace_s)
         except (ValueError, OSError) as e:
             print(f"mooncake-jax serve: {e}", file=sys.stderr)
             return 2
