@@ -286,8 +286,11 @@ def test_slow_or_silent_clients_are_closed_and_the_cap_refuses_the_excess():
         slow.sendall(b"POST /v1/comp")  # a head that never ends
         assert silent.recv(1) == b"" and slow.recv(1) == b"", "both closed by their deadline"
         held = [socket.create_connection(("127.0.0.1", gw.http_port), timeout=WAIT_S) for _ in range(4)]
-        status, _, _ = call_http(gw.http_port, "GET", "/v1/models")
-        assert status == 503, "over the cap: refused, the held connections untouched"
+        status, headers, body = call_http(gw.http_port, "GET", "/v1/models")
+        assert status == 503 and "too many open connections" in body["error"]["message"], "over the cap"
+        assert headers["Connection"] == "close" and headers["Retry-After"] == "1"
+        held[0].sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"200 OK" in held[0].recv(4096), "the held connections are untouched"
         for sock in held:
             sock.close()
         assert wait_for(lambda: call_http(gw.http_port, "GET", "/v1/models")[0] == 200)

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -101,6 +103,33 @@ def test_bad_http_input_gets_400_and_the_server_keeps_serving(served, expected):
         assert err.value.code == 400 and "error" in json.loads(err.value.read())
     with post(http, {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}) as r:
         assert json.loads(r.read())["choices"][0]["token_ids"] == expected
+
+
+def test_health_turns_503_when_the_decode_instance_dies(served):
+    """Last but one (it kills the decode instance): /health and the gRPC health service say what is missing."""
+    proc, grpc_port, http = served
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=30) as r:
+        assert r.status == 200
+    decode = [pid for pid in children_of(proc.pid)
+              if b"--role\0decode" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert len(decode) == 1
+    os.kill(decode[0], signal.SIGKILL)
+
+    def health():
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    deadline = time.monotonic() + 60  # the Conductor drops an instance after missed heartbeats (3 s)
+    while health()[0] == 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    status, body = health()
+    assert status == 503 and "no decode instance alive" in body["error"]["message"]
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def test_sigint_stops_everything(served):

@@ -7,7 +7,8 @@ Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or ser
 Why Starlette on uvicorn: it is the stack vLLM's and SGLang's OpenAI servers run on (through FastAPI), so its
 behaviour under many connections, slow clients and shutdown is well trodden; uvicorn gives an event loop (no
 thread per connection, no ``select.select`` and its 1,024-descriptor limit), a connection cap
-(``limit_concurrency``: requests beyond it get 503, the connections already served are untouched), keep-alive
+(its count of open connections backs the cap here: a request arriving on a connection beyond it gets 503 in
+OpenAI's error shape and the connection is closed, the connections already served are untouched), keep-alive
 expiry, TCP_NODELAY on every connection, and graceful shutdown (stop accepting, close idle connections, wait for
 the busy ones); Starlette gives the routing, the disconnect detection of a streamed response (it listens for the
 ASGI ``http.disconnect`` beside the stream and cancels it) and the chunked framing of a streamed body. FastAPI
@@ -399,6 +400,20 @@ async def _watch_disconnect(request: Request, cancelled: threading.Event) -> Non
             return
 
 
+def _capped(app, open_connections, limit: int):
+    """``app`` behind the connection cap: a request on a connection beyond ``limit`` gets 503 (OpenAI's error
+    shape, ``Retry-After``) and its connection is closed."""
+
+    async def capped(scope, receive, send):
+        if scope["type"] == "http" and open_connections() > limit:
+            response = _error_response(503, f"too many open connections (the limit is {limit}); retry later",
+                                       {"Retry-After": "1", "Connection": "close"})
+            return await response(scope, receive, send)
+        return await app(scope, receive, send)
+
+    return capped
+
+
 def _depth_over(value, limit: int) -> bool:
     """Whether a parsed JSON value nests containers deeper than ``limit`` (iterative: no recursion to overflow)."""
     stack = [(value, 1)]
@@ -430,9 +445,10 @@ class HttpFrontEnd:
         self.port = self._sock.getsockname()[1]
         self._pool = ThreadPoolExecutor(max_workers=generation_threads, thread_name_prefix="gw-http-gen")
         self._gateway = _Gateway(core, auth_token, self._pool, body_timeout_s, chat_template)
-        config = uvicorn.Config(self._gateway.app, http=_protocol(idle_timeout_s, header_timeout_s),
-                                lifespan="off", log_config=None, access_log=False, server_header=False,
-                                limit_concurrency=max_connections, timeout_keep_alive=max(1, int(idle_timeout_s)),
+        config = uvicorn.Config(_capped(self._gateway.app, lambda: len(self._server.server_state.connections),
+                                        max_connections),
+                                http=_protocol(idle_timeout_s, header_timeout_s), lifespan="off", log_config=None,
+                                access_log=False, server_header=False, timeout_keep_alive=max(1, int(idle_timeout_s)),
                                 timeout_graceful_shutdown=None, backlog=2048)
         self._server = uvicorn.Server(config)
         self._loop: asyncio.AbstractEventLoop | None = None
