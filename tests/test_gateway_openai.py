@@ -280,11 +280,16 @@ def test_many_idle_connections_do_not_break_a_completion(gw):
 def test_slow_or_silent_clients_are_closed_and_the_cap_refuses_the_excess():
     backend = FakeBackend()
     with GatewayServer(backend, grpc_port=None, http_idle_timeout_s=0.3, http_header_timeout_s=0.3,
-                       http_max_connections=4) as gw:
+                       http_body_timeout_s=0.3, http_max_connections=4) as gw:
         silent = socket.create_connection(("127.0.0.1", gw.http_port), timeout=WAIT_S)
         slow = socket.create_connection(("127.0.0.1", gw.http_port), timeout=WAIT_S)
         slow.sendall(b"POST /v1/comp")  # a head that never ends
         assert silent.recv(1) == b"" and slow.recv(1) == b"", "both closed by their deadline"
+        short = socket.create_connection(("127.0.0.1", gw.http_port), timeout=WAIT_S)
+        short.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        answer = read_to_close(short, b"")
+        assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.3 s" in answer
+        assert backend.requests == []
         held = [socket.create_connection(("127.0.0.1", gw.http_port), timeout=WAIT_S) for _ in range(4)]
         status, headers, body = call_http(gw.http_port, "GET", "/v1/models")
         assert status == 503 and "too many open connections" in body["error"]["message"], "over the cap"

@@ -17,15 +17,18 @@ What a client gets:
 - gRPC (``mooncake_jax/proto/gateway.proto``): ``Generate`` takes token ids or text, streams one message per
   token (id, text piece when the prompt was text, index, time since arrival) and a summary (finish reason, TTFT,
   TBT, prompt / output / cached token counts); ``ListModels``; the standard health service and reflection.
-- HTTP: ``POST /v1/completions`` (OpenAI's format; ``"stream": true`` for server-sent events ending in
-  ``data: [DONE]``), ``GET /v1/models``, ``GET /metrics`` (Prometheus), ``GET /health``.
+- HTTP (Starlette on uvicorn): ``POST /v1/completions`` and ``POST /v1/chat/completions`` (OpenAI's format,
+  the chat prompt rendered by the model's chat template; ``"stream": true`` for server-sent events ending in
+  ``data: [DONE]``), ``GET /v1/models``, ``GET /metrics`` (Prometheus), ``GET /health`` (503 naming what is
+  missing when the backend cannot serve; the gRPC health service follows it).
 - Errors: a bad request is INVALID_ARGUMENT / 400 with a message saying what is wrong; overload is
   RESOURCE_EXHAUSTED / 429 with a retry hint (trailing metadata ``retry-after-s`` / header ``Retry-After``);
   a backend that cannot serve is UNAVAILABLE / 503; a missing token is UNAUTHENTICATED / 401.
 
-Modules, one job each: ``backend`` (the contract), ``tokenizer`` (tokenizer.json or bytes, incremental
-decoding), ``validate`` (request rules), ``stream`` (one request's events: timing, text, stop strings),
-``metrics``, ``auth``, ``core`` (what both front ends share), ``grpc_server``, ``openai_format``,
+Modules, one job each: ``backend`` (the contract), ``tokenizer`` (tokenizer.json or bytes, special tokens and
+EOS ids of the model folder, incremental decoding), ``chat`` (chat templates in a Jinja sandbox), ``validate``
+(request rules), ``stream`` (one request's events: timing, text, stop strings), ``metrics``, ``auth``, ``core``
+(what both front ends share), ``grpc_server``, ``openai_format`` (pydantic request models, response shapes),
 ``http_server``, ``server`` (``GatewayServer``).
 """
 

@@ -220,15 +220,8 @@ class _Gateway:
             raw = await asyncio.wait_for(read(), self.body_timeout_s)
         except asyncio.TimeoutError:
             raise _HttpError(408, f"the body did not arrive within {self.body_timeout_s:g} s") from None
-        try:
-            body = json.loads(raw)
-        except RecursionError:
-            raise _HttpError(400, f"the JSON body is nested too deeply (the limit is {MAX_JSON_DEPTH})") from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise _HttpError(400, f"malformed JSON body: {e}") from None
-        if _depth_over(body, MAX_JSON_DEPTH):
-            raise _HttpError(400, f"the JSON body is nested too deeply (the limit is {MAX_JSON_DEPTH})")
-        return body
+        # a large body is parsed off the event loop, which must keep streaming everyone else's tokens
+        return await run_in_threadpool(_parse_json, raw) if len(raw) > 1 << 20 else _parse_json(raw)
 
     # --- simple routes -----------------------------------------------------------------------------------------
 
@@ -398,6 +391,18 @@ async def _watch_disconnect(request: Request, cancelled: threading.Event) -> Non
         if message["type"] == "http.disconnect":
             cancelled.set()
             return
+
+
+def _parse_json(raw: bytes):
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise _HttpError(400, f"the JSON body is nested too deeply (the limit is {MAX_JSON_DEPTH})") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _HttpError(400, f"malformed JSON body: {e}") from None
+    if _depth_over(body, MAX_JSON_DEPTH):
+        raise _HttpError(400, f"the JSON body is nested too deeply (the limit is {MAX_JSON_DEPTH})")
+    return body
 
 
 def _capped(app, open_connections, limit: int):
