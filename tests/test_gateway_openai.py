@@ -10,7 +10,6 @@ import json
 import socket
 import threading
 
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_gateway_support import (WAIT_S, FakeBackend, call_http, grpc_channel, open_request, read_events,
