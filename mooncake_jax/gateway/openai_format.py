@@ -94,20 +94,25 @@ _KINDS = {"int_type": "an integer", "int_from_float": "an integer", "float_type"
           "model_attributes_type": "an object", "list_type": "a list"}
 
 
+_BRANCHES = {"str", "int", "float", "bool", "dict", "list", "ContentPart"}
+
+
 def _validated(model: type[BaseModel], body) -> BaseModel:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        raise InvalidRequest(_message(e.errors(include_url=False)[0])) from None
+        errors = e.errors(include_url=False)  # of a union, the branch that got furthest says the most
+        raise InvalidRequest(_message(max(errors, key=lambda error: len(error["loc"])))) from None
     except RecursionError:
         raise InvalidRequest("the request body is nested too deeply") from None
 
 
 def _message(error: dict) -> str:
     """One pydantic error in the words of this API: the field's dotted path and what it must be."""
-    where = ".".join(str(part) for part in error["loc"])
+    where = ".".join(str(part) for part in error["loc"]  # without the union branch tags pydantic adds
+                     if not (isinstance(part, str) and (part in _BRANCHES or "[" in part)))
     kind = error["type"]
     if kind == "extra_forbidden":
         return f"unknown field {where!r}: this server does not support it"
