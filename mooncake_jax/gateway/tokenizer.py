@@ -304,8 +304,17 @@ def tokenizer_for(model: str | Path, vocab_size: int, kind: str | None = None) -
     """The tokenizer of ``model``: its folder's tokenizer.json; bytes for a preset name (no vocabulary); a folder
     without tokenizer.json is a ValueError unless ``kind`` is "bytes" (then bytes whatever the model).
     ``kind`` may also be a folder or tokenizer.json path to use instead of the model's."""
+    if check_tokenizer_source(model, kind):
+        return HFTokenizer(Path(model if kind is None else kind), vocab_size)
+    return ByteTokenizer(vocab_size)
+
+
+def check_tokenizer_source(model: str | Path, kind: str | None = None) -> bool:
+    """Whether ``tokenizer_for(model, ..., kind)`` will read a tokenizer.json (True) or use bytes (False); a
+    ValueError saying what to do for a model folder without one (cheap: ``serve`` asks before it starts
+    instances)."""
     if kind == BYTES:
-        return ByteTokenizer(vocab_size)
+        return False
     if kind is not None:
         if not Path(kind).exists():
             raise ValueError(f"tokenizer {kind!r}: no such file or folder (give a folder with tokenizer.json, "
@@ -313,14 +322,14 @@ def tokenizer_for(model: str | Path, vocab_size: int, kind: str | None = None) -
         model = kind
     folder = Path(model)
     if folder.is_file() and folder.name.endswith(".json"):
-        return HFTokenizer(folder, vocab_size)
+        return True
     if folder.is_dir():
         if (folder / "tokenizer.json").is_file():
-            return HFTokenizer(folder, vocab_size)
+            return True
         others = sorted(p.name for p in folder.glob("*tokenizer*")) + sorted(p.name for p in folder.glob("*.model"))
         raise ValueError(f"{folder} has no tokenizer.json" + (f" (only {', '.join(dict.fromkeys(others))})"
                                                               if others else "")
                          + ": convert the tokenizer to tokenizer.json (transformers' AutoTokenizer.from_pretrained"
                            "(folder).save_pretrained(folder) writes one), or pass --tokenizer bytes to serve text "
                            "as raw bytes")
-    return ByteTokenizer(vocab_size)
+    return False

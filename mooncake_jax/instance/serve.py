@@ -57,6 +57,9 @@ def run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        from ..gateway.tokenizer import check_tokenizer_source
+
+        check_tokenizer_source(args.model, args.tokenizer)  # before minutes of instance start-up, not after
         service = _coupled(args) if args.coupled else _cluster(args)
     except ValueError as e:
         print(f"mooncake-jax serve: {e}", file=sys.stderr)
