@@ -99,9 +99,10 @@ class Recorder:
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices")
 def test_hooks_run_between_layers_with_one_program_per_stage(model):
-    """With tensor=2 x stages=2: every layer loads (first chunk) before it saves (last chunk), in layer order, and
-    each stage compiles one per-layer program for all its layers."""
-    prompt = np.random.default_rng(1).integers(0, 512, 50).tolist()  # 3 prefix blocks + 2 new (one partial)
+    """With tensor=2 x stages=2: every layer loads (first chunk) before it saves (last chunk), in layer order and in
+    the CPP schedule, the saved KV is the plain engine's, and each stage compiles one per-layer program for all its
+    layers."""
+    prompt = np.random.default_rng(1).integers(0, 512, 70).tolist()  # 3 prefix blocks + 2 new (one partial)
     _, _, want = plain(model, prompt)
     engine = engine_of(model, 2, 2)
     hooks = Recorder(want[:3])
@@ -111,7 +112,13 @@ def test_hooks_run_between_layers_with_one_program_per_stage(model):
     before = steps.layer_step._cache_size()
     engine.prefill(seq, hooks=hooks)
     assert steps.layer_step._cache_size() - before <= 2  # one per stage (shardings differ), not one per layer
-    assert hooks.calls == [(kind, layer) for layer in range(4) for kind in ("load", "save")]
+    loads = [layer for kind, layer in hooks.calls if kind == "load"]
+    saves = [layer for kind, layer in hooks.calls if kind == "save"]
+    assert loads == saves == [0, 1, 2, 3]  # each layer once, in order
+    assert all(hooks.calls.index(("load", l)) < hooks.calls.index(("save", l)) for l in range(4))
+    # CPP order with 2 chunks: stage 0 loads during chunk 0, saves during chunk 1 while stage 1 starts chunk 0
+    assert hooks.calls == [("load", 0), ("load", 1), ("save", 0), ("save", 1),
+                           ("load", 2), ("load", 3), ("save", 2), ("save", 3)]
     for layer in range(4):
         saved = hooks.saved[layer]
         assert saved.shape[1:] == (2, 16, 2, 16) and len(saved) >= 2  # padded to a bucket of pages

@@ -66,8 +66,16 @@ def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
 
 
 def kv_sharding(shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
-    """Sharding of a stage's stacked K or V pages: split over KV heads (replicated if they do not divide)."""
-    return NamedSharding(mesh, spec_for(KV_PAGE_AXES, shape, mesh))
+    """Sharding of a stage's stacked K or V pages: split over KV heads (replicated if they do not divide).
+
+    Trailing unsplit axes are left out of the spec, as jit writes the shardings of its outputs: the cache that
+    comes back from a step then has the very sharding it was allocated with, and the next step hits the same
+    compiled program instead of compiling an equal one a second time.
+    """
+    parts = list(spec_for(KV_PAGE_AXES, shape, mesh))
+    while parts and parts[-1] is None:
+        parts.pop()
+    return NamedSharding(mesh, PartitionSpec(*parts))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
