@@ -7,7 +7,9 @@ allocated) and compiled. The layers run under one ``lax.scan``, so the goal is 8
 (``compile_ratio_80_over_8 <= 2``). A one-layer program is compiled first and not counted, so the 8-layer figure
 carries no one-time start-up cost. Each figure is the fastest of ``--repeats`` compiles (each repeat one more KV
 page, so nothing comes from a cache; the least disturbed by other load on a shared machine). The CPU model is from
-/proc/cpuinfo. Figures are lower + compile seconds (``lower_s_*`` is the tracing part).
+/proc/cpuinfo. Figures are lower + compile seconds (``lower_s_*`` is the tracing part). ``unrolled_compile_s_*``:
+the same programs with the layers unrolled (how the engine runs them on CPU, and how every backend ran them
+before the layers were stacked), for comparison.
 
     python benchmarks/compile.py --json results/compile.json
 """
@@ -36,8 +38,9 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def step_programs(cfg, num_pages: int, chunk: int, ctx_pages: int, batch: int):
-    """(prefill args, decode args) of ``forward_step`` as abstract values for the whole model as one stage."""
+def step_programs(cfg, num_pages: int, chunk: int, ctx_pages: int, batch: int, scan: bool = True):
+    """(prefill args, decode args) of ``forward_step`` as abstract values for the whole model as one stage
+    (layers scanned, or unrolled as the engine runs them on CPU)."""
     import jax
     from flax import nnx
 
@@ -46,7 +49,7 @@ def step_programs(cfg, num_pages: int, chunk: int, ctx_pages: int, batch: int):
     from mooncake_jax.model.llama import Stage, abstract_model
     from mooncake_jax.model.sampling import SamplingInputs
 
-    graphdef, params = nnx.split(Stage(abstract_model(cfg), 0, cfg.n_layers))
+    graphdef, params = nnx.split(Stage(abstract_model(cfg), 0, cfg.n_layers, scan=scan))
     pages = jax.ShapeDtypeStruct(kv_shape(cfg, num_pages, cfg.n_layers), cfg.param_dtype)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32)  # noqa: E731
@@ -79,6 +82,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="decode batch")
     p.add_argument("--num-pages", type=int, default=64, help="KV pages per layer (abstract: nothing allocated)")
     p.add_argument("--repeats", type=int, default=2, help="compiles per figure (the fastest counts)")
+    p.add_argument("--unrolled-layers", default="8,16",
+                   help="layer counts also compiled unrolled (the engine's CPU form, and the form before scanning) "
+                        "for comparison; empty for none (80 unrolled takes minutes)")
     args = p.parse_args()
 
     from tqdm import tqdm
@@ -103,6 +109,14 @@ def main() -> None:
         res[f"lower_s_prefill_{n}_layers"] = round(lower_p, 3)
         res[f"lower_s_decode_{n}_layers"] = round(lower_d, 3)
         res[f"compile_s_{n}_layers"] = round(total_p + total_d, 3)
+    unrolled = [int(x) for x in args.unrolled_layers.split(",") if x]
+    for n in tqdm(unrolled, desc="compile unrolled"):
+        prefill, decode = step_programs(base.replace(n_layers=n), args.num_pages, args.chunk, args.ctx_pages,
+                                        args.batch, scan=False)
+        (_, total_p), (_, total_d) = compile_seconds(prefill), compile_seconds(decode)
+        res[f"unrolled_compile_s_prefill_{n}_layers"] = round(total_p, 3)
+        res[f"unrolled_compile_s_decode_{n}_layers"] = round(total_d, 3)
+        res[f"unrolled_compile_s_{n}_layers"] = round(total_p + total_d, 3)
     first, last = layers[0], layers[-1]
     res[f"compile_ratio_{last}_over_{first}"] = round(res[f"compile_s_{last}_layers"] / res[f"compile_s_{first}_layers"], 3)
     write_json(res, args.json)

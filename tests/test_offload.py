@@ -43,21 +43,24 @@ def plain(model, prompt):
     return logits, seq.output[0], engine.read_blocks(seq.pages)
 
 
-def engine_of(model, tensor, stages):
+def engine_of(model, tensor, stages, scan):
     layout = None if tensor * stages == 1 else MeshLayout(model.cfg, MeshSpec(stages, tensor))
-    return Engine(model, layout=layout, prefill_chunk_size=16)  # several chunks: loads and saves in different ones
+    # several chunks: loads and saves in different ones
+    return Engine(model, layout=layout, prefill_chunk_size=16, scan_layers=scan)
 
 
-@pytest.mark.parametrize("mode", [LAYERWISE, SERIALIZED])
-@pytest.mark.parametrize("tensor, stages", [(1, 1), (2, 2)])
-def test_layerwise_equals_serialized_equals_plain(model, ref, mode, tensor, stages):
+@pytest.mark.parametrize("mode, tensor, stages, scan", [
+    (LAYERWISE, 1, 1, False), (LAYERWISE, 1, 1, True), (LAYERWISE, 2, 2, False), (LAYERWISE, 2, 2, True),
+    (SERIALIZED, 1, 1, False), (SERIALIZED, 2, 2, True)])
+def test_layerwise_equals_serialized_equals_plain(model, ref, mode, tensor, stages, scan):
+    """``scan``: stages hold stacked layers (lax.scan, per-layer program slicing them) or unrolled ones."""
     if tensor * stages > len(jax.devices()):
         pytest.skip(f"needs {tensor * stages} devices")
     rng = np.random.default_rng(0)
     a = rng.integers(0, 512, 40).tolist()
     b = a[:32] + rng.integers(0, 512, 19).tolist()  # shares two full blocks with a
     pool = BlockPool(BlockSpec(model.cfg.block_shape(), np.float32))
-    engine = engine_of(model, tensor, stages)
+    engine = engine_of(model, tensor, stages, scan)
     offload = LayerwisePrefill(engine, mode)
     for prompt, reused in ((a, 0), (b, 2)):
         seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=6))
@@ -98,20 +101,22 @@ class Recorder:
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices")
-def test_hooks_run_between_layers_with_one_program_per_stage(model):
+@pytest.mark.parametrize("scan", [False, True])
+def test_hooks_run_between_layers_with_one_program_per_stage(model, scan):
     """With tensor=2 x stages=2: every layer loads (first chunk) before it saves (last chunk), in layer order and in
     the CPP schedule, the saved KV is the plain engine's, and each stage compiles one per-layer program for all its
     layers."""
     prompt = np.random.default_rng(1).integers(0, 512, 70).tolist()  # 3 prefix blocks + 2 new (one partial)
     _, _, want = plain(model, prompt)
-    engine = engine_of(model, 2, 2)
+    engine = engine_of(model, 2, 2, scan)
+    program = steps.layer_step if scan else steps.layer_apply_step
     hooks = Recorder(want[:3])
     seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=1))
     engine.admit(seq, cached_pages=[])
     seq.cached_tokens = seq.num_computed = 48
-    before = steps.layer_step._cache_size()
+    before = program._cache_size()
     engine.prefill(seq, hooks=hooks)
-    assert steps.layer_step._cache_size() - before <= 2  # one per stage (shardings differ), not one per layer
+    assert program._cache_size() - before <= 2  # one per stage (shardings differ), not one per layer
     loads = [layer for kind, layer in hooks.calls if kind == "load"]
     saves = [layer for kind, layer in hooks.calls if kind == "save"]
     assert loads == saves == [0, 1, 2, 3]  # each layer once, in order

@@ -32,9 +32,31 @@ def test_sharded_engine_equals_single_device(single, tensor, stages):
     check_placement(llm, tensor, stages)
 
 
+def test_scanned_stages_with_tensor_parallelism_equal_single_device(single):
+    """Stacked layers under lax.scan (the GPU/TPU default), each CPP stage scanning its slice of the stack over
+    tensor-parallel devices: same logits and greedy tokens."""
+    from mooncake_jax.model.engine import Engine
+    from mooncake_jax.model.sequence import SamplingParams
+    from mooncake_jax.sharding import MeshLayout
+
+    logits, greedy = single
+    base = mj.LLM("tiny", prefill_chunk_size=CHUNK, num_pages=2)  # only for its model
+    engine = Engine(base.model, layout=MeshLayout(base.config, MeshSpec(2, 2)), prefill_chunk_size=CHUNK,
+                    scan_layers=True)
+    for stage in engine.runner.stages:
+        assert stage.scan and jax.tree.leaves(stage.params["layers"])[0].shape[0] == 2  # its slice of the stack
+    seq = engine.new_sequence(PROMPT, SamplingParams(max_new_tokens=6))
+    engine.admit(seq)
+    got = engine.prefill(seq, all_logits=True)
+    assert np.max(np.abs(got - logits)) / np.max(np.abs(logits)) <= 1e-4
+    while not seq.finished:
+        engine.decode([seq])
+    assert seq.output == greedy[0]
+
+
 # What the rules table says each tiny-model parameter must look like with tensor parallelism over T devices
 # (8 heads, 2 KV heads, MLP 256, vocab 512): KV heads replicate when T > 2, everything big is split.
-# Layer parameters are stacked: their leading "layers" axis is never split.
+# Layer parameters of a scanned stage are stacked: their leading "layers" axis is never split.
 def expected_spec(name, tensor, stacked):
     if tensor == 1:  # a one-device axis splits nothing
         return P(*[None] * len(expected_spec(name, 2, stacked)))
@@ -57,7 +79,7 @@ def check_placement(llm, tensor, stages):
         used |= devices
         for path, leaf in jax.tree_util.tree_leaves_with_path(stage.params):
             keys = [p.key for p in path if hasattr(p, "key")]
-            name, stacked = keys[-1], keys[0] == "layers"
+            name, stacked = keys[-1], keys[0] == "layers" and stage.scan  # unrolled stages: a buffer per layer
             assert set(leaf.sharding.device_set) == devices, name
             if stacked:
                 assert leaf.shape[0] == stage.stop - stage.start, name  # the stage's slice of the layer stack

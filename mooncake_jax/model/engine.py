@@ -59,7 +59,7 @@ class Engine:
 
     def __init__(self, model: Llama, *, num_pages: int | None = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
                  max_batch: int = 32, prefill_chunk_size: int = 512, prefix_caching: bool = True,
-                 layout=None, kv_dtype=None, bucket_factor: int = 2):
+                 layout=None, kv_dtype=None, bucket_factor: int = 2, scan_layers: bool | None = None):
         cfg: ModelConfig = model.cfg
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
@@ -82,7 +82,8 @@ class Engine:
             num_pages = 1 + min(max(kv_cache_bytes // per_page, self.max_pages_per_seq),
                                 max_batch * self.max_pages_per_seq)
         self.layout = layout or SingleDevice(cfg)
-        self.runner = PipelineRunner(model, self.layout, num_pages, kv_dtype)
+        # Layers under lax.scan (compile time flat in depth) or unrolled (faster on XLA:CPU); None: by backend.
+        self.runner = PipelineRunner(model, self.layout, num_pages, kv_dtype, scan=scan_layers)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(self.allocator) if prefix_caching else None
         self._reserved = 0  # pages promised to admitted sequences but not yet allocated

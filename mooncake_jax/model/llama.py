@@ -155,11 +155,27 @@ def _slice_layers(layers: DecoderLayer, start: int, stop: int) -> DecoderLayer:
     """Layers ``start .. stop`` of a stacked module, as a module of their own (abstract leaves stay abstract)."""
     def take(x):
         if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct((stop - start,) + x.shape[1:], x.dtype, sharding=x.sharding)
+            return jax.ShapeDtypeStruct((stop - start,) + x.shape[1:], x.dtype)
         return x[start:stop]
 
     graphdef, state = nnx.split(layers)
     return nnx.merge(graphdef, jax.tree.map(take, state))
+
+
+def _unstack_layers(layers: DecoderLayer, cfg: ModelConfig, start: int, stop: int) -> list[DecoderLayer]:
+    """Layers ``start .. stop`` of a stacked module as plain layers, each with buffers of its own (copies) and the
+    logical axes of an unstacked layer (no ``layers`` axis)."""
+    graphdef, template = nnx.split(nnx.eval_shape(lambda: DecoderLayer(cfg, None)))
+    stacked = nnx.to_pure_dict(nnx.state(layers))
+    out = []
+    for i in range(start, stop):
+        def take(x, i=i):
+            return jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x[i]
+
+        state = jax.tree.map(lambda v: v, template)  # a fresh state to fill
+        nnx.replace_by_pure_dict(state, jax.tree.map(take, stacked))
+        out.append(nnx.merge(graphdef, state))
+    return out
 
 
 class Llama(nnx.Module):
@@ -184,20 +200,31 @@ class Stage(nnx.Module):
 
     The unit a device (group) holds: a single-device engine runs one stage of all layers (sharing the model's
     parameters); a pipeline runs several, passing hidden states between them (each holds its slice of the stack).
+
+    ``scan=True`` keeps the layers stacked and runs them under ``lax.scan`` (compile time flat in depth; the form
+    for GPU/TPU, where a dynamic slice of the stacked weights feeds the matmul directly). ``scan=False`` holds every
+    layer's parameters as buffers of their own (copied out of the stack once) and unrolls the layers: XLA:CPU
+    materialises a dynamic slice of each weight before its matmul, which made a memory-bound decode step of the
+    ``small`` preset about 3x slower scanned than unrolled.
     """
 
-    def __init__(self, model: Llama, start: int, stop: int):
+    def __init__(self, model: Llama, start: int, stop: int, scan: bool = True):
         cfg = model.cfg
         if not 0 <= start < stop <= cfg.n_layers:
             raise ValueError(f"bad layer range [{start}, {stop}) for a model of {cfg.n_layers} layers")
         self.cfg = nnx.static(cfg)
         self.start, self.stop = start, stop
         self.n_layers = stop - start
+        self.scan = scan
         self.is_first, self.is_last = start == 0, stop == cfg.n_layers
         needs_embedding = self.is_first or (self.is_last and cfg.tie_embeddings)
         self.embedding = model.embedding if needs_embedding else None
-        whole = start == 0 and stop == cfg.n_layers
-        self.layers = model.layers if whole else _slice_layers(model.layers, start, stop)
+        if not scan:
+            self.layers = nnx.List(_unstack_layers(model.layers, cfg, start, stop))
+        elif start == 0 and stop == cfg.n_layers:
+            self.layers = model.layers
+        else:
+            self.layers = _slice_layers(model.layers, start, stop)
         self.final_norm = model.final_norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
 
@@ -221,7 +248,10 @@ class Stage(nnx.Module):
         return self.head(x)
 
     def layer(self, layer, x, positions, kv: KVPages, batch: PagedBatch):
-        """Only (stage-local) layer ``layer``, which may be traced: one program serves every layer of the stage."""
+        """Only (stage-local) layer ``layer`` of a scanned stage, which may be traced: one program serves every
+        layer of the stage. (An unrolled stage's runner calls ``layer_apply`` with the layer's own parameters.)"""
+        if not self.scan:
+            raise ValueError("Stage.layer needs the stacked layers of a scanned stage (scan=True)")
         graphdef, params = nnx.split(self.layers)
         params = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, layer, keepdims=False), params)
         return _apply_layer(graphdef, params, layer, x, positions, kv, batch, self.n_layers)
@@ -231,8 +261,20 @@ class Stage(nnx.Module):
 
         ``inputs`` are token ids [B, T] for the first stage, hidden states [B, T, d] for the others.
         """
-        x, kv = stacked_layers(self.layers, self.n_layers, self.embed(inputs), positions, kv, batch)
+        x = self.embed(inputs)
+        if self.scan:
+            x, kv = stacked_layers(self.layers, self.n_layers, x, positions, kv, batch)
+        else:
+            num_pages, block_size = kv[0].shape[1] // self.n_layers, kv[0].shape[2]
+            for i, layer in enumerate(self.layers):
+                x, kv = layer(x, positions, kv, layer_batch(batch, i, num_pages, block_size))
         return self.output(x, logits_index), kv
+
+
+def layer_apply(graphdef, layer_params, layer, x, positions, kv: KVPages, batch: PagedBatch, n_layers: int):
+    """One unstacked layer (``graphdef``/``layer_params`` of a ``DecoderLayer`` without the ``layers`` axis) as
+    stage-local layer ``layer`` (may be traced) of a stacked cache of ``n_layers`` layers. Returns (x, kv)."""
+    return _apply_layer(graphdef, layer_params, layer, x, positions, kv, batch, n_layers)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Llama:

@@ -7,8 +7,9 @@ length; decode is a call with B sequences and T = 1. The KV arrays are donated, 
 JAX user can embed these functions directly: their inputs are the stage's parameter state (``nnx.split``), the
 stage's (K, V) arrays [kv_heads, n_layers * num_pages, block_size, head_dim], int32 arrays and a few statics.
 
-Layer by layer (when layer hooks run between layers): ``embed_step``, then ``layer_step`` once per layer (the
-layer index is a traced argument, so one program serves every layer of a stage), then ``head_step``;
+Layer by layer (when layer hooks run between layers): ``embed_step``, then ``layer_step`` (scanned stage: the layer
+index is a traced argument that slices the stacked parameters) or ``layer_apply_step`` (unrolled stage: the layer's
+own parameters) once per layer, one program for every layer of a stage either way, then ``head_step``;
 ``read_layer`` / ``write_layer`` move one layer's blocks out of and into the stacked cache.
 
 Shapes are bucketed by the caller (powers of two for T, B and the number of context pages) so a serving loop
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .attention import PagedBatch
+from .llama import layer_apply
 from .sampling import GREEDY, SamplingInputs, sample
 
 
@@ -53,6 +55,13 @@ def layer_step(graphdef, params, kv, layer, x, positions, batch: PagedBatch):
     """Stage-local layer ``layer`` (an int32 scalar, traced: one program for every layer) over hidden states ``x``.
     Returns (x, kv)."""
     return nnx.merge(graphdef, params).layer(layer, x, positions, kv, batch)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "n_layers"), donate_argnames=("kv",))
+def layer_apply_step(graphdef, layer_params, kv, layer, x, positions, batch: PagedBatch, n_layers: int):
+    """An unrolled stage's layer: ``graphdef``/``layer_params`` of one unstacked ``DecoderLayer`` as stage-local
+    layer ``layer`` (traced: every layer has the same shapes, so one program serves them all). Returns (x, kv)."""
+    return layer_apply(graphdef, layer_params, layer, x, positions, kv, batch, n_layers)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "mode"))

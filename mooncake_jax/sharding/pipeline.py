@@ -37,8 +37,8 @@ from ..model.kv_cache import allocate_kv, kv_shape
 from ..model.layer_hooks import LayerHooks
 from ..model.llama import Llama, Stage
 from ..model.sampling import SamplingInputs
-from ..model.steps import (embed_step, forward_step, head_step, layer_step, read_blocks, read_layer, write_blocks,
-                           write_layer)
+from ..model.steps import (embed_step, forward_step, head_step, layer_apply_step, layer_step, read_blocks,
+                           read_layer, write_blocks, write_layer)
 
 
 def pipeline_schedule(n_chunks: int, n_stages: int) -> list[list[tuple[int, int]]]:
@@ -71,12 +71,16 @@ class StageRunner:
     """One stage: its slice of the stacked parameters and its layers' stacked KV pages on its devices, and the
     jitted steps over them."""
 
-    def __init__(self, model: Llama, start: int, stop: int, index: int, layout, num_pages: int, kv_dtype=None):
+    def __init__(self, model: Llama, start: int, stop: int, index: int, layout, num_pages: int, kv_dtype=None,
+                 scan: bool = True):
         self.index, self.start, self.stop = index, start, stop
         self.n_layers = stop - start
         self.layout = layout
-        self.graphdef, params = nnx.split(Stage(model, start, stop))
+        self.scan = scan
+        stage = Stage(model, start, stop, scan=scan)
+        self.graphdef, params = nnx.split(stage)
         self.params = layout.place_params(index, params)
+        self.layer_graphdef = None if scan else nnx.split(stage.layers[0])[0]
         cfg = model.cfg
         shape = kv_shape(cfg, num_pages, self.n_layers)
         self.kv = allocate_kv(cfg, num_pages, kv_dtype, layout.kv_sharding(index, shape), n_layers=self.n_layers)
@@ -106,12 +110,21 @@ class StageRunner:
                 if blocks is not None:
                     self.kv = write_layer(self.kv, index, load, place(_pad_rows(blocks, load.shape[0])),
                                           n_layers=self.n_layers)
-            x, self.kv = layer_step(self.graphdef, self.params, self.kv, index, x, positions, batch)
+            if self.scan:
+                x, self.kv = layer_step(self.graphdef, self.params, self.kv, index, x, positions, batch)
+            else:
+                x, self.kv = layer_apply_step(self.layer_graphdef, self.params["layers"][local], self.kv, index, x,
+                                              positions, batch, n_layers=self.n_layers)
             if save is not None:
                 hooks.save_layer(layer, read_layer(self.kv, index, save, n_layers=self.n_layers))
         if self.index < len(self.layout.stage_ranges) - 1:
             return None, x
         return head_step(self.graphdef, self.params, x, logits_index, sampling, mode=step.mode)
+
+
+def default_scan() -> bool:
+    """Whether layers run scanned by default on this backend: on GPU and TPU yes; on CPU no (see ``llama.Stage``)."""
+    return jax.default_backend() != "cpu"
 
 
 def _pad_rows(blocks, n: int):
@@ -127,10 +140,15 @@ def _pad_rows(blocks, n: int):
 
 
 class PipelineRunner:
-    """A model laid out in stages (one for a single device); runs chunks through them in the CPP schedule."""
+    """A model laid out in stages (one for a single device); runs chunks through them in the CPP schedule.
 
-    def __init__(self, model: Llama, layout, num_pages: int, kv_dtype=None):
-        self.stages = [StageRunner(model, start, stop, i, layout, num_pages, kv_dtype)
+    ``scan``: stages run their layers under ``lax.scan`` (see ``llama.Stage``); None chooses by backend: scanned on
+    GPU/TPU, unrolled on CPU (whose matmuls cannot read a slice of the stacked weights in place).
+    """
+
+    def __init__(self, model: Llama, layout, num_pages: int, kv_dtype=None, scan: bool | None = None):
+        self.scan = default_scan() if scan is None else scan
+        self.stages = [StageRunner(model, start, stop, i, layout, num_pages, kv_dtype, self.scan)
                        for i, (start, stop) in enumerate(layout.stage_ranges)]
         self.dispatch_log: list[tuple[int, int, int]] | None = None  # (step, stage, chunk) when recording
 
