@@ -249,28 +249,33 @@ def measure_layerwise_prefill(lengths: tuple[int, ...], repeats: int, prefix_fra
     import mooncake_jax as mj
     from mooncake_jax.model.engine import Engine
     from mooncake_jax.model.sequence import SamplingParams
-    from mooncake_jax.transfer.offload import LAYERWISE, SERIALIZED, LayerwisePrefill, PerLayer
+    from mooncake_jax.transfer.offload import LAYERWISE, SERIALIZED, LayerwisePrefill, pool_prefix, request_keys
 
     model = mj.LLM("small", num_pages=2).model
     cfg = model.cfg
-    engine = Engine(model, layout=PerLayer(cfg), prefill_chunk_size=2048,
-                    num_pages=2 + 2 * max(lengths) // cfg.block_size)
+    engine = Engine(model, prefill_chunk_size=2048, num_pages=2 + 2 * max(lengths) // cfg.block_size)
     pool = BlockPool(BlockSpec(cfg.block_shape(), np.float32))
-    runners = {mode: LayerwisePrefill(engine, pool, mode) for mode in (LAYERWISE, SERIALIZED)}
+    offloads = {mode: LayerwisePrefill(engine, mode) for mode in (LAYERWISE, SERIALIZED)}
+
+    def prefill(mode, seq):  # read the prefix from the pool, prefill, store the new blocks (as an instance does)
+        prefix = pool_prefix(pool, seq, cfg.block_size)
+        _, new_blocks = offloads[mode].prefill(seq, prefix)
+        pool.put_many(request_keys(seq, cfg.block_size)[0 if prefix is None else len(prefix):], new_blocks)
+
     rng = np.random.default_rng(0)
     out: dict = {"model": "small", "prefix_fraction": prefix_fraction, "block_tokens": cfg.block_size}
     for n in tqdm(lengths, desc="layer-wise prefill"):
         prefix = rng.integers(0, cfg.vocab_size, int(n * prefix_fraction) // 16 * 16).tolist()
         warm = engine.new_sequence(prefix + [1], SamplingParams(max_new_tokens=1))
-        runners[SERIALIZED].prefill(warm)  # the prefix blocks land in the pool
+        prefill(SERIALIZED, warm)  # the prefix blocks land in the pool
         engine.release(warm)
         times: dict[str, list[float]] = {LAYERWISE: [], SERIALIZED: []}
         for trial in range(repeats + 1):
-            for mode, runner in runners.items():
+            for mode in offloads:
                 seq = engine.new_sequence(prefix + rng.integers(0, cfg.vocab_size, n - len(prefix)).tolist(),
                                           SamplingParams(max_new_tokens=1))
                 t = time.perf_counter()
-                runner.prefill(seq)
+                prefill(mode, seq)
                 if trial:  # the first round compiles
                     times[mode].append(time.perf_counter() - t)
                 engine.release(seq)

@@ -12,7 +12,8 @@ import numpy as np
 
 
 def hf_tensors_of(model) -> dict[str, np.ndarray]:
-    """Our model's parameters converted to HF names and layouts (test-side conversion)."""
+    """Our model's parameters converted to HF names and layouts (test-side conversion; layer i is row i of the
+    stacked layer parameters)."""
     from flax import nnx
 
     cfg = model.cfg
@@ -22,7 +23,8 @@ def hf_tensors_of(model) -> dict[str, np.ndarray]:
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = f(tree["lm_head"]).T
     for i in range(cfg.n_layers):
-        layer = tree["layers"][i]
+        layer = {part: {name: np.asarray(x)[i] for name, x in params.items()}
+                 for part, params in tree["layers"].items()}
         p = f"model.layers.{i}."
         out[p + "self_attn.q_proj.weight"] = f(layer["attn"]["wq"]).reshape(cfg.d_model, -1).T
         out[p + "self_attn.k_proj.weight"] = f(layer["attn"]["wk"]).reshape(cfg.d_model, -1).T

@@ -72,6 +72,26 @@ def test_chunked_prefill_equals_unchunked(llm, ref, chunk):
     assert rel_err(logits, ref(p)) <= RTOL
 
 
+@pytest.mark.parametrize("scan", [False, True])
+def test_scanned_and_unrolled_layers_match_reference(llm, ref, scan):
+    """Both ways a stage runs its stacked layers (lax.scan, or unrolled with a buffer per layer) prefill in chunks
+    over a cached prefix and decode like the reference."""
+    (p,) = prompts([50], seed=11)
+    engine = Engine(llm.model, prefill_chunk_size=16, scan_layers=scan)
+    assert all(stage.scan == scan for stage in engine.runner.stages)
+    first = engine.new_sequence(p[:40], SamplingParams(max_new_tokens=1))
+    engine.admit(first)
+    assert rel_err(engine.prefill(first, all_logits=True), ref(p[:40])) <= RTOL
+    engine.release(first)
+    seq = engine.new_sequence(p, SamplingParams(max_new_tokens=5))
+    engine.admit(seq)
+    assert seq.cached_tokens == 32
+    engine.prefill(seq)
+    while not seq.finished:
+        engine.decode([seq])
+    assert seq.output == reference_greedy(ref, p, 5)
+
+
 def test_ragged_batch_equals_each_alone(llm):
     ps = prompts([3, 17, 33, 50], seed=4)
     together = llm.generate(ps, max_new_tokens=9)

@@ -32,17 +32,41 @@ def test_sharded_engine_equals_single_device(single, tensor, stages):
     check_placement(llm, tensor, stages)
 
 
+def test_scanned_stages_with_tensor_parallelism_equal_single_device(single):
+    """Stacked layers under lax.scan (the GPU/TPU default), each CPP stage scanning its slice of the stack over
+    tensor-parallel devices: same logits and greedy tokens."""
+    from mooncake_jax.model.engine import Engine
+    from mooncake_jax.model.sequence import SamplingParams
+    from mooncake_jax.sharding import MeshLayout
+
+    logits, greedy = single
+    base = mj.LLM("tiny", prefill_chunk_size=CHUNK, num_pages=2)  # only for its model
+    engine = Engine(base.model, layout=MeshLayout(base.config, MeshSpec(2, 2)), prefill_chunk_size=CHUNK,
+                    scan_layers=True)
+    for stage in engine.runner.stages:
+        assert stage.scan and jax.tree.leaves(stage.params["layers"])[0].shape[0] == 2  # its slice of the stack
+    seq = engine.new_sequence(PROMPT, SamplingParams(max_new_tokens=6))
+    engine.admit(seq)
+    got = engine.prefill(seq, all_logits=True)
+    assert np.max(np.abs(got - logits)) / np.max(np.abs(logits)) <= 1e-4
+    while not seq.finished:
+        engine.decode([seq])
+    assert seq.output == greedy[0]
+
+
 # What the rules table says each tiny-model parameter must look like with tensor parallelism over T devices
 # (8 heads, 2 KV heads, MLP 256, vocab 512): KV heads replicate when T > 2, everything big is split.
-def expected_spec(name, tensor):
+# Layer parameters of a scanned stage are stacked: their leading "layers" axis is never split.
+def expected_spec(name, tensor, stacked):
     if tensor == 1:  # a one-device axis splits nothing
-        return P(*[None] * len(expected_spec(name, 2)))
+        return P(*[None] * len(expected_spec(name, 2, stacked)))
     kv = TENSOR if tensor <= 2 else None
-    return {
+    spec = {
         "embedding": P(TENSOR, None), "lm_head": P(None, TENSOR), "scale": P(None),
         "wq": P(None, TENSOR, None), "wk": P(None, kv, None), "wv": P(None, kv, None), "wo": P(TENSOR, None, None),
         "w_gate": P(None, TENSOR), "w_up": P(None, TENSOR), "w_down": P(TENSOR, None),
     }[name]
+    return P(None, *spec) if stacked else spec
 
 
 def check_placement(llm, tensor, stages):
@@ -54,17 +78,20 @@ def check_placement(llm, tensor, stages):
         assert len(devices) == tensor and not devices & used  # each stage on its own devices
         used |= devices
         for path, leaf in jax.tree_util.tree_leaves_with_path(stage.params):
-            name = [p.key for p in path if hasattr(p, "key")][-1]
+            keys = [p.key for p in path if hasattr(p, "key")]
+            name, stacked = keys[-1], keys[0] == "layers" and stage.scan  # unrolled stages: a buffer per layer
             assert set(leaf.sharding.device_set) == devices, name
+            if stacked:
+                assert leaf.shape[0] == stage.stop - stage.start, name  # the stage's slice of the layer stack
             spec = tuple(leaf.sharding.spec) + (None,) * (leaf.ndim - len(leaf.sharding.spec))
-            assert P(*spec) == expected_spec(name, tensor), (name, leaf.sharding.spec)
+            assert P(*spec) == expected_spec(name, tensor, stacked), (name, leaf.sharding.spec)
             split = [leaf.shape[i] // (tensor if s == TENSOR else 1) for i, s in enumerate(spec)]
             assert leaf.addressable_shards[0].data.shape == tuple(split), name  # really split, not replicated
-        for k, v in stage.kv:
-            kv_split = tensor if tensor <= 2 else 1
-            assert set(k.sharding.device_set) == devices
-            assert k.addressable_shards[0].data.shape[2] == 2 // kv_split  # KV pages split over KV heads
-        assert len(stage.kv) == stage.stop - stage.start  # each stage keeps only its own layers' KV
+        kv_split = tensor if tensor <= 2 else 1
+        for pages in stage.kv:  # stacked K and V: [kv_heads, stage layers * num_pages, block_size, head_dim]
+            assert set(pages.sharding.device_set) == devices
+            assert pages.shape == (2, (stage.stop - stage.start) * llm.engine.num_pages, 16, 16)  # own layers only
+            assert pages.addressable_shards[0].data.shape[0] == 2 // kv_split  # KV pages split over KV heads
 
 
 @pytest.mark.parametrize("chunks, stages", [(1, 1), (3, 3), (5, 2), (2, 4)])

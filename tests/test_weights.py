@@ -143,8 +143,10 @@ def test_orbax_round_trip_is_bit_exact(tmp_path):
 
 def test_dummy_weights_are_deterministic_from_the_seed():
     a, b, c = (init_model(PRESETS["tiny"], seed=s) for s in (5, 5, 6))
-    wa, wb, wc = (np.asarray(m.layers[1].mlp.w_up[...]) for m in (a, b, c))
+    wa, wb, wc = (np.asarray(m.layers.mlp.w_up[...]) for m in (a, b, c))
+    assert wa.shape[0] == 4  # stacked: one row per layer
     assert np.array_equal(wa, wb) and not np.array_equal(wa, wc)
+    assert not np.array_equal(wa[0], wa[1])  # every layer draws its own weights
 
 
 def test_70b_presets_build_abstractly_with_the_paper_sizes():

@@ -26,7 +26,7 @@ import numpy as np
 from ..model.engine import Engine
 from ..model.sequence import Sequence
 from ..transfer.messenger import BlocksNotFoundError, TransferError
-from ..transfer.offload import LayerwisePrefill, request_keys
+from ..transfer.offload import LayerwisePrefill, pool_prefix, request_keys
 from .engine_loop import wait
 from .rpc import InstanceService, messages, rpc, sampling_params, validated
 
@@ -40,8 +40,7 @@ class PrefillService(InstanceService):
         super().__init__(instance, ("prefill_requests", "prefill_prompt_tokens", "prefill_cached_tokens",
                                     "prefill_fetched_blocks", "prefill_pushed_blocks", "prefill_fetch_failures"))
         self._queued_s = 0.0
-        self._layerwise = (LayerwisePrefill(instance.engine, instance.pool)
-                           if instance.config.layerwise else None)
+        self._layerwise = LayerwisePrefill(instance.engine) if instance.config.layerwise else None
 
     def load(self) -> dict:
         with self._lock:
@@ -122,7 +121,10 @@ class PrefillService(InstanceService):
         started["t"] = time.perf_counter()
         pool = self.instance.pool
         if self._layerwise is not None:
-            self._layerwise.prefill(seq)
+            prefix = pool_prefix(pool, seq, engine.block_size)
+            n = 0 if prefix is None else len(prefix)
+            _, new_blocks = self._layerwise.prefill(seq, prefix)
+            pool.put_many(keys[n:], new_blocks)
         else:
             usable = keys[: (len(seq.prompt) - 1) // engine.block_size]
             pages = engine.cached_pages(usable)

@@ -13,7 +13,9 @@ The new tokens' K/V are scattered into their pages (``write_slots``) for later s
 the scratch page 0, which no sequence reads as context (page tables are padded with it, masked by ``ctx_len``).
 
 Shapes: q [B, T, kv_heads, q_per_kv, head_dim]; k_new, v_new [B, T, kv_heads, head_dim];
-k_pages, v_pages [num_pages, block_size, kv_heads, head_dim]; page_table [B, P] int32; ctx_len [B] int32.
+k_pages, v_pages [kv_heads, rows, block_size, head_dim] (head-major, so the tensor-parallel KV-head axis leads; a
+stage stacks its layers' pages as rows, layer l's page p at row l * num_pages + p, and the caller offsets the page
+table and write slots to the layer's rows); page_table [B, P] int32 (absolute rows); ctx_len [B] int32.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ SCRATCH_PAGE = 0
 class PagedBatch(NamedTuple):
     """Where a step's tokens read their context from and write their K/V to (all int32 device arrays)."""
 
-    page_table: jax.Array  # [B, P] pages holding each sequence's cached context, in order
+    page_table: jax.Array  # [B, P] rows (pages) holding each sequence's cached context, in order
     ctx_len: jax.Array  # [B] cached tokens before the first new token
-    write_slots: jax.Array  # [B, T] flat slot (page * block_size + offset) for each new token's K/V
+    write_slots: jax.Array  # [B, T] flat slot (row * block_size + offset) for each new token's K/V
 
 
 def query_block_size(t: int) -> int:
@@ -49,30 +51,30 @@ def query_block_size(t: int) -> int:
 
 
 def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """Scatter ``new`` [B, T, H, D] into ``pages`` [P, bs, H, D] at flat ``slots`` [B, T] (always in bounds:
-    padded tokens point into the scratch page).
+    """Scatter ``new`` [B, T, H, D] into ``pages`` [H, rows, bs, D] at flat ``slots`` [B, T] (always in bounds:
+    padded tokens point into a scratch page).
 
-    Indexed as (page, offset) rather than through a flattened view: XLA turns a one-row scatter into a
+    Indexed as (row, offset) rather than through a flattened view: XLA turns a one-row scatter into a
     flattened view into a dynamic-update-slice that copies the whole cache on CPU.
     """
-    bs = pages.shape[1]
+    bs = pages.shape[2]
     flat_slots = slots.reshape(-1)
-    rows = new.reshape((-1,) + new.shape[2:]).astype(pages.dtype)
-    return pages.at[flat_slots // bs, flat_slots % bs].set(rows, mode="promise_in_bounds")
+    rows = jnp.swapaxes(new.reshape((-1,) + new.shape[2:]), 0, 1).astype(pages.dtype)  # [H, B*T, D]
+    return pages.at[:, flat_slots // bs, flat_slots % bs].set(rows, mode="promise_in_bounds")
 
 
 def gather_context(pages: jax.Array, page_table: jax.Array) -> jax.Array:
-    """The context keys (or values) of each sequence: [B, P * block_size, H, D].
+    """The context keys (or values) of each sequence, head-major: [H, B, P * block_size, D].
 
-    Gathers whole pages as rows of a 2-D view: XLA:CPU copies contiguous rows about 4x faster than it gathers
-    the same bytes from the 4-D array.
+    Gathers only the rows of the page table (never a whole layer), as rows of a 3-D view: XLA:CPU copies
+    contiguous rows about 4x faster than it gathers the same bytes from the 4-D array.
     """
     b, p = page_table.shape
-    n_pages, bs, h, d = pages.shape
-    return pages.reshape(n_pages, bs * h * d)[page_table].reshape(b, p * bs, h, d)
+    h, n_rows, bs, d = pages.shape
+    return pages.reshape(h, n_rows, bs * d)[:, page_table].reshape(h, b, p * bs, d)
 
 
-def _softmax_combine(s_loc, s_ctx, values_loc, values_ctx, weigh):
+def _softmax_combine(s_loc, s_ctx, values_loc, values_ctx, weigh, weigh_ctx=None):
     """Softmax over the local and context scores together (one max, one denominator), applied to their values.
 
     ``weigh(e, values)`` contracts weights with values for the layout at hand; scores are float32, masked entries
@@ -87,7 +89,7 @@ def _softmax_combine(s_loc, s_ctx, values_loc, values_ctx, weigh):
     if s_ctx is not None:
         e_ctx = jnp.exp(s_ctx - m)
         denom = denom + e_ctx.sum(axis=-1, keepdims=True)
-        out = out + weigh(e_ctx.astype(values_ctx.dtype), values_ctx)
+        out = out + (weigh_ctx or weigh)(e_ctx.astype(values_ctx.dtype), values_ctx)
     return out, denom
 
 
@@ -104,7 +106,7 @@ def _one_sequence(q, k_new, v_new, k_ctx, v_ctx, ctx_len):
     _, t, hk, g, d = q.shape
     qb = query_block_size(t)
     if k_ctx is not None:
-        ctx_valid = (jnp.arange(k_ctx.shape[1]) < ctx_len[0])[None, :]
+        ctx_valid = (jnp.arange(k_ctx.shape[2]) < ctx_len[0])[None, :]
     heads = []
     for j in range(hk):
         qj, kj, vj = q[0, :, j].reshape(t * g, d), k_new[0, :, j], v_new[0, :, j]
@@ -116,8 +118,8 @@ def _one_sequence(q, k_new, v_new, k_ctx, v_ctx, ctx_len):
             s_loc = jnp.where(rows[:, None] >= jnp.arange(end)[None, :], _dot(q_blk, kj[:end].T), MASKED)
             s_ctx = v_ctx_j = None
             if k_ctx is not None:
-                s_ctx = jnp.where(ctx_valid, _dot(q_blk, k_ctx[0, :, j].T), MASKED)
-                v_ctx_j = v_ctx[0, :, j]
+                s_ctx = jnp.where(ctx_valid, _dot(q_blk, k_ctx[j, 0].T), MASKED)
+                v_ctx_j = v_ctx[j, 0]
             out, denom = _softmax_combine(s_loc, s_ctx, vj[:end], v_ctx_j, _dot)
             blocks.append((out / denom).reshape(end - start, g, d))
         heads.append(blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=0))
@@ -128,10 +130,13 @@ def _batched(q, k_new, v_new, k_ctx, v_ctx, ctx_len):
     """Attention of B sequences' new tokens with batched products (decode: T = 1 per sequence)."""
     b, t, hk, g, d = q.shape
     qb = query_block_size(t)
-    ctx_valid = None if k_ctx is None else (jnp.arange(k_ctx.shape[1])[None, :] < ctx_len[:, None])
+    ctx_valid = None if k_ctx is None else (jnp.arange(k_ctx.shape[2])[None, :] < ctx_len[:, None])
 
     def weigh(e, values):
         return jnp.einsum("bkgts,bskd->btkgd", e, values, preferred_element_type=jnp.float32)
+
+    def weigh_ctx(e, values):  # the context is head-major [K, B, S, D]
+        return jnp.einsum("bkgts,kbsd->btkgd", e, values, preferred_element_type=jnp.float32)
 
     outs = []
     for start in range(0, t, qb):
@@ -142,9 +147,9 @@ def _batched(q, k_new, v_new, k_ctx, v_ctx, ctx_len):
         s_loc = jnp.where(causal, s_loc, MASKED)
         s_ctx = None
         if k_ctx is not None:
-            s_ctx = jnp.einsum("btkgd,bskd->bkgts", q_blk, k_ctx, preferred_element_type=jnp.float32)
+            s_ctx = jnp.einsum("btkgd,kbsd->bkgts", q_blk, k_ctx, preferred_element_type=jnp.float32)
             s_ctx = jnp.where(ctx_valid[:, None, None, None, :], s_ctx, MASKED)
-        out, denom = _softmax_combine(s_loc, s_ctx, v_new[:, :end], v_ctx, weigh)
+        out, denom = _softmax_combine(s_loc, s_ctx, v_new[:, :end], v_ctx, weigh, weigh_ctx)
         outs.append(out / jnp.transpose(denom, (0, 3, 1, 2, 4)))  # denom [B, K, G, Tb, 1] -> [B, Tb, K, G, 1]
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 

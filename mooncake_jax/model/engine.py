@@ -28,7 +28,8 @@ from .llama import Llama
 from .sampling import SamplingInputs, batch_mode
 from .sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence, validate_prompt
 from ..sharding.layout import SingleDevice
-from ..sharding.pipeline import PipelineRunner, StepInputs
+from ..sharding.pipeline import LayerPages, PipelineRunner, StepInputs
+from .layer_hooks import LayerHooks
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 
@@ -58,7 +59,7 @@ class Engine:
 
     def __init__(self, model: Llama, *, num_pages: int | None = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
                  max_batch: int = 32, prefill_chunk_size: int = 512, prefix_caching: bool = True,
-                 layout=None, kv_dtype=None, bucket_factor: int = 2):
+                 layout=None, kv_dtype=None, bucket_factor: int = 2, scan_layers: bool | None = None):
         cfg: ModelConfig = model.cfg
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
@@ -81,7 +82,8 @@ class Engine:
             num_pages = 1 + min(max(kv_cache_bytes // per_page, self.max_pages_per_seq),
                                 max_batch * self.max_pages_per_seq)
         self.layout = layout or SingleDevice(cfg)
-        self.runner = PipelineRunner(model, self.layout, num_pages, kv_dtype)
+        # Layers under lax.scan (compile time flat in depth) or unrolled (faster on XLA:CPU); None: by backend.
+        self.runner = PipelineRunner(model, self.layout, num_pages, kv_dtype, scan=scan_layers)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(self.allocator) if prefix_caching else None
         self._reserved = 0  # pages promised to admitted sequences but not yet allocated
@@ -207,14 +209,18 @@ class Engine:
         sampling, mode = self._sampling(seqs, rows)
         return StepInputs(tokens, positions, PagedBatch(table, ctx_len, slots), logits_index, sampling, mode)
 
-    def prefill(self, seq: Sequence, all_logits: bool = False, sample: bool = True, execute=None) -> np.ndarray:
+    def prefill(self, seq: Sequence, all_logits: bool = False, sample: bool = True,
+                hooks: LayerHooks | None = None) -> np.ndarray:
         """Compute the prompt's KV after its cached prefix and sample its first token.
 
         The prompt is cut into chunks of at most ``prefill_chunk_size`` tokens, which go through the pipeline stages
         in the CPP schedule. Returns the float32 logits of the last prompt token [V], or of every computed position
         [n, V] with ``all_logits`` (cached prefix positions are not recomputed, so they are not included; with
-        ``all_logits`` the first token is the greedy one). ``execute(steps) -> outputs`` replaces the runner's
-        schedule (the layer-wise offload runs the same steps layer by layer around its host transfers).
+        ``all_logits`` the first token is the greedy one).
+
+        ``hooks`` (``layer_hooks.LayerHooks``): run layer by layer and call them between layers: each layer's KV of
+        the prefix pages (the full blocks before ``seq.num_computed``) comes from ``hooks.wait_for_layer_load``,
+        and the KV of every page this prefill writes goes to ``hooks.save_layer``.
         """
         n, bs, chunk = len(seq.prompt), self.block_size, self.prefill_chunk_size
         start = seq.num_computed
@@ -237,7 +243,12 @@ class Engine:
                                     np.array([start], np.int32), slots, index, [seq], 1))
             lengths.append(t)
             start += t
-        outputs = (execute or self.runner.run)(steps)
+        pages = None
+        if hooks is not None:
+            first = seq.num_computed // bs  # the page the first chunk writes into
+            pages = LayerPages(self.padded_pages(seq.pages[:first]) if first else None,
+                               self.padded_pages(seq.pages[first: num_blocks(n, bs)]))
+        outputs = self.runner.run(steps, hooks, pages)
         seq.num_computed = n
         if all_logits:
             logits = np.concatenate([np.asarray(out[0, :t]) for (_, out), t in zip(outputs, lengths)], axis=0)

@@ -1,7 +1,10 @@
 """The paged KV cache: device page arrays, and the pure-Python managers that hand pages out.
 
-Device side: per layer one K and one V array of shape [num_pages, block_size, kv_heads, head_dim]; page 0 is
-scratch (padded tokens write there, no sequence reads it) and is never handed out.
+Device side: per pipeline stage one K and one V array of shape [kv_heads, n_layers * num_pages, block_size,
+head_dim] (``kv_shape``): layer l (0-based within the stage) owns rows l * num_pages .. (l + 1) * num_pages - 1 and
+its page p is row l * num_pages + p. Head-major, so the tensor-parallel KV-head axis leads and paged-attention
+kernels read it without a transpose. Page 0 of every layer is scratch (padded tokens write there, no sequence reads
+it); the managers below hand out page numbers 1 .. num_pages - 1, the same for every layer.
 
 Host side (plain classes, tested without an accelerator):
 
@@ -140,13 +143,18 @@ class PrefixCache:
         self._pages.clear()
 
 
+def kv_shape(cfg: ModelConfig, num_pages: int, n_layers: int) -> tuple[int, int, int, int]:
+    """Shape of a stage's stacked K (or V) array: [kv_heads, n_layers * num_pages, block_size, head_dim]."""
+    return (cfg.n_kv_heads, n_layers * num_pages, cfg.block_size, cfg.head_dim)
+
+
 def allocate_kv(cfg: ModelConfig, num_pages: int, dtype=None, sharding=None,
-                n_layers: int | None = None) -> list[tuple[jax.Array, jax.Array]]:
-    """Zeroed K and V page arrays for ``n_layers`` layers (all of the model's by default)."""
-    shape = (num_pages, cfg.block_size, cfg.n_kv_heads, cfg.head_dim)
+                n_layers: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Zeroed stacked (K, V) page arrays for ``n_layers`` layers (all of the model's by default)."""
+    shape = kv_shape(cfg, num_pages, cfg.n_layers if n_layers is None else n_layers)
     dt = dtype or cfg.param_dtype
     make = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
-    return [(make(), make()) for _ in range(cfg.n_layers if n_layers is None else n_layers)]
+    return make(), make()
 
 
 def write_slots(pages: Sequence[int], start: int, n: int, block_size: int) -> np.ndarray:

@@ -1,14 +1,19 @@
 """The LLaMA architecture as Flax NNX modules over a paged KV cache.
 
-Every parameter carries its *logical* axis names (``embed``, ``heads``, ``kv_heads``, ``head_dim``, ``mlp``,
-``vocab``) as sharding metadata; ``mooncake_jax.sharding`` maps them to mesh axes with one rules table, so the model
-code never names a mesh axis. Layers are separate modules (not stacked): a pipeline stage or a layer-wise prefill
-takes a contiguous range of them without slicing weights, and each layer's KV pages are their own buffers that a
-jitted step updates in place.
+Every parameter carries its *logical* axis names (``layers``, ``embed``, ``heads``, ``kv_heads``, ``head_dim``,
+``mlp``, ``vocab``) as sharding metadata; ``mooncake_jax.sharding`` maps them to mesh axes with one rules table, so
+the model code never names a mesh axis.
+
+The decoder layers are one stacked module: every layer parameter has a leading ``layers`` axis, and a forward pass
+runs them under ``jax.lax.scan``, so the compiled program holds one layer body whatever the depth (an 80-layer
+model compiles about as fast as an 8-layer one). A pipeline stage takes a contiguous slice of the stack. The KV
+cache of a stage is stacked the same way: one K and one V array [kv_heads, n_layers * num_pages, block_size,
+head_dim], layer l's page p at row l * num_pages + p; the scan carries both arrays and each layer offsets the page
+table and write slots by l * num_pages, so a layer reads only its own context rows.
 
 The forward pass runs over a ``Stage`` (a contiguous layer range, with the embedding if first and the head if last)
-so that a single-device engine (one stage of all layers), pipeline stages and layer-wise offload compose the same
-pieces.
+so that a single-device engine (one stage of all layers), pipeline stages and layer-by-layer execution (layer hooks,
+``Stage.layer``: one compiled program whose layer index is a traced argument) compose the same pieces.
 """
 
 from __future__ import annotations
@@ -24,11 +29,17 @@ from .config import ModelConfig
 from .rope import apply_rope, inverse_frequencies
 
 KVPages = tuple[jax.Array, jax.Array]
-"""One layer's (K pages, V pages), each [num_pages, block_size, kv_heads, head_dim]."""
+"""A stage's (K pages, V pages), each [kv_heads, n_layers * num_pages, block_size, head_dim] (a single layer's
+view inside the scan is the same arrays with the page table offset to its rows)."""
 
 
-def _param(rngs: nnx.Rngs | None, shape, axes, dtype, std: float | None) -> nnx.Param:
-    """A parameter with logical axis names; ``std=None`` means ones (norm scales); ``rngs=None`` zeros."""
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, std: float | None, stack: int | None = None) -> nnx.Param:
+    """A parameter with logical axis names; ``std=None`` means ones (norm scales); ``rngs=None`` zeros.
+
+    ``stack``: a leading ``layers`` axis of that size (the parameter of every layer of a stacked layer module).
+    """
+    if stack is not None:
+        shape, axes = (stack,) + tuple(shape), ("layers",) + tuple(axes)
     if std is None:
         value = jnp.ones(shape, dtype)
     elif rngs is None:
@@ -39,8 +50,8 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, std: float | None) -> nnx.
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
-        self.scale = _param(None, (dim,), ("embed",), dtype, None)
+    def __init__(self, dim: int, eps: float, dtype, stack: int | None = None):
+        self.scale = _param(None, (dim,), ("embed",), dtype, None, stack)
         self.eps = eps
 
     def __call__(self, x):
@@ -52,13 +63,13 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     """Grouped-query attention: ``n_heads`` query heads share ``n_kv_heads`` K/V heads in groups."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None, stack: int | None = None):
         d, h, kv, hd, dt = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
         std_in, std_out = 1.0 / math.sqrt(d), 1.0 / math.sqrt(h * hd)
-        self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), dt, std_in)
-        self.wk = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), dt, std_in)
-        self.wv = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), dt, std_in)
-        self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), dt, std_out)
+        self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), dt, std_in, stack)
+        self.wk = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), dt, std_in, stack)
+        self.wv = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), dt, std_in, stack)
+        self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), dt, std_out, stack)
         self.n_kv_heads, self.q_per_kv, self.head_dim = kv, cfg.q_per_kv, hd
         self.inv_freq = nnx.static(tuple(inverse_frequencies(cfg).tolist()))
 
@@ -83,11 +94,11 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None, stack: int | None = None):
         d, f, dt = cfg.d_model, cfg.ffn_dim, cfg.param_dtype
-        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), dt, 1.0 / math.sqrt(d))
-        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), dt, 1.0 / math.sqrt(d))
-        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), dt, 1.0 / math.sqrt(f))
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), dt, 1.0 / math.sqrt(d), stack)
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), dt, 1.0 / math.sqrt(d), stack)
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), dt, 1.0 / math.sqrt(f), stack)
 
     def __call__(self, x):
         gate = jnp.einsum("btd,df->btf", x, self.w_gate[...])
@@ -96,17 +107,75 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
-        self.attn = Attention(cfg, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
-        self.mlp = MLP(cfg, rngs)
+    """One decoder layer; built with ``stack=n`` it holds the parameters of ``n`` layers (leading ``layers`` axis),
+    and ``stacked_layers`` runs them under a scan (the body sees one layer's slice)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None, stack: int | None = None):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, stack)
+        self.attn = Attention(cfg, rngs, stack)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, stack)
+        self.mlp = MLP(cfg, rngs, stack)
 
     def __call__(self, x, positions, kv: KVPages, batch: PagedBatch):
         h, kv = self.attn(self.attn_norm(x), positions, kv, batch)
         x = x + h
         x = x + self.mlp(self.mlp_norm(x))
         return x, kv
+
+
+def layer_batch(batch: PagedBatch, layer, num_pages: int, block_size: int) -> PagedBatch:
+    """``batch`` moved to the rows of (stage-local) ``layer`` in a stacked cache of ``num_pages`` pages per layer.
+
+    Padding entries (scratch page 0) land on the layer's own scratch row, which no sequence reads either.
+    """
+    offset = layer * num_pages
+    return PagedBatch(batch.page_table + offset, batch.ctx_len, batch.write_slots + offset * block_size)
+
+
+def _apply_layer(graphdef, layer_params, layer, x, positions, kv: KVPages, batch: PagedBatch, n_layers: int):
+    """Layer ``layer`` (its parameter slice ``layer_params``) over the stacked cache ``kv`` of ``n_layers``."""
+    num_pages, block_size = kv[0].shape[1] // n_layers, kv[0].shape[2]
+    return nnx.merge(graphdef, layer_params)(x, positions, kv, layer_batch(batch, layer, num_pages, block_size))
+
+
+def stacked_layers(layers: DecoderLayer, n_layers: int, x, positions, kv: KVPages, batch: PagedBatch):
+    """Run the ``n_layers`` stacked ``layers`` over ``x`` under ``lax.scan``; returns (x, updated stacked KV)."""
+    graphdef, params = nnx.split(layers)
+
+    def body(carry, layer_params):
+        x, k, v, layer = carry
+        x, (k, v) = _apply_layer(graphdef, layer_params, layer, x, positions, (k, v), batch, n_layers)
+        return (x, k, v, layer + 1), None
+
+    (x, k, v, _), _ = jax.lax.scan(body, (x, kv[0], kv[1], jnp.int32(0)), params)
+    return x, (k, v)
+
+
+def _slice_layers(layers: DecoderLayer, start: int, stop: int) -> DecoderLayer:
+    """Layers ``start .. stop`` of a stacked module, as a module of their own (abstract leaves stay abstract)."""
+    def take(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((stop - start,) + x.shape[1:], x.dtype)
+        return x[start:stop]
+
+    graphdef, state = nnx.split(layers)
+    return nnx.merge(graphdef, jax.tree.map(take, state))
+
+
+def _unstack_layers(layers: DecoderLayer, cfg: ModelConfig, start: int, stop: int) -> list[DecoderLayer]:
+    """Layers ``start .. stop`` of a stacked module as plain layers, each with buffers of its own (copies) and the
+    logical axes of an unstacked layer (no ``layers`` axis)."""
+    graphdef, template = nnx.split(nnx.eval_shape(lambda: DecoderLayer(cfg, None)))
+    stacked = nnx.to_pure_dict(nnx.state(layers))
+    out = []
+    for i in range(start, stop):
+        def take(x, i=i):
+            return jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x[i]
+
+        state = jax.tree.map(lambda v: v, template)  # a fresh state to fill
+        nnx.replace_by_pure_dict(state, jax.tree.map(take, stacked))
+        out.append(nnx.merge(graphdef, state))
+    return out
 
 
 class Llama(nnx.Module):
@@ -116,12 +185,12 @@ class Llama(nnx.Module):
         d, v, dt = cfg.d_model, cfg.vocab_size, cfg.param_dtype
         self.cfg = nnx.static(cfg)
         self.embedding = _param(rngs, (v, d), ("vocab", "embed"), dt, 1.0)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.layers = DecoderLayer(cfg, rngs, stack=cfg.n_layers)
         self.final_norm = RMSNorm(d, cfg.norm_eps, dt)
         self.lm_head = None if cfg.tie_embeddings else _param(rngs, (d, v), ("embed", "vocab"), dt,
                                                                1.0 / math.sqrt(d))
 
-    def __call__(self, tokens, positions, kv: list[KVPages], batch: PagedBatch, logits_index=None):
+    def __call__(self, tokens, positions, kv: KVPages, batch: PagedBatch, logits_index=None):
         """Full forward. ``logits_index`` [B] picks one position per sequence (None: logits at every position)."""
         return Stage(self, 0, self.cfg.n_layers)(tokens, positions, kv, batch, logits_index)
 
@@ -129,22 +198,39 @@ class Llama(nnx.Module):
 class Stage(nnx.Module):
     """Layers ``start .. stop`` of a model, with the embedding if it is the first stage and the head if the last.
 
-    The unit a device (group) holds: a single-device engine runs one stage of all layers; a pipeline runs several,
-    passing hidden states between them. It shares the model's parameters (no copies).
+    The unit a device (group) holds: a single-device engine runs one stage of all layers (sharing the model's
+    parameters); a pipeline runs several, passing hidden states between them (each holds its slice of the stack).
+
+    ``scan=True`` keeps the layers stacked and runs them under ``lax.scan`` (compile time flat in depth; the form
+    for GPU/TPU, where a dynamic slice of the stacked weights feeds the matmul directly). ``scan=False`` holds every
+    layer's parameters as buffers of their own (copied out of the stack once) and unrolls the layers: XLA:CPU
+    materialises a dynamic slice of each weight before its matmul, which made a memory-bound decode step of the
+    ``small`` preset about 3x slower scanned than unrolled.
     """
 
-    def __init__(self, model: Llama, start: int, stop: int):
+    def __init__(self, model: Llama, start: int, stop: int, scan: bool = True):
         cfg = model.cfg
         if not 0 <= start < stop <= cfg.n_layers:
             raise ValueError(f"bad layer range [{start}, {stop}) for a model of {cfg.n_layers} layers")
         self.cfg = nnx.static(cfg)
         self.start, self.stop = start, stop
+        self.n_layers = stop - start
+        self.scan = scan
         self.is_first, self.is_last = start == 0, stop == cfg.n_layers
         needs_embedding = self.is_first or (self.is_last and cfg.tie_embeddings)
         self.embedding = model.embedding if needs_embedding else None
-        self.layers = nnx.List(list(model.layers[start:stop]))
+        if not scan:
+            self.layers = nnx.List(_unstack_layers(model.layers, cfg, start, stop))
+        elif start == 0 and stop == cfg.n_layers:
+            self.layers = model.layers
+        else:
+            self.layers = _slice_layers(model.layers, start, stop)
         self.final_norm = model.final_norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
+
+    def embed(self, inputs):
+        """The first stage's hidden states of token ids [B, T]; other stages' inputs are hidden states already."""
+        return jnp.take(self.embedding[...], inputs, axis=0) if self.is_first else inputs
 
     def head(self, x):
         """Logits (float32) of hidden states ``x`` [..., d]."""
@@ -153,21 +239,42 @@ class Stage(nnx.Module):
             return jnp.einsum("...d,vd->...v", x, self.embedding[...], preferred_element_type=jnp.float32)
         return jnp.einsum("...d,dv->...v", x, self.lm_head[...], preferred_element_type=jnp.float32)
 
-    def __call__(self, inputs, positions, kv: list[KVPages], batch: PagedBatch, logits_index=None):
-        """(hidden states, or logits if last stage; this stage's updated KV pages).
+    def output(self, x, logits_index=None):
+        """What the stage hands on: hidden states, or (last stage) logits at ``logits_index`` [B] (None: all)."""
+        if not self.is_last:
+            return x
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
+        return self.head(x)
+
+    def layer(self, layer, x, positions, kv: KVPages, batch: PagedBatch):
+        """Only (stage-local) layer ``layer`` of a scanned stage, which may be traced: one program serves every
+        layer of the stage. (An unrolled stage's runner calls ``layer_apply`` with the layer's own parameters.)"""
+        if not self.scan:
+            raise ValueError("Stage.layer needs the stacked layers of a scanned stage (scan=True)")
+        graphdef, params = nnx.split(self.layers)
+        params = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, layer, keepdims=False), params)
+        return _apply_layer(graphdef, params, layer, x, positions, kv, batch, self.n_layers)
+
+    def __call__(self, inputs, positions, kv: KVPages, batch: PagedBatch, logits_index=None):
+        """(hidden states, or logits if last stage; this stage's updated stacked KV).
 
         ``inputs`` are token ids [B, T] for the first stage, hidden states [B, T, d] for the others.
         """
-        x = jnp.take(self.embedding[...], inputs, axis=0) if self.is_first else inputs
-        new_kv = []
-        for layer, layer_kv in zip(self.layers, kv):
-            x, layer_kv = layer(x, positions, layer_kv, batch)
-            new_kv.append(layer_kv)
-        if not self.is_last:
-            return x, new_kv
-        if logits_index is not None:
-            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-        return self.head(x), new_kv
+        x = self.embed(inputs)
+        if self.scan:
+            x, kv = stacked_layers(self.layers, self.n_layers, x, positions, kv, batch)
+        else:
+            num_pages, block_size = kv[0].shape[1] // self.n_layers, kv[0].shape[2]
+            for i, layer in enumerate(self.layers):
+                x, kv = layer(x, positions, kv, layer_batch(batch, i, num_pages, block_size))
+        return self.output(x, logits_index), kv
+
+
+def layer_apply(graphdef, layer_params, layer, x, positions, kv: KVPages, batch: PagedBatch, n_layers: int):
+    """One unstacked layer (``graphdef``/``layer_params`` of a ``DecoderLayer`` without the ``layers`` axis) as
+    stage-local layer ``layer`` (may be traced) of a stacked cache of ``n_layers`` layers. Returns (x, kv)."""
+    return _apply_layer(graphdef, layer_params, layer, x, positions, kv, batch, n_layers)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Llama:

@@ -1,11 +1,16 @@
 """Pure, jitted step functions over pytrees: the engine's whole device-side contract.
 
 ``forward_step(graphdef, params, kv, inputs, positions, batch, logits_index, sampling, mode)`` runs T new tokens of
-B sequences through one stage of the model over its paged KV cache and returns (next tokens, logits or hidden
-states, updated KV). Prefill is a call with one sequence and T = chunk length; decode is a call with B sequences
-and T = 1. The KV pages are donated, so XLA updates them in place. A JAX user can embed these functions
-directly: their inputs are the stage's parameter state (``nnx.split``), a list of per-layer (K, V) page arrays,
-int32 arrays and a few statics.
+B sequences through one stage of the model (its layers under one ``lax.scan``) over its stacked paged KV cache and
+returns (next tokens, logits or hidden states, updated KV). Prefill is a call with one sequence and T = chunk
+length; decode is a call with B sequences and T = 1. The KV arrays are donated, so XLA updates them in place. A
+JAX user can embed these functions directly: their inputs are the stage's parameter state (``nnx.split``), the
+stage's (K, V) arrays [kv_heads, n_layers * num_pages, block_size, head_dim], int32 arrays and a few statics.
+
+Layer by layer (when layer hooks run between layers): ``embed_step``, then ``layer_step`` (scanned stage: the layer
+index is a traced argument that slices the stacked parameters) or ``layer_apply_step`` (unrolled stage: the layer's
+own parameters) once per layer, one program for every layer of a stage either way, then ``head_step``;
+``read_layer`` / ``write_layer`` move one layer's blocks out of and into the stacked cache.
 
 Shapes are bucketed by the caller (powers of two for T, B and the number of context pages) so a serving loop
 compiles a handful of variants, not one per request.
@@ -20,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .attention import PagedBatch
+from .llama import layer_apply
 from .sampling import GREEDY, SamplingInputs, sample
 
 
@@ -38,18 +44,75 @@ def forward_step(graphdef, params, kv, inputs, positions, batch: PagedBatch, log
     return next_tokens, out, kv
 
 
-@partial(jax.jit, donate_argnames=("kv",))
-def write_blocks(kv, pages, blocks):
-    """Write whole blocks [n, layers, 2, block_size, kv_heads, head_dim] into ``pages`` [n] of the layers
-    in ``kv`` (KV arriving from the pool or another instance)."""
-    out = []
-    for layer, (k, v) in enumerate(kv):
-        out.append((k.at[pages].set(blocks[:, layer, 0].astype(k.dtype)),
-                    v.at[pages].set(blocks[:, layer, 1].astype(v.dtype))))
-    return out
+@partial(jax.jit, static_argnames=("graphdef",))
+def embed_step(graphdef, params, inputs):
+    """The stage's input hidden states (token embeddings on the first stage, ``inputs`` unchanged elsewhere)."""
+    return nnx.merge(graphdef, params).embed(inputs)
 
 
-@jax.jit
-def read_blocks(kv, pages):
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("kv",))
+def layer_step(graphdef, params, kv, layer, x, positions, batch: PagedBatch):
+    """Stage-local layer ``layer`` (an int32 scalar, traced: one program for every layer) over hidden states ``x``.
+    Returns (x, kv)."""
+    return nnx.merge(graphdef, params).layer(layer, x, positions, kv, batch)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "n_layers"), donate_argnames=("kv",))
+def layer_apply_step(graphdef, layer_params, kv, layer, x, positions, batch: PagedBatch, n_layers: int):
+    """An unrolled stage's layer: ``graphdef``/``layer_params`` of one unstacked ``DecoderLayer`` as stage-local
+    layer ``layer`` (traced: every layer has the same shapes, so one program serves them all). Returns (x, kv)."""
+    return layer_apply(graphdef, layer_params, layer, x, positions, kv, batch, n_layers)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "mode"))
+def head_step(graphdef, params, x, logits_index, sampling: SamplingInputs, mode: str = GREEDY):
+    """(next_tokens or None, output) of the stage's last layer's hidden states, as ``forward_step`` returns them."""
+    stage = nnx.merge(graphdef, params)
+    out = stage.output(x, logits_index)
+    next_tokens = sample(out, sampling, mode) if stage.is_last and logits_index is not None else None
+    return next_tokens, out
+
+
+def _rows(kv, pages, n_layers: int):
+    """Rows [n_layers, n] of ``pages`` in every layer of a stacked cache."""
+    num_pages = kv[0].shape[1] // n_layers
+    return jnp.arange(n_layers, dtype=jnp.int32)[:, None] * num_pages + pages[None, :]
+
+
+@partial(jax.jit, static_argnames=("n_layers",), donate_argnames=("kv",))
+def write_blocks(kv, pages, blocks, n_layers: int):
+    """Write whole blocks [n, layers, 2, block_size, kv_heads, head_dim] into ``pages`` [n] of every layer of the
+    stacked cache ``kv`` of ``n_layers`` layers (KV arriving from the pool or another instance)."""
+    rows = _rows(kv, pages, n_layers)
+    k, v = kv
+    # [n, L, bs, H, D] -> [H, L, n, bs, D], the layout of k[:, rows]
+    k = k.at[:, rows].set(jnp.transpose(blocks[:, :, 0], (3, 1, 0, 2, 4)).astype(k.dtype))
+    v = v.at[:, rows].set(jnp.transpose(blocks[:, :, 1], (3, 1, 0, 2, 4)).astype(v.dtype))
+    return k, v
+
+
+@partial(jax.jit, static_argnames=("n_layers",))
+def read_blocks(kv, pages, n_layers: int):
     """Whole blocks [n, layers, 2, block_size, kv_heads, head_dim] of ``pages`` [n] (KV leaving for the pool)."""
-    return jnp.stack([jnp.stack([k[pages], v[pages]], axis=1) for k, v in kv], axis=1)
+    rows = _rows(kv, pages, n_layers)
+    both = jnp.stack([kv[0][:, rows], kv[1][:, rows]])  # [2, H, L, n, bs, D]
+    return jnp.transpose(both, (3, 2, 0, 4, 1, 5))
+
+
+@partial(jax.jit, static_argnames=("n_layers",), donate_argnames=("kv",))
+def write_layer(kv, layer, pages, blocks, n_layers: int):
+    """Write one layer's blocks [n, 2, block_size, kv_heads, head_dim] into ``pages`` [n] of stage-local
+    ``layer`` (traced)."""
+    rows = layer * (kv[0].shape[1] // n_layers) + pages
+    k, v = kv
+    k = k.at[:, rows].set(jnp.transpose(blocks[:, 0], (2, 0, 1, 3)).astype(k.dtype))
+    v = v.at[:, rows].set(jnp.transpose(blocks[:, 1], (2, 0, 1, 3)).astype(v.dtype))
+    return k, v
+
+
+@partial(jax.jit, static_argnames=("n_layers",))
+def read_layer(kv, layer, pages, n_layers: int):
+    """One layer's blocks [n, 2, block_size, kv_heads, head_dim] of ``pages`` [n] (stage-local ``layer``, traced)."""
+    rows = layer * (kv[0].shape[1] // n_layers) + pages
+    both = jnp.stack([kv[0][:, rows], kv[1][:, rows]])  # [2, H, n, bs, D]
+    return jnp.transpose(both, (2, 0, 3, 1, 4))

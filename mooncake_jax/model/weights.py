@@ -1,9 +1,11 @@
 """Weights: import a local Hugging Face ``LlamaForCausalLM`` folder; save and restore with orbax-checkpoint.
 
 HF stores projections as ``[out_features, in_features]``; the model keeps einsum-friendly layouts with explicit
-head axes (``wq [embed, heads, head_dim]``, ``wo [heads, head_dim, embed]``, ...). ``HF_LAYOUT`` is the one
-table of name and layout correspondences; loading reads each tensor once, checks its shape, and builds the model
-state without first materialising dummy weights.
+head axes (``wq [embed, heads, head_dim]``, ``wo [heads, head_dim, embed]``, ...), and stacks the decoder layers
+(``layers.attn.wq [n_layers, embed, heads, head_dim]``: HF's ``model.layers.{i}.*`` is row i). ``LAYER_LAYOUT`` and
+``TOP_LAYOUT`` are the one table of name and layout correspondences; loading reads each tensor once, checks its
+shape, writes it into its row of the stacked parameter in place, and builds the model state without first
+materialising dummy weights.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -62,17 +65,22 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Buffers some older checkpoints carry; recomputed from the config."""
 
 
-def hf_layout(cfg: ModelConfig) -> dict[str, tuple[tuple, Transform]]:
-    """HF tensor name -> (path in the model state, layout transform) for every tensor ``cfg`` needs."""
+def hf_layout(cfg: ModelConfig) -> dict[str, tuple[tuple, Transform, int | None]]:
+    """HF tensor name -> (path in the model state, layout transform, row of the stacked layer parameter or None)
+    for every tensor ``cfg`` needs."""
     layout = {}
     for name, (path, fn) in TOP_LAYOUT.items():
         if name == "lm_head.weight" and cfg.tie_embeddings:
             continue
-        layout[name] = (path, fn)
+        layout[name] = (path, fn, None)
     for i in range(cfg.n_layers):
         for name, (path, fn) in LAYER_LAYOUT.items():
-            layout[f"model.layers.{i}.{name}"] = (("layers", i) + path, fn)
+            layout[f"model.layers.{i}.{name}"] = (("layers",) + path, fn, i)
     return layout
+
+
+_set_row_in_place = jax.jit(lambda stacked, row, value: stacked.at[row].set(value), donate_argnums=0)
+"""One layer's tensor into its row of a stacked parameter, updating the buffer in place (no second copy)."""
 
 
 def _set(tree: dict, path: tuple, value) -> None:
@@ -94,7 +102,8 @@ def load_hf(path: str | Path, cfg: ModelConfig | None = None, dtype: str | None 
     abstract = abstract_model(cfg)
     graphdef, state = nnx.split(abstract)
     tree = nnx.to_pure_dict(state)
-    expected_shapes = {name: _get(tree, p).shape for name, (p, _) in layout.items()}
+    expected_shapes = {name: _get(tree, p).shape[0 if row is None else 1:] for name, (p, _, row) in layout.items()}
+    stacked: dict[tuple, jax.Array] = {}  # path -> the stacked parameter being filled
     found, unexpected = set(), []
     for file in files:
         try:
@@ -108,7 +117,7 @@ def load_hf(path: str | Path, cfg: ModelConfig | None = None, dtype: str | None 
                 if name not in layout:
                     unexpected.append(name)
                     continue
-                p, fn = layout[name]
+                p, fn, row = layout[name]
                 raw = f.get_tensor(name)
                 try:
                     value = fn(raw, cfg)
@@ -117,7 +126,12 @@ def load_hf(path: str | Path, cfg: ModelConfig | None = None, dtype: str | None 
                 if value is None or value.shape != expected_shapes[name]:
                     raise ValueError(f"{file.name}: tensor {name} has shape {tuple(raw.shape)}, which does not "
                                      f"match config.json (expected a tensor laid out as {expected_shapes[name]})")
-                _set(tree, p, jnp.asarray(value, cfg.param_dtype))
+                if row is None:
+                    _set(tree, p, jnp.asarray(value, cfg.param_dtype))
+                else:
+                    if p not in stacked:
+                        stacked[p] = jnp.zeros(_get(tree, p).shape, cfg.param_dtype)
+                    stacked[p] = _set_row_in_place(stacked[p], row, jnp.asarray(value, cfg.param_dtype))
                 found.add(name)
     missing = sorted(set(layout) - found)
     if missing:
@@ -126,6 +140,8 @@ def load_hf(path: str | Path, cfg: ModelConfig | None = None, dtype: str | None 
     if unexpected:
         raise ValueError(f"checkpoint in {path} has tensors a LlamaForCausalLM of this config does not: "
                          f"{sorted(unexpected)[:5]}")
+    for p, value in stacked.items():
+        _set(tree, p, value)
     nnx.replace_by_pure_dict(state, tree)
     return nnx.merge(graphdef, state)
 

@@ -18,21 +18,20 @@ from .mesh import TENSOR
 
 LOGICAL_AXIS_RULES: dict[str, str | None] = {
     # parameters
+    "layers": None,  # the stacked layer axis: a stage holds its layers' slice whole (stages are split by the runner)
     "vocab": TENSOR,
     "embed": None,
     "heads": TENSOR,
     "kv_heads": TENSOR,
     "head_dim": None,
     "mlp": TENSOR,
-    # KV pages [pages, page_slots, kv_heads, head_dim]
-    "pages": None,
-    "page_slots": None,
 }
 
 REPLICABLE = frozenset({"kv_heads"})
 """Logical axes that fall back to replication when the mesh axis does not divide them."""
 
-KV_PAGE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
+KV_PAGE_AXES = ("kv_heads", None, None, "head_dim")
+"""Logical axes of a stage's stacked K or V pages [kv_heads, n_layers * num_pages, block_size, head_dim]."""
 
 
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
@@ -67,8 +66,16 @@ def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
 
 
 def kv_sharding(shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
-    """Sharding of one layer's K or V pages: split over KV heads (replicated if they do not divide)."""
-    return NamedSharding(mesh, spec_for(KV_PAGE_AXES, shape, mesh))
+    """Sharding of a stage's stacked K or V pages: split over KV heads (replicated if they do not divide).
+
+    Trailing unsplit axes are left out of the spec, as jit writes the shardings of its outputs: the cache that
+    comes back from a step then has the very sharding it was allocated with, and the next step hits the same
+    compiled program instead of compiling an equal one a second time.
+    """
+    parts = list(spec_for(KV_PAGE_AXES, shape, mesh))
+    while parts and parts[-1] is None:
+        parts.pop()
+    return NamedSharding(mesh, PartitionSpec(*parts))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -1,58 +1,43 @@
-"""Layer-wise prefill: prefix KV loaded from the host pool and new KV stored to it, layer by layer, overlapping
-the compute (Mooncake's layer-wise prefill).
+"""Layer-wise prefill: prefix KV written into the device layer by layer, new KV stored to host layer by layer,
+overlapping the compute (Mooncake's layer-wise prefill), on top of the engine's layer hooks.
 
-Around the engine's per-layer prefill (an engine laid out with one stage per layer, ``per_layer_layout``):
+The engine runs the prompt layer by layer in whatever layout it has (single device, tensor parallel, CPP stages,
+both) and calls the hooks of ``model.layer_hooks`` between layers:
 
-    for layer l:  start loading layer l+1's prefix KV host -> device        (asynchronous)
-                  write layer l's prefix KV (loaded during layer l-1) into its pages
-                  run every chunk of the prompt through layer l
-                  start storing layer l's new KV device -> host           (asynchronous, not waited for)
-    at the end:   wait for all stores, assemble whole blocks, put them in the pool
+    before layer l:  its prefix KV (host blocks of the prompt's leading cached blocks) into the layer's pages
+                     (the host -> device copy of layer l is dispatched while layer l - 1 computes)
+    after layer l:   its new KV starts to the host (``device_put`` to ``pinned_host`` where the backend has it,
+                     ``copy_to_host_async`` elsewhere); nothing waits for it until the prefill is done
+    at the end:      the stored layers are assembled into whole blocks for the caller
 
-so prefill time approaches max(load, compute, store) instead of their sum, and the device holds the prefix KV of one
-layer at a time on its way in. ``serialized`` mode does the same work without overlap (load everything, compute,
-then read and store everything) for comparison; both give the same tokens, logits and stored blocks as the plain
-engine.
+so prefill time approaches max(load, compute, store) instead of their sum, and nothing stands between two layers
+but the dispatch of their copies. ``SERIALIZED`` mode does the same work without overlap (write every prefix block,
+run the ordinary scanned prefill, then read the new blocks) for comparison; both give the same tokens, logits and
+blocks as the plain engine.
 
-Host memory: where the device has a ``pinned_host`` memory kind (CPU, GPU), stores go to it with ``device_put``;
-elsewhere ``copy_to_host_async`` starts the copy. Either way nothing waits until the end.
+No pool I/O happens here: the caller reads the prefix blocks (``pool_prefix``) and stores the returned new blocks,
+on whatever thread it likes.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
-from ..blocks import BlockKey, block_keys, tail_key
+from ..blocks import BlockKey, block_keys, num_blocks, tail_key
 from ..model.engine import Engine
 from ..model.sequence import Sequence
-from ..model.steps import read_blocks, write_blocks
 from ..sharding.layout import SingleDevice
-from .pool import BlockPool
 
 LAYERWISE, SERIALIZED = "layerwise", "serialized"
 
 
-class PerLayer(SingleDevice):
-    """All layers on the default device, one stage each, so a prefill can stop between layers."""
-
-    def __init__(self, cfg):
-        self.stage_ranges = [(layer, layer + 1) for layer in range(cfg.n_layers)]
-
-
-def _host_sharding():
-    device = jax.devices()[0]
-    kinds = {m.kind for m in device.addressable_memories()}
-    if "pinned_host" in kinds:
-        return jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    return None
-
-
-def _to_host_async(x: jax.Array, sharding):
-    if sharding is not None:
-        return jax.device_put(x, sharding)
-    x.copy_to_host_async()
-    return x
+def PerLayer(cfg) -> SingleDevice:  # noqa: N802
+    """Compatibility only: layer-wise prefill no longer needs a layout of its own (it works with any), so this is
+    the default single-device layout. ``instance/server.py`` still names it; drop both together."""
+    return SingleDevice(cfg)
 
 
 def request_keys(seq: Sequence, block_size: int) -> list[BlockKey]:
@@ -62,73 +47,98 @@ def request_keys(seq: Sequence, block_size: int) -> list[BlockKey]:
     return keys + ([tail] if tail is not None else [])
 
 
-class LayerwisePrefill:
-    """Prefill requests on ``engine`` (which must use ``PerLayer``) with their prefix KV in ``pool``."""
+def usable_prefix_blocks(seq: Sequence, block_size: int) -> int:
+    """Most leading blocks a prefill can take as cached: full blocks, leaving at least the last prompt token to
+    compute (its logits give the first output token)."""
+    return (len(seq.prompt) - 1) // block_size
 
-    def __init__(self, engine: Engine, pool: BlockPool, mode: str = LAYERWISE):
-        if not isinstance(engine.layout, PerLayer):
-            raise ValueError("layer-wise prefill needs an engine built with layout=PerLayer(cfg)")
+
+def pool_prefix(pool, seq: Sequence, block_size: int) -> np.ndarray | None:
+    """The prompt's leading blocks that ``pool`` (a ``BlockPool``) holds, as one host array [n, *block_shape], or
+    None; stops at the first block the pool lost between the lookup and the read."""
+    keys = request_keys(seq, block_size)[: usable_prefix_blocks(seq, block_size)]
+    usable = pool.prefix_len(keys)
+    with pool.pin(keys[:usable]):
+        blocks = pool.get_many(keys[:usable])
+    good = next((i for i, block in enumerate(blocks) if block is None), len(blocks))
+    return np.stack(blocks[:good]) if good else None
+
+
+@functools.cache
+def _has_pinned_host(device) -> bool:
+    return "pinned_host" in {m.kind for m in device.addressable_memories()}
+
+
+def to_host_async(x: jax.Array) -> jax.Array:
+    """Start copying ``x`` to host memory and return at once: ``device_put`` to the ``pinned_host`` memory kind of
+    its own sharding (tensor-parallel shards stay split) where the backend has one, else ``copy_to_host_async``."""
+    if all(_has_pinned_host(d) for d in x.sharding.device_set):
+        return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+    x.copy_to_host_async()
+    return x
+
+
+class _OffloadHooks:
+    """Layer hooks of one prefill: prefix layers from a host array, new layers started to the host."""
+
+    def __init__(self, prefix: np.ndarray | None):
+        self.prefix = prefix  # [n, layers, 2, block_size, kv_heads, head_dim] or None
+        self.saved: dict[int, jax.Array] = {}
+
+    def wait_for_layer_load(self, layer: int) -> np.ndarray | None:
+        return None if self.prefix is None else self.prefix[:, layer]
+
+    def save_layer(self, layer: int, new_kv: jax.Array) -> None:
+        self.saved[layer] = to_host_async(new_kv)
+
+    def blocks(self, n_layers: int, n: int) -> np.ndarray:
+        """The stored layers as whole blocks [n, layers, 2, block_size, kv_heads, head_dim] (waits for the copies)."""
+        return np.stack([np.asarray(self.saved[layer])[:n] for layer in range(n_layers)], axis=1)
+
+
+class LayerwisePrefill:
+    """Prefill requests on ``engine`` (any layout) with their prefix KV handed in as host blocks."""
+
+    def __init__(self, engine: Engine, mode: str = LAYERWISE):
         if mode not in (LAYERWISE, SERIALIZED):
             raise ValueError(f"unknown mode {mode!r}; allowed: {LAYERWISE!r}, {SERIALIZED!r}")
-        if tuple(pool.spec.shape) != engine.cfg.block_shape():
-            raise ValueError(f"pool blocks {tuple(pool.spec.shape)} do not match the engine's {engine.cfg.block_shape()}")
-        self.engine, self.pool, self.mode = engine, pool, mode
-        self._host = _host_sharding()
+        self.engine, self.mode = engine, mode
 
-    def prefill(self, seq: Sequence) -> tuple[np.ndarray, list[BlockKey]]:
-        """Prefill ``seq`` reusing the leading prompt blocks the pool holds; store the prompt's other blocks
-        (and the partial tail) in the pool. Returns (last-token logits, keys of the blocks stored).
+    def prefill(self, seq: Sequence, prefix_blocks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill ``seq`` (not admitted yet; admitted here with fresh pages) over ``prefix_blocks``, the KV of its
+        n leading prompt blocks [n, layers, 2, block_size, kv_heads, head_dim] (or None).
 
-        ``seq`` must not be admitted yet; it is admitted here with fresh pages for the prefix it loads.
+        Returns (last-token logits [V], new blocks): the KV of the prompt's remaining blocks, full blocks then the
+        partial tail if any, as a host array in the same layout, in the order of ``request_keys(seq)[n:]``.
         """
         engine, bs = self.engine, self.engine.block_size
-        keys = request_keys(seq, bs)
-        n_full = len(seq.prompt) // bs
-        usable = min(self.pool.prefix_len(keys[:n_full]), (len(seq.prompt) - 1) // bs)
-        with self.pool.pin(keys[:usable]):
-            prefix = self.pool.get_many(keys[:usable])
-        if any(block is None for block in prefix):  # lost to damage between the lookup and the read
-            usable = next(i for i, block in enumerate(prefix) if block is None)
+        n = 0
+        if prefix_blocks is not None:
+            prefix_blocks = np.asarray(prefix_blocks)
+            n = prefix_blocks.shape[0]
+            if prefix_blocks.shape[1:] != engine.cfg.block_shape():
+                raise ValueError(f"prefix blocks have shape {prefix_blocks.shape}, expected "
+                                 f"(n,) + {engine.cfg.block_shape()}")
+            if n > usable_prefix_blocks(seq, bs):
+                raise ValueError(f"{n} prefix blocks leave no prompt token to compute (the prompt has "
+                                 f"{len(seq.prompt)} tokens; at most {usable_prefix_blocks(seq, bs)} blocks)")
+            if n == 0:
+                prefix_blocks = None
         engine.admit(seq, cached_pages=[])
-        seq.cached_tokens = seq.num_computed = usable * bs
-        # Page counts padded to buckets (the padding rows go to the scratch page): a few programs, not one per size.
-        prefix_pages = engine.padded_pages(seq.pages[:usable])
-        new_pages = engine.padded_pages(seq.pages[usable:])
-        if usable:
-            prefix = np.concatenate([np.stack(prefix[:usable]), np.zeros(
-                (len(prefix_pages) - usable,) + engine.cfg.block_shape(), prefix[0].dtype)])
-        else:
-            prefix = None
-        run = self._layerwise if self.mode == LAYERWISE else self._serialized
-        stored = {}
-        logits = engine.prefill(seq, execute=lambda steps: run(steps, prefix, prefix_pages, new_pages, stored))
-        blocks = np.concatenate([np.asarray(stored[layer]) for layer in range(engine.cfg.n_layers)], axis=1)
-        new_keys = keys[usable:]
-        self.pool.put_many(new_keys, blocks[: len(new_keys)])
-        return logits, new_keys
-
-    def _layerwise(self, steps, prefix, prefix_pages, new_pages, stored):
-        stages = self.engine.runner.stages
-        outputs: list = [None] * len(steps)
-        incoming = jax.device_put(prefix[:, 0]) if prefix is not None else None
-        for layer, stage in enumerate(stages):
-            current = incoming
-            if prefix is not None and layer + 1 < len(stages):
-                incoming = jax.device_put(prefix[:, layer + 1])  # next layer's prefix, while this one computes
-            if current is not None:
-                stage.kv = write_blocks(stage.kv, prefix_pages, current[:, None])
-            for c, step in enumerate(steps):
-                inputs = step.tokens if layer == 0 else outputs[c][1]
-                outputs[c] = stage(inputs, step)
-            stored[layer] = _to_host_async(read_blocks(stage.kv, new_pages), self._host)
-        return outputs
-
-    def _serialized(self, steps, prefix, prefix_pages, new_pages, stored):
-        runner = self.engine.runner
-        if prefix is not None:
-            runner.write_blocks(prefix_pages, jax.block_until_ready(jax.device_put(prefix)))
-        outputs = runner.run(steps)
-        jax.block_until_ready(outputs[-1][1])
-        for layer, stage in enumerate(runner.stages):
-            stored[layer] = np.asarray(read_blocks(stage.kv, new_pages))
-        return outputs
+        try:
+            seq.cached_tokens = seq.num_computed = n * bs
+            n_new = num_blocks(len(seq.prompt), bs) - n
+            if self.mode == LAYERWISE:
+                hooks = _OffloadHooks(prefix_blocks)
+                logits = engine.prefill(seq, hooks=hooks)
+                return logits, hooks.blocks(engine.cfg.n_layers, n_new)
+            if prefix_blocks is not None:
+                padded = engine.padded_pages(seq.pages[:n])
+                data = np.zeros((len(padded),) + prefix_blocks.shape[1:], prefix_blocks.dtype)
+                data[:n] = prefix_blocks  # padding rows land in the scratch page
+                engine.runner.write_blocks(padded, data)
+            logits = engine.prefill(seq)
+            return logits, engine.read_blocks(seq.pages[n:])
+        except BaseException:
+            engine.release(seq)
+            raise
