@@ -19,11 +19,12 @@ from collections.abc import Sequence as SequenceABC
 import jax
 import numpy as np
 
-from ..blocks import BlockKey, block_keys, num_blocks
+from ..blocks import BlockKey, num_blocks
 from .attention import SCRATCH_PAGE, PagedBatch
 from .config import ModelConfig
 from .host_memory import keep_large_blocks_on_heap
-from .kv_cache import OutOfPages, PageAllocator, PrefixCache, write_slots
+from .kv_cache import OutOfPages, write_slots  # noqa: F401  (OutOfPages: re-exported)
+from ..engine.kv_manager import KVCacheManager
 from .llama import Llama
 from .sampling import SamplingInputs, batch_mode
 from .sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence, validate_prompt
@@ -82,26 +83,25 @@ class Engine:
                                 max_batch * self.max_pages_per_seq)
         self.layout = layout or SingleDevice(cfg)
         self.runner = PipelineRunner(model, self.layout, num_pages, kv_dtype)
-        self.allocator = PageAllocator(num_pages)
-        self.prefix_cache = PrefixCache(self.allocator) if prefix_caching else None
-        self._reserved = 0  # pages promised to admitted sequences but not yet allocated
+        # Page bookkeeping (admission, reservations, prefix reuse) lives in the engine layer's KV-cache manager.
+        self.kv = KVCacheManager(num_pages, cfg.block_size, prefix_caching)
+        self.allocator, self.prefix_cache = self.kv.allocator, self.kv.prefix_cache
         self._scratch_slot = SCRATCH_PAGE * cfg.block_size  # where padded tokens write their K/V
 
-    # ---- pages -------------------------------------------------------------------------------------------
+    # ---- pages (delegated to the KV-cache manager) -------------------------------------------------------------
     @property
     def num_pages(self) -> int:
-        return self.allocator.num_pages
+        return self.kv.num_pages
 
     @property
     def free_pages(self) -> int:
         """Pages neither in use nor promised (cached-only pages count as used until evicted)."""
-        return self.allocator.num_free - self._reserved
+        return self.kv.free_pages
 
     @property
     def pages_in_use(self) -> int:
         """Pages held by sequences (beyond the prefix cache's own) or promised to them: 0 when nothing runs."""
-        cached = len(self.prefix_cache) if self.prefix_cache is not None else 0
-        return self.num_pages - 1 - self.allocator.num_free - cached + self._reserved
+        return self.kv.pages_in_use
 
     def new_sequence(self, prompt, params: SamplingParams | None = None) -> Sequence:
         """A validated sequence (ValueError naming the problem otherwise)."""
@@ -114,58 +114,14 @@ class Engine:
                              f"shorten the prompt or max_new_tokens, or give the engine more pages")
         return Sequence(tokens, params)
 
-    def _take_pages(self, n: int) -> list[int]:
-        """``n`` fresh pages, evicting unused cached prefix pages if the free list is short."""
-        short = n + self._reserved - self.allocator.num_free
-        if short > 0 and self.prefix_cache is not None:
-            self.prefix_cache.evict(short)
-        if n + self._reserved > self.allocator.num_free:
-            raise OutOfPages(f"need {n} KV pages, {self.allocator.num_free} free of which {self._reserved} "
-                             f"are promised to running sequences")
-        return self.allocator.allocate(n)
-
     def prompt_keys(self, seq: Sequence) -> list[BlockKey]:
-        """The prompt's block keys (computed once per sequence: admission and prefill both use them)."""
-        if seq.prompt_keys is None:
-            seq.prompt_keys = block_keys(seq.prompt, self.block_size)
-        return seq.prompt_keys
+        return self.kv.prompt_keys(seq)
 
     def admit(self, seq: Sequence, cached_pages: SequenceABC[int] | None = None,
               cached_tokens: int | None = None) -> None:
-        """Give ``seq`` pages for its prompt (reusing its cached prefix) and reserve its generation's pages.
-
-        ``cached_pages`` overrides the prefix-cache lookup: pages already holding the prompt's leading KV, of which
-        ``cached_tokens`` tokens are valid (default: all of every page). A decode instance adopts a request whose
-        whole prompt KV arrived (the last page partial) this way. Raises OutOfPages, with nothing held, when the
-        cache cannot take the sequence now.
-        """
-        if cached_pages is None:
-            cached_pages = []
-            if self.prefix_cache is not None:
-                # The last prompt token is always computed: its logits give the first output token.
-                usable = (len(seq.prompt) - 1) // self.block_size
-                cached_pages = self.prefix_cache.match(self.prompt_keys(seq)[:usable])
-        if cached_tokens is None:
-            cached_tokens = len(cached_pages) * self.block_size
-        bs = self.block_size
-        if cached_pages and not (len(cached_pages) - 1) * bs < cached_tokens <= len(cached_pages) * bs:
-            raise ValueError(f"{cached_tokens} cached tokens do not fit {len(cached_pages)} pages")
-        if cached_tokens > len(seq.prompt):
-            raise ValueError(f"{cached_tokens} cached tokens exceed the prompt's {len(seq.prompt)}")
-        self.allocator.retain(cached_pages)
-        n_prompt = num_blocks(len(seq.prompt), self.block_size)
-        n_total = num_blocks(seq.max_len, self.block_size)
-        future = n_total - n_prompt
-        try:
-            self._reserved += future  # counted before allocating, so eviction makes room for it too
-            fresh = self._take_pages(n_prompt - len(cached_pages))
-        except OutOfPages:
-            self._reserved -= future
-            self.allocator.release(cached_pages)
-            raise
-        seq.pages = list(cached_pages) + fresh
-        seq.reserved_pages = future
-        seq.cached_tokens = seq.num_computed = cached_tokens
+        """Give ``seq`` pages for its prompt (reusing its cached prefix) and reserve its generation's pages; see
+        ``KVCacheManager.admit``. Raises OutOfPages, with nothing held, when the cache cannot take it now."""
+        self.kv.admit(seq, cached_pages, cached_tokens)
 
     def adopt(self, seq: Sequence, pages: SequenceABC[int], first_token: int) -> None:
         """Take over a sequence prefilled elsewhere: ``pages`` hold its whole prompt's KV (loaded with
@@ -175,17 +131,7 @@ class Engine:
 
     def release(self, seq: Sequence) -> None:
         """Return the sequence's pages and unused reservation; its full prompt blocks stay in the prefix cache."""
-        self.allocator.release(seq.pages)
-        self._reserved -= seq.reserved_pages
-        seq.pages, seq.reserved_pages = [], 0
-
-    def _grow(self, seq: Sequence, length: int) -> None:
-        """Make sure ``seq`` has pages for ``length`` tokens (drawing on its reservation)."""
-        while len(seq.pages) * self.block_size < length:
-            if seq.reserved_pages > 0:
-                seq.reserved_pages -= 1
-                self._reserved -= 1
-            seq.pages.extend(self._take_pages(1))
+        self.kv.release(seq)
 
     # ---- compute -----------------------------------------------------------------------------------------
     def _sampling(self, seqs: SequenceABC[Sequence], rows: int):
@@ -220,7 +166,7 @@ class Engine:
         start = seq.num_computed
         if start >= n:
             raise ValueError("prefill needs at least one prompt token beyond the cached prefix")
-        self._grow(seq, n)
+        self.kv.grow(seq, n)
         steps, lengths = [], []
         while start < n:
             t = min(chunk, n - start)
@@ -246,9 +192,7 @@ class Engine:
         if sample:
             next_tokens = outputs[-1][0]
             self._append(seq, int(next_tokens[0]) if next_tokens is not None else int(np.argmax(logits[-1])))
-        if self.prefix_cache is not None:
-            keys = self.prompt_keys(seq)
-            self.prefix_cache.insert(keys, seq.pages[: len(keys)])
+        self.kv.cache_prompt(seq)
         return logits
 
     def decode(self, seqs: SequenceABC[Sequence]) -> list[int]:
@@ -268,7 +212,7 @@ class Engine:
             if seq.finished or not seq.output:
                 raise ValueError(f"sequence {seq.seq_id} is {'finished' if seq.finished else 'not prefilled'}")
             pos = len(seq.tokens) - 1  # the last sampled token's KV is not in the cache yet
-            self._grow(seq, pos + 1)
+            self.kv.grow(seq, pos + 1)
             tokens[r, 0], positions[r, 0], ctx_len[r] = seq.tokens[-1], pos, pos
             slots[r, 0] = write_slots(seq.pages, pos, 1, bs)[0]
             ctx_pages.append(seq.pages[: num_blocks(pos, bs)])
@@ -329,15 +273,7 @@ class Engine:
 
     def cached_pages(self, keys: SequenceABC[BlockKey]) -> list[int]:
         """Pages of the leading ``keys`` already in the prefix cache (no hit counting)."""
-        if self.prefix_cache is None:
-            return []
-        pages = []
-        for key in keys:
-            page = self.prefix_cache.page_of(key)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
+        return self.kv.cached_pages(keys)
 
     def load_blocks(self, keys: SequenceABC[BlockKey], blocks: np.ndarray,
                     protect: SequenceABC[int] = ()) -> list[int]:
@@ -355,20 +291,13 @@ class Engine:
         expected = (len(keys),) + self.cfg.block_shape()
         if blocks.shape != expected:
             raise ValueError(f"blocks have shape {blocks.shape}, expected {expected}")
-        missing = [i for i, key in enumerate(keys) if self.prefix_cache.page_of(key) is None]
+        missing, fresh = self.kv.pages_for_load(keys, protect)
         if missing:
-            held = list(protect) + [p for p in map(self.prefix_cache.page_of, keys) if p is not None]
-            self.allocator.retain(held)
-            try:
-                fresh = self._take_pages(len(missing))
-            finally:
-                self.allocator.release(held)
             padded = self.padded_pages(fresh)
             data = np.zeros((len(padded),) + blocks.shape[1:], blocks.dtype)  # padding rows land in scratch
             data[: len(fresh)] = blocks[missing]
             self.runner.write_blocks(padded, data)
-            self.prefix_cache.insert([keys[i] for i in missing], fresh)
-            self.allocator.release(fresh)  # the cache's reference is the only one left
+            self.kv.commit_load([keys[i] for i in missing], fresh)
         return [self.prefix_cache.page_of(key) for key in keys]
 
     def block_until_ready(self) -> None:
