@@ -102,9 +102,9 @@ class KVCacheManager:
     # ---- pages of sequences -----------------------------------------------------------------------------------
     def take(self, n: int) -> list[int]:
         """``n`` fresh pages, evicting unused cached prefix pages if the free list is short; OutOfPages (nothing
-        taken) if even that leaves too few beside the reservations."""
+        taken, nothing evicted) if even that leaves too few beside the reservations."""
         short = n + self.reserved - self.allocator.num_free
-        if short > 0 and self.prefix_cache is not None:
+        if 0 < short <= self.evictable_pages:  # never evict cached blocks for an admission that fails anyway
             self.prefix_cache.evict(short)
         if n + self.reserved > self.allocator.num_free:
             raise OutOfPages(f"need {n} KV pages, {self.allocator.num_free} free of which {self.reserved} "

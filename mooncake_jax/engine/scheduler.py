@@ -165,7 +165,8 @@ class Scheduler:
     def _start_queued(self) -> None:
         """Start queued work in FIFO order while it fits. A joining item that must wait (no batch slot, or a request
         whose pages will only come back when running sequences finish) keeps its place and blocks the joining
-        items behind it (no overtaking); other jobs pass it."""
+        items behind it that may wait (no overtaking); jobs that take no slot pass it, and so does work that must
+        not wait (it starts now if it fits, else it is refused)."""
         with self.cond:
             queue, self._waiting = self._waiting, deque()
         kept: deque[_Work] = deque()
@@ -174,7 +175,7 @@ class Scheduler:
             if work.future.cancelled():
                 continue
             if work.joins_batch:
-                if blocked:
+                if blocked and work.wait_for_room:
                     kept.append(work)
                     continue
                 if self.free_slots <= 0:

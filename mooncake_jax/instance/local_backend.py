@@ -59,8 +59,9 @@ class EngineBackend:
             raise InvalidRequest(str(e)) from None
         self._count(requests=1, prompt_tokens=len(seq.prompt))
         stream = TokenStream(timeout_s=self.timeout_s)
-        future = self.loop.add_request(seq, stream)
+        future = None
         try:
+            future = self.loop.add_request(seq, stream)
             wait(future, self.timeout_s)
         except OutOfPages as e:
             self._count(rejected=1)
@@ -69,7 +70,7 @@ class EngineBackend:
             self._count(rejected=1)
             raise Rejected(str(e), 1.0, REJECT_EARLY) from None
         except (LoopStopped, TimeoutError) as e:
-            if not future.cancel():  # too late to unqueue it: stop it in the batch instead
+            if future is not None and not future.cancel():  # too late to unqueue it: stop it in the batch
                 self.loop.cancel(seq)
             raise Unavailable(str(e)) from None
         self._count(cached_tokens=seq.cached_tokens)

@@ -26,12 +26,13 @@ from .host_memory import keep_large_blocks_on_heap
 from .kv_cache import OutOfPages, write_slots  # noqa: F401  (OutOfPages: re-exported)
 from ..engine.kv_manager import KVCacheManager
 from .llama import Llama
-from .sampling import SamplingInputs, batch_mode
+from .sampling import GREEDY, SAMPLE, TOP_P, SamplingInputs, batch_mode
 from .sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence, validate_prompt
 from ..sharding.layout import SingleDevice
 from ..sharding.pipeline import PipelineRunner, StepInputs
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+SAMPLING_MODES = (GREEDY, SAMPLE, TOP_P)  # every static sampling mode a batch can need (``batch_mode``)
 
 
 def bucket(n: int, cap: int, minimum: int = 1, factor: int = 2) -> int:
@@ -149,8 +150,9 @@ class Engine:
             table[r, : len(pages)] = pages
         return table
 
-    def _step(self, tokens, positions, table, ctx_len, slots, logits_index, seqs, rows) -> StepInputs:
-        sampling, mode = self._sampling(seqs, rows)
+    def _step(self, tokens, positions, table, ctx_len, slots, logits_index, seqs, rows, mode=None) -> StepInputs:
+        sampling, batch_mode_ = self._sampling(seqs, rows)
+        mode = mode or batch_mode_
         return StepInputs(tokens, positions, PagedBatch(table, ctx_len, slots), logits_index, sampling, mode)
 
     def prefill(self, seq: Sequence, all_logits: bool = False, sample: bool = True, execute=None) -> np.ndarray:
@@ -236,11 +238,13 @@ class Engine:
             seq.finish_reason = FINISH_STOP
 
     # ---- compiling ahead of traffic -----------------------------------------------------------------------------
-    def warmup(self, prefill: bool = True, decode: bool = True, progress=None) -> int:
-        """Compile every step shape this engine can run (greedy sampling), so no request waits for XLA.
+    def warmup(self, prefill: bool = True, decode: bool = True, progress=None,
+               modes: SequenceABC[str] = SAMPLING_MODES) -> int:
+        """Compile every step shape this engine can run in every sampling mode a request can select (greedy,
+        temperature, top-p: ``sampling.batch_mode``), so no request waits for XLA.
 
         The steps run on the scratch page only (nothing allocated, no sequence touched). Returns the number of
-        shapes; ``progress(done, total)`` is called after each.
+        programs (shapes x modes); ``progress(done, total)`` is called after each.
         """
         shapes = []
         if prefill:
@@ -250,15 +254,17 @@ class Engine:
         if decode:
             widths = buckets(self.max_pages_per_seq)
             shapes += [(b, 1, w) for b in buckets(self.max_batch) for w in widths]
-        for i, (rows, t, width) in enumerate(shapes):
+        programs = [(shape, mode) for shape in shapes for mode in modes]
+        for i, ((rows, t, width), mode) in enumerate(programs):
             step = self._step(np.zeros((rows, t), np.int32), np.tile(np.arange(t, dtype=np.int32), (rows, 1)),
                               np.zeros((rows, width), np.int32), np.zeros(rows, np.int32),
                               np.full((rows, t), self._scratch_slot, np.int32),
-                              np.zeros(rows, np.int32) if t == 1 else np.array([t - 1], np.int32), [], rows)
+                              np.zeros(rows, np.int32) if t == 1 else np.array([t - 1], np.int32), [], rows,
+                              mode=mode)
             jax.block_until_ready(self.runner.run([step])[-1][1])
             if progress is not None:
-                progress(i + 1, len(shapes))
-        return len(shapes)
+                progress(i + 1, len(programs))
+        return len(programs)
 
     # ---- whole blocks in and out (pool, Messenger) -----------------------------------------------------------
     def padded_pages(self, pages: SequenceABC[int]) -> np.ndarray:
