@@ -269,3 +269,102 @@ def test_coupled_backend_equals_llm_and_queues_beyond_max_batch(llm):
             f.result(30)
     finally:
         backend.close()
+
+
+# ---- no I/O on the compute thread ---------------------------------------------------------------------------------
+class _Abort(Exception):
+    pass
+
+
+class _Context:
+    def abort(self, code, details):
+        raise _Abort(code, details)
+
+    def add_callback(self, callback):
+        pass
+
+
+class _SlowMessenger:
+    """A peer whose fetch blocks until the test releases it, then stores the blocks it was asked for."""
+
+    def __init__(self, pool, blocks_by_key):
+        self.pool, self.blocks_by_key = pool, blocks_by_key
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def fetch(self, keys):
+        self.started.set()
+        assert self.release.wait(60), "the test never released the fetch"
+        self.pool.put_many(list(keys), np.stack([self.blocks_by_key[k] for k in keys]))
+        return type("Result", (), {"moved": list(keys)})()
+
+
+def test_decode_batch_keeps_stepping_while_another_requests_kv_is_fetched(llm):
+    from types import SimpleNamespace
+
+    from mooncake_jax.blocks import num_blocks
+    from mooncake_jax.engine.runner_loop import RunnerLoop
+    from mooncake_jax.engine.transfer_workers import TransferWorkers
+    from mooncake_jax.instance.decode import DecodeService
+    from mooncake_jax.instance.rpc import messages, sampling_message
+    from mooncake_jax.transfer import BlockPool, BlockSpec
+    from mooncake_jax.transfer.offload import request_keys
+
+    source = Engine(llm.model, prefill_chunk_size=64, max_batch=2)  # stands in for the prefill instance
+    engine = Engine(llm.model, prefill_chunk_size=64, max_batch=4)
+    pool = BlockPool(BlockSpec(llm.config.block_shape(), engine.runner.kv[0][0].dtype), dram_blocks=64)
+    (pa, pb), news = prompts([37, 21], seed=10), (120, 6)
+    requests, blocks_by_key = [], {}
+    for i, (prompt, n) in enumerate(zip((pa, pb), news)):
+        params = SamplingParams(max_new_tokens=n)
+        seq = source.new_sequence(prompt, params)
+        source.admit(seq, cached_pages=[])
+        source.prefill(seq)
+        keys = request_keys(seq, source.block_size)
+        blocks = source.read_blocks(seq.pages[: num_blocks(len(prompt), source.block_size)])
+        blocks_by_key.update(zip(keys, blocks))
+        if i == 0:
+            pool.put_many(keys, blocks)  # A's KV arrived; B's was evicted: a Messenger fetch from its source
+        requests.append(messages.DecodeRequest(request_id=str(i), prompt=prompt, sampling=sampling_message(params),
+                                               first_token=seq.output[0], kv_keys=keys, kv_source="peer"))
+        source.release(seq)
+    peer = _SlowMessenger(pool, blocks_by_key)
+    instance = SimpleNamespace(engine=engine, pool=pool, loop=RunnerLoop(engine).start(),
+                               transfers=TransferWorkers(2, 8), costs=None, link=None,
+                               config=SimpleNamespace(request_timeout_s=60, tbt_slo_s=1.0),
+                               messenger=lambda address: peer)
+    service = DecodeService(instance)
+    tokens = {0: [], 1: []}
+    progress = threading.Condition()
+
+    def stream(i):
+        for event in service.Decode(requests[i], _Context()):
+            if event.HasField("token"):
+                with progress:
+                    tokens[i].append(event.token.token)
+                    progress.notify_all()
+
+    try:
+        a = threading.Thread(target=stream, args=(0,))
+        a.start()
+        with progress:
+            assert progress.wait_for(lambda: tokens[0], 60)
+        b = threading.Thread(target=stream, args=(1,))
+        b.start()
+        assert peer.started.wait(60)  # B's KV is being fetched, and is held there until released
+        with progress:
+            seen = len(tokens[0])
+            # A's tokens keep arriving while B's fetch is stuck: the fetch is not on the engine's thread
+            assert progress.wait_for(lambda: len(tokens[0]) >= seen + 5, 60), "decode stalled during the fetch"
+        assert not tokens[1] and len(tokens[0]) < news[0] - 1
+        peer.release.set()
+        a.join(60)
+        b.join(60)
+        expected = llm.generate([pa, pb], max_new_tokens=120)
+        assert [requests[0].first_token] + tokens[0] == expected[0]
+        assert [requests[1].first_token] + tokens[1] == expected[1][:6]
+        assert engine.pages_in_use == 0
+    finally:
+        peer.release.set()
+        instance.loop.stop()
+        instance.transfers.close()
+        pool.close()
