@@ -218,7 +218,7 @@ def test_warmup_compiles_every_sampling_mode():
     model = init_model(get_config("tiny").replace(max_seq_len=32), 0)
     engine = Engine(model, prefill_chunk_size=16, max_batch=2)
     n = engine.warmup()
-    assert n == (1 * 3 + 2 * 2) * 3  # (chunk 16 x context 0/1/2 pages + batch 1/2 x width 1/2) x 3 modes
+    assert n == 1 * 3 + 2 * 2  # chunk 16 x context 0/1/2 pages + batch 1/2 x width 1/2: one program each
     compiled = forward_step._cache_size()
     sched = Scheduler(engine)
     for kw in (dict(temperature=0.0), dict(temperature=0.8, seed=3), dict(temperature=0.8, top_p=0.9)):
@@ -227,6 +227,27 @@ def test_warmup_compiles_every_sampling_mode():
             sched.add_request(s)
         run(sched)
     assert forward_step._cache_size() == compiled  # nothing compiled after warm-up
+
+
+def test_one_sampling_program_equals_each_static_mode():
+    """``ANY`` (what the engine compiles) draws what the static mode of each batch draws, and a row without top-p
+    draws the same whether or not its batch holds a top-p row (the exact top_p == 1 mask)."""
+    import jax.numpy as jnp
+
+    from mooncake_jax.model.sampling import ANY, GREEDY, SAMPLE, TOP_P, SamplingInputs, batch_mode, sample
+
+    logits = jnp.asarray(np.random.default_rng(11).normal(0, 3, (4, 512)), jnp.float32)
+    for temps, top_ps in (([0, 0, 0, 0], [1, 1, 1, 1]), ([0.7, 0, 1.3, 0.9], [1, 1, 1, 1]),
+                          ([0.7, 0, 1.3, 0.9], [0.5, 1, 0.9, 1])):
+        inputs = SamplingInputs(jnp.asarray(temps, jnp.float32), jnp.asarray(top_ps, jnp.float32),
+                                jnp.arange(4, dtype=jnp.uint32) + 5, jnp.full(4, 3, jnp.int32))
+        expected = sample(logits, inputs, batch_mode(temps, top_ps))
+        assert np.array_equal(sample(logits, inputs, ANY), expected)
+        if batch_mode(temps, top_ps) == TOP_P:  # rows 1 and 3 use no top-p: as in a batch without top-p rows
+            plain = sample(logits, inputs, SAMPLE)
+            assert np.array_equal(np.asarray(expected)[[1, 3]], np.asarray(plain)[[1, 3]])
+        assert np.array_equal(np.asarray(sample(logits, inputs, GREEDY)),
+                              np.asarray(jnp.argmax(logits, -1)))
 
 
 # ---- the coupled backend over the scheduler ------------------------------------------------------------------------

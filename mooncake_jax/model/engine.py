@@ -23,16 +23,16 @@ from ..blocks import BlockKey, num_blocks
 from .attention import SCRATCH_PAGE, PagedBatch
 from .config import ModelConfig
 from .host_memory import keep_large_blocks_on_heap
-from .kv_cache import OutOfPages, write_slots  # noqa: F401  (OutOfPages: re-exported)
+from .kv_cache import write_slots
 from ..engine.kv_manager import KVCacheManager
 from .llama import Llama
-from .sampling import GREEDY, SAMPLE, TOP_P, SamplingInputs, batch_mode
+from .sampling import ANY, SamplingInputs
 from .sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence, validate_prompt
 from ..sharding.layout import SingleDevice
 from ..sharding.pipeline import PipelineRunner, StepInputs
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
-SAMPLING_MODES = (GREEDY, SAMPLE, TOP_P)  # every static sampling mode a batch can need (``batch_mode``)
+SAMPLING_MODES = (ANY,)  # the step programs' sampling: one program covers greedy, temperature and top-p rows
 
 
 def bucket(n: int, cap: int, minimum: int = 1, factor: int = 2) -> int:
@@ -137,12 +137,13 @@ class Engine:
     # ---- compute -----------------------------------------------------------------------------------------
     def _sampling(self, seqs: SequenceABC[Sequence], rows: int):
         p = [s.params for s in seqs] + [SamplingParams()] * (rows - len(seqs))
-        mode = batch_mode([x.temperature for x in p], [x.top_p for x in p])
         steps = [len(s.output) for s in seqs] + [0] * (rows - len(seqs))
         inputs = SamplingInputs(np.array([x.temperature for x in p], np.float32),
                                 np.array([x.top_p for x in p], np.float32),
                                 np.array([x.seed for x in p], np.uint32), np.array(steps, np.int32))
-        return inputs, mode
+        # One program per step shape covers every sampling setting (ANY picks the path at run time), so warm-up
+        # compiles each shape once and a request that turns on temperature or top-p never waits for XLA.
+        return inputs, ANY
 
     def _context_table(self, pages_per_row: list[list[int]], rows: int, width: int) -> np.ndarray:
         table = np.zeros((rows, width), np.int32)
@@ -151,8 +152,8 @@ class Engine:
         return table
 
     def _step(self, tokens, positions, table, ctx_len, slots, logits_index, seqs, rows, mode=None) -> StepInputs:
-        sampling, batch_mode_ = self._sampling(seqs, rows)
-        mode = mode or batch_mode_
+        sampling, needed = self._sampling(seqs, rows)
+        mode = mode or needed  # warm-up forces each mode; otherwise the cheapest that covers the batch
         return StepInputs(tokens, positions, PagedBatch(table, ctx_len, slots), logits_index, sampling, mode)
 
     def prefill(self, seq: Sequence, all_logits: bool = False, sample: bool = True, execute=None) -> np.ndarray:
@@ -240,11 +241,12 @@ class Engine:
     # ---- compiling ahead of traffic -----------------------------------------------------------------------------
     def warmup(self, prefill: bool = True, decode: bool = True, progress=None,
                modes: SequenceABC[str] = SAMPLING_MODES) -> int:
-        """Compile every step shape this engine can run in every sampling mode a request can select (greedy,
-        temperature, top-p: ``sampling.batch_mode``), so no request waits for XLA.
+        """Compile every step shape this engine can run, for every sampling setting a request can select (greedy,
+        temperature, top-p: the steps' ``ANY`` sampling covers them all in one program), so no request waits for
+        XLA.
 
         The steps run on the scratch page only (nothing allocated, no sequence touched). Returns the number of
-        programs (shapes x modes); ``progress(done, total)`` is called after each.
+        programs (shapes x ``modes``); ``progress(done, total)`` is called after each.
         """
         shapes = []
         if prefill:
