@@ -389,3 +389,58 @@ def test_decode_batch_keeps_stepping_while_another_requests_kv_is_fetched(llm):
         instance.loop.stop()
         instance.transfers.close()
         pool.close()
+
+
+class _ThreadLoggingPool:
+    """A pool that records which thread does each read or write."""
+
+    def __init__(self, pool):
+        self._pool, self.threads = pool, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._pool, name)
+        if name in ("get_many", "put_many", "get", "put"):
+            def logged(*args, **kwargs):
+                self.threads.append(threading.current_thread().name)
+                return attr(*args, **kwargs)
+            return logged
+        return attr
+
+    def __contains__(self, key):
+        return key in self._pool
+
+
+def test_prefill_instance_reads_and_writes_the_pool_on_transfer_threads_only(llm):
+    from types import SimpleNamespace
+
+    from mooncake_jax.engine.runner_loop import RunnerLoop
+    from mooncake_jax.engine.transfer_workers import TransferWorkers
+    from mooncake_jax.instance.prefill import PrefillService
+    from mooncake_jax.instance.rpc import messages, sampling_message
+    from mooncake_jax.transfer import BlockPool, BlockSpec
+
+    engine = Engine(llm.model, prefill_chunk_size=64, max_batch=2)
+    pool = _ThreadLoggingPool(BlockPool(BlockSpec(llm.config.block_shape(), engine.runner.kv[0][0].dtype),
+                                        dram_blocks=64))
+    instance = SimpleNamespace(engine=engine, pool=pool, loop=RunnerLoop(engine, name="engine-thread").start(),
+                               transfers=TransferWorkers(2, 8, name="transfer"), costs=None, link=None,
+                               config=SimpleNamespace(request_timeout_s=60, layerwise=False))
+    service = PrefillService(instance)
+    (base,) = prompts([60], seed=12)
+    second = base[:50] + prompts([9], seed=13)[0]
+    params = SamplingParams(max_new_tokens=4)
+    try:
+        first_reply = service.Prefill(messages.PrefillRequest(request_id="a", prompt=base,
+                                                              sampling=sampling_message(params)), _Context())
+        assert len(pool.keys()) == 4  # three full blocks and the partial tail stored
+        engine.prefix_cache.clear()  # the engine forgets: the shared prefix must come back from the pool
+        reply = service.Prefill(messages.PrefillRequest(request_id="b", prompt=second,
+                                                        sampling=sampling_message(params)), _Context())
+        assert reply.cached_tokens == 48
+        assert [first_reply.first_token, reply.first_token] == [o[0] for o in llm.generate([base, second], 1)]
+        assert pool.threads and all(name.startswith("transfer") for name in pool.threads), pool.threads
+        assert engine.pages_in_use == 0
+    finally:
+        instance.loop.stop()
+        instance.transfers.close()
+        pool.close()
