@@ -42,7 +42,7 @@ class DecodeService(InstanceService):
 
     def load(self) -> dict:
         with self._lock:
-            return {"active": {rid: len(seq.tokens) for rid, seq in self._active.items()}}
+            return {"active": {rid: seq.num_tokens for rid, seq in self._active.items()}}
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -143,7 +143,7 @@ class DecodeService(InstanceService):
         the batch. Returns the keys that must be staged first (cached blocks evicted since), else []."""
         inst = self.instance
         running = inst.loop.running
-        context = sum(len(s.tokens) for s in running)
+        context = sum(s.num_tokens for s in running)
         if inst.costs is not None and not decode_accepts(inst.costs.decode, len(running), context, seq.max_len,
                                                          inst.config.tbt_slo_s):
             raise LateRejection(f"adding this request would exceed the TBT SLO of {inst.config.tbt_slo_s} s")

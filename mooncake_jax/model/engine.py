@@ -214,9 +214,9 @@ class Engine:
         for r, seq in enumerate(seqs):
             if seq.finished or not seq.output:
                 raise ValueError(f"sequence {seq.seq_id} is {'finished' if seq.finished else 'not prefilled'}")
-            pos = len(seq.tokens) - 1  # the last sampled token's KV is not in the cache yet
+            pos = seq.num_tokens - 1  # the last sampled token's KV is not in the cache yet
             self.kv.grow(seq, pos + 1)
-            tokens[r, 0], positions[r, 0], ctx_len[r] = seq.tokens[-1], pos, pos
+            tokens[r, 0], positions[r, 0], ctx_len[r] = seq.output[-1], pos, pos
             slots[r, 0] = write_slots(seq.pages, pos, 1, bs)[0]
             ctx_pages.append(seq.pages[: num_blocks(pos, bs)])
         width = bucket(max(1, max(len(p) for p in ctx_pages)), self.max_pages_per_seq)
@@ -225,7 +225,7 @@ class Engine:
         ((next_tokens, _),) = self.runner.run([step])
         out = np.asarray(next_tokens)[: len(seqs)].tolist()
         for seq, token in zip(seqs, out):
-            seq.num_computed = len(seq.tokens)
+            seq.num_computed = seq.num_tokens
             self._append(seq, token)
         return out
 
