@@ -6,7 +6,12 @@ new token (the same prefill in both), over ``steps``: scheduling, token bookkeep
 prefill excluded. Prefix caching is off so both generates prefill the same work. Each figure is the fastest of
 ``--repeats`` runs (the least disturbed on a shared machine).
 
-    python benchmarks/generate_overhead.py --json results/generate_overhead.json
+On a loaded machine those two figures come from different moments; ``generate_in_run_ratio_b*`` does not: within
+one generate it divides the wall time after the first step (the prefills) by the time spent inside
+``engine.decode`` over the same steps, so it is the per-step cost of everything around the bare step (scheduler,
+the generate loop) measured under the same load.
+
+    PYTHONPATH=. python benchmarks/generate_overhead.py --json results/generate_overhead.json
 """
 
 from __future__ import annotations
@@ -59,6 +64,31 @@ def main() -> None:
         assert all(len(o) == new_tokens for o in out)
         return seconds
 
+    def in_run_ratio(batch: int) -> float:
+        engine, sched = llm.engine, llm.scheduler
+        decode, step = engine.decode, sched.step
+        inside, marks = [0.0], []
+
+        def timed_decode(seqs):
+            t = time.perf_counter()
+            try:
+                return decode(seqs)
+            finally:
+                inside[0] += time.perf_counter() - t
+
+        def marked_step():
+            out = step()
+            marks.append((time.perf_counter(), inside[0]))
+            return out
+
+        engine.decode, sched.step = timed_decode, marked_step
+        try:
+            generate_s(batch, 1 + args.steps)
+        finally:
+            del engine.decode, sched.step
+        (t0, d0), (t1, d1) = marks[0], marks[-1]
+        return (t1 - t0) / (d1 - d0)
+
     for b in (int(x) for x in args.batches.split(",")):
         generate_s(b, 1 + args.steps)  # compile every shape this batch meets
         one = min(generate_s(b, 1) for _ in range(args.repeats))
@@ -69,8 +99,10 @@ def main() -> None:
         results[f"generate_s_per_step_b{b}"] = per_token
         results[f"engine_step_s_b{b}"] = step
         results[f"generate_overhead_ratio_b{b}"] = per_token / step
+        results[f"generate_in_run_ratio_b{b}"] = min(in_run_ratio(b) for _ in range(args.repeats))
         print(f"batch {b}: generate {per_token * 1e3:.2f} ms/step, bare engine step {step * 1e3:.2f} ms "
-              f"(ratio {per_token / step:.3f})", file=sys.stderr)
+              f"(ratio {per_token / step:.3f}; in-run ratio {results[f'generate_in_run_ratio_b{b}']:.3f})",
+              file=sys.stderr)
     write_json(results, args.json)
 
 
