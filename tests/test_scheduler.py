@@ -444,3 +444,32 @@ def test_prefill_instance_reads_and_writes_the_pool_on_transfer_threads_only(llm
         instance.loop.stop()
         instance.transfers.close()
         pool.close()
+
+
+def test_full_queues_and_batches_are_resource_exhausted_at_an_instance():
+    import grpc
+
+    from mooncake_jax.engine.transfer_workers import TransferWorkers
+    from mooncake_jax.instance.rpc import status_of
+
+    assert status_of(QueueFull("x")) == grpc.StatusCode.RESOURCE_EXHAUSTED  # the cluster backend: Rejected, 429
+    assert status_of(BatchFull("x")) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    workers = TransferWorkers(1, 2)
+    gate = threading.Event()
+    try:
+        held = [workers.submit(gate.wait, 30) for _ in range(2)]
+        with pytest.raises(QueueFull, match="transfer queue is full"):
+            workers.submit(gate.wait, 30)
+        gate.set()
+        assert all(f.result(30) for f in held)
+        for _ in range(500):  # the slots come back as the tasks' done-callbacks run
+            try:
+                assert workers.submit(lambda: "room again").result(30) == "room again"
+                break
+            except QueueFull:
+                gate.wait(0.01)
+        else:
+            pytest.fail("the transfer queue never had room again")
+    finally:
+        gate.set()
+        workers.close()
