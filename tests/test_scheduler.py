@@ -10,7 +10,6 @@ import pytest
 import mooncake_jax as mj
 from mooncake_jax.engine.kv_manager import KVCacheManager
 from mooncake_jax.engine.scheduler import BatchFull, QueueFull, Scheduler
-from mooncake_jax.blocks import block_keys
 from mooncake_jax.model.engine import Engine
 from mooncake_jax.model.kv_cache import OutOfPages
 from mooncake_jax.model.sequence import SamplingParams, Sequence
