@@ -12,7 +12,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from .model.batcher import ContinuousBatcher
+from collections import deque
+
+from .engine.scheduler import DEFAULT_MAX_WAITING, Scheduler
 from .model.config import PRESETS, ModelConfig, get_config, resolve_dtype
 from .model.engine import DEFAULT_KV_CACHE_BYTES, Engine
 from .model.llama import Llama, init_model
@@ -52,7 +54,8 @@ class LLM:
     def __init__(self, model: str | Path = "tiny", *, tensor_parallel: int = 1, pipeline_stages: int = 1,
                  prefill_chunk_size: int = 512, block_size: int | None = None, dtype: str | None = None,
                  seed: int = 0, max_batch: int = 32, num_pages: int | None = None,
-                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefix_caching: bool = True, bucket_factor: int = 2):
+                 kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefix_caching: bool = True, bucket_factor: int = 2,
+                 max_waiting: int = DEFAULT_MAX_WAITING):
         if isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be a positive integer, got {prefill_chunk_size!r}")
         for name, value in (("tensor_parallel", tensor_parallel), ("pipeline_stages", pipeline_stages)):
@@ -68,6 +71,7 @@ class LLM:
         self.engine = Engine(self.model, num_pages=num_pages, kv_cache_bytes=kv_cache_bytes, max_batch=max_batch,
                              prefill_chunk_size=prefill_chunk_size, prefix_caching=prefix_caching, layout=layout,
                              bucket_factor=bucket_factor)
+        self.scheduler = Scheduler(self.engine, max_waiting=max_waiting)  # generate's continuous batching
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, eos_token_id: int | None = None, ignore_eos: bool = False) -> list[list[int]]:
@@ -84,16 +88,30 @@ class LLM:
                                 eos_token_id=eos_token_id, ignore_eos=ignore_eos)
         if eos_token_id is not None and not 0 <= eos_token_id < self.config.vocab_size:
             raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {self.config.vocab_size})")
-        batcher = ContinuousBatcher(self.engine)
         seqs = []
         for i, prompt in enumerate(prompts):
             try:
                 seqs.append(self.engine.new_sequence(prompt, params))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        batcher.waiting.extend(seqs)
-        batcher.run()
+        self._run(seqs)
         return [list(s.output) for s in seqs]
+
+    def _run(self, seqs) -> None:
+        """Continuous batching on this thread: the scheduler's queue is fed as it has room, steps until done."""
+        sched, pending, futures = self.scheduler, deque(seqs), []
+        try:
+            while pending or sched.has_work:
+                while pending and sched.has_room:
+                    futures.append(sched.add_request(pending.popleft()))
+                sched.step()
+                for future in futures:
+                    if future.done() and future.exception() is not None:
+                        raise future.exception()
+                futures = [f for f in futures if not f.done()]
+        except BaseException as e:
+            sched.abort_all(e)
+            raise
 
     def score(self, tokens) -> np.ndarray:
         """Float32 logits [n_tokens, vocab] at every position of ``tokens`` (no cache reuse, nothing sampled)."""

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import mooncake_jax as mj
-from mooncake_jax.model.batcher import ContinuousBatcher
+from mooncake_jax.engine.scheduler import Scheduler
 from mooncake_jax.model.engine import Engine
 from mooncake_jax.model.sequence import SamplingParams
 from reference_model import reference_for, reference_greedy
@@ -102,14 +102,16 @@ def test_ragged_batch_equals_each_alone(llm):
 def test_sequences_join_mid_batch(llm, ref):
     ps = prompts([12, 25, 40], seed=5)
     engine = Engine(llm.model, prefill_chunk_size=64, max_batch=4)
-    batcher = ContinuousBatcher(engine)
-    a = batcher.submit(ps[0], SamplingParams(max_new_tokens=12))
+    sched = Scheduler(engine)
+    a, b, c = (engine.new_sequence(p, SamplingParams(max_new_tokens=n)) for p, n in zip(ps, (12, 6, 8)))
+    sched.add_request(a)
     for _ in range(4):
-        batcher.step()
-    b = batcher.submit(ps[1], SamplingParams(max_new_tokens=6))
-    batcher.step()
-    c = batcher.submit(ps[2], SamplingParams(max_new_tokens=8))
-    batcher.run()
+        sched.step()
+    sched.add_request(b)
+    sched.step()
+    sched.add_request(c)
+    while sched.has_work:
+        sched.step()
     for seq, n in ((a, 12), (b, 6), (c, 8)):
         assert seq.finish_reason == "length"
         assert seq.output == reference_greedy(ref, seq.prompt, n)

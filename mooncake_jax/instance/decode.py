@@ -2,11 +2,18 @@
 tokens from the continuous batch.
 
 ``Decode`` first sends ``accepted`` (or fails with RESOURCE_EXHAUSTED: a *late* rejection, the prefill work wasted)
-and then one message per generated token. On arrival, on the engine loop: the batch must have room, the predicted
-step time with this request added must stay within the TBT SLO (``conductor.admission.decode_accepts``, the rule
-the simulator applies too), and the KV must fit; the request's blocks are then loaded from the pool into pages
-(blocks the engine already caches are not loaded again) and the sequence joins the batch. A client that goes away
-cancels the stream; the sequence is dropped and its pages freed before the next step.
+and then one message per generated token. On arrival:
+
+1. on a transfer thread (never the engine's): the request's blocks that the engine does not cache are read from
+   this instance's pool (DRAM / SSD) into host buffers; blocks evicted from the pool since the prefill instance
+   pushed them are fetched again from it (``kv_source``, Messenger) first;
+2. on the engine loop, through the scheduler (a batch slot or a refusal, never a wait): the predicted step time
+   with this request added must stay within the TBT SLO (``conductor.admission.decode_accepts``, the rule the
+   simulator applies too) and the KV must fit; the staged blocks are loaded into pages and the sequence joins the
+   batch. Cached blocks evicted while the others were staged are staged in turn and the admission retried.
+
+So a running batch keeps stepping while a request's KV is read or fetched. A client that goes away cancels the
+stream; the sequence is dropped and its pages freed before the next step.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from ..conductor.admission import decode_accepts
 from ..model.engine import Engine
 from ..model.kv_cache import OutOfPages
 from ..model.sequence import Sequence
-from .engine_loop import TokenStream, wait
+from ..engine.runner_loop import TokenStream, wait
+from ..engine.scheduler import BatchFull, QueueFull
 from .rpc import InstanceService, LateRejection, MissingKV, messages, sampling_params, status_of, validated
 
 log = logging.getLogger(__name__)
@@ -34,7 +42,7 @@ class DecodeService(InstanceService):
 
     def load(self) -> dict:
         with self._lock:
-            return {"active": {rid: len(seq.tokens) for rid, seq in self._active.items()}}
+            return {"active": {rid: seq.num_tokens for rid, seq in self._active.items()}}
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -46,13 +54,12 @@ class DecodeService(InstanceService):
         try:
             seq = validated(lambda: self._parse(request))
             stream = TokenStream(timeout_s=inst.config.request_timeout_s)
-            future = inst.loop.submit(lambda engine: self._admit(engine, seq, request, stream))
-            wait(future, inst.config.request_timeout_s)
+            self._start(seq, request, stream)
         except Exception as e:
             code = status_of(e)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("Decode %s failed", request.request_id)
-            if isinstance(e, LateRejection):
+            if isinstance(e, (LateRejection, QueueFull)):
                 self._count(decode_rejected_late=1)
                 if inst.link is not None:
                     inst.link.report(request.request_id, "DROPPED")
@@ -90,36 +97,72 @@ class DecodeService(InstanceService):
             raise ValueError(f"kv_keys has {len(request.kv_keys)} keys, the prompt needs {expected}")
         return seq
 
-    def _admit(self, engine: Engine, seq: Sequence, request, stream: TokenStream) -> None:
-        """On the engine loop: the late check, the KV from the pool into pages, and into the batch."""
+    def _start(self, seq: Sequence, request, stream: TokenStream) -> None:
+        """Stage the request's KV on a transfer thread, then admit it on the engine loop (retried, a few times, for
+        cached blocks the engine evicted meanwhile)."""
+        inst = self.instance
+        timeout = inst.config.request_timeout_s
+        if len(inst.loop.running) >= inst.engine.max_batch:  # before any I/O; the scheduler decides for good
+            raise LateRejection(f"decode batch is full ({inst.engine.max_batch} sequences)")
+        staged: dict = {}
+        need = [key for key in request.kv_keys if inst.engine.kv.page_of(key) is None]
+        for _ in range(3):
+            if need:
+                staged.update(wait(inst.transfers.submit(self._stage, need, request.kv_source), timeout))
+            future = inst.loop.submit(lambda engine: self._admit(engine, seq, request, stream, staged),
+                                      joins_batch=True, wait_for_room=False)
+            try:
+                need = wait(future, timeout)
+            except BatchFull as e:
+                raise LateRejection(str(e)) from None
+            except TimeoutError:
+                if not future.cancel():
+                    inst.loop.cancel(seq)
+                raise
+            if not need:
+                return
+        raise LateRejection("the request's cached KV kept being evicted while its other blocks were staged")
+
+    def _stage(self, keys: list, source: str) -> dict:
+        """On a transfer thread: the blocks of ``keys`` from this pool (fetched from ``source`` if evicted here),
+        as host arrays by key."""
+        inst = self.instance
+        with inst.pool.pin(keys):
+            blocks = inst.pool.get_many(keys)
+            absent = [key for key, block in zip(keys, blocks) if block is None]
+            if absent and source:  # evicted from this pool since the push: fetch them again
+                inst.messenger(source).fetch(absent)
+                blocks = inst.pool.get_many(keys)
+                absent = [key for key, block in zip(keys, blocks) if block is None]
+        if absent:
+            raise MissingKV(f"{len(absent)} of the request's KV blocks are not in this instance's pool")
+        return dict(zip(keys, blocks))
+
+    def _admit(self, engine: Engine, seq: Sequence, request, stream: TokenStream, staged: dict) -> list:
+        """On the engine loop (the scheduler saw a free slot): the late check, the staged KV into pages, and into
+        the batch. Returns the keys that must be staged first (cached blocks evicted since), else []."""
         inst = self.instance
         running = inst.loop.running
-        if len(running) >= engine.max_batch:
-            raise LateRejection(f"decode batch is full ({engine.max_batch} sequences)")
-        context = sum(len(s.tokens) for s in running)
+        context = sum(s.num_tokens for s in running)
         if inst.costs is not None and not decode_accepts(inst.costs.decode, len(running), context, seq.max_len,
                                                          inst.config.tbt_slo_s):
             raise LateRejection(f"adding this request would exceed the TBT SLO of {inst.config.tbt_slo_s} s")
         keys = list(request.kv_keys)
-        present = [engine.prefix_cache.page_of(key) for key in keys]
-        missing = [key for key, page in zip(keys, present) if page is None]
-        if missing:
-            with inst.pool.pin(missing):
-                blocks = inst.pool.get_many(missing)
-                absent = [key for key, block in zip(missing, blocks) if block is None]
-                if absent and request.kv_source:  # evicted from this pool since the push: fetch them again
-                    inst.messenger(request.kv_source).fetch(absent)
-                    blocks = inst.pool.get_many(missing)
-                    absent = [key for key, block in zip(missing, blocks) if block is None]
-            if absent:
-                raise MissingKV(f"{len(absent)} of the request's KV blocks are not in this instance's pool")
+        present = [engine.kv.page_of(key) for key in keys]
+        lacking = [key for key, page in zip(keys, present) if page is None and key not in staged]
+        if lacking:
+            return lacking
+        load = [key for key, page in zip(keys, present) if page is None]
+        if load:
             try:  # the request's blocks already in pages are held while room is made for the others
-                engine.load_blocks(missing, np.stack(blocks), protect=[p for p in present if p is not None])
+                engine.load_blocks(load, np.stack([staged[key] for key in load]),
+                                   protect=[p for p in present if p is not None])
             except OutOfPages as e:
                 raise LateRejection(f"no room for the request's KV: {e}") from None
-        pages = [engine.prefix_cache.page_of(key) for key in keys]
+        pages = [engine.kv.page_of(key) for key in keys]
         try:
             engine.adopt(seq, pages, request.first_token)
         except OutOfPages as e:
             raise LateRejection(f"no room for the request's KV: {e}") from None
         inst.loop.join_batch(seq, stream)
+        return []

@@ -1,9 +1,10 @@
 """One engine doing both prefill and decode (coupled, like a single vLLM server) as a gateway ``Backend``.
 
-The baseline the disaggregated cluster is compared with, and the simplest way to serve a model: each request is
-prefilled on the engine loop as soon as it is taken (a long prompt delays the running batch's next token, which
-is what disaggregation avoids) and then joins the continuous batch. A request that cannot get KV pages now is
-rejected with a retry hint rather than queued without bound.
+The baseline the disaggregated cluster is compared with, and the simplest way to serve a model: each request goes
+through the engine's scheduler, which prefills it on the engine loop once the batch has a slot and the KV cache its
+pages (a long prompt delays the running batch's next token, which is what disaggregation avoids), and then decodes
+it in the continuous batch. A request waits in the scheduler's bounded queue while running requests will free
+room; a full queue, or pages that nothing running could free, reject it with a retry hint (HTTP 429).
 """
 
 from __future__ import annotations
@@ -15,22 +16,23 @@ from collections.abc import Iterator
 from ..gateway.backend import (FINISH_ABORT, REJECT_EARLY, Finished, GenerateRequest, InvalidRequest, Rejected,
                                TokenOut, Unavailable, paper_tbt)
 from ..llm import LLM
-from ..model.engine import Engine
 from ..model.kv_cache import OutOfPages
 from ..model.sequence import SamplingParams, Sequence
-from .engine_loop import EngineLoop, LoopStopped, TokenStream, wait
+from ..engine.runner_loop import LoopStopped, RunnerLoop, TokenStream, wait
+from ..engine.scheduler import DEFAULT_MAX_WAITING, QueueFull
 
 
 class EngineBackend:
     """Serves ``llm``'s engine on its own loop thread."""
 
-    def __init__(self, llm: LLM, model_name: str = "model", timeout_s: float = 120.0):
+    def __init__(self, llm: LLM, model_name: str = "model", timeout_s: float = 120.0,
+                 max_waiting: int = DEFAULT_MAX_WAITING):
         self.engine = llm.engine
         cfg = llm.config
         self.model_name, self.vocab_size, self.max_context = model_name, cfg.vocab_size, cfg.max_seq_len
         self.eos_token_id = cfg.eos_token_id
         self.timeout_s = timeout_s
-        self.loop = EngineLoop(self.engine, name="engine-coupled").start()
+        self.loop = RunnerLoop(self.engine, name="engine-coupled", max_waiting=max_waiting).start()
         self._lock = threading.Lock()
         self._counts = {"requests": 0, "rejected": 0, "prompt_tokens": 0, "cached_tokens": 0}
 
@@ -57,12 +59,19 @@ class EngineBackend:
             raise InvalidRequest(str(e)) from None
         self._count(requests=1, prompt_tokens=len(seq.prompt))
         stream = TokenStream(timeout_s=self.timeout_s)
+        future = None
         try:
-            wait(self.loop.submit(lambda engine: self._start(engine, seq, stream)), self.timeout_s)
+            future = self.loop.add_request(seq, stream)
+            wait(future, self.timeout_s)
         except OutOfPages as e:
             self._count(rejected=1)
             raise Rejected(f"the engine's KV cache is full: {e}", 1.0, REJECT_EARLY) from None
+        except QueueFull as e:
+            self._count(rejected=1)
+            raise Rejected(str(e), 1.0, REJECT_EARLY) from None
         except (LoopStopped, TimeoutError) as e:
+            if future is not None and not future.cancel():  # too late to unqueue it: stop it in the batch
+                self.loop.cancel(seq)
             raise Unavailable(str(e)) from None
         self._count(cached_tokens=seq.cached_tokens)
         times = []
@@ -85,15 +94,6 @@ class EngineBackend:
                     pass
                 return
             yield token
-
-    def _start(self, engine: Engine, seq: Sequence, stream: TokenStream) -> None:
-        engine.admit(seq)
-        try:
-            engine.prefill(seq)
-        except BaseException:
-            engine.release(seq)
-            raise
-        self.loop.join_batch(seq, stream)
 
     def close(self) -> None:
         self.loop.stop()

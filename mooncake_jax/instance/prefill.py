@@ -1,14 +1,16 @@
 """The prefill instance's service: run the Conductor's transfer plan, prefill reusing every cached block it can,
 store the new KV in the pool, hand the request's KV to the decode instance, and answer with the first token.
 
-Order of work for one request (the engine part runs on the engine loop, FIFO, everything else on the gRPC thread):
+Order of work for one request (engine work on the engine loop through its scheduler, all I/O on transfer threads):
 
-1. fetch the planned blocks from the source instance's pool into this pool (Messenger; keys already here are not
-   sent), pinned until the prefill has read them;
-2. on the engine loop: reuse the prompt's leading blocks from the engine's own page cache, then from the pool
-   (loaded into pages), prefill the rest, write every new block of the prompt into the pool (the pool announces
-   them to the Conductor as KV events), release the sequence;
-3. push the request's blocks (full blocks and the partial tail) to the decode instance's pool;
+1. transfer thread: fetch the planned blocks from the source instance's pool into this pool (Messenger; keys
+   already here are not sent), pinned until the request is done; then read the prompt's leading blocks that the
+   engine does not cache from the pool (DRAM / SSD) into host buffers;
+2. engine loop: reuse the prompt's leading blocks from the engine's own page cache, load the staged ones into
+   pages, prefill the rest, read the prompt's blocks the pool lacks out of the engine, release the sequence
+   (layer-wise: ``LayerwisePrefill`` over the staged prefix, returning the new blocks);
+3. transfer thread: write those blocks into the pool (which announces them to the Conductor as KV events) and push
+   the request's blocks (full blocks and the partial tail) to the decode instance's pool;
 4. report PREFILL_DONE to the Conductor and return the first token.
 
 A fetch that fails is not fatal: the blocks are recomputed instead. The queue of predicted prefill seconds is what
@@ -26,8 +28,9 @@ import numpy as np
 from ..model.engine import Engine
 from ..model.sequence import Sequence
 from ..transfer.messenger import BlocksNotFoundError, TransferError
-from ..transfer.offload import LayerwisePrefill, pool_prefix, request_keys
-from .engine_loop import wait
+from ..blocks import BlockKey
+from ..transfer.offload import LayerwisePrefill, request_keys
+from ..engine.runner_loop import wait
 from .rpc import InstanceService, messages, rpc, sampling_params, validated
 
 log = logging.getLogger(__name__)
@@ -40,7 +43,7 @@ class PrefillService(InstanceService):
         super().__init__(instance, ("prefill_requests", "prefill_prompt_tokens", "prefill_cached_tokens",
                                     "prefill_fetched_blocks", "prefill_pushed_blocks", "prefill_fetch_failures"))
         self._queued_s = 0.0
-        self._layerwise = LayerwisePrefill(instance.engine) if instance.config.layerwise else None
+        self._layerwise = _layerwise(instance.engine) if instance.config.layerwise else None
 
     def load(self) -> dict:
         with self._lock:
@@ -60,8 +63,10 @@ class PrefillService(InstanceService):
         if inst.link is not None:
             inst.link.ignored_keys.update(keys[len(seq.prompt) // engine.block_size:])  # the tail is private
         with inst.pool.pin(list(request.fetch_keys) + keys):
+            timeout = inst.config.request_timeout_s
             if request.fetch_from and request.fetch_keys:
-                self._fetch(request.fetch_from, list(request.fetch_keys))
+                wait(inst.transfers.submit(self._fetch, request.fetch_from, list(request.fetch_keys)), timeout)
+            staged = wait(inst.transfers.submit(self._stage_prefix, seq, keys), timeout)
             t_fetched = time.perf_counter()
             predicted = inst.costs.prefill.seconds(len(seq.prompt), 0) if inst.costs else 0.0
             with self._lock:
@@ -69,15 +74,17 @@ class PrefillService(InstanceService):
             try:
                 queued_at = time.perf_counter()
                 started = {}
-                future = inst.loop.submit(lambda eng: self._prefill_job(eng, seq, keys, started))
-                wait(future, inst.config.request_timeout_s)
+                future = inst.loop.submit(lambda eng: self._prefill_job(eng, seq, keys, staged, started))
+                try:
+                    new_keys, new_blocks = wait(future, timeout)
+                except TimeoutError:
+                    future.cancel()
+                    raise
             finally:
                 with self._lock:
                     self._queued_s = max(0.0, self._queued_s - predicted)
             t_prefilled = time.perf_counter()
-            if request.push_to:
-                moved = inst.messenger(request.push_to).push(keys).moved
-                self._count(prefill_pushed_blocks=len(moved))
+            wait(inst.transfers.submit(self._store_and_push, new_keys, new_blocks, keys, request.push_to), timeout)
         self._count(prefill_requests=1, prefill_prompt_tokens=len(seq.prompt),
                     prefill_cached_tokens=seq.cached_tokens)
         if inst.link is not None:
@@ -116,31 +123,54 @@ class PrefillService(InstanceService):
                 self._count(prefill_fetch_failures=1)
                 return
 
-    def _prefill_job(self, engine: Engine, seq: Sequence, keys: list[int], started: dict) -> None:
-        """On the engine loop: prefill ``seq`` over every reusable block and store its new blocks in the pool."""
+    def _stage_prefix(self, seq: Sequence, keys: list[BlockKey]) -> tuple[int, list[BlockKey], np.ndarray | None]:
+        """On a transfer thread: the prompt's leading reusable blocks from the pool, after those the engine caches
+        (layer-wise: from the first block, it does not use the engine's cache). Returns (index of the first staged
+        block, their keys, their blocks [n, layers, 2, block_size, kv_heads, head_dim] or None)."""
+        engine, pool = self.instance.engine, self.instance.pool
+        usable = keys[: (len(seq.prompt) - 1) // engine.block_size]
+        start = 0 if self._layerwise is not None else len(engine.kv.cached_pages(usable))
+        n = pool.prefix_len(usable[start:])
+        if not n:
+            return start, [], None
+        blocks = pool.get_many(usable[start: start + n])
+        good = next((i for i, b in enumerate(blocks) if b is None), n)  # lost to damage since the lookup
+        if not good:
+            return start, [], None
+        return start, usable[start: start + good], np.stack(blocks[:good])
+
+    def _prefill_job(self, engine: Engine, seq: Sequence, keys: list[BlockKey], staged, started: dict
+                     ) -> tuple[list[BlockKey], np.ndarray | None]:
+        """On the engine loop: prefill ``seq`` over its cached and staged prefix; returns the keys of the prompt's
+        blocks the pool lacks and those blocks (host), for a transfer thread to store."""
         started["t"] = time.perf_counter()
         pool = self.instance.pool
-        if self._layerwise is not None:
-            prefix = pool_prefix(pool, seq, engine.block_size)
-            n = 0 if prefix is None else len(prefix)
-            _, new_blocks = self._layerwise.prefill(seq, prefix)
-            pool.put_many(keys[n:], new_blocks)
-        else:
-            usable = keys[: (len(seq.prompt) - 1) // engine.block_size]
-            pages = engine.cached_pages(usable)
-            from_pool = []
-            for key in usable[len(pages):]:
-                if key not in pool:
-                    break
-                from_pool.append(key)
-            if from_pool:
-                blocks = pool.get_many(from_pool)
-                good = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
-                if good:
-                    pages += engine.load_blocks(from_pool[:good], np.stack(blocks[:good]), protect=pages)
+        start, staged_keys, staged_blocks = staged
+        try:
+            if self._layerwise is not None:
+                _, new_blocks = self._layerwise.prefill(seq, staged_blocks)
+                return keys[len(staged_keys):], new_blocks
+            pages = engine.cached_pages(keys[:start])
+            if len(pages) == start and staged_keys:  # else the engine evicted part of its prefix meanwhile
+                pages += engine.load_blocks(staged_keys, staged_blocks, protect=pages)
             engine.admit(seq, cached_pages=pages)
             engine.prefill(seq)
-            new = [i for i, key in enumerate(keys) if key not in pool]
-            if new:
-                pool.put_many([keys[i] for i in new], engine.read_blocks([seq.pages[i] for i in new]))
-        engine.release(seq)
+            new = [i for i, key in enumerate(keys) if key not in pool]  # an index lookup, no I/O
+            if not new:
+                return [], None
+            return [keys[i] for i in new], engine.read_blocks([seq.pages[i] for i in new])
+        finally:
+            engine.release(seq)
+
+    def _store_and_push(self, new_keys: list[BlockKey], new_blocks, keys: list[BlockKey], push_to: str) -> None:
+        """On a transfer thread: the new blocks into the pool, then the request's blocks to the decode instance."""
+        if new_keys:
+            self.instance.pool.put_many(new_keys, new_blocks[: len(new_keys)])
+        if push_to:
+            moved = self.instance.messenger(push_to).push(keys).moved
+            self._count(prefill_pushed_blocks=len(moved))
+
+
+def _layerwise(engine: Engine) -> LayerwisePrefill:
+    """The layer-wise prefill of ``engine``: ``prefill(seq, prefix_blocks) -> (logits, new_blocks)``, no pool I/O."""
+    return LayerwisePrefill(engine)

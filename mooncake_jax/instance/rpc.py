@@ -13,7 +13,8 @@ from ..model.kv_cache import OutOfPages
 from ..model.sequence import SamplingParams
 from ..proto import load
 from ..transfer.messenger import TransferError
-from .engine_loop import LoopStopped
+from ..engine.runner_loop import LoopStopped
+from ..engine.scheduler import BatchFull, QueueFull
 
 log = logging.getLogger(__name__)
 messages, services = load("instance")
@@ -55,6 +56,8 @@ STATUS = (
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (LateRejection, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (OutOfPages, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (BatchFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (MissingKV, grpc.StatusCode.FAILED_PRECONDITION),
     (TransferError, grpc.StatusCode.UNAVAILABLE),
     (LoopStopped, grpc.StatusCode.UNAVAILABLE),

@@ -27,10 +27,11 @@ from ..proto.auth import interceptors
 from ..transfer import BlockPool, BlockSpec
 from ..transfer.messenger import MessengerClient
 from ..transfer.messenger_server import add_messenger
-from ..transfer.offload import PerLayer
 from .calibrate import calibrate
 from .conductor_link import DECODE, PREFILL, ConductorLink
-from .engine_loop import EngineLoop, wait
+from ..engine.runner_loop import RunnerLoop, wait
+from ..engine.scheduler import DEFAULT_MAX_WAITING
+from ..engine.transfer_workers import TransferWorkers
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class InstanceConfig:
     warmup: bool = True  # compile every step shape of its role before registering
     auth_token: str | None = None  # required on every RPC to this instance (and sent on its own calls)
     bucket_factor: int = 4  # prefill chunk lengths grow 4x: fewer programs to compile per instance
+    max_waiting: int = DEFAULT_MAX_WAITING  # requests queued for the engine beyond this: RESOURCE_EXHAUSTED
+    transfer_workers: int = 4  # threads for pool / SSD / Messenger I/O (never on the engine's thread)
     def __post_init__(self):
         if self.role not in (PREFILL, DECODE):
             raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {self.role!r}")
@@ -73,11 +76,12 @@ class InstanceServer:
         self.instance_id = config.instance_id
         self.model = model or build_model(config.model, dtype=config.dtype, seed=config.seed)
         cfg = self.model.cfg
-        layout = PerLayer(cfg) if config.role == PREFILL and config.layerwise else None
         self.engine = Engine(self.model, num_pages=config.num_pages, max_batch=config.max_batch,
-                             prefill_chunk_size=config.prefill_chunk_size, layout=layout,
+                             prefill_chunk_size=config.prefill_chunk_size,
                              bucket_factor=config.bucket_factor)
-        self.loop = EngineLoop(self.engine, name=f"engine-{config.instance_id}")
+        self.loop = RunnerLoop(self.engine, name=f"engine-{config.instance_id}", max_waiting=config.max_waiting)
+        self.transfers = TransferWorkers(config.transfer_workers, max(config.max_waiting, config.transfer_workers),
+                                         name=f"transfer-{config.instance_id}")
         self.link: ConductorLink | None = None
         self.pool = BlockPool(BlockSpec(cfg.block_shape(), self.engine.runner.kv[0][0].dtype),
                               dram_blocks=config.pool_dram_blocks, ssd_path=config.pool_ssd_path,
@@ -168,6 +172,7 @@ class InstanceServer:
         self._health.enter_graceful_shutdown()
         self._server.stop(grace_s).wait()
         self.loop.stop()
+        self.transfers.close()
         with self._clients_lock:
             for client in self._clients.values():
                 client.close()

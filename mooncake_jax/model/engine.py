@@ -19,19 +19,21 @@ from collections.abc import Sequence as SequenceABC
 import jax
 import numpy as np
 
-from ..blocks import BlockKey, block_keys, num_blocks
+from ..blocks import BlockKey, num_blocks
 from .attention import SCRATCH_PAGE, PagedBatch
 from .config import ModelConfig
 from .host_memory import keep_large_blocks_on_heap
-from .kv_cache import OutOfPages, PageAllocator, PrefixCache, write_slots
+from .kv_cache import write_slots
+from ..engine.kv_manager import KVCacheManager
 from .llama import Llama
-from .sampling import SamplingInputs, batch_mode
+from .sampling import ANY, SamplingInputs
 from .sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence, validate_prompt
 from ..sharding.layout import SingleDevice
 from ..sharding.pipeline import LayerPages, PipelineRunner, StepInputs
 from .layer_hooks import LayerHooks
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+SAMPLING_MODES = (ANY,)  # the step programs' sampling: one program covers greedy, temperature and top-p rows
 
 
 def bucket(n: int, cap: int, minimum: int = 1, factor: int = 2) -> int:
@@ -84,26 +86,25 @@ class Engine:
         self.layout = layout or SingleDevice(cfg)
         # Layers under lax.scan (compile time flat in depth) or unrolled (faster on XLA:CPU); None: by backend.
         self.runner = PipelineRunner(model, self.layout, num_pages, kv_dtype, scan=scan_layers)
-        self.allocator = PageAllocator(num_pages)
-        self.prefix_cache = PrefixCache(self.allocator) if prefix_caching else None
-        self._reserved = 0  # pages promised to admitted sequences but not yet allocated
+        # Page bookkeeping (admission, reservations, prefix reuse) lives in the engine layer's KV-cache manager.
+        self.kv = KVCacheManager(num_pages, cfg.block_size, prefix_caching)
+        self.allocator, self.prefix_cache = self.kv.allocator, self.kv.prefix_cache
         self._scratch_slot = SCRATCH_PAGE * cfg.block_size  # where padded tokens write their K/V
 
-    # ---- pages -------------------------------------------------------------------------------------------
+    # ---- pages (delegated to the KV-cache manager) -------------------------------------------------------------
     @property
     def num_pages(self) -> int:
-        return self.allocator.num_pages
+        return self.kv.num_pages
 
     @property
     def free_pages(self) -> int:
         """Pages neither in use nor promised (cached-only pages count as used until evicted)."""
-        return self.allocator.num_free - self._reserved
+        return self.kv.free_pages
 
     @property
     def pages_in_use(self) -> int:
         """Pages held by sequences (beyond the prefix cache's own) or promised to them: 0 when nothing runs."""
-        cached = len(self.prefix_cache) if self.prefix_cache is not None else 0
-        return self.num_pages - 1 - self.allocator.num_free - cached + self._reserved
+        return self.kv.pages_in_use
 
     def new_sequence(self, prompt, params: SamplingParams | None = None) -> Sequence:
         """A validated sequence (ValueError naming the problem otherwise)."""
@@ -116,58 +117,14 @@ class Engine:
                              f"shorten the prompt or max_new_tokens, or give the engine more pages")
         return Sequence(tokens, params)
 
-    def _take_pages(self, n: int) -> list[int]:
-        """``n`` fresh pages, evicting unused cached prefix pages if the free list is short."""
-        short = n + self._reserved - self.allocator.num_free
-        if short > 0 and self.prefix_cache is not None:
-            self.prefix_cache.evict(short)
-        if n + self._reserved > self.allocator.num_free:
-            raise OutOfPages(f"need {n} KV pages, {self.allocator.num_free} free of which {self._reserved} "
-                             f"are promised to running sequences")
-        return self.allocator.allocate(n)
-
     def prompt_keys(self, seq: Sequence) -> list[BlockKey]:
-        """The prompt's block keys (computed once per sequence: admission and prefill both use them)."""
-        if seq.prompt_keys is None:
-            seq.prompt_keys = block_keys(seq.prompt, self.block_size)
-        return seq.prompt_keys
+        return self.kv.prompt_keys(seq)
 
     def admit(self, seq: Sequence, cached_pages: SequenceABC[int] | None = None,
               cached_tokens: int | None = None) -> None:
-        """Give ``seq`` pages for its prompt (reusing its cached prefix) and reserve its generation's pages.
-
-        ``cached_pages`` overrides the prefix-cache lookup: pages already holding the prompt's leading KV, of which
-        ``cached_tokens`` tokens are valid (default: all of every page). A decode instance adopts a request whose
-        whole prompt KV arrived (the last page partial) this way. Raises OutOfPages, with nothing held, when the
-        cache cannot take the sequence now.
-        """
-        if cached_pages is None:
-            cached_pages = []
-            if self.prefix_cache is not None:
-                # The last prompt token is always computed: its logits give the first output token.
-                usable = (len(seq.prompt) - 1) // self.block_size
-                cached_pages = self.prefix_cache.match(self.prompt_keys(seq)[:usable])
-        if cached_tokens is None:
-            cached_tokens = len(cached_pages) * self.block_size
-        bs = self.block_size
-        if cached_pages and not (len(cached_pages) - 1) * bs < cached_tokens <= len(cached_pages) * bs:
-            raise ValueError(f"{cached_tokens} cached tokens do not fit {len(cached_pages)} pages")
-        if cached_tokens > len(seq.prompt):
-            raise ValueError(f"{cached_tokens} cached tokens exceed the prompt's {len(seq.prompt)}")
-        self.allocator.retain(cached_pages)
-        n_prompt = num_blocks(len(seq.prompt), self.block_size)
-        n_total = num_blocks(seq.max_len, self.block_size)
-        future = n_total - n_prompt
-        try:
-            self._reserved += future  # counted before allocating, so eviction makes room for it too
-            fresh = self._take_pages(n_prompt - len(cached_pages))
-        except OutOfPages:
-            self._reserved -= future
-            self.allocator.release(cached_pages)
-            raise
-        seq.pages = list(cached_pages) + fresh
-        seq.reserved_pages = future
-        seq.cached_tokens = seq.num_computed = cached_tokens
+        """Give ``seq`` pages for its prompt (reusing its cached prefix) and reserve its generation's pages; see
+        ``KVCacheManager.admit``. Raises OutOfPages, with nothing held, when the cache cannot take it now."""
+        self.kv.admit(seq, cached_pages, cached_tokens)
 
     def adopt(self, seq: Sequence, pages: SequenceABC[int], first_token: int) -> None:
         """Take over a sequence prefilled elsewhere: ``pages`` hold its whole prompt's KV (loaded with
@@ -177,27 +134,18 @@ class Engine:
 
     def release(self, seq: Sequence) -> None:
         """Return the sequence's pages and unused reservation; its full prompt blocks stay in the prefix cache."""
-        self.allocator.release(seq.pages)
-        self._reserved -= seq.reserved_pages
-        seq.pages, seq.reserved_pages = [], 0
-
-    def _grow(self, seq: Sequence, length: int) -> None:
-        """Make sure ``seq`` has pages for ``length`` tokens (drawing on its reservation)."""
-        while len(seq.pages) * self.block_size < length:
-            if seq.reserved_pages > 0:
-                seq.reserved_pages -= 1
-                self._reserved -= 1
-            seq.pages.extend(self._take_pages(1))
+        self.kv.release(seq)
 
     # ---- compute -----------------------------------------------------------------------------------------
     def _sampling(self, seqs: SequenceABC[Sequence], rows: int):
         p = [s.params for s in seqs] + [SamplingParams()] * (rows - len(seqs))
-        mode = batch_mode([x.temperature for x in p], [x.top_p for x in p])
         steps = [len(s.output) for s in seqs] + [0] * (rows - len(seqs))
         inputs = SamplingInputs(np.array([x.temperature for x in p], np.float32),
                                 np.array([x.top_p for x in p], np.float32),
                                 np.array([x.seed for x in p], np.uint32), np.array(steps, np.int32))
-        return inputs, mode
+        # One program per step shape covers every sampling setting (ANY picks the path at run time), so warm-up
+        # compiles each shape once and a request that turns on temperature or top-p never waits for XLA.
+        return inputs, ANY
 
     def _context_table(self, pages_per_row: list[list[int]], rows: int, width: int) -> np.ndarray:
         table = np.zeros((rows, width), np.int32)
@@ -205,8 +153,9 @@ class Engine:
             table[r, : len(pages)] = pages
         return table
 
-    def _step(self, tokens, positions, table, ctx_len, slots, logits_index, seqs, rows) -> StepInputs:
-        sampling, mode = self._sampling(seqs, rows)
+    def _step(self, tokens, positions, table, ctx_len, slots, logits_index, seqs, rows, mode=None) -> StepInputs:
+        sampling, needed = self._sampling(seqs, rows)
+        mode = mode or needed  # warm-up forces each mode; otherwise the cheapest that covers the batch
         return StepInputs(tokens, positions, PagedBatch(table, ctx_len, slots), logits_index, sampling, mode)
 
     def prefill(self, seq: Sequence, all_logits: bool = False, sample: bool = True,
@@ -226,7 +175,7 @@ class Engine:
         start = seq.num_computed
         if start >= n:
             raise ValueError("prefill needs at least one prompt token beyond the cached prefix")
-        self._grow(seq, n)
+        self.kv.grow(seq, n)
         steps, lengths = [], []
         while start < n:
             t = min(chunk, n - start)
@@ -257,9 +206,7 @@ class Engine:
         if sample:
             next_tokens = outputs[-1][0]
             self._append(seq, int(next_tokens[0]) if next_tokens is not None else int(np.argmax(logits[-1])))
-        if self.prefix_cache is not None:
-            keys = self.prompt_keys(seq)
-            self.prefix_cache.insert(keys, seq.pages[: len(keys)])
+        self.kv.cache_prompt(seq)
         return logits
 
     def decode(self, seqs: SequenceABC[Sequence]) -> list[int]:
@@ -278,9 +225,9 @@ class Engine:
         for r, seq in enumerate(seqs):
             if seq.finished or not seq.output:
                 raise ValueError(f"sequence {seq.seq_id} is {'finished' if seq.finished else 'not prefilled'}")
-            pos = len(seq.tokens) - 1  # the last sampled token's KV is not in the cache yet
-            self._grow(seq, pos + 1)
-            tokens[r, 0], positions[r, 0], ctx_len[r] = seq.tokens[-1], pos, pos
+            pos = seq.num_tokens - 1  # the last sampled token's KV is not in the cache yet
+            self.kv.grow(seq, pos + 1)
+            tokens[r, 0], positions[r, 0], ctx_len[r] = seq.output[-1], pos, pos
             slots[r, 0] = write_slots(seq.pages, pos, 1, bs)[0]
             ctx_pages.append(seq.pages[: num_blocks(pos, bs)])
         width = bucket(max(1, max(len(p) for p in ctx_pages)), self.max_pages_per_seq)
@@ -289,7 +236,7 @@ class Engine:
         ((next_tokens, _),) = self.runner.run([step])
         out = np.asarray(next_tokens)[: len(seqs)].tolist()
         for seq, token in zip(seqs, out):
-            seq.num_computed = len(seq.tokens)
+            seq.num_computed = seq.num_tokens
             self._append(seq, token)
         return out
 
@@ -303,11 +250,14 @@ class Engine:
             seq.finish_reason = FINISH_STOP
 
     # ---- compiling ahead of traffic -----------------------------------------------------------------------------
-    def warmup(self, prefill: bool = True, decode: bool = True, progress=None) -> int:
-        """Compile every step shape this engine can run (greedy sampling), so no request waits for XLA.
+    def warmup(self, prefill: bool = True, decode: bool = True, progress=None,
+               modes: SequenceABC[str] = SAMPLING_MODES) -> int:
+        """Compile every step shape this engine can run, for every sampling setting a request can select (greedy,
+        temperature, top-p: the steps' ``ANY`` sampling covers them all in one program), so no request waits for
+        XLA.
 
         The steps run on the scratch page only (nothing allocated, no sequence touched). Returns the number of
-        shapes; ``progress(done, total)`` is called after each.
+        programs (shapes x ``modes``); ``progress(done, total)`` is called after each.
         """
         shapes = []
         if prefill:
@@ -317,15 +267,17 @@ class Engine:
         if decode:
             widths = buckets(self.max_pages_per_seq)
             shapes += [(b, 1, w) for b in buckets(self.max_batch) for w in widths]
-        for i, (rows, t, width) in enumerate(shapes):
+        programs = [(shape, mode) for shape in shapes for mode in modes]
+        for i, ((rows, t, width), mode) in enumerate(programs):
             step = self._step(np.zeros((rows, t), np.int32), np.tile(np.arange(t, dtype=np.int32), (rows, 1)),
                               np.zeros((rows, width), np.int32), np.zeros(rows, np.int32),
                               np.full((rows, t), self._scratch_slot, np.int32),
-                              np.zeros(rows, np.int32) if t == 1 else np.array([t - 1], np.int32), [], rows)
+                              np.zeros(rows, np.int32) if t == 1 else np.array([t - 1], np.int32), [], rows,
+                              mode=mode)
             jax.block_until_ready(self.runner.run([step])[-1][1])
             if progress is not None:
-                progress(i + 1, len(shapes))
-        return len(shapes)
+                progress(i + 1, len(programs))
+        return len(programs)
 
     # ---- whole blocks in and out (pool, Messenger) -----------------------------------------------------------
     def padded_pages(self, pages: SequenceABC[int]) -> np.ndarray:
@@ -340,15 +292,7 @@ class Engine:
 
     def cached_pages(self, keys: SequenceABC[BlockKey]) -> list[int]:
         """Pages of the leading ``keys`` already in the prefix cache (no hit counting)."""
-        if self.prefix_cache is None:
-            return []
-        pages = []
-        for key in keys:
-            page = self.prefix_cache.page_of(key)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
+        return self.kv.cached_pages(keys)
 
     def load_blocks(self, keys: SequenceABC[BlockKey], blocks: np.ndarray,
                     protect: SequenceABC[int] = ()) -> list[int]:
@@ -366,20 +310,13 @@ class Engine:
         expected = (len(keys),) + self.cfg.block_shape()
         if blocks.shape != expected:
             raise ValueError(f"blocks have shape {blocks.shape}, expected {expected}")
-        missing = [i for i, key in enumerate(keys) if self.prefix_cache.page_of(key) is None]
+        missing, fresh = self.kv.pages_for_load(keys, protect)
         if missing:
-            held = list(protect) + [p for p in map(self.prefix_cache.page_of, keys) if p is not None]
-            self.allocator.retain(held)
-            try:
-                fresh = self._take_pages(len(missing))
-            finally:
-                self.allocator.release(held)
             padded = self.padded_pages(fresh)
             data = np.zeros((len(padded),) + blocks.shape[1:], blocks.dtype)  # padding rows land in scratch
             data[: len(fresh)] = blocks[missing]
             self.runner.write_blocks(padded, data)
-            self.prefix_cache.insert([keys[i] for i in missing], fresh)
-            self.allocator.release(fresh)  # the cache's reference is the only one left
+            self.kv.commit_load([keys[i] for i in missing], fresh)
         return [self.prefix_cache.page_of(key) for key in keys]
 
     def block_until_ready(self) -> None:

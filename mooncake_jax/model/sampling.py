@@ -11,8 +11,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-GREEDY, SAMPLE, TOP_P = "greedy", "sample", "top_p"
-"""Static sampling modes of a batch: the cheapest one that covers every sequence in it is compiled."""
+GREEDY, SAMPLE, TOP_P, ANY = "greedy", "sample", "top_p", "any"
+"""Static sampling modes of a batch. ``batch_mode`` names the cheapest that covers every sequence in it; ``ANY``
+covers every setting in one program and picks the cheapest path at run time (``lax.cond`` on the batch's own
+temperatures and top-p values), so an engine compiles one program per step shape, not one per mode, and still
+never waits for XLA when a request selects temperature or top-p sampling."""
 
 
 class SamplingInputs(NamedTuple):
@@ -37,7 +40,8 @@ def _top_p_mask(scaled: jax.Array, top_p: jax.Array) -> jax.Array:
     sorted_desc = -jnp.sort(-scaled, axis=-1)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    kept = mass_before < top_p[:, None]  # the first token is always kept
+    kept = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # the first token is always kept; top_p 1
+    # keeps every token exactly (float rounding of the cumulative mass would drop the tail), as SAMPLE does
     threshold = jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
@@ -47,9 +51,21 @@ def sample(logits: jax.Array, inputs: SamplingInputs, mode: str) -> jax.Array:
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if mode == GREEDY:
         return greedy
+    if mode == ANY:
+        sampled = inputs.temperature > 0
+        nucleus = jnp.any(sampled & (inputs.top_p < 1.0))
+        return jax.lax.cond(
+            jnp.any(sampled),
+            lambda: jax.lax.cond(nucleus, lambda: _draw(logits, inputs, greedy, True),
+                                 lambda: _draw(logits, inputs, greedy, False)),
+            lambda: greedy)
+    return _draw(logits, inputs, greedy, mode == TOP_P)
+
+
+def _draw(logits: jax.Array, inputs: SamplingInputs, greedy: jax.Array, top_p: bool) -> jax.Array:
     temp = jnp.where(inputs.temperature > 0, inputs.temperature, 1.0)
     scaled = logits / temp[:, None]
-    if mode == TOP_P:
+    if top_p:
         scaled = _top_p_mask(scaled, inputs.top_p)
     keys = _row_keys(inputs.seed, inputs.step)
     drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)

@@ -84,6 +84,11 @@ class Sequence:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        """``len(tokens)`` without building the list (the decode loop asks every step)."""
+        return len(self.prompt) + len(self.output)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -29,15 +29,8 @@ import numpy as np
 from ..blocks import BlockKey, block_keys, num_blocks, tail_key
 from ..model.engine import Engine
 from ..model.sequence import Sequence
-from ..sharding.layout import SingleDevice
 
 LAYERWISE, SERIALIZED = "layerwise", "serialized"
-
-
-def PerLayer(cfg) -> SingleDevice:  # noqa: N802
-    """Compatibility only: layer-wise prefill no longer needs a layout of its own (it works with any), so this is
-    the default single-device layout. ``instance/server.py`` still names it; drop both together."""
-    return SingleDevice(cfg)
 
 
 def request_keys(seq: Sequence, block_size: int) -> list[BlockKey]:
