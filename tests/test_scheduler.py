@@ -213,20 +213,26 @@ def test_generate_equals_reference_through_a_small_queue(llm, ref):
 def test_warmup_compiles_every_sampling_mode():
     from mooncake_jax.model.config import get_config
     from mooncake_jax.model.llama import init_model
-    from mooncake_jax.model.steps import forward_step
+    from mooncake_jax.model.steps import forward_step, read_blocks, write_blocks
 
     model = init_model(get_config("tiny").replace(max_seq_len=32), 0)
     engine = Engine(model, prefill_chunk_size=16, max_batch=2)
     n = engine.warmup()
-    assert n == 1 * 3 + 2 * 2  # chunk 16 x context 0/1/2 pages + batch 1/2 x width 1/2: one program each
+    # chunk 16 x context 0/1/2 pages + batch 1/2 x width 1/2: one program each; block moves of 1 and 2 pages
+    assert n == 1 * 3 + 2 * 2 + 2 * 2
     compiled = forward_step._cache_size()
+    moves = read_blocks._cache_size(), write_blocks._cache_size()
     sched = Scheduler(engine)
     for kw in (dict(temperature=0.0), dict(temperature=0.8, seed=3), dict(temperature=0.8, top_p=0.9)):
         seqs = [engine.new_sequence(p, SamplingParams(max_new_tokens=8, **kw)) for p in prompts([5, 12], seed=8)]
         for s in seqs:
             sched.add_request(s)
         run(sched)
+        for n_blocks in (1, 2):  # what a prefill instance stores and a decode instance loads
+            keys = [1000 * n_blocks + i for i in range(n_blocks)]
+            engine.load_blocks(keys, engine.read_blocks([0] * n_blocks))  # scratch page contents: any KV will do
     assert forward_step._cache_size() == compiled  # nothing compiled after warm-up
+    assert (read_blocks._cache_size(), write_blocks._cache_size()) == moves
 
 
 def test_one_sampling_program_equals_each_static_mode():

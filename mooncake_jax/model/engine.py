@@ -251,13 +251,16 @@ class Engine:
 
     # ---- compiling ahead of traffic -----------------------------------------------------------------------------
     def warmup(self, prefill: bool = True, decode: bool = True, progress=None,
-               modes: SequenceABC[str] = SAMPLING_MODES) -> int:
+               modes: SequenceABC[str] = SAMPLING_MODES, blocks: bool = True) -> int:
         """Compile every step shape this engine can run, for every sampling setting a request can select (greedy,
-        temperature, top-p: the steps' ``ANY`` sampling covers them all in one program), so no request waits for
+        temperature, top-p: the steps' ``ANY`` sampling covers them all in one program), and with ``blocks`` every
+        bucketed block move (``read_blocks`` / ``load_blocks`` of 1, 2, 4 ... pages: a decode instance loads each
+        arriving request's KV with one, and compiling it then stalls the running batch), so no request waits for
         XLA.
 
-        The steps run on the scratch page only (nothing allocated, no sequence touched). Returns the number of
-        programs (shapes x ``modes``); ``progress(done, total)`` is called after each.
+        Everything runs on the scratch page only (nothing allocated, no sequence touched). Returns the number of
+        programs (step shapes x ``modes``, plus two per block-move size); ``progress(done, total)`` is called after
+        each step program.
         """
         shapes = []
         if prefill:
@@ -277,7 +280,19 @@ class Engine:
             jax.block_until_ready(self.runner.run([step])[-1][1])
             if progress is not None:
                 progress(i + 1, len(programs))
-        return len(programs)
+        moves = self._warm_block_moves() if blocks else 0
+        return len(programs) + moves
+
+    def _warm_block_moves(self) -> int:
+        """Compile the block moves for every padded page count a request can need (scratch page only)."""
+        dtype = self.runner.kv[0][0].dtype
+        sizes = [1 << i for i in range(bucket(self.max_pages_per_seq, 1 << 30).bit_length())]
+        for n in sizes:
+            pages = np.full(n, SCRATCH_PAGE, np.int32)
+            self.runner.read_blocks(pages)
+            self.runner.write_blocks(pages, np.zeros((n,) + self.cfg.block_shape(), dtype))
+        self.runner.block_until_ready()
+        return 2 * len(sizes)
 
     # ---- whole blocks in and out (pool, Messenger) -----------------------------------------------------------
     def padded_pages(self, pages: SequenceABC[int]) -> np.ndarray:
