@@ -95,6 +95,12 @@ def summarize(results: list[dict], ttft_slo: float, tbt_slo: float, wall_s: floa
     moved = sum(v for k, v in stats.items() if k.split("{")[0].endswith(("messenger_bytes_received",
                                                                          "messenger_bytes_sent")))
 
+    def total(name: str) -> float:  # summed over instances (stats keys are ``name{instance="..."}``)
+        return sum(v for k, v in stats.items() if k.split("{")[0] == name)
+
+    steps = total("instance_decode_steps_total")
+    step_s = total("instance_decode_step_seconds_total") / steps if steps else None
+
     def pct(a, q):
         return round(float(np.percentile(a, q)), 4) if a.size else None
 
@@ -105,6 +111,9 @@ def summarize(results: list[dict], ttft_slo: float, tbt_slo: float, wall_s: floa
         "failed": sum(1 for r in results if r["status"] == "failed"),
         "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
         "tbt_p50_s": pct(tbts, 50), "tbt_p90_s": pct(tbts, 90), "tbt_p99_s": pct(tbts, 99),
+        "decode_step_s": round(step_s, 4) if step_s else None,
+        "decode_batch_mean": round(total("instance_decode_step_rows_total") / steps, 2) if steps else None,
+        "tbt_p99_over_step": round(pct(tbts, 99) / step_s, 2) if step_s and tbts.size else None,
         "slo_attainment": round(ok / len(results), 4) if results else None,
         "ttft_slo_s": ttft_slo, "tbt_slo_s": tbt_slo,
         "cache_hit_ratio": round(cached / prompt_tokens, 4) if prompt_tokens else None,
@@ -119,6 +128,8 @@ def print_table(summary: dict) -> None:
             ("failed", summary["failed"]),
             ("TTFT p50 / p90 / p99 (s)", f"{summary['ttft_p50_s']} / {summary['ttft_p90_s']} / {summary['ttft_p99_s']}"),
             ("TBT p50 / p90 / p99 (s)", f"{summary['tbt_p50_s']} / {summary['tbt_p90_s']} / {summary['tbt_p99_s']}"),
+            ("decode step (s) at mean batch; TBT p99 / step",
+             f"{summary['decode_step_s']} at {summary['decode_batch_mean']}; {summary['tbt_p99_over_step']}"),
             (f"SLO attainment (TTFT <= {summary['ttft_slo_s']} s, TBT <= {summary['tbt_slo_s']} s)",
              summary["slo_attainment"]),
             ("prefix cache hit ratio (tokens)", summary["cache_hit_ratio"]),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -84,6 +85,8 @@ class Scheduler:
         self._cancelled: set[int] = set()
         self._running: dict[int, tuple[Sequence, TokenSink | None]] = {}
         self.steps = 0  # decode steps run
+        self.step_seconds = 0.0  # time spent in them (the decode step time an operator compares TBT with)
+        self.step_rows = 0  # sequences decoded in them (mean batch = step_rows / steps)
         self.closed = False
 
     # ---- any thread --------------------------------------------------------------------------------------------
@@ -222,6 +225,7 @@ class Scheduler:
     def _decode(self) -> list[Sequence]:
         entries = list(self._running.values())
         seqs = [seq for seq, _ in entries]
+        t0 = time.perf_counter()
         try:
             tokens = self.engine.decode(seqs)
         except Exception as e:  # a bug or a device failure: fail these requests, keep serving others
@@ -232,6 +236,8 @@ class Scheduler:
                 self._retire(seq.seq_id, None)
             return []
         self.steps += 1
+        self.step_seconds += time.perf_counter() - t0
+        self.step_rows += len(seqs)
         finished = []
         for (seq, sink), token in zip(entries, tokens):
             if sink is not None:

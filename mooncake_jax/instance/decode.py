@@ -47,7 +47,10 @@ class DecodeService(InstanceService):
     def stats(self) -> dict[str, float]:
         with self._lock:
             active = len(self._active)
-        return self.counts() | {"decode_active": float(active)}
+        sched = self.instance.loop.scheduler  # read without its lock: three counters, each consistent enough
+        return self.counts() | {"decode_active": float(active), "decode_steps_total": float(sched.steps),
+                                "decode_step_seconds_total": sched.step_seconds,
+                                "decode_step_rows_total": float(sched.step_rows)}
 
     def Decode(self, request, context):
         inst = self.instance
