@@ -63,7 +63,7 @@ def check_placement(llm, tensor, stages):
         for k, v in stage.kv:
             kv_split = tensor if tensor <= 2 else 1
             assert set(k.sharding.device_set) == devices
-            assert k.addressable_shards[0].data.shape[2] == 2 // kv_split  # KV pages split over KV heads
+            assert k.addressable_shards[0].data.shape[0] == 2 // kv_split  # KV pages split over KV heads (axis 0)
         assert len(stage.kv) == stage.stop - stage.start  # each stage keeps only its own layers' KV
 
 

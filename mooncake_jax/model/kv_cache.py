@@ -1,6 +1,7 @@
 """The paged KV cache: device page arrays, and the pure-Python managers that hand pages out.
 
-Device side: per layer one K and one V array of shape [num_pages, block_size, kv_heads, head_dim]; page 0 is
+Device side: per layer one K and one V array of shape [kv_heads, num_pages, block_size, head_dim] (head-major, so
+tensor parallelism splits axis 0 and the Pallas paged-attention kernels read it as is); page 0 is
 scratch (padded tokens write there, no sequence reads it) and is never handed out.
 
 Host side (plain classes, tested without an accelerator):
@@ -140,10 +141,15 @@ class PrefixCache:
         self._pages.clear()
 
 
+def kv_shape(cfg: ModelConfig, num_pages: int) -> tuple[int, int, int, int]:
+    """Shape of one layer's K (or V) pages: [kv_heads, num_pages, block_size, head_dim]."""
+    return (cfg.n_kv_heads, num_pages, cfg.block_size, cfg.head_dim)
+
+
 def allocate_kv(cfg: ModelConfig, num_pages: int, dtype=None, sharding=None,
                 n_layers: int | None = None) -> list[tuple[jax.Array, jax.Array]]:
     """Zeroed K and V page arrays for ``n_layers`` layers (all of the model's by default)."""
-    shape = (num_pages, cfg.block_size, cfg.n_kv_heads, cfg.head_dim)
+    shape = kv_shape(cfg, num_pages)
     dt = dtype or cfg.param_dtype
     make = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
     return [(make(), make()) for _ in range(cfg.n_layers if n_layers is None else n_layers)]

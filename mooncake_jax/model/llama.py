@@ -24,7 +24,7 @@ from .config import ModelConfig
 from .rope import apply_rope, inverse_frequencies
 
 KVPages = tuple[jax.Array, jax.Array]
-"""One layer's (K pages, V pages), each [num_pages, block_size, kv_heads, head_dim]."""
+"""One layer's (K pages, V pages), each head-major [kv_heads, num_pages, block_size, head_dim]."""
 
 
 def _param(rngs: nnx.Rngs | None, shape, axes, dtype, std: float | None) -> nnx.Param:
@@ -61,6 +61,7 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), dt, std_out)
         self.n_kv_heads, self.q_per_kv, self.head_dim = kv, cfg.q_per_kv, hd
         self.inv_freq = nnx.static(tuple(inverse_frequencies(cfg).tolist()))
+        self.impl = cfg.attention
 
     def __call__(self, x, positions, kv: KVPages, batch: PagedBatch):
         b, t, _ = x.shape
@@ -74,7 +75,7 @@ class Attention(nnx.Module):
         # new one would make XLA copy the whole cache to keep both alive (the writes land outside ctx_len anyway).
         k_pages = write_pages(kv[0], k, batch.write_slots)
         v_pages = write_pages(kv[1], v, batch.write_slots)
-        out = paged_attention(q, k, v, k_pages, v_pages, batch, 1.0 / math.sqrt(self.head_dim))
+        out = paged_attention(q, k, v, k_pages, v_pages, batch, 1.0 / math.sqrt(self.head_dim), impl=self.impl)
         out = out.reshape(b, t, self.n_kv_heads * self.q_per_kv, self.head_dim).astype(x.dtype)
         y = jnp.einsum("bthk,hkd->btd", out, self.wo[...])
         return y, (k_pages, v_pages)

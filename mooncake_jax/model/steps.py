@@ -43,13 +43,15 @@ def write_blocks(kv, pages, blocks):
     """Write whole blocks [n, layers, 2, block_size, kv_heads, head_dim] into ``pages`` [n] of the layers
     in ``kv`` (KV arriving from the pool or another instance)."""
     out = []
-    for layer, (k, v) in enumerate(kv):
-        out.append((k.at[pages].set(blocks[:, layer, 0].astype(k.dtype)),
-                    v.at[pages].set(blocks[:, layer, 1].astype(v.dtype))))
+    for layer, (k, v) in enumerate(kv):  # wire [n, bs, H, D] -> cache [H, n, bs, D]
+        out.append((k.at[:, pages].set(jnp.transpose(blocks[:, layer, 0], (2, 0, 1, 3)).astype(k.dtype)),
+                    v.at[:, pages].set(jnp.transpose(blocks[:, layer, 1], (2, 0, 1, 3)).astype(v.dtype))))
     return out
 
 
 @jax.jit
 def read_blocks(kv, pages):
     """Whole blocks [n, layers, 2, block_size, kv_heads, head_dim] of ``pages`` [n] (KV leaving for the pool)."""
-    return jnp.stack([jnp.stack([k[pages], v[pages]], axis=1) for k, v in kv], axis=1)
+    # cache [H, n, bs, D] -> wire [n, bs, H, D]
+    return jnp.stack([jnp.stack([jnp.transpose(k[:, pages], (1, 2, 0, 3)), jnp.transpose(v[:, pages], (1, 2, 0, 3))],
+                                axis=1) for k, v in kv], axis=1)

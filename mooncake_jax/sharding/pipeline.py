@@ -21,6 +21,7 @@ B sequences is a single "chunk" that passes through them (each stage keeps the K
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -29,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from ..model.attention import PagedBatch
-from ..model.kv_cache import allocate_kv
+from ..model.kv_cache import allocate_kv, kv_shape
 from ..model.llama import Llama, Stage
 from ..model.sampling import SamplingInputs
 from ..model.steps import forward_step, read_blocks, write_blocks
@@ -63,14 +64,18 @@ class StageRunner:
         self.graphdef, params = nnx.split(Stage(model, start, stop))
         self.params = layout.place_params(index, params)
         cfg = model.cfg
-        shape = (num_pages, cfg.block_size, cfg.n_kv_heads, cfg.head_dim)
+        shape = kv_shape(cfg, num_pages)
         self.kv = allocate_kv(cfg, num_pages, kv_dtype, layout.kv_sharding(index, shape), n_layers=stop - start)
+        # Traced under the stage's mesh, so the attention seam can shard_map its kernels over the tensor axis.
+        meshes = getattr(layout, "stage_meshes", None)
+        self.mesh = meshes[index] if meshes else None
 
     def __call__(self, inputs, step: StepInputs):
         """(next_tokens or None, logits or hidden states) of this stage, left on its devices."""
         args = self.layout.place_inputs(self.index, (inputs, step.positions, step.batch, step.logits_index,
                                                      step.sampling))
-        next_tokens, out, self.kv = forward_step(self.graphdef, self.params, self.kv, *args, mode=step.mode)
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            next_tokens, out, self.kv = forward_step(self.graphdef, self.params, self.kv, *args, mode=step.mode)
         return next_tokens, out
 
 

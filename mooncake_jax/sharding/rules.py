@@ -24,15 +24,13 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "kv_heads": TENSOR,
     "head_dim": None,
     "mlp": TENSOR,
-    # KV pages [pages, page_slots, kv_heads, head_dim]
-    "pages": None,
-    "page_slots": None,
 }
 
 REPLICABLE = frozenset({"kv_heads"})
 """Logical axes that fall back to replication when the mesh axis does not divide them."""
 
-KV_PAGE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")
+KV_PAGE_AXES = ("kv_heads", None, None, "head_dim")
+"""Logical axes of a (head-major) KV page array [kv_heads, pages, block_size, head_dim]."""
 
 
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
@@ -67,7 +65,7 @@ def param_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
 
 
 def kv_sharding(shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
-    """Sharding of one layer's K or V pages: split over KV heads (replicated if they do not divide)."""
+    """Sharding of one layer's K or V pages: split over KV heads on axis 0 (replicated if they do not divide)."""
     return NamedSharding(mesh, spec_for(KV_PAGE_AXES, shape, mesh))
 
 
