@@ -82,6 +82,7 @@ def run(impl, q, k_new, v_new, k_pages, v_pages, batch):
 @pytest.mark.parametrize("ctx_lens, t", [
     ([0, 4, 7, 8, 13], 1),  # decode: empty context, page-boundary lengths, partial last pages
     ([5], 1),
+    ([40, 0, 33], 1),  # decode contexts longer than one 8-page chunk of the xla loop
     ([0], 6),  # prefill without context
     ([8], 5),  # prefill after a page-aligned context
     ([6], 7),  # new tokens start mid-page and cross page boundaries
@@ -92,6 +93,16 @@ def test_paged_attention_equals_float64_reference(impl, ctx_lens, t):
     out = run(impl, *args)
     assert out.shape == expected.shape and out.dtype == np.float32
     np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_xla_decode_loop_over_several_chunks_equals_reference(monkeypatch):
+    """The xla decode reads the context in chunks of pages (a while loop up to the longest context): with 8-page
+    chunks of 4-token pages (32 tokens) the 40-token context takes 2 iterations."""
+    import mooncake_jax.model.attention as attention
+
+    monkeypatch.setattr(attention, "DECODE_CHUNK_ROWS", 1)  # the minimum chunk: 8 pages of 4 tokens
+    args, expected = case([40, 0, 33, 2], 1, seed=5)
+    np.testing.assert_allclose(run("xla", *args), expected, rtol=2e-5, atol=2e-5)
 
 
 def test_write_pages_puts_each_token_at_its_slot():

@@ -200,36 +200,62 @@ def _batched(q, k_new, v_new, k_ctx, v_ctx, ctx_len):
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
-def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
-    """Decode (T = 1) of B sequences: scores and weighted sum as two batched products over the gathered context.
+DECODE_CHUNK_ROWS = 256
+"""Sequence-pages the xla decode reads per loop iteration (batch x pages per chunk, at least 8 pages): at batch 32
+and block size 16, 8 pages (128 tokens) of K and V, about 4 MiB for the small preset, which stay in cache; small
+batches take longer chunks so that their loop runs few iterations."""
 
-    Measured on a 2-core EPYC (small preset, B = 32, 512 tokens, one layer), each choice below is worth 2-10x:
+
+def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
+    """Decode (T = 1) of B sequences: an online softmax over chunks of context pages, as many chunks as the
+    longest sequence needs (a ``while`` loop), starting from the new token itself.
+
+    The page table is padded to a power of two for the compile cache, up to twice the pages the batch holds; the
+    loop reads only up to the longest context, and each chunk's gathered K/V (``DECODE_CHUNK_ROWS``) stays in
+    cache between its gather and its two products. Within a chunk, measured on a 2-core EPYC (small preset, B = 32),
+    each choice below is worth 2-10x:
 
     - the context is gathered as whole rows of bs * D values (``gather_context``), never element-wise;
     - the products' operands are materialised (``optimization_barrier``) rather than fused into them: XLA:CPU
       otherwise fuses the gather, or the softmax's exp, into the dot and emits a naive loop instead of a library
       call (5-10x slower);
-    - the keys are the products' *left* operand, scores laid out [H, B, S, G] (S long, G = q_per_kv short): a
+    - the keys are the scores' *left* operand, scores laid out [H, B, S, G] (S long, G = q_per_kv short): a
       [S, D] x [D, G] product per (head, sequence) instead of [G, D] x [D, S], which XLA:CPU runs several times
-      slower; the softmax reduces over S in that layout.
+      slower; the weights are then transposed to [H, B, G, S] (small) for the weighted sum, a plain [G, S] x [S, D]
+      product (the [S, G]-major form ran 4x slower).
     """
     b, _, hk, g, d = q.shape
     bs = k_pages.shape[2]
-    s_len = batch.page_table.shape[1] * bs
-    k_ctx, v_ctx = jax.lax.optimization_barrier((gather_context(k_pages, batch.page_table),
-                                                 gather_context(v_pages, batch.page_table)))  # [H, B, S, D]
-    q1 = q[:, 0]  # [B, H, G, D]
-    s = jnp.einsum("hbtd,bhgd->hbtg", k_ctx, q1, preferred_element_type=jnp.float32)
-    valid = jnp.arange(s_len)[None, :] < batch.ctx_len[:, None]  # [B, S]
-    s = jnp.where(valid[None, :, :, None], s, MASKED)
-    s_new = jnp.einsum("bhgd,bhd->hbg", q1, k_new[:, 0], preferred_element_type=jnp.float32)
-    m = jnp.maximum(s.max(axis=2), s_new)  # [H, B, G]
-    e = jax.lax.optimization_barrier(jnp.exp(s - m[:, :, None]).astype(v_ctx.dtype))
-    e_new = jnp.exp(s_new - m)
-    denom = e.sum(axis=2, dtype=jnp.float32) + e_new
-    out = jnp.einsum("hbtg,hbtd->bhgd", e, v_ctx, preferred_element_type=jnp.float32)
-    out = out + jnp.transpose(e_new, (1, 0, 2))[..., None] * v_new[:, 0, :, None].astype(jnp.float32)
-    return (out / jnp.transpose(denom, (1, 0, 2))[..., None])[:, None]
+    table = batch.page_table
+    chunk = min(max(8, DECODE_CHUNK_ROWS // b), table.shape[1])
+    if table.shape[1] % chunk:
+        table = jnp.pad(table, ((0, 0), (0, chunk - table.shape[1] % chunk)))  # scratch pages, masked below
+    q1 = jnp.transpose(q[:, 0], (1, 0, 2, 3))  # [H, B, G, D]
+    ctx_len = batch.ctx_len
+    # The new token (already written to its page, but not in the context table) seeds the running softmax.
+    m = jnp.einsum("hbgd,bhd->hbg", q1, k_new[:, 0], preferred_element_type=jnp.float32)
+    l = jnp.ones_like(m)
+    acc = jnp.broadcast_to(jnp.transpose(v_new[:, 0], (1, 0, 2))[:, :, None].astype(jnp.float32), (hk, b, g, d))
+    n_chunks = (jnp.max(ctx_len) + chunk * bs - 1) // (chunk * bs)
+
+    def body(carry):
+        i, m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, i * chunk, chunk, axis=1)  # [B, chunk]
+        k_ctx, v_ctx = jax.lax.optimization_barrier((gather_context(k_pages, pages),
+                                                     gather_context(v_pages, pages)))  # [H, B, S, D]
+        s = jnp.einsum("hbtd,hbgd->hbtg", k_ctx, q1, preferred_element_type=jnp.float32)
+        pos = i * chunk * bs + jnp.arange(chunk * bs)
+        s = jnp.where((pos[None, :] < ctx_len[:, None])[None, :, :, None], s, MASKED)
+        m_new = jnp.maximum(m, s.max(axis=2))
+        e = jnp.exp(s - m_new[:, :, None])
+        corr = jnp.exp(m - m_new)
+        l = corr * l + e.sum(axis=2)
+        e = jax.lax.optimization_barrier(jnp.swapaxes(e, 2, 3).astype(v_ctx.dtype))  # [H, B, G, S]
+        acc = corr[..., None] * acc + jnp.einsum("hbgt,hbtd->hbgd", e, v_ctx, preferred_element_type=jnp.float32)
+        return i + 1, m_new, l, acc
+
+    _, m, l, acc = jax.lax.while_loop(lambda c: c[0] < n_chunks, body, (jnp.int32(0), m, l, acc))
+    return jnp.transpose(acc / l[..., None], (1, 0, 2, 3))[:, None]
 
 
 def _xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
