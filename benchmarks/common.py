@@ -48,10 +48,21 @@ def memcpy_gbps(nbytes: int = 512 * 1024 * 1024, repeats: int = 5) -> float:
     return nbytes / dt / 1e9
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux; platform.processor() elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def machine_info() -> dict:
     import jax
 
-    return {"machine": platform.machine(), "cpus": os.cpu_count(), "jax": jax.__version__,
+    return {"machine": platform.machine(), "cpus": os.cpu_count(), "cpu_model": cpu_model(), "jax": jax.__version__,
             "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind)}
 
 

@@ -1,11 +1,18 @@
 """Engine speed on this CPU, set against the machine's own limits measured in the same run.
 
-On the ``small`` preset (about 100M parameters, float32): prefill tokens/s at 512 and 2048 tokens with
-``prefill_mfu`` = model FLOP/s over the measured matmul peak; decode tokens/s at batch 1, 8 and 32 with
-``decode_bw_util`` = bytes a step must read (weights + KV) per second over the measured memcpy bandwidth.
-Goals (issue 2): prefill_mfu >= 0.5 at 2048 tokens; decode_bw_util >= 0.5 at batch 1.
+On the ``small`` preset (about 125M parameters, float32):
 
-    python benchmarks/engine_cpu.py --json results/engine_cpu.json
+- prefill tokens/s at 512 and 2048 tokens, ``prefill_mfu`` = model FLOP/s over the measured matmul peak;
+- decode tokens/s at batch 1, 8, 32 and 64 (512-token contexts) beside the roofline of the same step: the bytes it
+  must read (every weight but the embedding table, plus each sequence's KV) against the measured memcpy bandwidth,
+  and its FLOPs (2 per weight per token, the LM head, attention over the context) against the measured matmul
+  rate. ``decode_roofline_ratio_b{B}`` = roofline time / measured step time (1.0 = at the machine's limit) and
+  ``decode_bound_b{B}`` names the binding limit ("bandwidth" or "compute"). ``decode_bw_util`` (batch 1) is the
+  bandwidth part alone.
+
+Goals (issue 10): decode batch 32 at >= 0.5 of its roofline; prefill_mfu >= 0.5 at 2048 tokens.
+
+    python benchmarks/engine_cpu.py --json results/engine_cpu.json [--attention pallas]
 """
 
 from __future__ import annotations
@@ -27,13 +34,21 @@ def decode_bytes_per_step(cfg, batch: int, context: int) -> float:
     return weight_bytes + batch * cfg.d_model * 4 + kv_bytes
 
 
+def decode_flops_per_step(cfg, batch: int, context: int) -> float:
+    """Matmuls (2 FLOPs per weight per token, LM head included) plus attention scores and weighted sums."""
+    dense = 2.0 * batch * (cfg.matmul_params_per_token() + cfg.d_model * cfg.vocab_size)
+    attn = 2.0 * 2.0 * batch * context * cfg.n_heads * cfg.head_dim * cfg.n_layers
+    return dense + attn
+
+
 def main() -> None:
     p = arg_parser(__doc__)
     p.add_argument("--model", default="small")
     p.add_argument("--prefill", default="512,2048", help="prompt lengths for prefill")
-    p.add_argument("--batches", default="1,8,32", help="decode batch sizes")
+    p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes")
     p.add_argument("--context", type=int, default=512, help="prompt tokens before decoding")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--attention", default="xla", help="attention implementation: xla or pallas")
     args = p.parse_args()
 
     import mooncake_jax as mj
@@ -41,14 +56,14 @@ def main() -> None:
 
     prefill_lens = [int(x) for x in args.prefill.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    res = dict(machine_info(), model=args.model)
+    res = dict(machine_info(), model=args.model, attention=args.attention)
     bar = tqdm(total=2 + len(prefill_lens) + len(batches), desc="engine_cpu", unit="stage")
     res["matmul_peak_gflops"] = round(matmul_peak_gflops(), 1)
     bar.update()
     res["memcpy_gbps"] = round(memcpy_gbps(), 2)
     bar.update()
 
-    llm = mj.LLM(args.model, prefill_chunk_size=max(prefill_lens), max_batch=max(batches),
+    llm = mj.LLM(args.model, prefill_chunk_size=max(prefill_lens), max_batch=max(batches), attention=args.attention,
                  num_pages=1 + max(batches) * (args.context // 16 + 8) + max(prefill_lens) // 16 + 8)
     eng, cfg = llm.engine, llm.config
     rng = np.random.default_rng(0)
@@ -65,9 +80,15 @@ def main() -> None:
         steps = 8
         dt = decode_step_seconds(eng, rng, b, args.context, steps=steps, repeats=args.repeats)
         ctx = args.context + 1 + (args.repeats + 1) * steps // 2  # the mean context over the timed steps
-        res[f"decode_b{b}_tok_s"] = round(b / dt, 1)
-        res[f"decode_b{b}_step_ms"] = round(dt * 1e3, 2)
-        res[f"decode_bw_util_b{b}"] = round(decode_bytes_per_step(cfg, b, ctx) / dt / 1e9 / res["memcpy_gbps"], 3)
+        bw_s = decode_bytes_per_step(cfg, b, ctx) / (res["memcpy_gbps"] * 1e9)
+        flop_s = decode_flops_per_step(cfg, b, ctx) / (res["matmul_peak_gflops"] * 1e9)
+        res[f"decode_tok_s_b{b}"] = round(b / dt, 1)
+        res[f"decode_step_ms_b{b}"] = round(dt * 1e3, 2)
+        res[f"decode_roofline_ms_b{b}"] = round(max(bw_s, flop_s) * 1e3, 2)
+        res[f"decode_roofline_ratio_b{b}"] = round(max(bw_s, flop_s) / dt, 3)
+        res[f"decode_bound_b{b}"] = "bandwidth" if bw_s >= flop_s else "compute"
+        res[f"decode_bw_util_b{b}"] = round(bw_s / dt, 3)
+        res[f"decode_mfu_b{b}"] = round(flop_s / dt, 3)
         bar.update()
     bar.close()
     res["prefill_mfu"] = res.get("prefill_mfu_2048")

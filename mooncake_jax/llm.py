@@ -24,7 +24,7 @@ from .sharding.mesh import MeshSpec
 
 
 def build_model(model: str | Path, *, block_size: int | None = None, dtype: str | None = None,
-                seed: int = 0) -> Llama:
+                seed: int = 0, attention: str | None = None) -> Llama:
     """A preset with dummy weights from ``seed``, or a local Hugging Face folder's weights."""
     cfg = get_config(model)
     changes = {}
@@ -35,6 +35,8 @@ def build_model(model: str | Path, *, block_size: int | None = None, dtype: str 
     if dtype is not None:
         resolve_dtype(dtype)
         changes["dtype"] = dtype
+    if attention is not None:
+        changes["attention"] = attention  # validated by ModelConfig
     cfg = cfg.replace(**changes)
     if isinstance(model, str) and model in PRESETS:
         return init_model(cfg, seed)
@@ -55,7 +57,7 @@ class LLM:
                  prefill_chunk_size: int = 512, block_size: int | None = None, dtype: str | None = None,
                  seed: int = 0, max_batch: int = 32, num_pages: int | None = None,
                  kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES, prefix_caching: bool = True, bucket_factor: int = 2,
-                 max_waiting: int = DEFAULT_MAX_WAITING):
+                 max_waiting: int = DEFAULT_MAX_WAITING, attention: str | None = None):
         if isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be a positive integer, got {prefill_chunk_size!r}")
         for name, value in (("tensor_parallel", tensor_parallel), ("pipeline_stages", pipeline_stages)):
@@ -65,7 +67,7 @@ class LLM:
         if spec.devices > len(jax.devices()):
             raise ValueError(f"tensor_parallel={tensor_parallel} x pipeline_stages={pipeline_stages} needs "
                              f"{spec.devices} devices but only {len(jax.devices())} exist")
-        self.model = build_model(model, block_size=block_size, dtype=dtype, seed=seed)
+        self.model = build_model(model, block_size=block_size, dtype=dtype, seed=seed, attention=attention)
         self.config: ModelConfig = self.model.cfg
         layout = None if spec.devices == 1 else MeshLayout(self.config, spec)
         self.engine = Engine(self.model, num_pages=num_pages, kv_cache_bytes=kv_cache_bytes, max_batch=max_batch,

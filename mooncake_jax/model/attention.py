@@ -1,29 +1,53 @@
-"""Attention over a paged KV cache, in pure JAX (portable to CPU, GPU and TPU).
+"""Attention over a paged KV cache: one seam, two implementations chosen by ``ModelConfig.attention``.
 
-One code path serves prefill and decode. A step brings T new tokens per sequence (T = 1 when decoding) that sit
-right after the sequence's ``ctx_len`` cached tokens. Their attention is split in two parts whose softmax is merged
-exactly (shared max and denominator):
+The model calls exactly two functions: ``write_pages`` (scatter the step's new K/V into their pages) and
+``paged_attention(..., impl=...)``. A step brings T new tokens per sequence (T = 1 when decoding) that sit right
+after the sequence's ``ctx_len`` cached tokens.
 
-- *context*: the cached tokens, read from pages through the sequence's page table, masked to ``ctx_len``;
-  every new token sees all of them;
-- *local*: the new tokens themselves, causal. Computed per query block of static size, each block only against
-  the keys up to its own end, so long prefills skip the masked upper triangle block by block.
+Cache layout (head-major, shared by both implementations and JAX's Pallas kernels): K and V are each
+``[kv_heads, rows, block_size, head_dim]``. ``PagedBatch.page_table`` and ``write_slots`` hold *absolute* rows of
+that array (a stacked, scanned cache adds ``layer * num_pages``; a per-layer cache uses the page number itself).
+Row 0 (page 0 of every layer) is scratch: padded tokens write there and no sequence reads it as context. The
+kv_heads axis is axis 0, so tensor parallelism splits the cache without touching the page axis.
 
-The new tokens' K/V are scattered into their pages (``write_slots``) for later steps; padded tokens write into
-the scratch page 0, which no sequence reads as context (page tables are padded with it, masked by ``ctx_len``).
+``impl="xla"`` (portable, the CPU default), split in two parts whose softmax is merged exactly:
 
-Shapes: q [B, T, kv_heads, q_per_kv, head_dim]; k_new, v_new [B, T, kv_heads, head_dim];
-k_pages, v_pages [kv_heads, rows, block_size, head_dim] (head-major, so the tensor-parallel KV-head axis leads; a
-stage stacks its layers' pages as rows, layer l's page p at row l * num_pages + p, and the caller offsets the page
-table and write slots to the layer's rows); page_table [B, P] int32 (absolute rows); ctx_len [B] int32.
+- *context*: the cached tokens, masked to ``ctx_len``; every new token sees all of them;
+- *local*: the new tokens themselves, causal, per query block of static size (long prefills skip the masked
+  upper triangle block by block). Decode (T = 1, B sequences) takes its own path, see ``_decode_xla``.
+
+``impl="pallas"``: kernels that read pages in place, never a gathered copy of the context. The new tokens' K/V
+are already in their pages (``write_pages`` runs first), so both decode and prefill are *one* causal attention over
+``ctx_len + T`` paged keys through an extended page table (``_extended_table``) — no merge with a local part:
+
+- decode (T = 1): JAX's own kernels, ``jax.experimental.pallas.ops.gpu.paged_attention`` on GPU (and on CPU in
+  interpret mode) and ``jax.experimental.pallas.ops.tpu.paged_attention`` on TPU;
+- prefill (T > 1): ``_ragged_kernel`` below, a Pallas kernel in the style of JAX's GPU one whose query rows are
+  (token, group member) pairs with a per-row causal limit. On TPU it is not used (its whole-head page block would
+  not fit VMEM); TPU prefill falls back to the xla implementation.
+
+On CPU the kernels run with ``interpret=True``; on GPU/TPU compiled (chosen by ``jax.default_backend()``).
+
+Tensor parallelism: the xla implementation is plain jnp, partitioned by GSPMD from the operands' shardings (heads
+sharded, page tables replicated). A Pallas call is opaque to GSPMD, so the pallas implementation runs under
+``jax.shard_map`` over the ``tensor`` axis of the *context mesh* (``jax.sharding.get_abstract_mesh()``): the
+caller traces the step inside ``jax.set_mesh(stage_mesh)`` (``sharding.pipeline.StageRunner`` does). Each device
+then attends its own kv heads (and their query groups) over its own shard of the pages. Without a context mesh,
+or when the tensor axis does not divide kv_heads (the cache is then replicated), the kernel runs unsplit.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
+
+from .config import ATTENTION_IMPLS
 
 MASKED = -1e30
 """Score of a masked key: exp() of it underflows to exactly 0, and unlike -inf it never produces NaN."""
@@ -31,11 +55,23 @@ MASKED = -1e30
 SCRATCH_PAGE = 0
 """Page that padded tokens write to; never allocated to a sequence."""
 
+IMPLS = ATTENTION_IMPLS
+"""Values of ``ModelConfig.attention``."""
+
+TENSOR_AXIS = "tensor"
+"""Mesh axis the kv heads (and the cache's axis 0) are split over (``sharding.mesh.TENSOR``)."""
+
+
+def check_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention implementation {impl!r}; allowed: {', '.join(IMPLS)}")
+    return impl
+
 
 class PagedBatch(NamedTuple):
     """Where a step's tokens read their context from and write their K/V to (all int32 device arrays)."""
 
-    page_table: jax.Array  # [B, P] rows (pages) holding each sequence's cached context, in order
+    page_table: jax.Array  # [B, P] absolute cache rows holding each sequence's cached context, in order
     ctx_len: jax.Array  # [B] cached tokens before the first new token
     write_slots: jax.Array  # [B, T] flat slot (row * block_size + offset) for each new token's K/V
 
@@ -52,29 +88,31 @@ def query_block_size(t: int) -> int:
 
 def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     """Scatter ``new`` [B, T, H, D] into ``pages`` [H, rows, bs, D] at flat ``slots`` [B, T] (always in bounds:
-    padded tokens point into a scratch page).
+    padded tokens point into the scratch row).
 
-    Indexed as (row, offset) rather than through a flattened view: XLA turns a one-row scatter into a
-    flattened view into a dynamic-update-slice that copies the whole cache on CPU.
+    Indexed as (row, offset) rather than through a flattened view: XLA turns a one-row scatter into a flattened
+    view into a dynamic-update-slice that copies the whole cache on CPU.
     """
     bs = pages.shape[2]
     flat_slots = slots.reshape(-1)
-    rows = jnp.swapaxes(new.reshape((-1,) + new.shape[2:]), 0, 1).astype(pages.dtype)  # [H, B*T, D]
+    rows = jnp.moveaxis(new.reshape((-1,) + new.shape[2:]), 1, 0).astype(pages.dtype)  # [H, B*T, D]
     return pages.at[:, flat_slots // bs, flat_slots % bs].set(rows, mode="promise_in_bounds")
 
 
 def gather_context(pages: jax.Array, page_table: jax.Array) -> jax.Array:
     """The context keys (or values) of each sequence, head-major: [H, B, P * block_size, D].
 
-    Gathers only the rows of the page table (never a whole layer), as rows of a 3-D view: XLA:CPU copies
-    contiguous rows about 4x faster than it gathers the same bytes from the 4-D array.
+    Gathers whole pages as rows of a 3-D view [H, rows, bs * D]: XLA:CPU copies contiguous rows several times
+    faster than it gathers the same bytes from the 4-D array. Only the xla implementation's prefill uses it.
     """
     b, p = page_table.shape
-    h, n_rows, bs, d = pages.shape
-    return pages.reshape(h, n_rows, bs * d)[:, page_table].reshape(h, b, p * bs, d)
+    h, n, bs, d = pages.shape
+    return jnp.take(pages.reshape(h, n, bs * d), page_table, axis=1).reshape(h, b, p * bs, d)
 
 
-def _softmax_combine(s_loc, s_ctx, values_loc, values_ctx, weigh, weigh_ctx=None):
+# ---- the xla implementation ------------------------------------------------------------------------------------
+
+def _softmax_combine(s_loc, s_ctx, values_loc, values_ctx, weigh):
     """Softmax over the local and context scores together (one max, one denominator), applied to their values.
 
     ``weigh(e, values)`` contracts weights with values for the layout at hand; scores are float32, masked entries
@@ -89,7 +127,7 @@ def _softmax_combine(s_loc, s_ctx, values_loc, values_ctx, weigh, weigh_ctx=None
     if s_ctx is not None:
         e_ctx = jnp.exp(s_ctx - m)
         denom = denom + e_ctx.sum(axis=-1, keepdims=True)
-        out = out + (weigh_ctx or weigh)(e_ctx.astype(values_ctx.dtype), values_ctx)
+        out = out + weigh(e_ctx.astype(values_ctx.dtype), values_ctx)
     return out, denom
 
 
@@ -102,6 +140,7 @@ def _one_sequence(q, k_new, v_new, k_ctx, v_ctx, ctx_len):
 
     XLA:CPU runs a [T * q_per_kv, head_dim] x [head_dim, S] product two to three times faster than the same work
     as a dot with batch dimensions, and prefill (one sequence, many tokens) is where the attention FLOPs are.
+    ``k_ctx``/``v_ctx`` are head-major [H, 1, S, D].
     """
     _, t, hk, g, d = q.shape
     qb = query_block_size(t)
@@ -127,15 +166,15 @@ def _one_sequence(q, k_new, v_new, k_ctx, v_ctx, ctx_len):
 
 
 def _batched(q, k_new, v_new, k_ctx, v_ctx, ctx_len):
-    """Attention of B sequences' new tokens with batched products (decode: T = 1 per sequence)."""
+    """Attention of B sequences' T > 1 new tokens with batched products (head-major context [H, B, S, D])."""
     b, t, hk, g, d = q.shape
     qb = query_block_size(t)
     ctx_valid = None if k_ctx is None else (jnp.arange(k_ctx.shape[2])[None, :] < ctx_len[:, None])
 
-    def weigh(e, values):
+    def weigh_loc(e, values):
         return jnp.einsum("bkgts,bskd->btkgd", e, values, preferred_element_type=jnp.float32)
 
-    def weigh_ctx(e, values):  # the context is head-major [K, B, S, D]
+    def weigh_ctx(e, values):
         return jnp.einsum("bkgts,kbsd->btkgd", e, values, preferred_element_type=jnp.float32)
 
     outs = []
@@ -145,21 +184,238 @@ def _batched(q, k_new, v_new, k_ctx, v_ctx, ctx_len):
         s_loc = jnp.einsum("btkgd,bskd->bkgts", q_blk, k_new[:, :end], preferred_element_type=jnp.float32)
         causal = jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :]
         s_loc = jnp.where(causal, s_loc, MASKED)
-        s_ctx = None
+        m = s_loc.max(axis=-1, keepdims=True)
         if k_ctx is not None:
             s_ctx = jnp.einsum("btkgd,kbsd->bkgts", q_blk, k_ctx, preferred_element_type=jnp.float32)
             s_ctx = jnp.where(ctx_valid[:, None, None, None, :], s_ctx, MASKED)
-        out, denom = _softmax_combine(s_loc, s_ctx, v_new[:, :end], v_ctx, weigh, weigh_ctx)
+            m = jnp.maximum(m, s_ctx.max(axis=-1, keepdims=True))
+        e_loc = jnp.exp(s_loc - m)
+        denom = e_loc.sum(axis=-1, keepdims=True)
+        out = weigh_loc(e_loc.astype(v_new.dtype), v_new[:, :end])
+        if k_ctx is not None:
+            e_ctx = jnp.exp(s_ctx - m)
+            denom = denom + e_ctx.sum(axis=-1, keepdims=True)
+            out = out + weigh_ctx(e_ctx.astype(v_ctx.dtype), v_ctx)
         outs.append(out / jnp.transpose(denom, (0, 3, 1, 2, 4)))  # denom [B, K, G, Tb, 1] -> [B, Tb, K, G, 1]
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
-def paged_attention(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch, scale: float) -> jax.Array:
-    """Attention output [B, T, kv_heads, q_per_kv, head_dim] (float32) of the new tokens."""
-    q = (q.astype(jnp.float32) * scale).astype(q.dtype)
+DECODE_CHUNK_ROWS = 256
+"""Sequence-pages the xla decode reads per loop iteration (batch x pages per chunk, at least 8 pages): at batch 32
+and block size 16, 8 pages (128 tokens) of K and V, about 4 MiB for the small preset, which stay in cache; small
+batches take longer chunks so that their loop runs few iterations."""
+
+
+def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
+    """Decode (T = 1) of B sequences: an online softmax over chunks of context pages, as many chunks as the
+    longest sequence needs (a ``while`` loop), starting from the new token itself.
+
+    The page table is padded to a power of two for the compile cache, up to twice the pages the batch holds; the
+    loop reads only up to the longest context, and each chunk's gathered K/V (``DECODE_CHUNK_ROWS``) stays in
+    cache between its gather and its two products. Within a chunk, measured on a 2-core EPYC (small preset, B = 32),
+    each choice below is worth 2-10x:
+
+    - the context is gathered as whole rows of bs * D values (``gather_context``), never element-wise;
+    - the products' operands are materialised (``optimization_barrier``) rather than fused into them: XLA:CPU
+      otherwise fuses the gather, or the softmax's exp, into the dot and emits a naive loop instead of a library
+      call (5-10x slower);
+    - the keys are the scores' *left* operand, scores laid out [H, B, S, G] (S long, G = q_per_kv short): a
+      [S, D] x [D, G] product per (head, sequence) instead of [G, D] x [D, S], which XLA:CPU runs several times
+      slower; the weights are then transposed to [H, B, G, S] (small) for the weighted sum, a plain [G, S] x [S, D]
+      product (the [S, G]-major form ran 4x slower).
+    """
+    b, _, hk, g, d = q.shape
+    bs = k_pages.shape[2]
+    table = batch.page_table
+    chunk = min(max(8, DECODE_CHUNK_ROWS // b), table.shape[1])
+    if table.shape[1] % chunk:
+        table = jnp.pad(table, ((0, 0), (0, chunk - table.shape[1] % chunk)))  # scratch pages, masked below
+    q1 = jnp.transpose(q[:, 0], (1, 0, 2, 3))  # [H, B, G, D]
+    ctx_len = batch.ctx_len
+    # The new token (already written to its page, but not in the context table) seeds the running softmax.
+    m = jnp.einsum("hbgd,bhd->hbg", q1, k_new[:, 0], preferred_element_type=jnp.float32)
+    l = jnp.ones_like(m)
+    acc = jnp.broadcast_to(jnp.transpose(v_new[:, 0], (1, 0, 2))[:, :, None].astype(jnp.float32), (hk, b, g, d))
+    n_chunks = (jnp.max(ctx_len) + chunk * bs - 1) // (chunk * bs)
+
+    def body(carry):
+        i, m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, i * chunk, chunk, axis=1)  # [B, chunk]
+        k_ctx, v_ctx = jax.lax.optimization_barrier((gather_context(k_pages, pages),
+                                                     gather_context(v_pages, pages)))  # [H, B, S, D]
+        s = jnp.einsum("hbtd,hbgd->hbtg", k_ctx, q1, preferred_element_type=jnp.float32)
+        pos = i * chunk * bs + jnp.arange(chunk * bs)
+        s = jnp.where((pos[None, :] < ctx_len[:, None])[None, :, :, None], s, MASKED)
+        m_new = jnp.maximum(m, s.max(axis=2))
+        e = jnp.exp(s - m_new[:, :, None])
+        corr = jnp.exp(m - m_new)
+        l = corr * l + e.sum(axis=2)
+        e = jax.lax.optimization_barrier(jnp.swapaxes(e, 2, 3).astype(v_ctx.dtype))  # [H, B, G, S]
+        acc = corr[..., None] * acc + jnp.einsum("hbgt,hbtd->hbgd", e, v_ctx, preferred_element_type=jnp.float32)
+        return i + 1, m_new, l, acc
+
+    _, m, l, acc = jax.lax.while_loop(lambda c: c[0] < n_chunks, body, (jnp.int32(0), m, l, acc))
+    return jnp.transpose(acc / l[..., None], (1, 0, 2, 3))[:, None]
+
+
+def _xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
+    if q.shape[1] == 1 and batch.page_table.shape[1] > 0:
+        return _decode_xla(q, k_new, v_new, k_pages, v_pages, batch)
     k_ctx = v_ctx = None
     if batch.page_table.shape[1] > 0:
         k_ctx = gather_context(k_pages, batch.page_table)
         v_ctx = gather_context(v_pages, batch.page_table)
     attend = _one_sequence if q.shape[0] == 1 else _batched
     return attend(q, k_new, v_new, k_ctx, v_ctx, batch.ctx_len)
+
+
+# ---- the pallas implementation ---------------------------------------------------------------------------------
+
+def _extended_table(batch: PagedBatch, block_size: int, t: int, width: int) -> jax.Array:
+    """Page table [B, width] covering ``ctx_len + t`` tokens: the context pages, then the pages the new tokens were
+    written to (taken from ``write_slots``), then scratch. A page that holds both the context's tail and the first
+    new tokens comes from the page table (the same page the new tokens were written to)."""
+    b, p = batch.page_table.shape
+    j = jnp.arange(width)[None, :]
+    first_pos = j * block_size  # position of each page's first token
+    ctx = batch.ctx_len[:, None]
+    from_table = jnp.take_along_axis(batch.page_table, jnp.clip(j, 0, max(p - 1, 0)), axis=1) if p else 0
+    tok = first_pos - ctx  # index among the new tokens of the page's first token
+    from_new = jnp.take_along_axis(batch.write_slots, jnp.clip(tok, 0, t - 1), axis=1) // block_size
+    table = jnp.where(first_pos < ctx, from_table, jnp.where(tok < t, from_new, SCRATCH_PAGE))
+    return table.astype(jnp.int32)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _ragged_kernel(q_ref, k_ref, v_ref, table_ref, ctx_ref, o_ref, *, group: int, n_tokens: int,
+                   pages_per_block: int):
+    """One (sequence, kv head): query rows are (token, group member) pairs; row r sees keys at positions
+    < ctx_len + r // group + 1 (causal over the new tokens, everything before them). Online softmax over blocks of
+    ``pages_per_block`` pages, up to the last page any row can see."""
+    rows, d = q_ref.shape
+    bs = k_ref.shape[-2]
+    block_k = pages_per_block * bs
+    ctx = ctx_ref[0]
+    q = q_ref[...]
+    limit = ctx + jnp.minimum(jnp.arange(rows) // group, n_tokens - 1) + 1  # padded rows copy the last token's
+    n_blocks = (ctx + n_tokens + block_k - 1) // block_k
+
+    def body(i, carry):
+        o, m, l = carry
+        pages = table_ref[pl.ds(i * pages_per_block, pages_per_block)]
+        k = k_ref[pages].reshape(block_k, d)
+        v = v_ref[pages].reshape(block_k, d)
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
+        pos = i * block_k + jnp.arange(block_k)
+        s = jnp.where(pos[None, :] < limit[:, None], s, MASKED)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        corr = jnp.exp(m - m_new)
+        e = jnp.exp(s - m_new[:, None])
+        l = corr * l + e.sum(axis=-1)
+        o = corr[:, None] * o + jnp.dot(e.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return o, m_new, l
+
+    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), MASKED, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    o, _, l = lax.fori_loop(0, n_blocks, body, init)
+    o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
+
+
+def _ragged_attention(q, k_pages, v_pages, table, ctx_len, interpret: bool, pages_per_block: int = 8):
+    """Causal paged attention of q [B, T, H, G, D] over ``table`` [B, W] (W a multiple of pages_per_block),
+    ``ctx_len + T`` keys per sequence, all read from the pages. Returns [B, T, H, G, D] float32."""
+    b, t, hk, g, d = q.shape
+    n_rows = t * g
+    rows = _round_up(n_rows, 16)  # GPU dots want >= 16 rows
+    qr = jnp.transpose(q, (0, 2, 1, 3, 4)).reshape(b, hk, n_rows, d)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows - n_rows), (0, 0)))
+    n_pages = k_pages.shape[1]
+    bs = k_pages.shape[2]
+    kernel = functools.partial(_ragged_kernel, group=g, n_tokens=t, pages_per_block=pages_per_block)
+    out = pl.pallas_call(
+        kernel,
+        grid=(b, hk),
+        in_specs=[
+            pl.BlockSpec((None, None, rows, d), lambda i, h: (i, h, 0, 0)),
+            pl.BlockSpec((None, n_pages, bs, d), lambda i, h: (h, 0, 0, 0)),
+            pl.BlockSpec((None, n_pages, bs, d), lambda i, h: (h, 0, 0, 0)),
+            pl.BlockSpec((None, table.shape[1]), lambda i, h: (i, 0)),
+            pl.BlockSpec((None, 1), lambda i, h: (i, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, d), lambda i, h: (i, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, hk, rows, d), jnp.float32),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(qr, k_pages, v_pages, table, ctx_len[:, None])
+    out = out[:, :, :n_rows].reshape(b, hk, t, g, d)
+    return jnp.transpose(out, (0, 2, 1, 3, 4))
+
+
+def _decode_kernel(q, k_pages, v_pages, table, lengths, backend: str):
+    """JAX's own paged-attention kernel for one query token per sequence: q [B, H, G, D] -> [B, H, G, D] f32."""
+    b, hk, g, d = q.shape
+    qh = q.reshape(b, hk * g, d)  # query heads grouped by kv head, as both kernels expect
+    width = table.shape[1]
+    if backend == "tpu":
+        from jax.experimental.pallas.ops.tpu import paged_attention as tpu_pa
+
+        out = tpu_pa.paged_attention(qh, k_pages, v_pages, lengths, table, pages_per_compute_block=8)
+    else:
+        from jax.experimental.pallas.ops.gpu import paged_attention as gpu_pa
+
+        out = gpu_pa.paged_attention(qh, k_pages, v_pages, table, lengths, block_h=16,
+                                     pages_per_compute_block=8, k_splits=width // 8,
+                                     interpret=backend == "cpu")
+    return out.reshape(b, hk, g, d).astype(jnp.float32)
+
+
+def _pallas_local(q, k_pages, v_pages, batch: PagedBatch, backend: str):
+    """The pallas implementation on one device's heads (inside shard_map when tensor-parallel)."""
+    b, t, hk, g, d = q.shape
+    bs = k_pages.shape[2]
+    need = batch.page_table.shape[1] + -(-t // bs) + 1  # pages that can hold ctx_len + t tokens
+    width = max(8, 1 << (need - 1).bit_length())  # a power of two >= 8: whole compute blocks and k_splits
+    table = _extended_table(batch, bs, t, width)
+    if t == 1:
+        return _decode_kernel(q[:, 0], k_pages, v_pages, table, batch.ctx_len + 1, backend)[:, None]
+    return _ragged_attention(q, k_pages, v_pages, table, batch.ctx_len, interpret=backend == "cpu")
+
+
+def _tensor_mesh(n_kv_heads: int):
+    """The context mesh if it splits kv heads over a ``tensor`` axis of more than one device, else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or TENSOR_AXIS not in mesh.axis_names:
+        return None
+    n = mesh.shape[TENSOR_AXIS]
+    return mesh if n > 1 and n_kv_heads % n == 0 else None
+
+
+def _pallas(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
+    backend = jax.default_backend()
+    if backend == "tpu" and q.shape[1] > 1:
+        return _xla(q, k_new, v_new, k_pages, v_pages, batch)  # see the module docstring
+    local = functools.partial(_pallas_local, backend=backend)
+    mesh = _tensor_mesh(k_pages.shape[0])
+    if mesh is None:
+        return local(q, k_pages, v_pages, batch)
+    heads = P(None, None, TENSOR_AXIS)
+    pages = P(TENSOR_AXIS)
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, pages, pages, P()), out_specs=heads,
+                         check_vma=False)(q, k_pages, v_pages, batch)
+
+
+def paged_attention(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch, scale: float,
+                    impl: str = "xla") -> jax.Array:
+    """Attention output [B, T, kv_heads, q_per_kv, head_dim] (float32) of the new tokens.
+
+    q [B, T, H, G, D]; k_new, v_new [B, T, H, D] (already written into the pages by ``write_pages``);
+    k_pages, v_pages [H, rows, block_size, D]; ``impl`` is "xla" or "pallas" (static).
+    """
+    check_impl(impl)
+    q = (q.astype(jnp.float32) * scale).astype(q.dtype)
+    if impl == "pallas":
+        return _pallas(q, k_new, v_new, k_pages, v_pages, batch)
+    return _xla(q, k_new, v_new, k_pages, v_pages, batch)

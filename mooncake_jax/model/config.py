@@ -18,6 +18,11 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 """Parameter/KV dtypes the engine supports, by name."""
 
 
+ATTENTION_IMPLS = ("xla", "pallas")
+"""Implementations behind the attention seam (``model/attention.py``): the portable pure-JAX one and the Pallas
+kernels (interpret mode on CPU)."""
+
+
 def resolve_dtype(name) -> np.dtype:
     """The numpy dtype for a dtype name in ``DTYPES`` (or an already resolved dtype); ValueError otherwise."""
     if isinstance(name, str):
@@ -61,6 +66,7 @@ class ModelConfig:
     block_size: int = 16
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
+    attention: str = "xla"  # implementation behind the attention seam: "xla" (portable) or "pallas" (kernels)
 
     def __post_init__(self):
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
@@ -75,6 +81,9 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"{self.name}: head_dim must be even for RoPE, got {self.head_dim}")
         resolve_dtype(self.dtype)
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"{self.name}: unknown attention implementation {self.attention!r}; "
+                             f"allowed: {', '.join(ATTENTION_IMPLS)}")
         for tok in ("bos_token_id", "eos_token_id"):
             value = getattr(self, tok)
             if value is not None and not 0 <= value < self.vocab_size:

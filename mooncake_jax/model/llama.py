@@ -72,6 +72,7 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), dt, std_out, stack)
         self.n_kv_heads, self.q_per_kv, self.head_dim = kv, cfg.q_per_kv, hd
         self.inv_freq = nnx.static(tuple(inverse_frequencies(cfg).tolist()))
+        self.impl = cfg.attention
 
     def __call__(self, x, positions, kv: KVPages, batch: PagedBatch):
         b, t, _ = x.shape
@@ -85,7 +86,7 @@ class Attention(nnx.Module):
         # new one would make XLA copy the whole cache to keep both alive (the writes land outside ctx_len anyway).
         k_pages = write_pages(kv[0], k, batch.write_slots)
         v_pages = write_pages(kv[1], v, batch.write_slots)
-        out = paged_attention(q, k, v, k_pages, v_pages, batch, 1.0 / math.sqrt(self.head_dim))
+        out = paged_attention(q, k, v, k_pages, v_pages, batch, 1.0 / math.sqrt(self.head_dim), impl=self.impl)
         out = out.reshape(b, t, self.n_kv_heads * self.q_per_kv, self.head_dim).astype(x.dtype)
         y = jnp.einsum("bthk,hkd->btd", out, self.wo[...])
         return y, (k_pages, v_pages)

@@ -36,14 +36,29 @@ def _row_keys(seed, step):
 
 
 def _top_p_mask(scaled: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Scaled logits with every token outside the smallest set of mass >= top_p set to -inf."""
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    kept = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)  # the first token is always kept; top_p 1
-    # keeps every token exactly (float rounding of the cumulative mass would drop the tail), as SAMPLE does
-    threshold = jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    """Scaled logits with every token outside the smallest set of mass >= top_p set to -inf.
+
+    The set is {p >= t} for the largest probability t whose {p >= t} still holds mass >= top_p (ties at t are
+    kept). t is found by bisection over the bit patterns of the float32 probabilities (monotone for non-negative
+    floats; 31 halvings pin it exactly): 31 masked sums over the vocabulary instead of a sort, which cost more than
+    the whole decode step at batch 32 on a 2-core CPU (0.3 s for a [32, 32000] sort).
+    """
+    probs = jax.nn.softmax(scaled, axis=-1)
+    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)  # >= 0, ordered like probs
+
+    def halve(_, bounds):
+        lo, hi = bounds  # mass(p >= lo) >= top_p holds; at hi it does not (or hi is past every probability)
+        mid = lo + (hi - lo) // 2
+        mass = jnp.sum(jnp.where(bits >= mid[:, None], probs, 0.0), axis=-1)
+        ok = mass >= top_p
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    b = scaled.shape[0]
+    lo = jnp.zeros((b,), jnp.int32)
+    hi = jnp.full((b,), 0x7F800001, jnp.int32)  # just past +inf
+    lo, _ = jax.lax.fori_loop(0, 31, halve, (lo, hi))
+    keep = (bits >= lo[:, None]) | (top_p[:, None] >= 1.0)  # rounding must not drop a top_p = 1 row's tail
+    return jnp.where(keep, scaled, -jnp.inf)
 
 
 def sample(logits: jax.Array, inputs: SamplingInputs, mode: str) -> jax.Array:

@@ -25,6 +25,7 @@ the first chunk, saves after each layer of the last chunk.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -84,12 +85,20 @@ class StageRunner:
         cfg = model.cfg
         shape = kv_shape(cfg, num_pages, self.n_layers)
         self.kv = allocate_kv(cfg, num_pages, kv_dtype, layout.kv_sharding(index, shape), n_layers=self.n_layers)
+        # Traced under the stage's mesh, so the attention seam can shard_map its kernels over the tensor axis.
+        meshes = getattr(layout, "stage_meshes", None)
+        self.mesh = meshes[index] if meshes else None
+
+    def _traced_here(self):
+        """The context the stage's programs are traced in: its mesh, where it has one."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def __call__(self, inputs, step: StepInputs):
         """(next_tokens or None, logits or hidden states) of this stage, left on its devices."""
         args = self.layout.place_inputs(self.index, (inputs, step.positions, step.batch, step.logits_index,
                                                      step.sampling))
-        next_tokens, out, self.kv = forward_step(self.graphdef, self.params, self.kv, *args, mode=step.mode)
+        with self._traced_here():
+            next_tokens, out, self.kv = forward_step(self.graphdef, self.params, self.kv, *args, mode=step.mode)
         return next_tokens, out
 
     def by_layer(self, inputs, step: StepInputs, hooks: LayerHooks, load: np.ndarray | None,
@@ -110,11 +119,12 @@ class StageRunner:
                 if blocks is not None:
                     self.kv = write_layer(self.kv, index, load, place(_pad_rows(blocks, load.shape[0])),
                                           n_layers=self.n_layers)
-            if self.scan:
-                x, self.kv = layer_step(self.graphdef, self.params, self.kv, index, x, positions, batch)
-            else:
-                x, self.kv = layer_apply_step(self.layer_graphdef, self.params["layers"][local], self.kv, index, x,
-                                              positions, batch, n_layers=self.n_layers)
+            with self._traced_here():
+                if self.scan:
+                    x, self.kv = layer_step(self.graphdef, self.params, self.kv, index, x, positions, batch)
+                else:
+                    x, self.kv = layer_apply_step(self.layer_graphdef, self.params["layers"][local], self.kv, index,
+                                                  x, positions, batch, n_layers=self.n_layers)
             if save is not None:
                 hooks.save_layer(layer, read_layer(self.kv, index, save, n_layers=self.n_layers))
         if self.index < len(self.layout.stage_ranges) - 1:

@@ -1,0 +1,167 @@
+"""The attention seam (both implementations) against a float64 numpy attention over paged KV, and the pallas
+implementation through the whole model (greedy tokens of the float64 reference LLaMA, tensor parallel)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mooncake_jax as mj
+from mooncake_jax.model.attention import PagedBatch, paged_attention, write_pages
+from mooncake_jax.model.config import PRESETS
+from reference_model import reference_for, reference_greedy
+
+BS, H, G, D = 4, 2, 3, 8  # block size, kv heads, queries per kv head (GQA), head dim
+ROWS = 24  # cache rows; row 0 is scratch
+
+
+def numpy_attention(q, k_ctx, v_ctx, k_new, v_new, ctx_len, scale):
+    """float64: each new token t of a sequence sees its ctx_len cached tokens and new tokens 0..t."""
+    b, t = q.shape[:2]
+    out = np.zeros(q.shape, np.float64)
+    for i in range(b):
+        keys = np.concatenate([k_ctx[i][: ctx_len[i]], k_new[i]], axis=0)  # [S, H, D]
+        vals = np.concatenate([v_ctx[i][: ctx_len[i]], v_new[i]], axis=0)
+        for tok in range(t):
+            visible = ctx_len[i] + tok + 1
+            for h in range(q.shape[2]):
+                s = q[i, tok, h] @ keys[:visible, h].T * scale  # [G, visible]
+                p = np.exp(s - s.max(-1, keepdims=True))
+                p /= p.sum(-1, keepdims=True)
+                out[i, tok, h] = p @ vals[:visible, h]
+    return out
+
+
+def case(ctx_lens, t, seed=0):
+    """A paged cache holding each sequence's context in scattered rows, and a step of ``t`` new tokens."""
+    rng = np.random.default_rng(seed)
+    b = len(ctx_lens)
+    width = max(1, max(-(-(c + t) // BS) for c in ctx_lens))
+    free = list(rng.permutation(np.arange(1, ROWS)))
+    tables = np.zeros((b, width), np.int32)
+    for i, c in enumerate(ctx_lens):
+        n = -(-(c + t) // BS)
+        tables[i, :n] = [free.pop() for _ in range(n)]
+    k_pages = rng.standard_normal((H, ROWS, BS, D))
+    v_pages = rng.standard_normal((H, ROWS, BS, D))
+    k_ctx = np.zeros((b, width * BS, H, D))
+    v_ctx = np.zeros((b, width * BS, H, D))
+    for i, c in enumerate(ctx_lens):
+        for pos in range(c):
+            row, off = tables[i, pos // BS], pos % BS
+            k_ctx[i, pos], v_ctx[i, pos] = k_pages[:, row, off], v_pages[:, row, off]
+    q = rng.standard_normal((b, t, H, G, D))
+    k_new = rng.standard_normal((b, t, H, D))
+    v_new = rng.standard_normal((b, t, H, D))
+    slots = np.array([[tables[i, (c + j) // BS] * BS + (c + j) % BS for j in range(t)]
+                      for i, c in enumerate(ctx_lens)], np.int32)
+    # The page table covers the cached context only (as the engine builds it), padded with scratch page 0.
+    ctx_width = max(-(-c // BS) for c in ctx_lens)
+    ctx_table = np.zeros((b, ctx_width), np.int32)
+    for i, c in enumerate(ctx_lens):
+        ctx_table[i, : -(-c // BS)] = tables[i, : -(-c // BS)]
+    expected = numpy_attention(q, k_ctx, v_ctx, k_new, v_new, ctx_lens, 1 / np.sqrt(D))
+    batch = PagedBatch(jnp.asarray(ctx_table), jnp.asarray(ctx_lens, jnp.int32), jnp.asarray(slots))
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    return (f32(q), f32(k_new), f32(v_new), f32(k_pages), f32(v_pages), batch), expected
+
+
+@jax.jit
+def _write(k_pages, v_pages, k_new, v_new, slots):
+    return write_pages(k_pages, k_new, slots), write_pages(v_pages, v_new, slots)
+
+
+def run(impl, q, k_new, v_new, k_pages, v_pages, batch):
+    """As the model calls the seam: write the new K/V first, then attend."""
+    k_pages, v_pages = _write(k_pages, v_pages, k_new, v_new, batch.write_slots)
+    f = jax.jit(lambda *a: paged_attention(*a, scale=1 / np.sqrt(D), impl=impl))
+    return np.asarray(f(q, k_new, v_new, k_pages, v_pages, batch))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("ctx_lens, t", [
+    ([0, 4, 7, 8, 13], 1),  # decode: empty context, page-boundary lengths, partial last pages
+    ([5], 1),
+    ([40, 0, 33], 1),  # decode contexts longer than one 8-page chunk of the xla loop
+    ([0], 6),  # prefill without context
+    ([8], 5),  # prefill after a page-aligned context
+    ([6], 7),  # new tokens start mid-page and cross page boundaries
+    ([3, 0], 4),  # a batch of prefills
+])
+def test_paged_attention_equals_float64_reference(impl, ctx_lens, t):
+    args, expected = case(ctx_lens, t, seed=len(ctx_lens) * 10 + t)
+    out = run(impl, *args)
+    assert out.shape == expected.shape and out.dtype == np.float32
+    np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_xla_decode_loop_over_several_chunks_equals_reference(monkeypatch):
+    """The xla decode reads the context in chunks of pages (a while loop up to the longest context): with 8-page
+    chunks of 4-token pages (32 tokens) the 40-token context takes 2 iterations."""
+    import mooncake_jax.model.attention as attention
+
+    monkeypatch.setattr(attention, "DECODE_CHUNK_ROWS", 1)  # the minimum chunk: 8 pages of 4 tokens
+    args, expected = case([40, 0, 33, 2], 1, seed=5)
+    np.testing.assert_allclose(run("xla", *args), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_write_pages_puts_each_token_at_its_slot():
+    (q, k_new, v_new, k_pages, v_pages, batch), _ = case([6, 0], 3, seed=3)
+    written, _ = _write(k_pages, v_pages, k_new, v_new, batch.write_slots)
+    written, before = np.asarray(written), np.asarray(k_pages)
+    touched = np.zeros(written.shape[1:3], bool)
+    for i in range(2):
+        for j in range(3):
+            row, off = divmod(int(batch.write_slots[i, j]), BS)
+            np.testing.assert_array_equal(written[:, row, off], np.asarray(k_new[i, j]))
+            touched[row, off] = True
+    np.testing.assert_array_equal(written[:, ~touched], before[:, ~touched])  # nothing else moved
+
+
+def test_unknown_implementation_is_refused():
+    with pytest.raises(ValueError, match="unknown attention implementation 'cuda'"):
+        PRESETS["tiny"].replace(attention="cuda")
+    with pytest.raises(ValueError, match="unknown attention implementation"):
+        mj.LLM("tiny", attention="flash")
+
+
+@pytest.fixture(scope="module")
+def pallas_llm():
+    return mj.LLM("tiny", attention="pallas", prefill_chunk_size=32)
+
+
+def test_pallas_model_generates_the_reference_greedy_tokens(pallas_llm):
+    assert pallas_llm.config.attention == "pallas"
+    ref = reference_for(pallas_llm.model)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (5, 37)]  # the second one prefills in two chunks
+    out = pallas_llm.generate(prompts, max_new_tokens=5)
+    for p, o in zip(prompts, out):
+        assert o == reference_greedy(ref, p, 5)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (XLA_FLAGS in conftest.py)")
+@pytest.mark.parametrize("ctx_lens, t", [([0, 5, 8], 1), ([6], 7)])
+def test_pallas_splits_kv_heads_over_the_tensor_axis(ctx_lens, t):
+    """Under a context mesh with a tensor axis, the kernels run per device on its own kv heads (shard_map),
+    with the pages split on axis 0, and still equal the float64 reference."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    (q, k_new, v_new, k_pages, v_pages, batch), expected = case(ctx_lens, t, seed=7)
+    heads, pages = NamedSharding(mesh, P(None, None, "tensor")), NamedSharding(mesh, P("tensor"))
+    q, k_new, v_new = (jax.device_put(x, heads) for x in (q, k_new, v_new))
+    k_pages, v_pages = (jax.device_put(x, pages) for x in (k_pages, v_pages))
+    with jax.set_mesh(mesh):
+        k_pages, v_pages = _write(k_pages, v_pages, k_new, v_new, batch.write_slots)
+        f = jax.jit(lambda *a: paged_attention(*a, scale=1 / np.sqrt(D), impl="pallas"))
+        assert "shard_map" in str(jax.make_jaxpr(f)(q, k_new, v_new, k_pages, v_pages, batch))
+        out = f(q, k_new, v_new, k_pages, v_pages, batch)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (XLA_FLAGS in conftest.py)")
+def test_pallas_tensor_parallel_model_equals_single_device(pallas_llm):
+    prompt = np.random.default_rng(2).integers(0, 512, 21).tolist()
+    tp = mj.LLM("tiny", attention="pallas", tensor_parallel=2, prefill_chunk_size=32)
+    assert tp.generate([prompt], max_new_tokens=3) == pallas_llm.generate([prompt], max_new_tokens=3)
