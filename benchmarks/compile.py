@@ -26,18 +26,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import arg_parser, machine_info, write_json  # noqa: E402
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
-
-
 def step_programs(cfg, num_pages: int, chunk: int, ctx_pages: int, batch: int, scan: bool = True):
     """(prefill args, decode args) of ``forward_step`` as abstract values for the whole model as one stage
     (layers scanned, or unrolled as the engine runs them on CPU)."""
@@ -93,7 +81,7 @@ def main() -> None:
 
     base = PRESETS[args.model]
     layers = [int(x) for x in args.layers.split(",")]
-    res = dict(machine_info(), cpu_model=cpu_model(), model=args.model, dtype=base.dtype, chunk=args.chunk,
+    res = dict(machine_info(), model=args.model, dtype=base.dtype, chunk=args.chunk,
                ctx_pages=args.ctx_pages, decode_batch=args.batch, num_pages=args.num_pages)
     for warm in step_programs(base.replace(n_layers=1), args.num_pages, args.chunk, args.ctx_pages, args.batch):
         compile_seconds(warm)  # one-time costs (backend start, first lowering) out of the figures

@@ -113,3 +113,9 @@ def reference_greedy(ref, prompt, n_new):
     for _ in range(n_new):
         tokens.append(int(np.argmax(ref(tokens)[-1])))
     return tokens[len(prompt):]
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    """Prompts of the given lengths with token ids drawn from ``seed`` (the tiny preset's vocabulary by default)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]

@@ -7,7 +7,6 @@ import threading
 import time
 
 import grpc
-import numpy as np
 import pytest
 
 import mooncake_jax as mj
@@ -18,6 +17,7 @@ from mooncake_jax.gateway.backend import (REJECT_EARLY, REJECT_LATE, Finished, I
 from mooncake_jax.instance.rpc import messages, sampling_message
 from mooncake_jax.model.sequence import SamplingParams
 from mooncake_jax.transfer.offload import request_keys
+from reference_model import random_prompts as prompts
 
 # A fixed cost profile (roughly the tiny model on a 2-core CPU) so the instances skip measuring themselves.
 PROFILE = json.dumps(build_profile(
@@ -38,9 +38,6 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
 FAST = dict(warmup=False, compile_cache=None)  # tests compile only the few shapes they use, and leave no files
 
 
-def prompts(lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 512, n).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")

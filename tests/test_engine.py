@@ -7,28 +7,13 @@ import mooncake_jax as mj
 from mooncake_jax.engine.scheduler import Scheduler
 from mooncake_jax.model.engine import Engine
 from mooncake_jax.model.sequence import SamplingParams
-from reference_model import reference_for, reference_greedy
+from reference_model import random_prompts as prompts, reference_for, reference_greedy
 
 RTOL = 1e-4
 
 
 def rel_err(a, b):
     return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return mj.LLM("tiny", prefill_chunk_size=64)
-
-
-@pytest.fixture(scope="module")
-def ref(llm):
-    return reference_for(llm.model)
-
-
-def prompts(lengths, seed=0, vocab=512):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
 def test_score_matches_reference_at_every_position(llm, ref):

@@ -13,22 +13,7 @@ from mooncake_jax.engine.scheduler import BatchFull, QueueFull, Scheduler
 from mooncake_jax.model.engine import Engine
 from mooncake_jax.model.kv_cache import OutOfPages
 from mooncake_jax.model.sequence import SamplingParams, Sequence
-from reference_model import reference_for, reference_greedy
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return mj.LLM("tiny", prefill_chunk_size=64)
-
-
-@pytest.fixture(scope="module")
-def ref(llm):
-    return reference_for(llm.model)
-
-
-def prompts(lengths, seed=0, vocab=512):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+from reference_model import random_prompts as prompts, reference_greedy
 
 
 def run(sched):

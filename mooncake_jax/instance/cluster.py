@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -35,16 +36,28 @@ from .server import InstanceConfig, InstanceServer
 log = logging.getLogger(__name__)
 
 
+PREFILL_NICENESS = 5
+"""How much lower a local cluster's prefill processes run than its decode processes when all share one host's cores:
+a decode step stalled behind a prefill is a token gap every running request sees (TBT), while a prefill is
+throughput work whose delay the Conductor already counts as queue time. Nothing changes where the roles have
+their own machines, as in the paper's deployment."""
+
+
 class ChildInstance:
     """An instance process (``instance/main.py``), tied to this process through its standard input."""
 
     def __init__(self, args: list[str], log_path: Path | None, timeout_s: float = 600.0,
-                 auth_token: str | None = None):
+                 auth_token: str | None = None, niceness: int = 0):
         self.log_file = open(log_path, "ab") if log_path else subprocess.DEVNULL
         if auth_token:
             args = [*args, "--auth-token-stdin"]
         self.proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.instance.main", *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file)
+        if niceness:
+            try:
+                os.setpriority(os.PRIO_PROCESS, self.proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + niceness)
+            except (AttributeError, OSError) as e:  # not on this platform, or not permitted: run at our priority
+                log.warning("could not lower the priority of %s: %s", args[1] if len(args) > 1 else "instance", e)
         if auth_token:  # not on the command line, where every user of the machine could read it
             self.proc.stdin.write(auth_token.encode() + b"\n")
             self.proc.stdin.flush()
@@ -262,7 +275,8 @@ class _ProcessStarter:
                 path.write_text(profile_json)
             args += ["--profile-file", str(path)]
         log_path = self.log_dir / f"{instance_id}.log" if self.log_dir else None
-        return ChildInstance(args, log_path, auth_token=c["auth_token"])
+        return ChildInstance(args, log_path, auth_token=c["auth_token"],
+                             niceness=PREFILL_NICENESS if role == PREFILL else 0)
 
     @staticmethod
     def profile_of(instance: ChildInstance) -> str:
