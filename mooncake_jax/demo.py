@@ -147,6 +147,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from .instance.cluster import Cluster
+    from .instance.main import settle_serving_process
     from .model.config import PRESETS
 
     if args.requests < 1 or args.speed <= 0:
@@ -161,6 +162,7 @@ def run(args) -> int:
                        admission=args.admission, ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s,
                        log_dir=log_dir) as cluster:
         gateway = cluster.serve_gateway(grpc_port=None, http_port=0)
+        settle_serving_process()
         url = f"http://127.0.0.1:{gateway.http_port}/v1/completions"
         print(f"replaying {len(items)} trace requests through {url} (instance logs in {log_dir})", flush=True)
         results: list = [None] * len(items)

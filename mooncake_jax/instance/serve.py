@@ -58,6 +58,7 @@ def run(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         from ..gateway.tokenizer import check_tokenizer_source
+        from .main import settle_serving_process
 
         check_tokenizer_source(args.model, args.tokenizer)  # before minutes of instance start-up, not after
         service = _coupled(args) if args.coupled else _cluster(args)
@@ -77,6 +78,7 @@ def run(args) -> int:
         log.info("gateway gRPC  %s:%s (mooncake.v1.Gateway, health, reflection)", args.host, gateway.grpc_port)
         log.info("gateway HTTP  http://%s:%s/v1/completions  /v1/chat/completions  /v1/models  /metrics",
                  args.host, gateway.http_port)
+        settle_serving_process()
         print(f"READY grpc={gateway.grpc_port} http={gateway.http_port}", flush=True)
         stop.wait()
         log.info("shutting down")
