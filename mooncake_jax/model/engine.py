@@ -26,13 +26,15 @@ from .host_memory import keep_large_blocks_on_heap
 from .kv_cache import write_slots
 from ..engine.kv_manager import KVCacheManager
 from .llama import Llama
-from .sampling import ANY, SamplingInputs
+from .sampling import ANY, MAX_LOGIT_BIAS, SampleOut, SamplingInputs, prompt_logprobs, sample_out
 from .sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence, validate_prompt
 from ..sharding.layout import SingleDevice
 from ..sharding.pipeline import LayerPages, PipelineRunner, StepInputs
 from .layer_hooks import LayerHooks
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+_sample_rows = jax.jit(sample_out, static_argnames=("mode",))  # the first token of an every-position prefill
+_prompt_rows = jax.jit(prompt_logprobs)
 SAMPLING_MODES = (ANY,)  # the step programs' sampling: one program covers greedy, temperature and top-p rows
 
 
@@ -109,7 +111,7 @@ class Engine:
     def new_sequence(self, prompt, params: SamplingParams | None = None) -> Sequence:
         """A validated sequence (ValueError naming the problem otherwise)."""
         params = params or SamplingParams()
-        params.validate()
+        params.validate(self.cfg.vocab_size)
         tokens = validate_prompt(prompt, self.cfg, params.max_new_tokens)
         need = num_blocks(len(tokens) + params.max_new_tokens, self.block_size)
         if need > self.num_pages - 1:
@@ -123,13 +125,19 @@ class Engine:
     def admit(self, seq: Sequence, cached_pages: SequenceABC[int] | None = None,
               cached_tokens: int | None = None) -> None:
         """Give ``seq`` pages for its prompt (reusing its cached prefix) and reserve its generation's pages; see
-        ``KVCacheManager.admit``. Raises OutOfPages, with nothing held, when the cache cannot take it now."""
+        ``KVCacheManager.admit``. Raises OutOfPages, with nothing held, when the cache cannot take it now. A sequence
+        that wants its prompt's logprobs reuses no prefix (a cached position has no logits)."""
+        if cached_pages is None and seq.params.prompt_logprobs is not None:
+            cached_pages = []
         self.kv.admit(seq, cached_pages, cached_tokens)
 
-    def adopt(self, seq: Sequence, pages: SequenceABC[int], first_token: int) -> None:
+    def adopt(self, seq: Sequence, pages: SequenceABC[int], first_token: int, first_logprob=None) -> None:
         """Take over a sequence prefilled elsewhere: ``pages`` hold its whole prompt's KV (loaded with
-        ``load_blocks``) and ``first_token`` is the token the prefill sampled. Decode continues from there."""
+        ``load_blocks``) and ``first_token`` is the token the prefill sampled (``first_logprob``: its
+        ``(logprob, top alternatives)`` when the request wants logprobs). Decode continues from there."""
         self.admit(seq, cached_pages=pages, cached_tokens=len(seq.prompt))
+        if first_logprob is not None:
+            seq.logprobs.append(first_logprob)
         self._append(seq, first_token)
 
     def release(self, seq: Sequence) -> None:
@@ -138,13 +146,36 @@ class Engine:
 
     # ---- compute -----------------------------------------------------------------------------------------
     def _sampling(self, seqs: SequenceABC[Sequence], rows: int):
+        """Per-row sampling arrays of a step. Rows without penalties or bias leave their history and bias rows
+        empty (padding), so the Python cost of a step grows only with the requests that use them."""
         p = [s.params for s in seqs] + [SamplingParams()] * (rows - len(seqs))
         steps = [len(s.output) for s in seqs] + [0] * (rows - len(seqs))
-        inputs = SamplingInputs(np.array([x.temperature for x in p], np.float32),
-                                np.array([x.top_p for x in p], np.float32),
-                                np.array([x.seed for x in p], np.uint32), np.array(steps, np.int32))
+        vocab, width = self.cfg.vocab_size, self.cfg.max_seq_len
+        history = np.full((rows, width if any(x.penalized for x in p) else 1), vocab, np.int32)
+        output_start = np.zeros(rows, np.int32)
+        bias_ids = np.full((rows, MAX_LOGIT_BIAS), vocab, np.int32)
+        bias_values = np.zeros((rows, MAX_LOGIT_BIAS), np.float32)
+        for r, s in enumerate(seqs):
+            if s.params.penalized:
+                n = len(s.prompt)
+                history[r, :n] = s.prompt
+                history[r, n: n + len(s.output)] = s.output
+                output_start[r] = n
+            for i, (token, bias) in enumerate(s.params.logit_bias):
+                bias_ids[r, i], bias_values[r, i] = token, bias
+        if history.shape[1] != width:  # one shape for every step: the padding row is broadcast on the device
+            history = np.broadcast_to(history, (rows, width))
+        inputs = SamplingInputs(
+            np.array([x.temperature for x in p], np.float32), np.array([x.top_p for x in p], np.float32),
+            np.array([x.seed for x in p], np.uint32), np.array(steps, np.int32),
+            top_k=np.array([x.top_k for x in p], np.int32), min_p=np.array([x.min_p for x in p], np.float32),
+            repetition_penalty=np.array([x.repetition_penalty for x in p], np.float32),
+            frequency_penalty=np.array([x.frequency_penalty for x in p], np.float32),
+            presence_penalty=np.array([x.presence_penalty for x in p], np.float32),
+            history=history, output_start=output_start, bias_ids=bias_ids, bias_values=bias_values,
+            want_logprobs=np.array([x.logprobs is not None for x in p], np.bool_))
         # One program per step shape covers every sampling setting (ANY picks the path at run time), so warm-up
-        # compiles each shape once and a request that turns on temperature or top-p never waits for XLA.
+        # compiles each shape once and a request that turns on any setting never waits for XLA.
         return inputs, ANY
 
     def _context_table(self, pages_per_row: list[list[int]], rows: int, width: int) -> np.ndarray:
@@ -175,6 +206,10 @@ class Engine:
         start = seq.num_computed
         if start >= n:
             raise ValueError("prefill needs at least one prompt token beyond the cached prefix")
+        if seq.params.prompt_logprobs is not None and start > 0:
+            raise ValueError("prompt logprobs need the whole prompt computed: admit the sequence without a prefix")
+        want_prompt = seq.params.prompt_logprobs is not None
+        every_position = all_logits or want_prompt
         self.kv.grow(seq, n)
         steps, lengths = [], []
         while start < n:
@@ -187,7 +222,7 @@ class Engine:
             positions = np.arange(start, start + tb, dtype=np.int32)[None]
             slots = np.full((1, tb), self._scratch_slot, np.int32)
             slots[0, :t] = write_slots(seq.pages, start, t, bs)
-            index = None if all_logits else np.array([t - 1], np.int32)
+            index = None if every_position else np.array([t - 1], np.int32)
             steps.append(self._step(tokens, positions, self._context_table([ctx_pages], 1, pb),
                                     np.array([start], np.int32), slots, index, [seq], 1))
             lengths.append(t)
@@ -199,15 +234,34 @@ class Engine:
                                self.padded_pages(seq.pages[first: num_blocks(n, bs)]))
         outputs = self.runner.run(steps, hooks, pages)
         seq.num_computed = n
+        if want_prompt:
+            seq.prompt_logprobs = self._prompt_logprobs(seq, [out for _, out in outputs], lengths)
         if all_logits:
             logits = np.concatenate([np.asarray(out[0, :t]) for (_, out), t in zip(outputs, lengths)], axis=0)
+        elif want_prompt:
+            logits = np.asarray(outputs[-1][1][0, lengths[-1] - 1])
         else:
             logits = np.asarray(outputs[-1][1][0])
         if sample:
-            next_tokens = outputs[-1][0]
-            self._append(seq, int(next_tokens[0]) if next_tokens is not None else int(np.argmax(logits[-1])))
+            sampled = outputs[-1][0]
+            if sampled is None:  # logits of every position: sample the last one with the request's settings
+                sampled = _sample_rows(outputs[-1][1][:, lengths[-1] - 1], steps[-1].sampling, mode=ANY)
+            self._append_sampled(seq, jax.device_get(sampled) if seq.params.logprobs is not None
+                                 else sampled._replace(tokens=np.asarray(sampled.tokens)), 0)
         self.kv.cache_prompt(seq)
         return logits
+
+    def _prompt_logprobs(self, seq: Sequence, outputs, lengths: list[int]):
+        """(logprob, top alternatives) of prompt tokens 1 .. n-1 from the logits of every chunk (on the device)."""
+        k, prompt, start, parts = seq.params.prompt_logprobs, seq.prompt, 0, []
+        for out, t in zip(outputs, lengths):
+            targets = np.zeros(out.shape[1], np.int32)
+            following = prompt[start + 1: start + t + 1]
+            targets[: len(following)] = following
+            parts.append([np.asarray(x)[: len(following)] for x in _prompt_rows(out[0], targets)])
+            start += t
+        chosen, ids, lps = (np.concatenate(column) for column in zip(*parts))
+        return [(float(c), tuple(zip(ids[i, :k].tolist(), lps[i, :k].tolist()))) for i, c in enumerate(chosen)]
 
     def decode(self, seqs: SequenceABC[Sequence]) -> list[int]:
         """One token for each sequence (each must have been prefilled and not be finished)."""
@@ -233,12 +287,24 @@ class Engine:
         width = bucket(max(1, max(len(p) for p in ctx_pages)), self.max_pages_per_seq)
         table = self._context_table(ctx_pages, rows, width)
         step = self._step(tokens, positions, table, ctx_len, slots, np.zeros(rows, np.int32), seqs, rows)
-        ((next_tokens, _),) = self.runner.run([step])
-        out = np.asarray(next_tokens)[: len(seqs)].tolist()
-        for seq, token in zip(seqs, out):
+        ((sampled, _),) = self.runner.run([step])
+        if any(seq.params.logprobs is not None for seq in seqs):
+            sampled = jax.device_get(sampled)
+        else:
+            sampled = sampled._replace(tokens=np.asarray(sampled.tokens))
+        out = np.asarray(sampled.tokens)[: len(seqs)].tolist()
+        for r, seq in enumerate(seqs):
             seq.num_computed = seq.num_tokens
-            self._append(seq, token)
+            self._append_sampled(seq, sampled, r)
         return out
+
+    def _append_sampled(self, seq: Sequence, sampled: SampleOut, row: int) -> None:
+        """Append row ``row`` of a step's sampled tokens to ``seq``, with its logprobs if it asked for them."""
+        k = seq.params.logprobs
+        if k is not None:
+            top_ids, top_lps = np.asarray(sampled.top_ids[row, :k]), np.asarray(sampled.top_logprobs[row, :k])
+            seq.logprobs.append((float(sampled.logprob[row]), tuple(zip(top_ids.tolist(), top_lps.tolist()))))
+        self._append(seq, int(sampled.tokens[row]))
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.output.append(token)

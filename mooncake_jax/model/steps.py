@@ -26,7 +26,7 @@ from flax import nnx
 
 from .attention import PagedBatch
 from .llama import layer_apply
-from .sampling import GREEDY, SamplingInputs, sample
+from .sampling import GREEDY, SamplingInputs, sample_out
 
 
 @partial(jax.jit, static_argnames=("graphdef", "mode"), donate_argnames=("kv",))
@@ -34,13 +34,14 @@ def forward_step(graphdef, params, kv, inputs, positions, batch: PagedBatch, log
                  mode: str = GREEDY):
     """Run one stage (``graphdef``/``params`` of a ``llama.Stage``; all layers for a single-device engine).
 
-    Returns (next_tokens [B] or None, output, kv): for the last stage the output is the logits ([B, V], or
-    [B, T, V] with ``logits_index=None``) and next_tokens are sampled from them; for the other stages the output is
-    the hidden states [B, T, d] for the next stage and next_tokens is None.
+    Returns (next_tokens or None, output, kv): for the last stage the output is the logits ([B, V], or
+    [B, T, V] with ``logits_index=None``) and next_tokens (a ``sampling.SampleOut``: tokens [B] and their
+    logprobs) are sampled from them; for the other stages the output is the hidden states [B, T, d] for the next
+    stage and next_tokens is None.
     """
     stage = nnx.merge(graphdef, params)
     out, kv = stage(inputs, positions, kv, batch, logits_index)
-    next_tokens = sample(out, sampling, mode) if stage.is_last and logits_index is not None else None
+    next_tokens = sample_out(out, sampling, mode) if stage.is_last and logits_index is not None else None
     return next_tokens, out, kv
 
 
@@ -69,7 +70,7 @@ def head_step(graphdef, params, x, logits_index, sampling: SamplingInputs, mode:
     """(next_tokens or None, output) of the stage's last layer's hidden states, as ``forward_step`` returns them."""
     stage = nnx.merge(graphdef, params)
     out = stage.output(x, logits_index)
-    next_tokens = sample(out, sampling, mode) if stage.is_last and logits_index is not None else None
+    next_tokens = sample_out(out, sampling, mode) if stage.is_last and logits_index is not None else None
     return next_tokens, out
 
 
