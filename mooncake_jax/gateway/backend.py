@@ -38,6 +38,18 @@ class GenerateRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     request_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None: off; else top alternatives per generated token
+    prompt_logprobs: int | None = None  # None: off; else logprobs of prompt tokens 1 .. n-1 (no prefix reuse)
+
+
+Logprob = tuple[float, tuple[tuple[int, float], ...]]
+"""A token's float32 log-probability and the most likely tokens at its position with theirs."""
 
 
 @dataclasses.dataclass
@@ -47,6 +59,8 @@ class TokenOut:
     token: int
     index: int  # 0 for the first generated token
     time_s: float  # seconds since the backend received the request
+    logprob: Logprob | None = None  # with request.logprobs
+    prompt_logprobs: list[Logprob] | None = None  # on the first token, with request.prompt_logprobs
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ from ..model.sequence import SamplingParams, validate_prompt
 from ..proto import load
 from ..proto.auth import open_channel
 from .rpc import messages as instance_messages
-from .rpc import sampling_message
+from .rpc import logprob_entry, sampling_message, sampling_of
 from .rpc import services as instance_services
 
 conductor_messages, conductor_services = load("conductor")
@@ -103,11 +103,9 @@ class ClusterBackend:
         return values
 
     def _validate(self, request: GenerateRequest) -> SamplingParams:
-        params = SamplingParams(max_new_tokens=request.max_tokens, temperature=request.temperature,
-                                top_p=request.top_p, seed=request.seed, ignore_eos=request.ignore_eos,
-                                stop_token_ids=tuple(request.stop_token_ids))
+        params = sampling_of(request)
         try:
-            params.validate()
+            params.validate(self.config.vocab_size)
             validate_prompt(request.prompt, self.config, request.max_tokens)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
@@ -151,14 +149,19 @@ class ClusterBackend:
         first_at = time.perf_counter() - t0
         self._count(cached_tokens=prefill.cached_tokens)
         times = [first_at]
+        first_logprob = logprob_entry(prefill.first_logprob) if params.logprobs is not None else None
+        prompt_logprobs = ([logprob_entry(m) for m in prefill.prompt_logprobs]
+                           if params.prompt_logprobs is not None else None)
+        first = TokenOut(prefill.first_token, 0, first_at, first_logprob, prompt_logprobs)
         if prefill.finished:
             self._report_dropped(request.request_id)  # no decode: the Conductor's ledger lets it go
-            yield TokenOut(prefill.first_token, 0, first_at)
+            yield first
             yield self._finished("stop" if params.max_new_tokens > 1 else "length", request, 1, prefill, times)
             return
         stream = self.instance_stub(decision.decode_address).Decode(instance_messages.DecodeRequest(
             request_id=request.request_id, prompt=request.prompt, sampling=sampling,
-            first_token=prefill.first_token, kv_keys=prefill.kv_keys, kv_source=decision.prefill_address),
+            first_token=prefill.first_token, kv_keys=prefill.kv_keys, kv_source=decision.prefill_address,
+            first_logprob=prefill.first_logprob if params.logprobs is not None else None),
             timeout=self.timeout_s)
         watcher = _cancel_on(cancelled, stream)
         try:
@@ -174,7 +177,7 @@ class ClusterBackend:
                 self._report_dropped(request.request_id)
                 self._count(failed=1)
                 raise self._error("decode", decision.decode_id, e) from None
-            yield TokenOut(prefill.first_token, 0, first_at)
+            yield first
             count = 1
             reason = FINISH_ABORT
             try:
@@ -183,7 +186,8 @@ class ClusterBackend:
                         now = time.perf_counter() - t0
                         times.append(now)
                         count += 1
-                        yield TokenOut(event.token.token, event.token.index, now)
+                        yield TokenOut(event.token.token, event.token.index, now,
+                                       logprob_entry(event.token.logprob) if params.logprobs is not None else None)
                     elif event.HasField("done"):
                         reason = event.done.reason
             except grpc.RpcError as e:

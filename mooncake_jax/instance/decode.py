@@ -30,7 +30,8 @@ from ..model.kv_cache import OutOfPages
 from ..model.sequence import Sequence
 from ..engine.runner_loop import TokenStream, wait
 from ..engine.scheduler import BatchFull, QueueFull
-from .rpc import InstanceService, LateRejection, MissingKV, messages, sampling_params, status_of, validated
+from .rpc import (InstanceService, LateRejection, MissingKV, logprob_entry, logprob_message, messages,
+                  sampling_params, status_of, validated)
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,9 @@ class DecodeService(InstanceService):
             yield messages.DecodeEvent(accepted=messages.DecodeEvent.Accepted())
             for index, token in enumerate(stream, start=1):
                 self._count(decode_tokens=1)
-                yield messages.DecodeEvent(token=messages.DecodeEvent.Token(token=token, index=index))
+                logprob = logprob_message(seq.logprobs[index]) if seq.params.logprobs is not None else None
+                yield messages.DecodeEvent(token=messages.DecodeEvent.Token(token=token, index=index,
+                                                                            logprob=logprob))
             if stream.finish_reason == "abort":
                 self._count(decode_aborted=1)
             yield messages.DecodeEvent(done=messages.DecodeEvent.Done(reason=stream.finish_reason or "abort"))
@@ -164,7 +167,8 @@ class DecodeService(InstanceService):
                 raise LateRejection(f"no room for the request's KV: {e}") from None
         pages = [engine.kv.page_of(key) for key in keys]
         try:
-            engine.adopt(seq, pages, request.first_token)
+            first = logprob_entry(request.first_logprob) if seq.params.logprobs is not None else None
+            engine.adopt(seq, pages, request.first_token, first)
         except OutOfPages as e:
             raise LateRejection(f"no room for the request's KV: {e}") from None
         inst.loop.join_batch(seq, stream)

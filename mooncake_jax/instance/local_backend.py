@@ -20,6 +20,7 @@ from ..model.kv_cache import OutOfPages
 from ..model.sequence import SamplingParams, Sequence
 from ..engine.runner_loop import LoopStopped, RunnerLoop, TokenStream, wait
 from ..engine.scheduler import DEFAULT_MAX_WAITING, QueueFull
+from .rpc import sampling_of
 
 
 class EngineBackend:
@@ -50,9 +51,7 @@ class EngineBackend:
     def generate(self, request: GenerateRequest, cancelled: threading.Event | None = None
                  ) -> Iterator[TokenOut | Finished]:
         t0 = time.perf_counter()
-        params = SamplingParams(max_new_tokens=request.max_tokens, temperature=request.temperature,
-                                top_p=request.top_p, seed=request.seed, ignore_eos=request.ignore_eos,
-                                stop_token_ids=tuple(request.stop_token_ids))
+        params = sampling_of(request)
         try:
             seq = self.engine.new_sequence(request.prompt, params)
         except ValueError as e:
@@ -78,7 +77,9 @@ class EngineBackend:
         try:
             for token in self._tokens(seq, stream, cancelled):
                 times.append(time.perf_counter() - t0)
-                yield TokenOut(token, len(times) - 1, times[-1])
+                i = len(times) - 1
+                yield TokenOut(token, i, times[-1], seq.logprobs[i] if params.logprobs is not None else None,
+                               seq.prompt_logprobs if i == 0 else None)
         except LoopStopped as e:
             raise Unavailable(str(e)) from None
         yield Finished(reason=stream.finish_reason or FINISH_ABORT, prompt_tokens=len(seq.prompt),

@@ -31,7 +31,7 @@ from ..transfer.messenger import BlocksNotFoundError, TransferError
 from ..blocks import BlockKey
 from ..transfer.offload import LayerwisePrefill, request_keys
 from ..engine.runner_loop import wait
-from .rpc import InstanceService, messages, rpc, sampling_params, validated
+from .rpc import InstanceService, logprob_message, messages, rpc, sampling_params, validated
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,9 @@ class PrefillService(InstanceService):
         return messages.PrefillReply(
             first_token=seq.output[0], cached_tokens=seq.cached_tokens, kv_keys=keys,
             queue_s=started.get("t", queued_at) - queued_at, prefill_s=t_prefilled - started.get("t", queued_at),
-            transfer_s=(t_fetched - t0) + (t_end - t_prefilled), finished=seq.finished)
+            transfer_s=(t_fetched - t0) + (t_end - t_prefilled), finished=seq.finished,
+            first_logprob=logprob_message(seq.logprobs[0] if seq.logprobs else None),
+            prompt_logprobs=[logprob_message(entry) for entry in seq.prompt_logprobs or ()])
 
     def _fetch(self, source: str, keys: list[int]) -> None:
         """Run the transfer plan. The Conductor may plan blocks the source is still computing (another request's
@@ -128,6 +130,8 @@ class PrefillService(InstanceService):
         (layer-wise: from the first block, it does not use the engine's cache). Returns (index of the first staged
         block, their keys, their blocks [n, layers, 2, block_size, kv_heads, head_dim] or None)."""
         engine, pool = self.instance.engine, self.instance.pool
+        if seq.params.prompt_logprobs is not None:  # every prompt position is computed: nothing to stage
+            return 0, [], None
         usable = keys[: (len(seq.prompt) - 1) // engine.block_size]
         start = 0 if self._layerwise is not None else len(engine.kv.cached_pages(usable))
         n = pool.prefix_len(usable[start:])
@@ -147,7 +151,7 @@ class PrefillService(InstanceService):
         pool = self.instance.pool
         start, staged_keys, staged_blocks = staged
         try:
-            if self._layerwise is not None:
+            if self._layerwise is not None and seq.params.prompt_logprobs is None:
                 _, new_blocks = self._layerwise.prefill(seq, staged_blocks)
                 return keys[len(staged_keys):], new_blocks
             pages = engine.cached_pages(keys[:start])

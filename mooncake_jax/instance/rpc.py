@@ -10,6 +10,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import grpc
 
 from ..model.kv_cache import OutOfPages
+from ..gateway.backend import GenerateRequest
 from ..model.sequence import SamplingParams
 from ..proto import load
 from ..transfer.messenger import TransferError
@@ -42,14 +43,47 @@ class MissingKV(RuntimeError):
 
 
 def sampling_params(msg) -> SamplingParams:
-    return SamplingParams(max_new_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p or 1.0,
-                          seed=msg.seed, stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
+    return SamplingParams(
+        max_new_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p or 1.0, seed=msg.seed,
+        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, top_k=msg.top_k, min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        frequency_penalty=msg.frequency_penalty, presence_penalty=msg.presence_penalty,
+        logit_bias=tuple((b.token, b.bias) for b in msg.logit_bias),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)
 
 
 def sampling_message(params: SamplingParams):
-    return messages.Sampling(max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-                             seed=params.seed, stop_token_ids=list(params.stop_token_ids),
-                             ignore_eos=params.ignore_eos)
+    return messages.Sampling(
+        max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, top_k=params.top_k,
+        min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
+        logit_bias=[messages.LogitBias(token=t, bias=b) for t, b in params.logit_bias],
+        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs)
+
+
+def logprob_message(entry):
+    """A ``Sequence.logprobs`` entry ``(logprob, ((id, logprob), ...))`` as a TokenLogprob (None: None)."""
+    if entry is None:
+        return None
+    lp, top = entry
+    return messages.TokenLogprob(logprob=lp, top_ids=[t for t, _ in top], top_logprobs=[x for _, x in top])
+
+
+def logprob_entry(msg):
+    """The inverse of ``logprob_message``."""
+    return float(msg.logprob), tuple(zip(msg.top_ids, (float(x) for x in msg.top_logprobs)))
+
+
+def sampling_of(request: GenerateRequest) -> SamplingParams:
+    """The engine's sampling settings of a gateway request."""
+    return SamplingParams(
+        max_new_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+        ignore_eos=request.ignore_eos, stop_token_ids=tuple(request.stop_token_ids), top_k=request.top_k,
+        min_p=request.min_p, repetition_penalty=request.repetition_penalty,
+        frequency_penalty=request.frequency_penalty, presence_penalty=request.presence_penalty,
+        logit_bias=tuple(request.logit_bias), logprobs=request.logprobs, prompt_logprobs=request.prompt_logprobs)
 
 
 STATUS = (
