@@ -140,7 +140,7 @@ def test_every_eos_id_stops(gw, tok, folder):
 def test_unknown_and_mistyped_fields_are_400_naming_them(gw):
     gw, backend = gw
     c = client(gw.http_port)
-    for extra, name in [({"top_k": 5}, "'top_k'"), ({"min_p": 0.1}, "'min_p'"),
+    for extra, name in [({"top_kk": 5}, "'top_kk'"), ({"min_tokens": 1}, "'min_tokens'"),
                         ({"stream_options": {"include_usage": True, "x": 1}}, "'stream_options.x'")]:
         with pytest.raises(openai.BadRequestError, match=f"unknown field {name}"):
             c.completions.create(model="tiny-chat", prompt="hi", max_tokens=2, extra_body=extra)

@@ -31,6 +31,7 @@ A client that goes away sets the request's ``cancelled`` event (the backend stop
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -266,43 +267,40 @@ class _Gateway:
             return refused
         try:
             body = await self._json_body(request)
-        except _HttpError as e:
-            return _error_response(e.status, str(e), e.headers, **e.extra)
+            parsed: oai.Parsed = await run_in_threadpool(parse_body, body)  # a chat template may take a while
+            self.core.check_model(parsed.model)
         except ClientDisconnect:
             return Response(status_code=400)
+        except Exception as e:  # noqa: BLE001 - a bad request is a status
+            error = _http_error(e)
+            return _error_response(error.status, str(error), error.headers, **error.extra)
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        cancelled = threading.Event()
-        parsed: dict = {}
-
-        def parse():
-            params, model, stream, include_usage = parse_body(body)
-            self.core.check_model(model)
-            parsed.update(stream=stream, include_usage=include_usage)
-            return params
-
+        runs = [_Run(asyncio.Queue(), threading.Event()) for _ in parsed.choices]
         with self.lock:
-            self.active.add(cancelled)
-        self.pool.submit(self._pump, loop, queue, parse, arrival, cancelled)
-        watch = asyncio.create_task(_watch_disconnect(request, cancelled))
+            self.active.update(run.cancelled for run in runs)
+        for run, params in zip(runs, parsed.choices):
+            self.pool.submit(self._pump, loop, run.queue, lambda params=params: params, arrival, run.cancelled)
+        watch = asyncio.create_task(_watch_disconnect(request, [run.cancelled for run in runs]))
         handed_over = False
         try:
-            started = await self._next(queue, cancelled)
-            first = await self._next(queue, cancelled)
-            created = int(time.time())
-            if parsed["stream"]:
+            starts = [await self._next(run.queue, run.cancelled) for run in runs]
+            firsts = [await self._next(run.queue, run.cancelled) for run in runs]
+            request_id, created = starts[0].request_id, int(time.time())
+            if parsed.stream:
                 watch.cancel()
-                handed_over = True  # the stream's generator unregisters the request
-                return StreamingResponse(
-                    self._stream(started.request_id, first, queue, cancelled, created, parsed["include_usage"], chat),
-                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            pieces, ids, event = [], [], first
-            while not isinstance(event, Summary):
-                pieces.append(event.text)
-                ids.append(event.token)
-                event = await self._next(queue, cancelled)
-            answer = (oai.chat_completion if chat else oai.completion)(self.core.model_name, created,
-                                                                        "".join(pieces), ids, event)
+                handed_over = True  # the stream's generator unregisters the requests
+                return StreamingResponse(self._stream(request_id, parsed, runs, firsts, created, chat),
+                                         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            choices, summaries = [], []
+            for i, (run, event) in enumerate(zip(runs, firsts)):
+                events = []
+                while not isinstance(event, Summary):
+                    events.append(event)
+                    event = await self._next(run.queue, run.cancelled)
+                summaries.append(event)
+                choices.append(self._choice(parsed, i, events, event, chat))
+            answer = (oai.chat_completion if chat else oai.completion)(
+                self.core.model_name, created, request_id, choices, summaries, parsed.n, parsed.echo_only)
             return JSONResponse(answer)
         except Exception as e:  # noqa: BLE001 - every failure becomes a status; none takes the server down
             error = _http_error(e)
@@ -310,7 +308,51 @@ class _Gateway:
         finally:
             watch.cancel()
             if not handed_over:
-                self._done(cancelled)
+                for run in runs:
+                    self._done(run.cancelled)
+
+    def _token_text(self, token: int) -> str:
+        return self.core.tokenizer.decode([token])
+
+    def _prompt_part(self, parsed: oai.Parsed, index: int, first, summary: Summary | None) -> tuple[str, dict | None]:
+        """(prompt text, prompt logprobs) that ``echo`` puts before choice ``index``'s completion."""
+        text = parsed.prompt_texts[index // parsed.n]
+        prompt_ids = summary.prompt_ids if summary is not None else None
+        entries = getattr(first, "prompt_logprobs", None)
+        if text is None:
+            ids = prompt_ids if prompt_ids is not None else parsed.choices[index].prompt_ids
+            text = self.core.tokenizer.decode(ids)
+        if parsed.logprobs is None:
+            return text, None
+        ids = prompt_ids if prompt_ids is not None else parsed.choices[index].prompt_ids
+        if ids is None:
+            ids = self.core.tokenizer.encode(text)
+        return text, oai.completion_logprobs(self._token_text, ids, [None] + list(entries or ()))
+
+    def _choice(self, parsed: oai.Parsed, index: int, events: list, summary: Summary, chat: bool) -> oai.Choice:
+        """Choice ``index`` of a non-streamed answer from its token events."""
+        first = events[0] if events else None
+        if parsed.echo_only:
+            events = []
+        ids = [e.token for e in events]
+        text = "".join(e.text for e in events)
+        logprobs = None
+        if parsed.logprobs is not None:
+            entries = [e.logprob for e in events]
+            if chat:
+                logprobs = oai.chat_logprobs(self._token_text, ids, entries)
+            else:
+                logprobs = oai.completion_logprobs(self._token_text, ids, entries)
+        if parsed.echo:
+            prompt_text, prompt_logprobs = self._prompt_part(parsed, index, first, summary)
+            if prompt_logprobs is not None:
+                offset = len(prompt_text)
+                for key in ("tokens", "token_logprobs", "top_logprobs"):
+                    prompt_logprobs[key] += logprobs[key]
+                prompt_logprobs["text_offset"] += [offset + o for o in logprobs["text_offset"]]
+                logprobs = prompt_logprobs
+            text = prompt_text + text
+        return oai.Choice(index, text, ids, logprobs, summary.reason)
 
     def _done(self, cancelled: threading.Event) -> None:
         cancelled.set()  # a no-op for a request that has ended; stops one that has not
@@ -360,36 +402,84 @@ class _Gateway:
             put(e)
         put(_End())
 
-    async def _stream(self, request_id: str, first, queue: asyncio.Queue, cancelled: threading.Event,
-                      created: int, include_usage: bool, chat: bool):
+    async def _stream(self, request_id: str, parsed: oai.Parsed, runs: list, firsts: list, created: int,
+                      chat: bool):
+        """The choices' events as server-sent chunks, in the order they come (each chunk names its choice)."""
         model = self.core.model_name
         chunk = oai.chat_chunk if chat else oai.chunk
-        event = first
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def forward(i: int, run, event) -> None:
+            try:
+                while True:
+                    await merged.put((i, event))
+                    if isinstance(event, Summary):
+                        return
+                    event = await self._next(run.queue, run.cancelled)
+            except Exception as e:  # noqa: BLE001 - handed to the stream, which reports it
+                await merged.put((i, e))
+
+        tasks = [asyncio.create_task(forward(i, run, first)) for i, (run, first) in enumerate(zip(runs, firsts))]
+        summaries: list = [None] * len(runs)
+        offsets = [0] * len(runs)
         try:
-            if chat:
-                yield _sse(oai.chat_chunk(request_id, model, created, "", [], first=True))
-            while True:
+            for i, first in enumerate(firsts):
+                if chat:
+                    yield _sse(oai.chat_chunk(request_id, model, created, oai.Choice(i, "", []), first=True))
+                elif parsed.echo:
+                    text, logprobs = self._prompt_part(parsed, i, first, None)
+                    offsets[i] = len(text)
+                    yield _sse(chunk(request_id, model, created, oai.Choice(i, text, [], logprobs)))
+            remaining = len(runs)
+            while remaining:
+                i, event = await merged.get()
+                if isinstance(event, Exception):
+                    raise event
                 if isinstance(event, Summary):
-                    yield _sse(chunk(event.request_id, model, created, "", [], event))
-                    if include_usage:
-                        yield _sse((oai.chat_usage_chunk if chat else oai.usage_chunk)(model, created, event))
-                    break
-                yield _sse(chunk(request_id, model, created, event.text, [event.token]))
-                event = await self._next(queue, cancelled)
+                    summaries[i] = event
+                    remaining -= 1
+                    yield _sse(chunk(request_id, model, created, oai.Choice(i, "", [], None, event.reason), event))
+                    continue
+                if parsed.echo_only:
+                    continue
+                logprobs = None
+                if parsed.logprobs is not None:
+                    if chat:
+                        logprobs = oai.chat_logprobs(self._token_text, [event.token], [event.logprob])
+                    else:
+                        logprobs = oai.completion_logprobs(self._token_text, [event.token], [event.logprob],
+                                                           offsets[i])
+                offsets[i] += len(event.text)
+                yield _sse(chunk(request_id, model, created, oai.Choice(i, event.text, [event.token], logprobs)))
+            if parsed.include_usage:
+                yield _sse((oai.chat_usage_chunk if chat else oai.usage_chunk)(
+                    request_id, model, created, summaries, parsed.n, parsed.echo_only))
         except Exception as e:  # noqa: BLE001 - the status line is gone: report inside the stream
             error = _http_error(e)
             yield _sse(oai.error(error.status, str(error), **error.extra))
         finally:
-            self._done(cancelled)  # also when the client went away (the generator is closed)
+            for task in tasks:
+                task.cancel()
+            for run in runs:
+                self._done(run.cancelled)  # also when the client went away (the generator is closed)
         yield _DONE
 
 
-async def _watch_disconnect(request: Request, cancelled: threading.Event) -> None:
-    """Until cancelled: the client's ``http.disconnect`` (the connection closed) sets ``cancelled``."""
+@dataclasses.dataclass
+class _Run:
+    """One choice being generated: the queue its pump fills and the event that stops it."""
+
+    queue: asyncio.Queue
+    cancelled: threading.Event
+
+
+async def _watch_disconnect(request: Request, cancelled: list[threading.Event]) -> None:
+    """Until cancelled: the client's ``http.disconnect`` (the connection closed) sets every ``cancelled``."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            cancelled.set()
+            for event in cancelled:
+                event.set()
             return
 
 

@@ -36,6 +36,8 @@ class TokenEvent:
     index: int
     time_s: float  # since arrival at the gateway
     text: str = ""
+    logprob: tuple | None = None  # backend.Logprob, with request.logprobs
+    prompt_logprobs: list | None = None  # on the first event, with request.prompt_logprobs
 
 
 @dataclasses.dataclass
@@ -48,6 +50,7 @@ class Summary:
     output_tokens: int
     cached_tokens: int
     request_id: str
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 class StopMatcher:
@@ -124,7 +127,7 @@ def run(backend: Backend, prepared: Prepared, tokenizer: Tokenizer, *, arrival: 
         total = clock() - arrival
         summary = Summary(FINISH_STOP if stopped else finished.reason, times[0] if times else total,
                           paper_tbt(times), total, len(request.prompt), len(times), finished.cached_tokens,
-                          request.request_id)
+                          request.request_id, list(request.prompt))
         outcome = "cancelled" if summary.reason == FINISH_ABORT and cancelled.is_set() else summary.reason
     except GeneratorExit:
         outcome = "cancelled"
@@ -186,7 +189,8 @@ def _tokens(items, text: _Text | None, want_text: bool, times: list[float], canc
         if not isinstance(item, TokenOut) or stopped:
             continue  # after a stop string: drain until the backend confirms
         times.append(elapsed())
-        event = TokenEvent(item.token, len(times) - 1, times[-1])
+        event = TokenEvent(item.token, len(times) - 1, times[-1], logprob=item.logprob,
+                           prompt_logprobs=item.prompt_logprobs)
         if text is None:
             yield event
             continue
