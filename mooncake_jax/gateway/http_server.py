@@ -312,7 +312,9 @@ class _Gateway:
                     self._done(run.cancelled)
 
     def _token_text(self, token: int) -> str:
-        return self.core.tokenizer.decode([token])
+        """A token's text for logprobs; one that decodes to nothing alone (a byte of a longer character, a
+        special token) is named ``token_id:<id>`` as vLLM's ``return_tokens_as_token_ids`` does."""
+        return self.core.tokenizer.decode([token]) or f"token_id:{token}"
 
     def _prompt_part(self, parsed: oai.Parsed, index: int, first, summary: Summary | None) -> tuple[str, dict | None]:
         """(prompt text, prompt logprobs) that ``echo`` puts before choice ``index``'s completion."""
@@ -346,7 +348,7 @@ class _Gateway:
         if parsed.echo:
             prompt_text, prompt_logprobs = self._prompt_part(parsed, index, first, summary)
             if prompt_logprobs is not None:
-                offset = len(prompt_text)
+                offset = sum(len(t) for t in prompt_logprobs["tokens"])  # the offsets run on over the prompt's
                 for key in ("tokens", "token_logprobs", "top_logprobs"):
                     prompt_logprobs[key] += logprobs[key]
                 prompt_logprobs["text_offset"] += [offset + o for o in logprobs["text_offset"]]
