@@ -2,11 +2,17 @@
 
     llm = mj.LLM("tiny")
     llm.generate([[1, 5, 9], [1, 7]], max_new_tokens=16, temperature=0.0)   # -> new tokens per prompt
-    llm.score([1, 5, 9, 4])                                                   # -> logits [n_tokens, vocab]
+    llm.generate("Once upon a time")                                          # -> the new text
+    llm.generate(["a", "b"]); llm.chat([{"role": "user", "content": "hi"}])   # -> texts; the reply's text
+    llm.score([1, 5, 9, 4]); llm.score("text")                                # -> logits [n_tokens, vocab]
+
+Text goes through the model folder's tokenizer (tokenizer.json; raw bytes for a preset, which has no vocabulary),
+and generation stops on every EOS id the folder's files name, as the server does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -74,20 +80,69 @@ class LLM:
                              prefill_chunk_size=prefill_chunk_size, prefix_caching=prefix_caching, layout=layout,
                              bucket_factor=bucket_factor)
         self.scheduler = Scheduler(self.engine, max_waiting=max_waiting)  # generate's continuous batching
+        self._source = model
+        self._tokenizer = None
+        self._chat_template = None
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (loaded on first use; a folder without tokenizer.json is a ValueError)."""
+        if self._tokenizer is None:
+            from .gateway.tokenizer import tokenizer_for
+
+            self._tokenizer = tokenizer_for(self._source, self.config.vocab_size)
+        return self._tokenizer
+
+    def _text_stops(self) -> tuple[int, ...]:
+        return tuple(t for t in getattr(self.tokenizer, "eos_token_ids", ()) if 0 <= t < self.config.vocab_size)
+
+    def chat(self, messages: list[dict], max_new_tokens: int = 256, chat_template: str | Path | None = None,
+             **sampling) -> str:
+        """The assistant's reply to ``messages`` (``[{"role": ..., "content": ...}, ...]``), rendered with the model
+        folder's chat template (or the Jinja file ``chat_template``); ValueError when there is none."""
+        from .gateway.chat import load_chat_template
+
+        if self._chat_template is None or chat_template is not None:
+            template = load_chat_template(self.tokenizer, chat_template)
+            if template is None:
+                raise ValueError("this model has no chat template (no chat_template in tokenizer_config.json, no "
+                                 "chat_template.jinja): pass chat_template=<a Jinja file>")
+            self._chat_template = template
+        text, has_bos = self._chat_template.render(list(messages), add_generation_prompt=True)
+        prompt = self.tokenizer.encode(text, add_special_tokens=not has_bos)
+        out = self.generate([prompt], max_new_tokens=max_new_tokens, stop_token_ids=self._text_stops(),
+                            **sampling)[0]
+        return self.tokenizer.decode([t for t in out if t not in self._text_stops()])
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, eos_token_id: int | None = None, ignore_eos: bool = False) -> list[list[int]]:
-        """New tokens for each prompt (a list of token-id lists), decoded together with continuous batching.
+                 seed: int = 0, eos_token_id: int | None = None, ignore_eos: bool = False, **sampling):
+        """New tokens for each prompt (a list of token-id lists), decoded together with continuous batching; or,
+        for a text prompt (a string, or a list of strings), the new text (a string, or a list of them), stopping
+        also on every EOS id of the model folder.
 
-        Stops at ``max_new_tokens`` or at EOS (which is included in the output). All prompts are validated before
-        any work starts: a bad one raises ValueError naming it.
+        Stops at ``max_new_tokens`` or at EOS (which is included in token output, not in text). ``sampling``: any
+        other ``SamplingParams`` field (``top_k``, ``min_p``, ``repetition_penalty``, ``frequency_penalty``,
+        ``presence_penalty``, ``logit_bias``, ``stop_token_ids``). All prompts are validated before any work
+        starts: a bad one raises ValueError naming it.
         """
-        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
-            raise ValueError("prompts must be a list of token-id lists, e.g. [[1, 5, 9]]")
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(p, str) for p in prompts)):
+            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            stops = () if ignore_eos else self._text_stops()
+            sampling["stop_token_ids"] = tuple(sampling.get("stop_token_ids", ())) + stops
+            outs = self.generate([self.tokenizer.encode(t) for t in texts], max_new_tokens, temperature, top_p,
+                                 seed, eos_token_id, ignore_eos, **sampling)
+            decoded = [self.tokenizer.decode([t for t in out if t not in stops]) for out in outs]
+            return decoded[0] if isinstance(prompts, str) else decoded
+        if isinstance(prompts, bytes) or not hasattr(prompts, "__len__"):
+            raise ValueError("prompts must be text, a list of texts, or a list of token-id lists, e.g. [[1, 5, 9]]")
         if len(prompts) and np.isscalar(prompts[0]):
             raise ValueError("prompts must be a list of token-id lists; wrap a single prompt: [[1, 5, 9]]")
+        unknown = set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)}
+        if unknown:
+            raise ValueError(f"unknown sampling option(s) {sorted(unknown)}")
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                eos_token_id=eos_token_id, ignore_eos=ignore_eos)
+                                eos_token_id=eos_token_id, ignore_eos=ignore_eos, **sampling)
         if eos_token_id is not None and not 0 <= eos_token_id < self.config.vocab_size:
             raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {self.config.vocab_size})")
         seqs = []
@@ -116,7 +171,10 @@ class LLM:
             raise
 
     def score(self, tokens) -> np.ndarray:
-        """Float32 logits [n_tokens, vocab] at every position of ``tokens`` (no cache reuse, nothing sampled)."""
+        """Float32 logits [n_tokens, vocab] at every position of ``tokens`` (token ids, or text: then its tokens
+        as the model's tokenizer encodes it) (no cache reuse, nothing sampled)."""
+        if isinstance(tokens, str):
+            tokens = self.tokenizer.encode(tokens)
         tokens = validate_prompt(tokens, self.config)
         seq = self.engine.new_sequence(tokens, SamplingParams(max_new_tokens=1))
         self.engine.admit(seq, cached_pages=[])

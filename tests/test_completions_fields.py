@@ -118,3 +118,21 @@ def test_sampling_fields_reach_the_engine(served, llm):
                                 extra_body={"ignore_eos": True, "top_k": 1, "min_p": 0.5,
                                             "repetition_penalty": 1.0})
     assert top1.choices[0].token_ids == greedy.choices[0].token_ids
+
+
+def test_llm_text_api(llm, tmp_path):
+    """``mj.LLM``: text in, text out, equal to the token-id path through the tokenizer; ``score`` of text; ``chat``
+    renders the template and answers with the reply's text."""
+    tok = llm.tokenizer
+    ids = llm.generate([tok.encode("hello")], max_new_tokens=4, ignore_eos=True)[0]
+    assert llm.generate("hello", max_new_tokens=4, ignore_eos=True) == tok.decode(ids)
+    assert llm.generate(["hello", "hello"], max_new_tokens=4, ignore_eos=True) == [tok.decode(ids)] * 2
+    np.testing.assert_array_equal(llm.score("hello"), llm.score(tok.encode("hello")))
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                        "{% if add_generation_prompt %}[assistant]{% endif %}")
+    reply = llm.chat([{"role": "user", "content": "hi"}], max_new_tokens=3, chat_template=template)
+    expected = llm.generate([tok.encode("[user]hi[assistant]")], max_new_tokens=3)[0]
+    assert reply == tok.decode(expected)
+    with pytest.raises(ValueError, match="unknown sampling option"):
+        llm.generate([[1, 2]], top_kk=3)
