@@ -152,10 +152,10 @@ class ClusterBackend:
         first_logprob = logprob_entry(prefill.first_logprob) if params.logprobs is not None else None
         prompt_logprobs = ([logprob_entry(m) for m in prefill.prompt_logprobs]
                            if params.prompt_logprobs is not None else None)
-        first = TokenOut(prefill.first_token, 0, first_at, first_logprob, prompt_logprobs)
+        first_out = TokenOut(prefill.first_token, 0, first_at, first_logprob, prompt_logprobs)
         if prefill.finished:
             self._report_dropped(request.request_id)  # no decode: the Conductor's ledger lets it go
-            yield first
+            yield first_out
             yield self._finished("stop" if params.max_new_tokens > 1 else "length", request, 1, prefill, times)
             return
         stream = self.instance_stub(decision.decode_address).Decode(instance_messages.DecodeRequest(
@@ -177,7 +177,7 @@ class ClusterBackend:
                 self._report_dropped(request.request_id)
                 self._count(failed=1)
                 raise self._error("decode", decision.decode_id, e) from None
-            yield first
+            yield first_out
             count = 1
             reason = FINISH_ABORT
             try:
