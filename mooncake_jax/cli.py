@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("mooncake_jax.sim.cli", "replay a request trace through the simulated cluster"),
     "profile": ("mooncake_jax.conductor.profile", "measure the local engine and write a cost-model profile JSON"),
     "generate": ("mooncake_jax.model.cli", "generate tokens with the local engine (no cluster)"),
+    "chat": ("mooncake_jax.model.chat_cli", "chat with the local engine through the model's chat template"),
 }
 
 

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from collections import deque
+from collections.abc import Iterator
 
 from .engine.scheduler import DEFAULT_MAX_WAITING, Scheduler
 from .model.config import PRESETS, ModelConfig, get_config, resolve_dtype
@@ -100,19 +101,58 @@ class LLM:
              **sampling) -> str:
         """The assistant's reply to ``messages`` (``[{"role": ..., "content": ...}, ...]``), rendered with the model
         folder's chat template (or the Jinja file ``chat_template``); ValueError when there is none."""
+        return "".join(self.stream_chat(messages, max_new_tokens, chat_template, **sampling))
+
+    def stream_chat(self, messages: list[dict], max_new_tokens: int = 256, chat_template: str | Path | None = None,
+                    **sampling) -> Iterator[str]:
+        """``chat``, piece by piece: each piece of the reply's text as soon as its token is sampled (an unfinished
+        UTF-8 character waits for its last byte), for an interactive loop that shows the reply as it is written.
+        Closing the iterator early stops the generation and frees its pages."""
         from .gateway.chat import load_chat_template
 
-        if self._chat_template is None or chat_template is not None:
-            template = load_chat_template(self.tokenizer, chat_template)
-            if template is None:
-                raise ValueError("this model has no chat template (no chat_template in tokenizer_config.json, no "
-                                 "chat_template.jinja): pass chat_template=<a Jinja file>")
-            self._chat_template = template
-        text, has_bos = self._chat_template.render(list(messages), add_generation_prompt=True)
+        template = load_chat_template(self.tokenizer, chat_template) if chat_template is not None else None
+        if template is None:
+            if self._chat_template is None:  # the model's own, loaded once
+                self._chat_template = load_chat_template(self.tokenizer, None)
+            template = self._chat_template
+        if template is None:
+            raise ValueError("this model has no chat template (no chat_template in tokenizer_config.json, no "
+                             "chat_template.jinja): pass chat_template=<a Jinja file>")
+        text, has_bos = template.render(list(messages), add_generation_prompt=True)
         prompt = self.tokenizer.encode(text, add_special_tokens=not has_bos)
-        out = self.generate([prompt], max_new_tokens=max_new_tokens, stop_token_ids=self._text_stops(),
-                            **sampling)[0]
-        return self.tokenizer.decode([t for t in out if t not in self._text_stops()])
+        stops = self._text_stops()
+        sampling["stop_token_ids"] = tuple(sampling.get("stop_token_ids", ())) + stops
+        seq = self._new_sequences([prompt], self._params(max_new_tokens=max_new_tokens, **sampling))[0]
+        detok = self.tokenizer.detokenizer()
+        for token in self._stream(seq):
+            if token not in stops:
+                piece = detok.add(token)
+                if piece:
+                    yield piece
+        rest = detok.flush()
+        if rest:
+            yield rest
+
+    def _stream(self, seq) -> Iterator[int]:
+        """``seq``'s new tokens as the scheduler samples them, stepping it on this thread."""
+        sched, seen = self.scheduler, 0
+        future = sched.add_request(seq)
+        try:
+            while sched.has_work:
+                sched.step()
+                if future.done() and future.exception() is not None:
+                    raise future.exception()
+                while seen < len(seq.output):
+                    seen += 1
+                    yield seq.output[seen - 1]
+        except GeneratorExit:  # the caller stopped reading: end the sequence, return its pages
+            sched.cancel(seq)
+            while sched.has_work:
+                sched.step()
+            raise
+        except BaseException as e:
+            sched.abort_all(e)
+            raise
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, eos_token_id: int | None = None, ignore_eos: bool = False, **sampling):
@@ -138,21 +178,30 @@ class LLM:
             raise ValueError("prompts must be text, a list of texts, or a list of token-id lists, e.g. [[1, 5, 9]]")
         if len(prompts) and np.isscalar(prompts[0]):
             raise ValueError("prompts must be a list of token-id lists; wrap a single prompt: [[1, 5, 9]]")
+        params = self._params(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                              eos_token_id=eos_token_id, ignore_eos=ignore_eos, **sampling)
+        seqs = self._new_sequences(prompts, params)
+        self._run(seqs)
+        return [list(s.output) for s in seqs]
+
+    def _params(self, **sampling) -> SamplingParams:
         unknown = set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)}
         if unknown:
             raise ValueError(f"unknown sampling option(s) {sorted(unknown)}")
-        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                eos_token_id=eos_token_id, ignore_eos=ignore_eos, **sampling)
+        eos_token_id = sampling.get("eos_token_id")
         if eos_token_id is not None and not 0 <= eos_token_id < self.config.vocab_size:
             raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary [0, {self.config.vocab_size})")
+        return SamplingParams(**sampling)
+
+    def _new_sequences(self, prompts, params: SamplingParams) -> list:
+        """A validated sequence per prompt, all checked before any work starts (a bad one: ValueError naming it)."""
         seqs = []
         for i, prompt in enumerate(prompts):
             try:
                 seqs.append(self.engine.new_sequence(prompt, params))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        self._run(seqs)
-        return [list(s.output) for s in seqs]
+        return seqs
 
     def _run(self, seqs) -> None:
         """Continuous batching on this thread: the scheduler's queue is fed as it has room, steps until done."""

@@ -21,6 +21,7 @@ import mooncake_jax as mj
 from mooncake_jax.proto import load
 
 gateway_messages, gateway_services = load("gateway")
+SERVED_AS = "tiny-served"  # --served-model-name: the id in /v1/models, which requests must name
 PROMPT = [1, 17, 42, 99, 250, 3, 77, 301, 12, 5, 400, 8, 19, 23, 64, 2, 9, 11, 13]
 
 
@@ -32,7 +33,8 @@ def children_of(pid: int) -> set[int]:
 @pytest.fixture(scope="module")
 def served():
     proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.cli", "serve", "--model", "tiny", "--prefill",
-                             "1", "--decode", "1", "--no-warmup", "--compile-cache", "none"],
+                             "1", "--decode", "1", "--no-warmup", "--compile-cache", "none",
+                             "--served-model-name", SERVED_AS],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = {}
     reader = threading.Thread(target=lambda: line.update(text=proc.stdout.readline()), daemon=True)
@@ -60,18 +62,18 @@ def post(port, body):
 
 def test_openai_http_plain_and_streaming(served, expected):
     _, _, http = served
-    with post(http, {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}) as r:
+    with post(http, {"model": SERVED_AS, "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}) as r:
         body = json.loads(r.read())
     assert body["choices"][0]["token_ids"] == expected
     assert body["usage"]["completion_tokens"] == 6 and body["usage"]["prompt_tokens"] == len(PROMPT)
-    with post(http, {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "stream": True}) as r:
+    with post(http, {"model": SERVED_AS, "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "stream": True}) as r:
         lines = [raw.decode().strip() for raw in r if raw.strip()]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(x[len("data: "):]) for x in lines[:-1]]
     assert all(c["object"] == "text_completion" for c in chunks)
     assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == expected
     with urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=30) as r:
-        assert json.loads(r.read())["data"][0]["id"] == "tiny"
+        assert json.loads(r.read())["data"][0]["id"] == SERVED_AS
 
 
 def test_grpc_generate_health_and_reflection(served, expected):
@@ -96,12 +98,12 @@ def test_grpc_generate_health_and_reflection(served, expected):
 
 def test_bad_http_input_gets_400_and_the_server_keeps_serving(served, expected):
     _, _, http = served
-    for body in ({"model": "tiny", "prompt": [], "max_tokens": 3}, {"model": "nope", "prompt": [1]},
-                 {"model": "tiny", "prompt": [1], "max_tokens": -1}):
+    for body in ({"model": SERVED_AS, "prompt": [], "max_tokens": 3}, {"model": "nope", "prompt": [1]},
+                 {"model": SERVED_AS, "prompt": [1], "max_tokens": -1}):
         with pytest.raises(urllib.error.HTTPError) as err:
             post(http, body)
         assert err.value.code == 400 and "error" in json.loads(err.value.read())
-    with post(http, {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}) as r:
+    with post(http, {"model": SERVED_AS, "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}) as r:
         assert json.loads(r.read())["choices"][0]["token_ids"] == expected
 
 

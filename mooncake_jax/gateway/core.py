@@ -9,6 +9,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from mooncake_jax.gateway import stream
 from mooncake_jax.gateway.backend import Backend, InvalidRequest, Rejected
@@ -17,6 +18,16 @@ from mooncake_jax.gateway.tokenizer import Tokenizer
 from mooncake_jax.gateway.validate import Params, prepare
 
 log = logging.getLogger(__name__)
+
+
+def default_model_name(model) -> str:
+    """The id a gateway serves ``model`` under when not given one (``--served-model-name``): a preset's name, or
+    a model folder's own name (``/models/Llama-3-8B/`` -> ``Llama-3-8B``): clients see no local path."""
+    text = str(model)
+    path = Path(text).expanduser()
+    if not (path.is_dir() or "/" in text or "\\" in text):
+        return text  # a preset
+    return path.resolve().name or text
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 from mooncake_jax.gateway.auth import check_exposure
 from mooncake_jax.gateway.backend import Backend
 from mooncake_jax.gateway.chat import load_chat_template
-from mooncake_jax.gateway.core import GatewayCore
+from mooncake_jax.gateway.core import GatewayCore, default_model_name
 from mooncake_jax.gateway.grpc_server import GrpcFrontEnd
 from mooncake_jax.gateway.http_server import HttpFrontEnd
 from mooncake_jax.gateway.metrics import GatewayMetrics
@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 class GatewayServer:
     """The client-facing gateway: gRPC ``mooncake.v1.Gateway`` on ``grpc_port`` and OpenAI-compatible HTTP on
     ``http_port`` (0: a free port, see ``.grpc_port`` / ``.http_port`` after construction; None: that front end
-    is not started).
+    is not started). ``model_name``: the model id clients see and name (default: the preset's name, or the
+model folder's name, not its path).
 
     ``tokenizer``: a ``Tokenizer``, a path to a folder with (or to a) tokenizer.json, "bytes", or None for the
     one of ``backend.model_name`` (its tokenizer.json when it names a folder, which must have one; bytes for a
@@ -48,7 +49,7 @@ class GatewayServer:
         template = load_chat_template(tokenizer, chat_template)
         self.backend = backend
         self.metrics = GatewayMetrics(backend.stats)
-        self.core = GatewayCore(backend, tokenizer, model_name or backend.model_name, self.metrics)
+        self.core = GatewayCore(backend, tokenizer, model_name or default_model_name(backend.model_name), self.metrics)
         self.host = host
         self.drain_grace_s = drain_grace_s
         self._grpc = self._http = None

@@ -123,7 +123,7 @@ class CoupledServer:
     def serve_gateway(self, **kwargs):
         from ..gateway import GatewayServer
 
-        self.gateway = GatewayServer(self.backend, model_name=self.model_name, **kwargs).start()
+        self.gateway = GatewayServer(self.backend, **kwargs).start()
         return self.gateway
 
     def close(self) -> None:

@@ -38,6 +38,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer.json (or its folder) to use instead of the model's; 'bytes' serves text as raw "
                         "bytes (needed for a model folder without tokenizer.json)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id in /v1/models and responses, which requests name (default: the preset's "
+                        "name, or the model folder's name, not its path)")
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template file for /v1/chat/completions (default: the model's own)")
     p.add_argument("--drain-grace-s", type=float, default=30.0,
@@ -69,7 +72,8 @@ def run(args) -> int:
         try:
             gateway = service.serve_gateway(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                                             auth_token=args.auth_token, tokenizer=args.tokenizer,
-                                            chat_template=args.chat_template, drain_grace_s=args.drain_grace_s)
+                                            chat_template=args.chat_template, drain_grace_s=args.drain_grace_s,
+                                            model_name=args.served_model_name)
         except (ValueError, OSError) as e:
             print(f"mooncake-jax serve: {e}", file=sys.stderr)
             return 2
