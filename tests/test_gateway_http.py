@@ -250,9 +250,9 @@ def test_metrics_move(gateway, backend):
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0) - before.get(key, 0)
 
-    assert delta("mooncake_gateway_ttft_seconds_count") == 2
+    assert delta("mooncake_time_to_first_token_seconds_count") == 2
     assert delta("mooncake_gateway_tbt_seconds_count") == 2
-    assert delta("mooncake_gateway_ttft_seconds_sum") > 0
+    assert delta("mooncake_time_to_first_token_seconds_sum") > 0
     assert delta("mooncake_gateway_requests_total", api="http", outcome="length") == 1
     assert delta("mooncake_gateway_requests_total", api="grpc", outcome="length") == 1
     assert delta("mooncake_gateway_requests_total", api="http", outcome="invalid") == 1

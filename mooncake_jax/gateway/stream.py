@@ -110,20 +110,26 @@ def run(backend: Backend, prepared: Prepared, tokenizer: Tokenizer, *, arrival: 
     text = _Text(tokenizer, prepared.stop) if want_text or prepared.stop else None
     times: list[float] = []
     outcome, summary, items = "error", None, None
-    metrics.in_flight.inc()
+    metrics.started()
 
     def record() -> None:
-        metrics.in_flight.dec()
         done = summary is not None
+        metrics.ended(decoding=bool(times))
         metrics.finished(api, outcome, ttft_s=times[0] if times else None,
                          tbt_s=summary.tbt_s if done and len(times) > 1 else None,
+                         token_gaps_s=[b - a for a, b in zip(times, times[1:])],
+                         e2e_s=summary.total_s if done else None,
                          prompt_tokens=len(request.prompt) if done else 0,
                          cached_tokens=summary.cached_tokens if done else 0, output_tokens=len(times))
 
+    def elapsed() -> float:
+        if not times:
+            metrics.first_token()
+        return clock() - arrival
+
     try:
         items = iter(backend.generate(request, cancelled))
-        finished, stopped = yield from _tokens(items, text, want_text, times, cancelled,
-                                               lambda: clock() - arrival)
+        finished, stopped = yield from _tokens(items, text, want_text, times, cancelled, elapsed)
         total = clock() - arrival
         summary = Summary(FINISH_STOP if stopped else finished.reason, times[0] if times else total,
                           paper_tbt(times), total, len(request.prompt), len(times), finished.cached_tokens,

@@ -41,7 +41,8 @@ class EngineBackend:
         with self._lock:
             counts = {f"engine_{k}_total": float(v) for k, v in self._counts.items()}
         return counts | {"engine_running": float(len(self.loop.running)),
-                         "engine_queued_jobs": float(self.loop.queued_jobs)}
+                         "engine_queued_jobs": float(self.loop.queued_jobs),
+                         "engine_kv_usage": self.engine.pages_in_use / max(1, self.engine.num_pages - 1)}
 
     def _count(self, **amounts) -> None:
         with self._lock:

@@ -162,6 +162,7 @@ class InstanceServer:
                        if isinstance(v, (int, float))})
         values.update(self.service.stats())
         values["engine_free_pages"] = float(self.engine.free_pages)
+        values["engine_kv_usage"] = self.engine.pages_in_use / max(1, self.engine.num_pages - 1)  # 0..1, as vLLM's
         values["engine_running"] = float(len(self.loop.running))
         values["engine_queued_jobs"] = float(self.loop.queued_jobs)
         return values
