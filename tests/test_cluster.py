@@ -7,6 +7,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 import mooncake_jax as mj
@@ -84,6 +85,69 @@ def test_transfer_path_a_request_placed_where_its_prefix_is_not(cluster, llm):
     assert all(k in b.pool for k in keys)
     assert b.stats()["prefill_fetched_blocks_total"] >= 3
     assert tokens == llm.generate([second], max_new_tokens=5)[0]
+
+
+def post_json(port, path, body):
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def test_logprobs_and_echo_through_the_served_cluster(cluster, llm):
+    """The OpenAI completions path over the disaggregated cluster: prompt log-probabilities (``echo`` with
+    ``max_tokens`` 0, as evaluation harnesses score) and generated ones (computed by the prefill instance for the
+    first token, by the decode instance after) match ``mj.LLM.score``'s log-softmax to 1e-4; and /metrics exports
+    every series the Grafana dashboard plots."""
+    gw = cluster.gateway or cluster.serve_gateway(grpc_port=None, tokenizer="bytes")
+    prompt = prompts([21], seed=11)[0]
+    scored = log_softmax(llm.score(prompt))
+    body = post_json(gw.http_port, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True,
+                                                       "logprobs": 1})
+    lp = body["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(prompt)
+    np.testing.assert_allclose(lp["token_logprobs"][1:], [scored[i, prompt[i + 1]] for i in range(len(prompt) - 1)],
+                               atol=1e-4)
+    body = post_json(gw.http_port, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "echo": True,
+                                                       "logprobs": 2, "ignore_eos": True})
+    ids = body["choices"][0]["token_ids"]
+    assert ids == llm.generate([prompt], max_new_tokens=4, ignore_eos=True)[0]
+    scored = log_softmax(llm.score(prompt + ids))
+    lp = body["choices"][0]["logprobs"]
+    full = prompt + ids
+    np.testing.assert_allclose(lp["token_logprobs"][1:], [scored[i, full[i + 1]] for i in range(len(full) - 1)],
+                               atol=1e-4)
+    for j in range(len(ids)):  # the top 2 alternatives of each generated token (keyed by text: two may share one)
+        top = lp["top_logprobs"][len(prompt) + j]
+        best = np.sort(scored[len(prompt) - 1 + j])[::-1][:2]
+        assert 1 <= len(top) <= 2 and abs(max(top.values()) - best[0]) < 1e-4
+        assert all(np.min(np.abs(best - v)) < 1e-4 for v in top.values())
+
+    import re
+    from pathlib import Path
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib_open(f"http://127.0.0.1:{gw.http_port}/metrics") as r:
+        exported = {s.name for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json").read_text())
+    used = {n for p in dashboard["panels"] for t in p["targets"] for n in re.findall(r"\bmooncake_[a-z0-9_]+",
+                                                                                     t["expr"])}
+    assert used - exported == set()
+
+
+def urllib_open(url):
+    import urllib.request
+
+    return urllib.request.urlopen(url, timeout=60)
 
 
 def call(prefill, prompt, decode, fetch_from="", fetch_keys=(), before_decode=None, kv_source=""):

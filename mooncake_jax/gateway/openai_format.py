@@ -318,8 +318,17 @@ def completion_logprobs(token_text, ids: list[int], entries: list, offset: int =
         offsets.append(offset)
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": [None if e is None else e[0] for e in entries],
-            "top_logprobs": [None if e is None else {token_text(t): lp for t, lp in e[1]} for e in entries],
+            "top_logprobs": [None if e is None else _top_by_text(token_text, e[1]) for e in entries],
             "text_offset": offsets}
+
+
+def _top_by_text(token_text, alternatives) -> dict[str, float]:
+    """Completions' top alternatives keyed by their text, best first; two tokens with the same text (e.g. two
+    lone bytes of a character, both U+FFFD) keep the better one's log-probability, not the last one's."""
+    top: dict[str, float] = {}
+    for token, logprob in alternatives:
+        top.setdefault(token_text(token), logprob)
+    return top
 
 
 def chat_logprobs(token_text, ids: list[int], entries: list) -> dict:
