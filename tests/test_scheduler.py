@@ -202,13 +202,17 @@ def test_warmup_compiles_every_sampling_mode():
 
     model = init_model(get_config("tiny").replace(max_seq_len=32), 0)
     engine = Engine(model, prefill_chunk_size=16, max_batch=2)
+    from mooncake_jax.model.engine import _prompt_rows, _sample_rows
+
     n = engine.warmup()
-    # chunk 16 x context 0/1/2 pages + batch 1/2 x width 1/2: one program each; block moves of 1 and 2 pages
-    assert n == 1 * 3 + 2 * 2 + 2 * 2
-    compiled = forward_step._cache_size()
+    # chunk 16 x context 0/1/2 pages + batch 1/2 x width 1/2: one program each; block moves of 1 and 2 pages;
+    # every-position prefill (prompt logprobs) of chunk 16 x context 0/1/2, its log-softmax and last-row sampling
+    assert n == 1 * 3 + 2 * 2 + 2 * 2 + 1 * 3 + 1 + 1
+    compiled = forward_step._cache_size(), _prompt_rows._cache_size(), _sample_rows._cache_size()
     moves = read_blocks._cache_size(), write_blocks._cache_size()
     sched = Scheduler(engine)
-    for kw in (dict(temperature=0.0), dict(temperature=0.8, seed=3), dict(temperature=0.8, top_p=0.9)):
+    for kw in (dict(temperature=0.0), dict(temperature=0.8, seed=3), dict(temperature=0.8, top_p=0.9),
+               dict(temperature=0.8, prompt_logprobs=2, logprobs=2)):  # echo with logprobs, as harnesses score
         seqs = [engine.new_sequence(p, SamplingParams(max_new_tokens=8, **kw)) for p in prompts([5, 12], seed=8)]
         for s in seqs:
             sched.add_request(s)
@@ -216,7 +220,9 @@ def test_warmup_compiles_every_sampling_mode():
         for n_blocks in (1, 2):  # what a prefill instance stores and a decode instance loads
             keys = [1000 * n_blocks + i for i in range(n_blocks)]
             engine.load_blocks(keys, engine.read_blocks([0] * n_blocks))  # scratch page contents: any KV will do
-    assert forward_step._cache_size() == compiled  # nothing compiled after warm-up
+    assert seqs[0].prompt_logprobs is not None  # the last requests' prompt logprobs were computed
+    assert (forward_step._cache_size(), _prompt_rows._cache_size(), _sample_rows._cache_size()) == compiled
+    # nothing compiled after warm-up
     assert (read_blocks._cache_size(), write_blocks._cache_size()) == moves
 
 

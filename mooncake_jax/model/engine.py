@@ -317,37 +317,46 @@ class Engine:
 
     # ---- compiling ahead of traffic -----------------------------------------------------------------------------
     def warmup(self, prefill: bool = True, decode: bool = True, progress=None,
-               modes: SequenceABC[str] = SAMPLING_MODES, blocks: bool = True) -> int:
+               modes: SequenceABC[str] = SAMPLING_MODES, blocks: bool = True, prompt_logprobs: bool = True) -> int:
         """Compile every step shape this engine can run, for every sampling setting a request can select (greedy,
         temperature, top-p: the steps' ``ANY`` sampling covers them all in one program), and with ``blocks`` every
         bucketed block move (``read_blocks`` / ``load_blocks`` of 1, 2, 4 ... pages: a decode instance loads each
         arriving request's KV with one, and compiling it then stalls the running batch), so no request waits for
-        XLA.
+        XLA. With ``prefill`` and ``prompt_logprobs``, also the prefill programs that keep the logits of every
+        position, with the log-softmax over them and the sampling of the last: what a request asking for prompt
+        log-probabilities (``echo`` with ``logprobs``, as evaluation harnesses score) and ``score`` run.
 
         Everything runs on the scratch page only (nothing allocated, no sequence touched). Returns the number of
-        programs (step shapes x ``modes``, plus two per block-move size); ``progress(done, total)`` is called after
-        each step program.
+        programs (step shapes x ``modes``, every-position prefill shapes and their log-softmax per chunk size and
+        one last-row sampling, plus two per block-move size); ``progress(done, total)`` is called after each step
+        program.
         """
-        shapes = []
+        shapes = []  # (rows, tokens, context pages, logits of every position)
+        chunks = buckets(self.prefill_chunk_size, 16, self.bucket_factor)
         if prefill:
-            chunks = buckets(self.prefill_chunk_size, 16, self.bucket_factor)
             contexts = [0] + buckets(self.max_pages_per_seq)
-            shapes += [(1, t, p) for t in chunks for p in contexts]
+            shapes += [(1, t, p, False) for t in chunks for p in contexts]
         if decode:
             widths = buckets(self.max_pages_per_seq)
-            shapes += [(b, 1, w) for b in buckets(self.max_batch) for w in widths]
+            shapes += [(b, 1, w, False) for b in buckets(self.max_batch) for w in widths]
         programs = [(shape, mode) for shape in shapes for mode in modes]
-        for i, ((rows, t, width), mode) in enumerate(programs):
+        if prefill and prompt_logprobs:
+            programs += [((1, t, p, True), ANY) for t in chunks for p in contexts]
+        for i, ((rows, t, width, every), mode) in enumerate(programs):
+            index = None if every else np.zeros(rows, np.int32) if t == 1 else np.array([t - 1], np.int32)
             step = self._step(np.zeros((rows, t), np.int32), np.tile(np.arange(t, dtype=np.int32), (rows, 1)),
                               np.zeros((rows, width), np.int32), np.zeros(rows, np.int32),
-                              np.full((rows, t), self._scratch_slot, np.int32),
-                              np.zeros(rows, np.int32) if t == 1 else np.array([t - 1], np.int32), [], rows,
-                              mode=mode)
-            jax.block_until_ready(self.runner.run([step])[-1][1])
+                              np.full((rows, t), self._scratch_slot, np.int32), index, [], rows, mode=mode)
+            sampled, logits = self.runner.run([step])[-1]
+            if every and width == 0:  # the programs over every position's logits, once per chunk size
+                jax.block_until_ready(_prompt_rows(logits[0], np.zeros(t, np.int32)))
+                jax.block_until_ready(_sample_rows(logits[:, t - 1], step.sampling, mode=ANY))
+            jax.block_until_ready(logits)
             if progress is not None:
                 progress(i + 1, len(programs))
+        extra = len(chunks) + 1 if prefill and prompt_logprobs else 0  # _prompt_rows per chunk size, _sample_rows
         moves = self._warm_block_moves() if blocks else 0
-        return len(programs) + moves
+        return len(programs) + extra + moves
 
     def _warm_block_moves(self) -> int:
         """Compile the block moves for every padded page count a request can need (scratch page only)."""
