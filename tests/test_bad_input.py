@@ -21,7 +21,7 @@ def llm():
     ([[1]], {"top_p": 0.0}, "top_p must be in \\(0, 1\\]"),
     ([[1]], {"eos_token_id": 9999}, "eos_token_id 9999 is outside"),
     ([1, 2, 3], {}, "wrap a single prompt"),
-    ("hello", {}, "list of token-id lists"),
+    (b"hello", {}, "list of token-id lists"),  # bytes: neither text (now accepted) nor token ids
     ([[1.5, 2.0]], {}, "integer token ids"),
 ])
 def test_generate_rejects(llm, prompts, kwargs, message):

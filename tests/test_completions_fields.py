@@ -1,14 +1,19 @@
 """OpenAI completions fields through a real engine, as the official ``openai`` client meets them: logprobs and echo
 (prompt log-probabilities against ``mj.LLM.score``'s log-softmax to 1e-4), ``n``, batch prompts, ``stop`` strings
-and ids, ``seed``, ``stream_options.include_usage`` and cached tokens in the usage."""
+and ids, ``seed``, ``stream_options.include_usage`` and cached tokens in the usage; the same fields and logprobs
+through the gRPC front end."""
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 
 from mooncake_jax.gateway import GatewayServer
 from mooncake_jax.instance.local_backend import EngineBackend
+from mooncake_jax.proto import load
+
+gateway_messages, gateway_services = load("gateway")
 
 openai = pytest.importorskip("openai")
 
@@ -16,7 +21,7 @@ openai = pytest.importorskip("openai")
 @pytest.fixture(scope="module")
 def served(llm):
     backend = EngineBackend(llm, model_name="tiny", timeout_s=60)
-    with GatewayServer(backend, grpc_port=None, model_name="tiny", tokenizer="bytes") as gw:
+    with GatewayServer(backend, grpc_port=0, model_name="tiny", tokenizer="bytes") as gw:
         yield gw, openai.OpenAI(base_url=f"http://127.0.0.1:{gw.http_port}/v1", api_key="none", max_retries=0)
     backend.close()
 
@@ -136,3 +141,35 @@ def test_llm_text_api(llm, tmp_path):
     assert reply == tok.decode(expected)
     with pytest.raises(ValueError, match="unknown sampling option"):
         llm.generate([[1, 2]], top_kk=3)
+
+
+def test_grpc_sampling_fields_and_logprobs(served, llm):
+    """gRPC ``Generate``: prompt and generated logprobs match ``mj.LLM.score`` to 1e-4 (top alternatives best
+    first), a logit bias forces its token, and a bad field is INVALID_ARGUMENT naming it."""
+    gw, _ = served
+    prompt = [1, 70, 71, 72, 73]
+    with grpc.insecure_channel(f"127.0.0.1:{gw.grpc_port}") as channel:
+        stub = gateway_services.GatewayStub(channel)
+
+        def generate(**fields):
+            replies = stub.Generate(gateway_messages.GenerateRequest(prompt_token_ids=prompt, ignore_eos=True,
+                                                                     **fields), timeout=60)
+            return [r.token for r in replies if r.WhichOneof("event") == "token"]
+
+        tokens = generate(max_tokens=4, logprobs=2, prompt_logprobs=1)
+        ids = [t.token_id for t in tokens]
+        scored = log_softmax(llm.score(prompt + ids))
+        first = tokens[0].prompt_logprobs
+        np.testing.assert_allclose([e.logprob for e in first], [scored[i, prompt[i + 1]] for i in range(4)],
+                                   atol=1e-4)
+        assert all(len(e.top_ids) == 1 for e in first) and not tokens[1].prompt_logprobs
+        for j, t in enumerate(tokens):
+            row = scored[len(prompt) - 1 + j]
+            assert abs(t.logprob.logprob - row[ids[j]]) < 1e-4
+            assert list(t.logprob.top_ids) == list(np.argsort(-row)[:2])
+            np.testing.assert_allclose(t.logprob.top_logprobs, np.sort(row)[::-1][:2], atol=1e-4)
+        assert [t.token_id for t in generate(max_tokens=3, logit_bias={77: 100.0}, top_k=5, min_p=0.1,
+                                             repetition_penalty=1.1)] == [77, 77, 77]
+        with pytest.raises(grpc.RpcError) as err:
+            generate(max_tokens=2, top_k=-3)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_k" in err.value.details()

@@ -36,6 +36,17 @@ _FINISH = {FINISH_LENGTH: messages.FINISH_REASON_LENGTH, FINISH_STOP: messages.F
            FINISH_ABORT: messages.FINISH_REASON_ABORT}
 
 
+# Optional GenerateRequest fields that go to Params under the same name when set (validated there, as over HTTP).
+_OPTIONAL = ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "logprobs",
+             "prompt_logprobs")
+
+
+def _logprob(entry) -> "messages.Logprob":
+    """A ``backend.Logprob`` (logprob, ((top id, logprob), ...)) as its message."""
+    logprob, top = entry
+    return messages.Logprob(logprob=logprob, top_ids=[t for t, _ in top], top_logprobs=[x for _, x in top])
+
+
 class GatewayService(services.GatewayServicer):
     def __init__(self, core: GatewayCore):
         self.core = core
@@ -57,7 +68,9 @@ class GatewayService(services.GatewayServicer):
                         cached_tokens=event.cached_tokens, request_id=event.request_id))
                 else:
                     yield messages.GenerateResponse(token=messages.TokenChunk(
-                        token_id=event.token, text=event.text, index=event.index, time_s=event.time_s))
+                        token_id=event.token, text=event.text, index=event.index, time_s=event.time_s,
+                        logprob=None if event.logprob is None else _logprob(event.logprob),
+                        prompt_logprobs=[_logprob(e) for e in event.prompt_logprobs or ()]))
         except InvalidRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Rejected as e:
@@ -81,7 +94,9 @@ class GatewayService(services.GatewayServicer):
                       top_p=request.top_p if request.HasField("top_p") else None,
                       seed=request.seed if request.HasField("seed") else None,
                       stop=tuple(request.stop), stop_token_ids=tuple(request.stop_token_ids),
-                      ignore_eos=request.ignore_eos, request_id=request.request_id or None)
+                      ignore_eos=request.ignore_eos, request_id=request.request_id or None,
+                      **{name: getattr(request, name) for name in _OPTIONAL if request.HasField(name)},
+                      logit_bias=dict(request.logit_bias) or None)
 
     def ListModels(self, request, context):
         core = self.core

@@ -340,8 +340,9 @@ class Engine:
             widths = buckets(self.max_pages_per_seq)
             shapes += [(b, 1, w, False) for b in buckets(self.max_batch) for w in widths]
         programs = [(shape, mode) for shape in shapes for mode in modes]
-        if prefill and prompt_logprobs:
-            programs += [((1, t, p, True), ANY) for t in chunks for p in contexts]
+        if prefill and prompt_logprobs:  # a prompt-logprobs prefill reuses no prefix: its context is whole chunks
+            whole = [p for p in contexts if p == 0 or p >= num_blocks(self.prefill_chunk_size, self.block_size)]
+            programs += [((1, t, p, True), ANY) for t in chunks for p in whole]
         for i, ((rows, t, width, every), mode) in enumerate(programs):
             index = None if every else np.zeros(rows, np.int32) if t == 1 else np.array([t - 1], np.int32)
             step = self._step(np.zeros((rows, t), np.int32), np.tile(np.arange(t, dtype=np.int32), (rows, 1)),
