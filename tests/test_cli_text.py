@@ -14,7 +14,8 @@ from mooncake_jax.gateway import GatewayServer
 from mooncake_jax.gateway.core import default_model_name
 
 # Short, so a whole conversation fits in two KV pages: few step shapes to compile.
-TEMPLATE = "{% for m in messages %}{{ m.role[0] }}:{{ m.content }}|{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+TEMPLATE = ("{% for m in messages %}{{ m.role[0] }}:{{ m.content }}|{% endfor %}"
+            "{% if add_generation_prompt %}a:{% endif %}")
 
 
 @pytest.fixture(scope="module")
