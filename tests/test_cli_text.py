@@ -74,6 +74,18 @@ def test_chat_cli_streams_each_reply_and_keeps_the_history(same_llm, template, c
     assert "no chat template" in capsys.readouterr().err
 
 
+def test_chat_cli_a_turn_the_template_refuses_is_dropped_not_fatal(same_llm, tmp_path, capsys, monkeypatch):
+    strict = tmp_path / "strict.jinja"
+    strict.write_text("{% if messages[-1].content == 'bad' %}{{ raise_exception('no bad words') }}{% endif %}"
+                      + TEMPLATE)
+    monkeypatch.setattr("sys.stdin", io.StringIO("bad\nhi\n"))
+    assert main(["chat", "--model", "tiny", "--chat-template", str(strict), "--max-new-tokens", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "no bad words" in captured.err
+    expected = same_llm.chat([{"role": "user", "content": "hi"}], max_new_tokens=3, chat_template=strict)
+    assert captured.out == f"{expected}\n"  # the refused turn left no trace in the conversation
+
+
 def test_stream_chat_yields_pieces_as_sampled_and_frees_pages_when_closed(llm, template):
     messages = [{"role": "user", "content": "go"}]
     pieces = list(llm.stream_chat(messages, max_new_tokens=8, chat_template=template, ignore_eos=True))

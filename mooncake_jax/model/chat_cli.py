@@ -32,9 +32,13 @@ def run(args, stdin=None, stdout=None) -> int:
     stdout = sys.stdout if stdout is None else stdout
     from ..llm import LLM
 
-    try:
+    from ..gateway.chat import load_chat_template
+
+    try:  # refused before the first turn: a folder without a usable tokenizer, no chat template
         llm = LLM(args.model, dtype=args.dtype)
-        llm.tokenizer  # noqa: B018 - a folder without a usable tokenizer is refused before the first turn
+        if load_chat_template(llm.tokenizer, args.chat_template) is None:
+            raise ValueError(f"{args.model} has no chat template (no chat_template in tokenizer_config.json, no "
+                             "chat_template.jinja): pass --chat-template FILE")
     except ValueError as e:
         print(f"mooncake-jax chat: {e}", file=sys.stderr)
         return 2
@@ -67,9 +71,10 @@ def run(args, stdin=None, stdout=None) -> int:
                                          chat_template=args.chat_template, **sampling):
                 pieces.append(piece)
                 print(piece, end="", file=stdout, flush=True)
-        except ValueError as e:  # no template, a template refusing the conversation, a bad sampling value
+        except ValueError as e:  # the template refuses the conversation, a bad sampling value: this turn only
             print(f"mooncake-jax chat: {e}", file=sys.stderr)
-            return 2
+            if not pieces:
+                continue  # the turn is dropped; the conversation goes on
         print(file=stdout, flush=True)
         history += [{"role": "user", "content": turn}, {"role": "assistant", "content": "".join(pieces)}]
     return 0
