@@ -15,12 +15,15 @@ after the grace are cancelled, which tells the backend to free their KV).
 
 What a client gets:
 - gRPC (``mooncake_jax/proto/gateway.proto``): ``Generate`` takes token ids or text, streams one message per
-  token (id, text piece when the prompt was text, index, time since arrival) and a summary (finish reason, TTFT,
-  TBT, prompt / output / cached token counts); ``ListModels``; the standard health service and reflection.
+  token (id, text piece when the prompt was text, index, time since arrival, and its logprob with top
+  alternatives when asked) and a summary (finish reason, TTFT, TBT, prompt / output / cached token counts); the
+  sampling fields of the HTTP API (top_k, min_p, penalties, logit_bias, logprobs, prompt_logprobs); ``ListModels``;
+  the standard health service and reflection.
 - HTTP (Starlette on uvicorn): ``POST /v1/completions`` and ``POST /v1/chat/completions`` (OpenAI's format,
   the chat prompt rendered by the model's chat template; ``"stream": true`` for server-sent events ending in
-  ``data: [DONE]``), ``GET /v1/models``, ``GET /metrics`` (Prometheus), ``GET /health`` (503 naming what is
-  missing when the backend cannot serve; the gRPC health service follows it).
+  ``data: [DONE]``), ``GET /v1/models`` (the model id: ``model_name``, by default the preset's or the model
+  folder's name), ``GET /metrics`` (Prometheus, vLLM's series names under ``mooncake_``), ``GET /health`` (503
+  naming what is missing when the backend cannot serve; the gRPC health service follows it).
 - Errors: a bad request is INVALID_ARGUMENT / 400 with a message saying what is wrong; overload is
   RESOURCE_EXHAUSTED / 429 with a retry hint (trailing metadata ``retry-after-s`` / header ``Retry-After``);
   a backend that cannot serve is UNAVAILABLE / 503; a missing token is UNAUTHENTICATED / 401.
