@@ -29,7 +29,7 @@ from mooncake_jax.conductor.index import Tier
 from mooncake_jax.conductor.instances import Role, UnknownInstance
 from mooncake_jax.conductor.policy import Policy
 from mooncake_jax.conductor.profile import costs_from_profile
-from mooncake_jax.conductor.state import ClusterState
+from mooncake_jax.conductor.state import ClusterState, RequestInFlight
 from mooncake_jax.proto import load, server_options
 from mooncake_jax.proto.auth import interceptors
 
@@ -53,6 +53,8 @@ def _rpc(method):
             return method(self, request, context)
         except (UnknownInstance, UnknownRequest) as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except RequestInFlight as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
