@@ -26,6 +26,7 @@ from mooncake_jax.gateway.stream import Summary
 from mooncake_jax.gateway.validate import Params
 from mooncake_jax.proto import load, server_options
 from mooncake_jax.proto.auth import interceptors
+from mooncake_jax.proto.guards import DecodeGuard
 
 messages, services = load("gateway")
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class GrpcFrontEnd:
 
     def __init__(self, core: GatewayCore, host: str, port: int, *, auth_token: str | None, max_workers: int):
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="gw-grpc"),
-                                   options=server_options(), interceptors=interceptors(auth_token))
+                                   options=server_options(), interceptors=(*interceptors(auth_token), DecodeGuard()))
         services.add_GatewayServicer_to_server(GatewayService(core), self._server)
         self._health = _LiveHealth(core)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
