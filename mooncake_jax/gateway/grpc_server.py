@@ -19,8 +19,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mooncake_jax.gateway.backend import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, InvalidRequest, Rejected,
-                                          Unavailable)
+from mooncake_jax.gateway.backend import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, DuplicateRequest,
+                                          InvalidRequest, Rejected, Unavailable)
 from mooncake_jax.gateway.core import GatewayCore, retry_hint_s
 from mooncake_jax.gateway.stream import Summary
 from mooncake_jax.gateway.validate import Params
@@ -59,6 +59,8 @@ class GatewayService(services.GatewayServicer):
                 else:
                     yield messages.GenerateResponse(token=messages.TokenChunk(
                         token_id=event.token, text=event.text, index=event.index, time_s=event.time_s))
+        except DuplicateRequest as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except InvalidRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Rejected as e:
