@@ -45,6 +45,13 @@ MISSING_ROLE = {"no_prefill_instance": "prefill", "no_decode_instance": "decode"
 """Schedule's reasons that mean "nothing to serve with", not overload: 503, naming the role."""
 
 
+def _with_first(error: Exception, first: Exception | None) -> Exception:
+    """``error`` of a retry, saying also why the first try failed (the instance that actually failed)."""
+    if first is None or not isinstance(error, Unavailable):
+        return error
+    return Unavailable(f"{error}; the first try failed: {first}")
+
+
 class _BeforeFirstToken(Exception):
     """A failure before the request's first token, which a second trip may avoid; ``error`` is what the client
     gets if there is none."""
@@ -149,17 +156,26 @@ class ClusterBackend:
         params = self._validate(request)
         t0 = time.perf_counter()
         self._count(requests=1, prompt_tokens=len(request.prompt))
+        first_failure = None
         for attempt in range(1 + RETRIES_BEFORE_FIRST_TOKEN):
+            started = False
             try:
-                yield from self._attempt(request, params, cancelled, t0)
+                for item in self._attempt(request, params, cancelled, t0):
+                    started = True
+                    yield item
                 return
             except _BeforeFirstToken as failure:
                 if attempt == RETRIES_BEFORE_FIRST_TOKEN or (cancelled is not None and cancelled.is_set()):
                     self._count(failed=1)
-                    raise failure.error from None
+                    raise _with_first(failure.error, first_failure) from None
+                first_failure = failure.error
                 self._count(retried=1)
                 log.warning("request %s failed before its first token (%s); retrying it once",
                             request.request_id, failure.error)
+            except Unavailable as e:
+                if started:
+                    raise
+                raise _with_first(e, first_failure) from None
 
     def _attempt(self, request: GenerateRequest, params: SamplingParams, cancelled: threading.Event | None,
                  t0: float) -> Iterator[TokenOut | Finished]:
