@@ -27,62 +27,61 @@ def kill_in_process(instance) -> None:
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return mj.LLM("tiny")
-
-
-def test_killing_one_of_two_prefill_instances_under_load_fails_no_request(llm):
-    ps = prompts([20] * 24, seed=21)
-    expected = llm.generate(ps, max_new_tokens=4)
-    # heartbeats would take 60 s to notice: only the at-once drop on a failed call can keep this test fast
+def cluster():
+    # heartbeats would take 60 s to notice a death: only the at-once drop on a failed call keeps these tests fast
     with mj.Cluster.local("tiny", prefill=2, decode=1, profile_json=PROFILE, heartbeat_interval_s=1.0,
                           heartbeat_timeout_s=60.0, **FAST) as c:
-        c.generate(ps[:2], max_new_tokens=4)  # compile first
-        results: dict[int, object] = {}
-        done = threading.Semaphore(0)
-
-        def client(indices):
-            for i in indices:
-                try:
-                    results[i] = c.run(ps[i], max_new_tokens=4)[0]
-                except Exception as e:  # noqa: BLE001 - recorded, asserted below
-                    results[i] = e
-                done.release()
-
-        threads = [threading.Thread(target=client, args=(range(k, len(ps), 4),)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for _ in range(6):
-            done.acquire(timeout=60)
-        t_kill = time.monotonic()
-        kill_in_process(c.instances["prefill-0"])
-        for t in threads:
-            t.join(120)
-        failed = {i: r for i, r in results.items() if isinstance(r, Exception)}
-        assert not failed, failed
-        assert [results[i] for i in range(len(ps))] == expected
-        service = c.conductor.service
-        assert "prefill-0" not in service.state.instances.slot_of
-        assert time.monotonic() - t_kill < 50  # well before the 60 s heartbeat timeout could have dropped it
+        yield c
 
 
-def test_no_decode_instance_is_503_naming_it_and_duplicate_ids_are_refused():
-    with mj.Cluster.local("tiny", prefill=1, decode=1, profile_json=PROFILE, heartbeat_interval_s=1.0,
-                          heartbeat_timeout_s=60.0, **FAST) as c:
-        stream = c.backend.generate(mj.gateway.GenerateRequest(prompt=[1, 5, 9, 4], max_tokens=200, request_id="dup",
-                                                               ignore_eos=True))
-        assert isinstance(next(stream), TokenOut)
-        with pytest.raises(DuplicateRequest, match="already in flight"):
-            list(c.backend.generate(mj.gateway.GenerateRequest(prompt=[1, 5], max_tokens=2, request_id="dup")))
-        stream.close()
-        assert c.backend.health() is None
-        kill_in_process(c.instances["decode-0"])
-        with pytest.raises(Unavailable) as err:  # the retry finds none; the first try names the dead one
-            c.run([1, 5, 9, 4, 7], max_new_tokens=3)
-        assert "no decode instance alive" in str(err.value) and "decode instance decode-0 is down" in str(err.value)
-        assert c.backend.health() == "no decode instance alive"  # dropped at once, not after 60 s
-        with pytest.raises(Unavailable, match="no decode instance alive"):  # 503, not 429 overload
-            c.run([1, 5, 9], max_new_tokens=3)
+def test_killing_one_of_two_prefill_instances_under_load_fails_no_request(cluster):
+    c = cluster
+    ps = prompts([20] * 12, seed=21)
+    expected = c.generate(ps, max_new_tokens=3)  # also compiles what the load runs
+    results: dict[int, object] = {}
+    done = threading.Semaphore(0)
+
+    def client(indices):
+        for i in indices:
+            try:
+                results[i] = c.run(ps[i], max_new_tokens=3)[0]
+            except Exception as e:  # noqa: BLE001 - recorded, asserted below
+                results[i] = e
+            done.release()
+
+    threads = [threading.Thread(target=client, args=(range(k, len(ps), 3),)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for _ in range(3):
+        done.acquire(timeout=60)
+    t_kill = time.monotonic()
+    kill_in_process(c.instances["prefill-0"])
+    for t in threads:
+        t.join(120)
+    failed = {i: r for i, r in results.items() if isinstance(r, Exception)}
+    assert not failed, failed
+    assert [results[i] for i in range(len(ps))] == expected
+    assert "prefill-0" not in c.conductor.service.state.instances.slot_of
+    assert time.monotonic() - t_kill < 50  # well before the 60 s heartbeat timeout could have dropped it
+
+
+def test_no_decode_instance_is_503_naming_it_and_duplicate_ids_are_refused(cluster):
+    """Runs after the prefill test (prefill-1 still serves); kills the decode instance."""
+    c = cluster
+    stream = c.backend.generate(mj.gateway.GenerateRequest(prompt=[1, 5, 9, 4], max_tokens=200, request_id="dup",
+                                                           ignore_eos=True))
+    assert isinstance(next(stream), TokenOut)
+    with pytest.raises(DuplicateRequest, match="already in flight"):
+        list(c.backend.generate(mj.gateway.GenerateRequest(prompt=[1, 5], max_tokens=2, request_id="dup")))
+    stream.close()
+    assert c.backend.health() is None
+    kill_in_process(c.instances["decode-0"])
+    with pytest.raises(Unavailable) as err:  # the retry finds none; the first try names the dead one
+        c.run([1, 5, 9, 4, 7], max_new_tokens=3)
+    assert "no decode instance alive" in str(err.value) and "decode instance decode-0 is down" in str(err.value)
+    assert c.backend.health() == "no decode instance alive"  # dropped at once, not after 60 s
+    with pytest.raises(Unavailable, match="no decode instance alive"):  # 503, not 429 overload
+        c.run([1, 5, 9], max_new_tokens=3)
 
 
 class _Child:
