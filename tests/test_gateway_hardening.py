@@ -185,3 +185,22 @@ def test_fuzz_http_and_grpc_bodies_get_well_formed_answers(gateway, backend):
     assert status == 200 and body["choices"][0]["token_ids"] == [5, 9, 5]
     assert [r.token.token_id for r in generate(gateway.grpc_port, prompt_token_ids=[1, 5, 9], max_tokens=2)
             if r.HasField("token")] == [5, 9]
+
+
+def test_token_comes_from_the_flag_a_file_or_the_environment(tmp_path):
+    from mooncake_jax.gateway.auth import API_KEY_ENV, resolve_token
+
+    file = tmp_path / "token"
+    file.write_text("from-file\nignored\n")
+    env = {API_KEY_ENV: " from-env "}
+    assert resolve_token(None, None, env) == "from-env"
+    assert resolve_token(None, str(file), env) == "from-file"
+    assert resolve_token("from-flag", None, env) == "from-flag"
+    assert resolve_token(None, None, {}) is None
+    for flag, path, message in (("a", str(file), "not both"), (None, str(tmp_path / "none"), "cannot read"),
+                                ("  ", None, "must not be empty")):
+        with pytest.raises(ValueError, match=message):
+            resolve_token(flag, path, env)
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        resolve_token(None, str(tmp_path / "empty"), env)
