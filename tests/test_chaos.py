@@ -127,3 +127,12 @@ def test_supervisor_restarts_a_crashed_process_with_the_reason_logged(tmp_path, 
         supervisor.stop()
         for child in children.values():
             child.stop()
+
+
+def test_an_instance_that_cannot_start_says_why(tmp_path):
+    from mooncake_jax.instance.cluster import ChildInstance
+
+    with pytest.raises(RuntimeError) as err:  # argparse refuses the command line: its message is in the error
+        ChildInstance(["--role", "prefill", "--conductor", "127.0.0.1:1", "--max-batch", "many"],
+                      tmp_path / "prefill-0.log", timeout_s=120)
+    assert "exited with status 2" in str(err.value) and "invalid int value: 'many'" in str(err.value)
