@@ -60,6 +60,7 @@ class Supervisor:
         self._next_try: dict[str, float] = {}
         self._started_at: dict[str, float] = {i: time.monotonic() for i in instances}
         self.restarts: dict[str, int] = {}
+        self._restarting: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="instance-supervisor", daemon=True)
 
     def start(self) -> "Supervisor":
@@ -80,10 +81,14 @@ class Supervisor:
                 if code is None:
                     continue
                 now = time.monotonic()
+                if instance_id in self._restarting:
+                    continue
                 if instance_id not in self._next_try:
                     self._crashed(instance_id, child, code, now)
-                if now >= self._next_try[instance_id]:
-                    self._try_restart(instance_id, child)
+                if now >= self._next_try[instance_id]:  # each on its own thread: a slow start delays no other
+                    self._restarting.add(instance_id)
+                    threading.Thread(target=self._try_restart, args=(instance_id, child), daemon=True,
+                                     name=f"restart-{instance_id}").start()
 
     def _crashed(self, instance_id: str, child, code: int, now: float) -> None:
         uptime = now - self._started_at.get(instance_id, now)
@@ -96,6 +101,12 @@ class Supervisor:
                   exit_reason(code), uptime, delay, f"; last lines of its log:\n{lines}" if lines else "")
 
     def _try_restart(self, instance_id: str, old) -> None:
+        try:
+            self._restart_once(instance_id, old)
+        finally:
+            self._restarting.discard(instance_id)
+
+    def _restart_once(self, instance_id: str, old) -> None:
         old.stop()  # closes its pipes and log file
         try:
             new = self._restart(instance_id)
