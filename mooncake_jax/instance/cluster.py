@@ -207,8 +207,10 @@ class Cluster:
         if processes and supervise:
             cluster.log_dir = starter.log_dir
             roles_of = {f"{role}-{index}": (role, index) for role, index in roles}
+            # a restart skips the warm-up: back in seconds instead of a minute of compiling on a loaded host (its
+            # programs compile, or load from the persistent cache, on first use), so the cluster heals quickly
             cluster.supervisor = Supervisor(instances, lambda instance_id: starter.start(
-                *roles_of[instance_id], profile_json)).start()
+                *roles_of[instance_id], profile_json, warmup=False)).start()
         return cluster
 
     def addresses(self) -> list[tuple[str, str]]:
@@ -291,7 +293,7 @@ class _ProcessStarter:
         log_dir.mkdir(parents=True, exist_ok=True)
         log.info("instance logs in %s", log_dir)
 
-    def start(self, role: str, index: int, profile_json: str | None) -> ChildInstance:
+    def start(self, role: str, index: int, profile_json: str | None, warmup: bool | None = None) -> ChildInstance:
         c = self.common
         instance_id = f"{role}-{index}"
         args = ["--role", role, "--conductor", c["conductor_address"], "--model", c["model"],
@@ -302,7 +304,7 @@ class _ProcessStarter:
             args += ["--num-pages", str(c["num_pages"])]
         if self.layerwise and role == PREFILL:
             args.append("--layerwise")
-        if not c["warmup"]:
+        if not (c["warmup"] if warmup is None else warmup):
             args.append("--no-warmup")
         args += ["--compile-cache", self.compile_cache]
         if profile_json:
