@@ -162,8 +162,8 @@ def main() -> None:
         for victim in victims:
             if victim == "serve":
                 rss_end = memory(proc.pid)  # before the restart: the same processes as at the start
-                proc.kill()
                 kills.append((victim, time.monotonic()))
+                proc.kill()
                 proc.wait()
                 time.sleep(1.0)  # the instances exit with it (their stdin closes)
                 proc, load.port = start_serve(log_dir)
@@ -171,8 +171,8 @@ def main() -> None:
                 pid = children(proc.pid).get(victim)
                 if pid is None:
                     raise RuntimeError(f"no process for {victim}")
-                os.kill(pid, signal.SIGKILL)
                 kills.append((victim, time.monotonic()))
+                os.kill(pid, signal.SIGKILL)
             time.sleep(args.phase_s)
         if args.no_serve_kill:
             rss_end = memory(proc.pid)
