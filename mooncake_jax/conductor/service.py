@@ -29,9 +29,10 @@ from mooncake_jax.conductor.index import Tier
 from mooncake_jax.conductor.instances import Role, UnknownInstance
 from mooncake_jax.conductor.policy import Policy
 from mooncake_jax.conductor.profile import costs_from_profile
-from mooncake_jax.conductor.state import ClusterState
+from mooncake_jax.conductor.state import ClusterState, RequestInFlight
 from mooncake_jax.proto import load, server_options
 from mooncake_jax.proto.auth import interceptors
+from mooncake_jax.proto.guards import DecodeGuard
 
 messages, services = load("conductor")
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ def _rpc(method):
             return method(self, request, context)
         except (UnknownInstance, UnknownRequest) as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except RequestInFlight as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -214,7 +217,7 @@ class ConductorServer:
                  sweep: bool = True, auth_token: str | None = None):
         self.service = service
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=server_options(),
-                                   interceptors=interceptors(auth_token))
+                                   interceptors=(*interceptors(auth_token), DecodeGuard()))
         services.add_ConductorServicer_to_server(service, self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

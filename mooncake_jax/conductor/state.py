@@ -23,6 +23,10 @@ from mooncake_jax.conductor.instances import InstanceTable, Role
 from mooncake_jax.conductor.ledger import DecodeLedger
 
 
+
+class RequestInFlight(ValueError):
+    """A request id that is already in flight (ALREADY_EXISTS over gRPC)."""
+
 class ClusterState:
     """Instances, block index, decode ledger and the tracked decode time t_d."""
 
@@ -48,7 +52,7 @@ class ClusterState:
     def schedule(self, policy, request: Request, now: float, store_blocks: bool = True) -> Decision:
         """Decide for ``request`` and, if accepted, apply the decision at once."""
         if request.request_id in self.ledger or request.request_id in self._prefill_of:
-            raise ValueError(f"request {request.request_id!r} is already in flight")
+            raise RequestInFlight(f"request {request.request_id!r} is already in flight")
         decision = policy.decide(request, self.snapshot(), now)
         self.apply(request, decision, now, store_blocks)
         return decision

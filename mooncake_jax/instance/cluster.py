@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from ..model.config import get_config
 from .backend import ClusterBackend
 from .conductor_link import DECODE, PREFILL
 from .server import InstanceConfig, InstanceServer
+from .supervise import Supervisor, exit_reason, tail
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class ChildInstance:
 
     def __init__(self, args: list[str], log_path: Path | None, timeout_s: float = 600.0,
                  auth_token: str | None = None, niceness: int = 0):
+        self.log_path = log_path
         self.log_file = open(log_path, "ab") if log_path else subprocess.DEVNULL
         if auth_token:
             args = [*args, "--auth-token-stdin"]
@@ -90,7 +93,11 @@ class ChildInstance:
         reader.join(timeout_s)
         if not result.get("ready"):
             self.kill()
-            raise RuntimeError(f"instance process did not start (exit code {self.proc.poll()}); see its log")
+            if self.log_file is not subprocess.DEVNULL:
+                self.log_file.flush()
+            lines = tail(self.log_path)
+            where = f"its log {self.log_path} ends:\n{lines}" if lines else "it wrote no log"
+            raise RuntimeError(f"instance process did not start ({exit_reason(self.proc.returncode)}); {where}")
         return result
 
     def kill(self) -> None:
@@ -123,6 +130,8 @@ class Cluster:
         self.model_name = model_name
         self.gateway = None
         self.auth_token = None
+        self.supervisor: Supervisor | None = None
+        self.log_dir: Path | None = None
         self._closed = False
 
     def serve_gateway(self, *, host: str = "127.0.0.1", grpc_port: int | None = 0, http_port: int | None = 0,
@@ -146,13 +155,18 @@ class Cluster:
               heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0,
               kvcache_balancing_threshold: float = 1.0, profile_json: str | None = None,
               log_dir: str | Path | None = None, host: str = "127.0.0.1", warmup: bool = True,
-              compile_cache: str | Path | None = "", auth_token: str | None = None) -> "Cluster":
+              compile_cache: str | Path | None = "", auth_token: str | None = None,
+              supervise: bool = True) -> "Cluster":
         """Start a Conductor with ``prefill`` + ``decode`` instances of ``model`` on this machine.
 
         ``warmup`` compiles every step shape before an instance registers (first requests do not wait for XLA);
         ``compile_cache`` is the persistent XLA cache folder ("" for the user's cache directory, None for none),
         so later starts load the programs instead of compiling them. ``auth_token`` is required on every RPC
         between the cluster's processes (and by ``serve_gateway`` unless it is given its own).
+
+        With ``processes``, each instance logs to ``log_dir`` (default: a new folder per run under the system's
+        temporary directory, see ``.log_dir``) and, with ``supervise``, a crashed instance process is restarted
+        (``instance/supervise.py``).
         """
         for name, value in (("prefill", prefill), ("decode", decode)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -190,6 +204,13 @@ class Cluster:
         backend = ClusterBackend(conductor.address, cfg, model_name=model, auth_token=auth_token)
         cluster = cls(conductor, instances, backend, model)
         cluster.auth_token = auth_token
+        if processes and supervise:
+            cluster.log_dir = starter.log_dir
+            roles_of = {f"{role}-{index}": (role, index) for role, index in roles}
+            # a restart skips the warm-up: back in seconds instead of a minute of compiling on a loaded host (its
+            # programs compile, or load from the persistent cache, on first use), so the cluster heals quickly
+            cluster.supervisor = Supervisor(instances, lambda instance_id: starter.start(
+                *roles_of[instance_id], profile_json, warmup=False)).start()
         return cluster
 
     def addresses(self) -> list[tuple[str, str]]:
@@ -234,6 +255,8 @@ class Cluster:
         self._closed = True
         if self.gateway is not None:
             self.gateway.stop()
+        if self.supervisor is not None:
+            self.supervisor.stop()
         self.backend.close()
         for inst in self.instances.values():
             inst.stop()
@@ -262,13 +285,15 @@ class _InProcessStarter:
 
 class _ProcessStarter:
     def __init__(self, common: dict, layerwise: bool, log_dir: Path | None, compile_cache):
+        if log_dir is None:  # kept after the run: the logs of a crash are what its operator reads next
+            log_dir = Path(tempfile.mkdtemp(prefix=f"mooncake-run-{time.strftime('%Y%m%d-%H%M%S')}-"))
         self.common, self.layerwise, self.log_dir = common, layerwise, log_dir
         self.compile_cache = "none" if compile_cache is None else str(compile_cache)
         self._profile_dir = tempfile.TemporaryDirectory(prefix="mooncake-profile-")
-        if log_dir:
-            log_dir.mkdir(parents=True, exist_ok=True)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log.info("instance logs in %s", log_dir)
 
-    def start(self, role: str, index: int, profile_json: str | None) -> ChildInstance:
+    def start(self, role: str, index: int, profile_json: str | None, warmup: bool | None = None) -> ChildInstance:
         c = self.common
         instance_id = f"{role}-{index}"
         args = ["--role", role, "--conductor", c["conductor_address"], "--model", c["model"],
@@ -279,7 +304,7 @@ class _ProcessStarter:
             args += ["--num-pages", str(c["num_pages"])]
         if self.layerwise and role == PREFILL:
             args.append("--layerwise")
-        if not c["warmup"]:
+        if not (c["warmup"] if warmup is None else warmup):
             args.append("--no-warmup")
         args += ["--compile-cache", self.compile_cache]
         if profile_json:
@@ -287,7 +312,7 @@ class _ProcessStarter:
             if not path.exists():
                 path.write_text(profile_json)
             args += ["--profile-file", str(path)]
-        log_path = self.log_dir / f"{instance_id}.log" if self.log_dir else None
+        log_path = self.log_dir / f"{instance_id}.log"
         return ChildInstance(args, log_path, auth_token=c["auth_token"],
                              niceness=PREFILL_NICENESS if role == PREFILL else 0)
 

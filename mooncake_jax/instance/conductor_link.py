@@ -100,6 +100,8 @@ class ConductorLink:
                                      timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as e:  # the Conductor forgot the request (restart) or is away: not the client's problem
             log.debug("report %s %s: %s", request_id, kind, e.code())
+        except ValueError:  # the link was stopped (channel closed) while a request was still ending
+            log.debug("report %s %s: the link is stopped", request_id, kind)
 
     # ---- the thread ------------------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -9,6 +9,7 @@ SIGINT/SIGTERM, then stops everything (instances are tied to this process and ex
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -23,7 +24,12 @@ def add_arguments(p) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address every server listens on (default loopback)")
     p.add_argument("--grpc-port", type=int, default=0, help="gateway gRPC port (0: a free one)")
     p.add_argument("--http-port", type=int, default=0, help="gateway HTTP port (0: a free one)")
-    p.add_argument("--auth-token", default=None, help="shared token every gateway request must carry")
+    p.add_argument("--auth-token", default=None,
+                   help="shared token every gateway request must carry (visible in ps: prefer --auth-token-file or "
+                        "the MOONCAKE_API_KEY environment variable)")
+    p.add_argument("--auth-token-file", default=None, help="file whose first line is the shared token")
+    p.add_argument("--cors-origin", action="append", default=[],
+                   help="browser origin allowed to call the HTTP API (repeat for several)")
     p.add_argument("--policy", default="kvcache-centric",
                    choices=["random", "load-balance", "local-cache-aware", "kvcache-centric"])
     p.add_argument("--admission", default="predictive", choices=["none", "baseline", "early", "predictive"])
@@ -42,7 +48,8 @@ def add_arguments(p) -> None:
                    help="Jinja chat template file for /v1/chat/completions (default: the model's own)")
     p.add_argument("--drain-grace-s", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds open requests get to finish before they are ended")
-    p.add_argument("--log-dir", default=None, help="write each instance's log here")
+    p.add_argument("--log-dir", default=None,
+                   help="write each instance's log here (default: a new folder per run in the temporary directory)")
     p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start")
     p.add_argument("--compile-cache", default="", help="persistent XLA cache folder ('none' to disable; default: "
                                                           "the user's cache directory)")
@@ -50,6 +57,13 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    from ..gateway.auth import resolve_token
+
+    try:
+        args.auth_token = resolve_token(args.auth_token, args.auth_token_file, os.environ)
+    except ValueError as e:
+        print(f"mooncake-jax serve: {e}", file=sys.stderr)
+        return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.auth_token:
         print("mooncake-jax serve: listening beyond loopback needs --auth-token", file=sys.stderr)
         return 2
@@ -69,7 +83,8 @@ def run(args) -> int:
         try:
             gateway = service.serve_gateway(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                                             auth_token=args.auth_token, tokenizer=args.tokenizer,
-                                            chat_template=args.chat_template, drain_grace_s=args.drain_grace_s)
+                                            chat_template=args.chat_template, drain_grace_s=args.drain_grace_s,
+                                            cors_origins=tuple(args.cors_origin))
         except (ValueError, OSError) as e:
             print(f"mooncake-jax serve: {e}", file=sys.stderr)
             return 2

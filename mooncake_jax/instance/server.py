@@ -24,6 +24,7 @@ from ..model.engine import Engine
 from ..model.llama import Llama
 from ..proto import server_options
 from ..proto.auth import interceptors
+from ..proto.guards import DecodeGuard, WorkGate
 from ..transfer import BlockPool, BlockSpec
 from ..transfer.messenger import MessengerClient
 from ..transfer.messenger_server import add_messenger
@@ -34,6 +35,10 @@ from ..engine.scheduler import DEFAULT_MAX_WAITING
 from ..engine.transfer_workers import TransferWorkers
 
 log = logging.getLogger(__name__)
+
+INSTANCE_SERVICE, MESSENGER_SERVICE = "mooncake.v1.Instance", "mooncake.v1.Messenger"
+MESSENGER_CALLS = 32
+"""Concurrent block transfers a peer may run against one instance (pushes from prefill instances, fetches)."""
 
 
 @dataclasses.dataclass
@@ -86,8 +91,15 @@ class InstanceServer:
         self.pool = BlockPool(BlockSpec(cfg.block_shape(), self.engine.runner.kv[0][0].dtype),
                               dram_blocks=config.pool_dram_blocks, ssd_path=config.pool_ssd_path,
                               on_event=self._on_pool_event)
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=server_options(),
-                                   interceptors=interceptors(config.auth_token))
+        # admission before grpcio's queue (proto/guards.py): work calls beyond the scheduler's own bounds are
+        # refused at once, and Stats and health always find a thread
+        engine_calls = (config.max_batch + config.max_waiting if config.role == DECODE
+                        else config.max_waiting + config.transfer_workers + 1)
+        self.work_gate = WorkGate({INSTANCE_SERVICE: engine_calls, MESSENGER_SERVICE: MESSENGER_CALLS},
+                                  name=f"{config.role} instance {config.instance_id}")
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.work_gate.threads),
+                                   options=server_options(),
+                                   interceptors=(*interceptors(config.auth_token), DecodeGuard(), self.work_gate))
         self.messenger_meter = add_messenger(self._server, self.pool)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -164,6 +176,7 @@ class InstanceServer:
         values["engine_free_pages"] = float(self.engine.free_pages)
         values["engine_running"] = float(len(self.loop.running))
         values["engine_queued_jobs"] = float(self.loop.queued_jobs)
+        values["rpc_refused_total"] = float(self.work_gate.refused)
         return values
 
     def stop(self, grace_s: float = 1.0) -> None:
