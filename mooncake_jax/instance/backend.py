@@ -158,7 +158,8 @@ class ClusterBackend:
             return
         stream = self.instance_stub(decision.decode_address).Decode(instance_messages.DecodeRequest(
             request_id=request.request_id, prompt=request.prompt, sampling=sampling,
-            first_token=prefill.first_token, kv_keys=prefill.kv_keys, kv_source=decision.prefill_address),
+            first_token=prefill.first_token, kv_keys=prefill.kv_keys, kv_source=decision.prefill_address,
+            kv_layout=prefill.kv_layout),
             timeout=self.timeout_s)
         watcher = _cancel_on(cancelled, stream)
         try:

@@ -12,6 +12,7 @@ registers with.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -31,7 +32,10 @@ from ..model.compile_cache import enable_compilation_cache
 from ..model.config import get_config
 from .backend import ClusterBackend
 from .conductor_link import DECODE, PREFILL
-from .server import InstanceConfig, InstanceServer
+from .cluster_spec import check_cluster, cluster_block_size, file_configs, role_configs
+from .config import InstanceConfig
+from .devices import reserve_cpu_devices
+from .server import InstanceServer
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +127,7 @@ class Cluster:
         self.model_name = model_name
         self.gateway = None
         self.auth_token = None
+        self.configs: list[InstanceConfig] = []  # every instance's config, devices assigned
         self._closed = False
 
     def serve_gateway(self, *, host: str = "127.0.0.1", grpc_port: int | None = 0, http_port: int | None = 0,
@@ -141,47 +146,68 @@ class Cluster:
     @classmethod
     def local(cls, model: str = "tiny", prefill: int = 2, decode: int = 1, *, processes: bool = False,
               policy: str = "kvcache-centric", admission: str = "predictive", ttft_slo_s: float = 30.0,
-              tbt_slo_s: float = 1.0, seed: int = 0, prefill_chunk_size: int = 512, max_batch: int = 32,
-              num_pages: int | None = None, pool_dram_blocks: int = 8192, layerwise: bool = False,
+              tbt_slo_s: float = 1.0, seed: int = 0, prefill_shape: str | None = None,
+              decode_shape: str | None = None, prefill_dtype: str | None = None, decode_dtype: str | None = None,
+              prefill_block_size: int | None = None, decode_block_size: int | None = None,
+              instances: list | None = None, cluster_file: str | Path | None = None,
               heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0,
               kvcache_balancing_threshold: float = 1.0, profile_json: str | None = None,
               log_dir: str | Path | None = None, host: str = "127.0.0.1", warmup: bool = True,
-              compile_cache: str | Path | None = "", auth_token: str | None = None) -> "Cluster":
+              compile_cache: str | Path | None = "", auth_token: str | None = None,
+              **instance_options) -> "Cluster":
         """Start a Conductor with ``prefill`` + ``decode`` instances of ``model`` on this machine.
+
+        Instances are alike (``instance_options``: any ``InstanceConfig`` field, e.g. ``prefill_chunk_size``,
+        ``max_batch``, ``num_pages``, ``dtype``, ``block_size``, ``layerwise`` (prefill only), ``pool_dram_blocks``,
+        ``pool_ssd_path``), or shaped per role: ``prefill_shape="tensor=2,stage=2"``, ``decode_shape="tensor=4"``,
+        ``prefill_dtype`` / ``decode_dtype``, ``prefill_block_size`` / ``decode_block_size``; or listed one by one
+        (``instances``: ``InstanceConfig`` s or their dicts; ``cluster_file``: JSON, see ``cluster_spec.py``).
+        Instances spanning several devices get their own (``devices``, else the next free ones); everything is
+        checked before anything starts.
 
         ``warmup`` compiles every step shape before an instance registers (first requests do not wait for XLA);
         ``compile_cache`` is the persistent XLA cache folder ("" for the user's cache directory, None for none),
         so later starts load the programs instead of compiling them. ``auth_token`` is required on every RPC
         between the cluster's processes (and by ``serve_gateway`` unless it is given its own).
         """
-        for name, value in (("prefill", prefill), ("decode", decode)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"a cluster needs at least one {name} instance, got {value!r}")
+        configs = _instance_configs(model, prefill, decode, seed, warmup, instances, cluster_file, instance_options,
+                                    {PREFILL: dict(shape=prefill_shape, dtype=prefill_dtype,
+                                                   block_size=prefill_block_size),
+                                     DECODE: dict(shape=decode_shape, dtype=decode_dtype,
+                                                  block_size=decode_block_size)})
+        model = configs[0].model
+        if processes:  # on the CPU platform the launcher may still ask for the devices the shapes need
+            reserve_cpu_devices(sum(c.device_count for c in configs))
+        import jax
+
+        configs = check_cluster(model, configs, jax.device_count())
         cfg = get_config(model)
-        config = PolicyConfig(strategy=policy, admission=admission, block_size=cfg.block_size,
+        config = PolicyConfig(strategy=policy, admission=admission, block_size=cluster_block_size(model, configs),
                               ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
                               kvcache_balancing_threshold=kvcache_balancing_threshold, seed=seed)
         conductor = serve_conductor(config, host=host, heartbeat_interval_s=heartbeat_interval_s,
                                     heartbeat_timeout_s=heartbeat_timeout_s, auth_token=auth_token)
+        configs = [c.replace(conductor_address=conductor.address, host=host) for c in configs]
         instances: dict = {}
         try:
-            common = dict(conductor_address=conductor.address, model=model, seed=seed, host=host,
-                          prefill_chunk_size=prefill_chunk_size, max_batch=max_batch, num_pages=num_pages,
-                          pool_dram_blocks=pool_dram_blocks, tbt_slo_s=tbt_slo_s, warmup=warmup,
-                          auth_token=auth_token)
-            roles = [(PREFILL, i) for i in range(prefill)] + [(DECODE, i) for i in range(decode)]
             if processes:
-                starter = _ProcessStarter(common, layerwise, Path(log_dir) if log_dir else None, compile_cache)
+                starter = _ProcessStarter(auth_token, Path(log_dir) if log_dir else None, compile_cache)
             else:
                 if compile_cache is not None:
                     enable_compilation_cache(compile_cache or None)
-                starter = _InProcessStarter(common, layerwise, build_model(model, seed=seed))
-            first = starter.start(*roles[0], profile_json)
-            instances[first.instance_id] = first
-            profile_json = starter.profile_of(first)
-            with ThreadPoolExecutor(max(1, len(roles) - 1)) as pool:
-                rest = list(pool.map(lambda role_index: starter.start(*role_index, profile_json), roles[1:]))
-            instances.update({inst.instance_id: inst for inst in rest})
+                starter = _InProcessStarter(auth_token)
+            # the first instance of each kind of engine measures it; the others of that kind reuse its profile
+            profiles: dict = {}
+            firsts = [c for i, c in enumerate(configs)
+                      if c.engine_key() not in {x.engine_key() for x in configs[:i]}]
+            for c in firsts:
+                inst = starter.start(c, profile_json)
+                instances[inst.instance_id] = inst
+                profiles[c.engine_key()] = profile_json or starter.profile_of(inst)
+            rest = [c for c in configs if c.instance_id not in instances]
+            with ThreadPoolExecutor(max(1, len(rest))) as pool:
+                started = list(pool.map(lambda c: starter.start(c, profiles[c.engine_key()]), rest))
+            instances.update({inst.instance_id: inst for inst in started})
         except BaseException:
             for inst in instances.values():
                 inst.stop()
@@ -190,6 +216,7 @@ class Cluster:
         backend = ClusterBackend(conductor.address, cfg, model_name=model, auth_token=auth_token)
         cluster = cls(conductor, instances, backend, model)
         cluster.auth_token = auth_token
+        cluster.configs = configs
         return cluster
 
     def addresses(self) -> list[tuple[str, str]]:
@@ -246,14 +273,50 @@ class Cluster:
         self.close()
 
 
-class _InProcessStarter:
-    def __init__(self, common: dict, layerwise: bool, model):
-        self.common, self.layerwise, self.model = common, layerwise, model
+def _instance_configs(model, prefill, decode, seed, warmup, instances, cluster_file, options, per_role):
+    """The cluster's instance configs from exactly one of: ``instances``, ``cluster_file``, per-role options."""
+    if instances is not None and cluster_file is not None:
+        raise ValueError("give instances or cluster_file, not both")
+    listed = instances is not None or cluster_file is not None
+    if listed and (options or any(v is not None for role in per_role.values() for v in role.values())):
+        raise ValueError(f"instances listed one by one take no per-role or instance options "
+                         f"(got {sorted(options) or 'per-role shapes'}); put them in each instance's config")
+    if cluster_file is not None:
+        return file_configs(cluster_file, model)[1]
+    if instances is not None:
+        if not instances:
+            raise ValueError("instances is empty: a cluster needs at least one prefill and one decode instance")
+        configs = []
+        for n, c in enumerate(instances):
+            if isinstance(c, dict):
+                c = InstanceConfig.from_dict({"model": model, **c,
+                                              "instance_id": c.get("instance_id") or f"{c.get('role')}-{n}"})
+            elif not isinstance(c, InstanceConfig):
+                raise ValueError(f"instance {n} must be an InstanceConfig or a dict, got {type(c).__name__}")
+            configs.append(c)
+        return configs
+    return role_configs(model, prefill, decode, options={"seed": seed, "warmup": warmup, **options},
+                        per_role=per_role)
 
-    def start(self, role: str, index: int, profile_json: str | None) -> InstanceServer:
-        config = InstanceConfig(role=role, instance_id=f"{role}-{index}", profile_json=profile_json,
-                                layerwise=self.layerwise and role == PREFILL, **self.common)
-        return InstanceServer(config, self.model).start()
+
+class _InProcessStarter:
+    """Instances as threads of this process; instances of one model dtype and block size share its weights."""
+
+    def __init__(self, auth_token: str | None):
+        self.auth_token = auth_token
+        self._models: dict = {}
+        self._lock = threading.Lock()
+
+    def _model(self, c: InstanceConfig):
+        key = (c.model, c.dtype, c.block_size, c.seed)
+        with self._lock:
+            if key not in self._models:
+                self._models[key] = build_model(c.model, dtype=c.dtype, block_size=c.block_size, seed=c.seed)
+            return self._models[key]
+
+    def start(self, config: InstanceConfig, profile_json: str | None) -> InstanceServer:
+        config = config.replace(profile_json=profile_json, auth_token=self.auth_token)
+        return InstanceServer(config, self._model(config)).start()
 
     @staticmethod
     def profile_of(instance: InstanceServer) -> str:
@@ -261,35 +324,23 @@ class _InProcessStarter:
 
 
 class _ProcessStarter:
-    def __init__(self, common: dict, layerwise: bool, log_dir: Path | None, compile_cache):
-        self.common, self.layerwise, self.log_dir = common, layerwise, log_dir
+    def __init__(self, auth_token: str | None, log_dir: Path | None, compile_cache):
+        self.auth_token, self.log_dir = auth_token, log_dir
         self.compile_cache = "none" if compile_cache is None else str(compile_cache)
         self._profile_dir = tempfile.TemporaryDirectory(prefix="mooncake-profile-")
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, role: str, index: int, profile_json: str | None) -> ChildInstance:
-        c = self.common
-        instance_id = f"{role}-{index}"
-        args = ["--role", role, "--conductor", c["conductor_address"], "--model", c["model"],
-                "--instance-id", instance_id, "--host", c["host"], "--seed", str(c["seed"]),
-                "--prefill-chunk-size", str(c["prefill_chunk_size"]), "--max-batch", str(c["max_batch"]),
-                "--pool-dram-blocks", str(c["pool_dram_blocks"]), "--tbt-slo-s", str(c["tbt_slo_s"])]
-        if c["num_pages"]:
-            args += ["--num-pages", str(c["num_pages"])]
-        if self.layerwise and role == PREFILL:
-            args.append("--layerwise")
-        if not c["warmup"]:
-            args.append("--no-warmup")
-        args += ["--compile-cache", self.compile_cache]
+    def start(self, config: InstanceConfig, profile_json: str | None) -> ChildInstance:
+        args = config.to_args() + ["--compile-cache", self.compile_cache]
         if profile_json:
-            path = Path(self._profile_dir.name) / "profile.json"
+            path = Path(self._profile_dir.name) / f"profile-{hashlib.blake2b(profile_json.encode(), digest_size=8).hexdigest()}.json"
             if not path.exists():
                 path.write_text(profile_json)
             args += ["--profile-file", str(path)]
-        log_path = self.log_dir / f"{instance_id}.log" if self.log_dir else None
-        return ChildInstance(args, log_path, auth_token=c["auth_token"],
-                             niceness=PREFILL_NICENESS if role == PREFILL else 0)
+        log_path = self.log_dir / f"{config.instance_id}.log" if self.log_dir else None
+        return ChildInstance(args, log_path, auth_token=self.auth_token,
+                             niceness=PREFILL_NICENESS if config.role == PREFILL else 0)
 
     @staticmethod
     def profile_of(instance: ChildInstance) -> str:
