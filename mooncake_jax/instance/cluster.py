@@ -282,7 +282,8 @@ def _instance_configs(model, prefill, decode, seed, warmup, instances, cluster_f
         raise ValueError(f"instances listed one by one take no per-role or instance options "
                          f"(got {sorted(options) or 'per-role shapes'}); put them in each instance's config")
     if cluster_file is not None:
-        return file_configs(cluster_file, model)[1]
+        configs = file_configs(cluster_file, model)[1]
+        return configs if warmup else [c.replace(warmup=False) for c in configs]
     if instances is not None:
         if not instances:
             raise ValueError("instances is empty: a cluster needs at least one prefill and one decode instance")
@@ -294,7 +295,7 @@ def _instance_configs(model, prefill, decode, seed, warmup, instances, cluster_f
             elif not isinstance(c, InstanceConfig):
                 raise ValueError(f"instance {n} must be an InstanceConfig or a dict, got {type(c).__name__}")
             configs.append(c)
-        return configs
+        return configs if warmup else [c.replace(warmup=False) for c in configs]
     return role_configs(model, prefill, decode, options={"seed": seed, "warmup": warmup, **options},
                         per_role=per_role)
 

@@ -73,8 +73,6 @@ def parse_args(argv=None) -> InstanceConfig:
             profile_json=a.profile_file.read_text() if a.profile_file else None)
     except ValueError as e:
         p.error(str(e))
-    if config.devices:  # on the CPU platform, have the device ids this instance owns (before JAX starts)
-        reserve_cpu_devices(max(config.devices) + 1)
     if a.compile_cache != "none":
         enable_compilation_cache(a.compile_cache or None)
     return config
@@ -100,6 +98,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     config = parse_args(argv)
+    if config.devices:  # on the CPU platform, have the device ids this instance owns (before JAX starts)
+        reserve_cpu_devices(max(config.devices) + 1)
     server = InstanceServer(config).start()
     settle_serving_process()
     stop = threading.Event()
