@@ -177,3 +177,15 @@ def test_bf16_cpp_tp_prefill_to_f32_tp_decode_logits_within_bf16_tolerance():
                 assert d_seq.output[step + 1] == int(np.argmax(exp)), f"step {step}"
                 checked += 1
     assert checked >= 4  # the token check is not vacuous
+
+
+@pytest.mark.slow  # two instance processes to start and compile: about a minute on 2 cores (-m slow)
+def test_unlike_instance_processes_own_their_devices():
+    """As ``serve`` runs them: each instance a child process given its config on the command line, with the device
+    ids it owns (a child of this 8-device process asks JAX for them itself)."""
+    prompts = random_prompts([9, 40], seed=4)
+    want = mj.LLM("tiny").generate(prompts, max_new_tokens=5)
+    with mj.Cluster.local("tiny", prefill=1, decode=1, processes=True, prefill_shape="tensor=2",
+                          decode_shape="tensor=2", decode_block_size=32, **FAST) as cluster:
+        assert cluster.generate(prompts, max_new_tokens=5) == want
+        assert [c.devices for c in cluster.configs] == [(0, 1), (2, 3)]

@@ -29,8 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--admission", default="predictive", choices=["none", "baseline", "early", "predictive"])
     p.add_argument("--ttft-slo-s", type=float, default=30.0)
     p.add_argument("--tbt-slo-s", type=float, default=1.0)
-    p.add_argument("--prefill-chunk-size", type=int, default=512)
-    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--prefill-chunk-size", type=int, default=None, help="default: InstanceConfig's (512)")
+    p.add_argument("--max-batch", type=int, default=None, help="default: InstanceConfig's (32)")
     p.add_argument("--layerwise", action="store_true", help="layer-wise prefill with the KV pool")
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-shape", default=None,
@@ -96,7 +96,8 @@ def _cluster(args):
     from ..instance.cluster import Cluster
 
     if args.cluster_file:
-        shaped = {"--prefill-chunk-size": args.prefill_chunk_size != 512, "--max-batch": args.max_batch != 32,
+        shaped = {"--prefill-chunk-size": args.prefill_chunk_size is not None,
+                  "--max-batch": args.max_batch is not None,
                   "--layerwise": args.layerwise,
                   **{f"--{r}-{w}": getattr(args, f"{r}_{w.replace('-', '_')}") is not None
                      for r in ("prefill", "decode") for w in ("shape", "dtype", "block-size")}}
@@ -117,6 +118,8 @@ def _cluster(args):
 def _coupled(args):
     from ..instance.local_backend import CoupledServer
 
-    return CoupledServer(args.model, prefill_chunk_size=args.prefill_chunk_size, max_batch=args.max_batch,
+    sizes = {k: v for k, v in (("prefill_chunk_size", args.prefill_chunk_size), ("max_batch", args.max_batch))
+             if v is not None}
+    return CoupledServer(args.model, **sizes,
                          warmup=not args.no_warmup,
                          compile_cache=None if args.compile_cache == "none" else args.compile_cache)
