@@ -109,12 +109,24 @@ def test_unlike_cluster_serves_the_single_engines_greedy_tokens():
         assert decode.stats()["decode_requests_total"] == len(prompts)
 
 
-def test_kv_incompatible_instance_is_refused_at_registration():
+def test_kv_incompatible_instance_is_refused_at_registration_and_its_kv_at_the_decode_rpc():
+    import grpc
+
+    from mooncake_jax.instance.rpc import messages
     from mooncake_jax.instance.server import InstanceServer
+    from mooncake_jax.kv_layout import KVLayout
     from mooncake_jax.model.config import get_config
     from mooncake_jax.model.llama import init_model
 
     with mj.Cluster.local("tiny", prefill=1, decode=1, **FAST) as cluster:
+        foreign = KVLayout(n_layers=4, n_kv_heads=4, head_dim=16, block_size=16, dtype="float32")
+        decode = cluster.instances["decode-0"]
+        with pytest.raises(grpc.RpcError) as e:
+            next(cluster.backend.instance_stub(decode.address).Decode(messages.DecodeRequest(
+                request_id="r", prompt=[1, 2, 3], first_token=4, kv_keys=[1], kv_source="x",
+                sampling=messages.Sampling(max_tokens=4),
+                kv_layout=foreign.to_json()), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV heads differ: 4 vs 2" in e.value.details()
         other = init_model(get_config("tiny").replace(n_kv_heads=4), 0)
         config = InstanceConfig("decode", conductor_address=cluster.conductor.address, profile_json=PROFILE,
                                 warmup=False)
