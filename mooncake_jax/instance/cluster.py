@@ -6,8 +6,9 @@
 It starts a Conductor, P prefill and D decode instances and a ``ClusterBackend`` that routes requests through them
 (the gateway serves the same backend over gRPC and HTTP). Instances run in this process (``processes=False``, the
 default: quick to start, they share the model's weights) or each in its own process (``processes=True``, what
-``mooncake-jax serve`` does). The first instance measures the engine for the cost profile every instance then
-registers with.
+``mooncake-jax serve`` does). Instances may be unlike (per-role shapes, dtypes and page sizes, or a cluster file:
+``cluster_spec.py``), each on its own devices; the first instance of each kind of engine measures it for the cost
+profile the instances of that kind register with.
 """
 
 from __future__ import annotations
@@ -335,9 +336,12 @@ class _ProcessStarter:
     def start(self, config: InstanceConfig, profile_json: str | None) -> ChildInstance:
         args = config.to_args() + ["--compile-cache", self.compile_cache]
         if profile_json:
-            path = Path(self._profile_dir.name) / f"profile-{hashlib.blake2b(profile_json.encode(), digest_size=8).hexdigest()}.json"
-            if not path.exists():
-                path.write_text(profile_json)
+            digest = hashlib.blake2b(profile_json.encode(), digest_size=8).hexdigest()
+            path = Path(self._profile_dir.name) / f"profile-{digest}.json"
+            if not path.exists():  # instances start in parallel: never let one read a half-written file
+                partial = path.with_suffix(f".{threading.get_ident()}.tmp")
+                partial.write_text(profile_json)
+                partial.replace(path)
             args += ["--profile-file", str(path)]
         log_path = self.log_dir / f"{config.instance_id}.log" if self.log_dir else None
         return ChildInstance(args, log_path, auth_token=self.auth_token,

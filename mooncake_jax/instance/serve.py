@@ -102,7 +102,8 @@ def _cluster(args):
                   **{f"--{r}-{w}": getattr(args, f"{r}_{w.replace('-', '_')}") is not None
                      for r in ("prefill", "decode") for w in ("shape", "dtype", "block-size")}}
         if any(shaped.values()):
-            raise ValueError(f"--cluster-file lists every instance's config; drop {[f for f, v in shaped.items() if v]}")
+            given = [flag for flag, set_ in shaped.items() if set_]
+            raise ValueError(f"--cluster-file lists every instance's config; drop {given}")
         roles = {}
     else:
         roles = dict(prefill=args.prefill, decode=args.decode, prefill_chunk_size=args.prefill_chunk_size,
