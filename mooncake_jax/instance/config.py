@@ -223,8 +223,9 @@ class InstanceConfig:
         return cls.from_dict(fields, **local)
 
     def to_args(self) -> list[str]:
-        """The child process's command line (``instance/main.py``)."""
-        return ["--config", self.to_json()]
+        """The child process's command line (``instance/main.py``): the JSON, after the role and id as flags of
+        equal value so that ``ps`` shows which instance a process is."""
+        return ["--role", self.role, "--instance-id", self.instance_id, "--config", self.to_json()]
 
 
 def _positive(name: str, value) -> None:
