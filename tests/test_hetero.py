@@ -81,6 +81,10 @@ def test_cluster_file(tmp_path):
     (dict(hardware="9xB300"), r"unknown hardware profile '9xB300'; allowed: \['8xA800'"),
     (dict(prefill_shape="tensor=2,pipes=2"), "bad mesh spec part 'pipes=2'"),
     (dict(prefill_dtype="int8"), "dtype 'int8' is not supported"),
+    (dict(instances=[{"role": "prefill", "dtype": "bfloat16"}, {"role": "prefill"}, {"role": "decode"}]),
+     r"prefill instances have dtypes \['bfloat16', 'float32'\]; they must share one"),
+    (dict(instances=[{"role": "prefill"}, {"role": "prefill", "block_size": 32}, {"role": "decode"}]),
+     r"prefill instances have block sizes \[16, 32\]; they must share one"),
     (dict(instances=[{"role": "prefill", "devices": "0-1"}, {"role": "decode"}]),
      r"devices 0-1 are 2 device\(s\), its shape tensor=1,stage=1 needs 1"),
 ])
@@ -201,3 +205,40 @@ def test_unlike_instance_processes_own_their_devices():
                           decode_shape="tensor=2", decode_block_size=32, **FAST) as cluster:
         assert cluster.generate(prompts, max_new_tokens=5) == want
         assert [c.devices for c in cluster.configs] == [(0, 1), (2, 3)]
+
+
+def test_conductor_hands_out_slos_and_refuses_unexchangeable_kv_at_registration():
+    import grpc
+
+    from mooncake_jax.conductor import PolicyConfig
+    from mooncake_jax.conductor.service import messages, serve, services
+    from mooncake_jax.kv_layout import KVLayout
+
+    def lay(**changes):
+        return KVLayout(**{"n_layers": 4, "n_kv_heads": 2, "head_dim": 16, "block_size": 16, "dtype": "float32",
+                           **changes}).to_json()
+
+    server = serve(PolicyConfig(block_size=16, ttft_slo_s=7.0, tbt_slo_s=0.25), port=0, sweep=False)
+    channel = grpc.insecure_channel(server.address)
+    stub = services.ConductorStub(channel)
+
+    def register(name, role, layout):
+        return stub.Register(messages.RegisterRequest(instance_id=name, role=role, address=f"{name}:1",
+                                                      hardware="8xA800", model="llama2-70b", kv_layout=layout))
+
+    try:
+        reply = register("p0", messages.PREFILL, lay(tensor=2, stage_layers=(2, 2)))
+        assert (reply.ttft_slo_s, reply.tbt_slo_s, reply.block_size) == (7.0, 0.25, 16)
+        assert register("d0", messages.DECODE, lay(block_size=32, dtype="bfloat16", tensor=4)).tbt_slo_s == 0.25
+        assert register("p1", messages.PREFILL, lay(tensor=4)).block_size == 16  # another TP: same blocks
+        for name, role, layout, message in [
+                ("d1", messages.DECODE, lay(n_kv_heads=4), "KV heads differ: 4 vs 2"),
+                ("d2", messages.DECODE, lay(head_dim=8), "head_dim differ: 8 vs 16"),
+                ("p2", messages.PREFILL, lay(block_size=32), "prefill block_size 32 differs from the cluster's 16"),
+                ("p3", messages.PREFILL, lay(dtype="bfloat16"), "prefill KV dtype bfloat16 differs")]:
+            with pytest.raises(grpc.RpcError) as e:
+                register(name, role, layout)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details(), name
+    finally:
+        channel.close()
+        server.stop(0)

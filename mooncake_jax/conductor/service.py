@@ -74,10 +74,12 @@ class ConductorService(services.ConductorServicer):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.lock = threading.Lock()
         self.kv_layout: KVLayout | None = None  # the first registered instance's: every other must exchange KV
+        self.prefill_kv_layout: KVLayout | None = None  # the first prefill instance's: the others share its blocks
 
     def _check_layout(self, request, role: Role) -> None:
         """Refuse, at registration, an instance whose KV cannot become the cluster's (another model), or a prefill
-        instance whose blocks are not the index's block size (its KV events would name other blocks)."""
+        instance whose blocks are not the index's block size (its KV events would name other blocks) or not the other
+        prefill instances' dtype (transfer plans copy blocks between their pools as they are)."""
         if not request.kv_layout:
             return
         layout = KVLayout.from_json(request.kv_layout)
@@ -87,6 +89,12 @@ class ConductorService(services.ConductorServicer):
                              f"allowed: {self.state.config.block_size}")
         with self.lock:
             first = self.kv_layout = self.kv_layout or layout
+            if role == Role.PREFILL:
+                prefill = self.prefill_kv_layout = self.prefill_kv_layout or layout
+        if role == Role.PREFILL and layout.dtype != prefill.dtype:
+            raise ValueError(f"instance {request.instance_id}: prefill KV dtype {layout.dtype} differs from the other "
+                             f"prefill instances' {prefill.dtype} (transfer plans move blocks between prefill pools "
+                             f"unchanged); allowed: {prefill.dtype}")
         problem = exchange_problem(layout, first)
         if problem:
             raise ValueError(f"instance {request.instance_id} cannot exchange KV with this cluster ({problem}): "

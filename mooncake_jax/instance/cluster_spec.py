@@ -10,7 +10,8 @@ A cluster file is JSON::
 
 each instance an ``InstanceConfig`` (its fields, defaults for the rest; ``count`` repeats one). Checked: every
 instance serves the cluster's model, its shape divides the model, device ranges exist and do not overlap, hardware
-profiles are known, and the prefill instances share one block size (the Conductor's prefix index).
+profiles are known, and the prefill instances share one block size (the Conductor's prefix index) and one KV
+dtype (transfer plans copy blocks between their pools unchanged; their TP, stages and hardware may differ).
 """
 
 from __future__ import annotations
@@ -138,6 +139,10 @@ def check_cluster(model: str, configs: list[InstanceConfig], available_devices: 
     if len(prefill_blocks) > 1:
         raise ValueError(f"prefill instances have block sizes {sorted(prefill_blocks)}; they must share one (the "
                          f"Conductor's prefix index keys blocks of one size); decode instances may differ")
+    prefill_dtypes = {c.dtype or base.dtype for c in configs if c.role == PREFILL}
+    if len(prefill_dtypes) > 1:
+        raise ValueError(f"prefill instances have dtypes {sorted(prefill_dtypes)}; they must share one (transfer "
+                         f"plans copy blocks between prefill pools unchanged); decode instances may differ")
     return assign_devices(configs, available_devices)
 
 
