@@ -117,7 +117,7 @@ def test_kv_incompatible_instance_is_refused_at_registration_and_its_kv_at_the_d
     import grpc
 
     from mooncake_jax.instance.rpc import messages
-    from mooncake_jax.instance.server import InstanceServer
+    from mooncake_jax.instance.server import InstanceServer, RegistrationError
     from mooncake_jax.kv_layout import KVLayout
     from mooncake_jax.model.config import get_config
     from mooncake_jax.model.llama import init_model
@@ -136,10 +136,12 @@ def test_kv_incompatible_instance_is_refused_at_registration_and_its_kv_at_the_d
                                 warmup=False)
         server = InstanceServer(config, other)
         try:
-            with pytest.raises(Exception, match="KV heads differ: 4 vs 2"):
-                server.start()
-        finally:
+            server.start()  # refused: it takes itself down
+        except RegistrationError as e:
+            assert "INVALID_ARGUMENT" in str(e) and "KV heads differ: 4 vs 2" in str(e)
+        else:
             server.stop()
+            pytest.fail("an instance of another model was registered")
 
 
 def _decode_logits(engine, seq, steps):

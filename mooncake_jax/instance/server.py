@@ -39,6 +39,10 @@ from ..engine.transfer_workers import TransferWorkers
 log = logging.getLogger(__name__)
 
 
+class RegistrationError(RuntimeError):
+    """The Conductor refused (or could not be asked to take) this instance; the message says why."""
+
+
 class InstanceServer:
     """One prefill or decode instance. ``model`` may be shared with other in-process instances (read only)."""
 
@@ -135,7 +139,12 @@ class InstanceServer:
             publish_events=self.config.role == PREFILL, auth_token=self.config.auth_token,
             config_json=self.config.to_json(), kv_layout=self.kv_layout.to_json(), hardware=self.config.hardware,
             model=self.config.model)
-        self.link.start()
+        try:
+            self.link.start()
+        except grpc.RpcError as e:  # refused (say, KV of another model) or unreachable: take everything down
+            self.stop()
+            raise RegistrationError(f"{self.instance_id}: the Conductor at {self.config.conductor_address} did not "
+                                    f"register it: {e.code().name}: {e.details()}") from None
         log.info("%s instance %s listening on %s", self.config.role, self.config.instance_id, self.address)
         return self
 
