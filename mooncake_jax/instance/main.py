@@ -1,5 +1,8 @@
 """One instance as its own process: ``python -m mooncake_jax.instance.main --role prefill --conductor HOST:PORT``.
 
+Its configuration is an ``InstanceConfig`` (``config.py``): given whole as ``--config JSON`` (what a cluster passes
+its children), field by field as flags, or both (flags win). Its SLOs come from the Conductor at registration.
+
 When ready it prints one JSON line on stdout (``{"ready": true, "instance_id", "address", "profile_json"}``) and
 serves until SIGTERM/SIGINT, or until its standard input closes: the parent that started it holds the other end,
 so an instance never outlives the cluster that started it (no orphans, even if the parent is killed).
