@@ -224,7 +224,8 @@ class ClusterBackend:
         stream = self.instance_stub(decision.decode_address).Decode(instance_messages.DecodeRequest(
             request_id=request.request_id, prompt=request.prompt, sampling=sampling,
             first_token=prefill.first_token, kv_keys=prefill.kv_keys, kv_source=decision.prefill_address,
-            first_logprob=prefill.first_logprob if params.logprobs is not None else None),
+            first_logprob=prefill.first_logprob if params.logprobs is not None else None,
+            kv_layout=prefill.kv_layout),
             timeout=self.timeout_s)
         watcher = _cancel_on(cancelled, stream)
         try:

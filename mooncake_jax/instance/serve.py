@@ -35,9 +35,16 @@ def add_arguments(p) -> None:
     p.add_argument("--admission", default="predictive", choices=["none", "baseline", "early", "predictive"])
     p.add_argument("--ttft-slo-s", type=float, default=30.0)
     p.add_argument("--tbt-slo-s", type=float, default=1.0)
-    p.add_argument("--prefill-chunk-size", type=int, default=512)
-    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--prefill-chunk-size", type=int, default=None, help="default: InstanceConfig's (512)")
+    p.add_argument("--max-batch", type=int, default=None, help="default: InstanceConfig's (32)")
     p.add_argument("--layerwise", action="store_true", help="layer-wise prefill with the KV pool")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-shape", default=None,
+                       help=f"{role} instances' shape, e.g. tensor=2,stage=2 (each gets its own devices)")
+        p.add_argument(f"--{role}-dtype", default=None, help=f"{role} instances' dtype (float32, bfloat16)")
+        p.add_argument(f"--{role}-block-size", type=int, default=None, help=f"{role} instances' KV page size")
+    p.add_argument("--cluster-file", default=None,
+                   help="JSON listing the instances with their configs (instead of --prefill/--decode and shapes)")
     p.add_argument("--in-process", action="store_true", help="run the instances as threads of this process")
     p.add_argument("--coupled", action="store_true",
                    help="no disaggregation: one engine does prefill and decode (the baseline)")
@@ -103,17 +110,32 @@ def run(args) -> int:
 def _cluster(args):
     from ..instance.cluster import Cluster
 
-    return Cluster.local(args.model, prefill=args.prefill, decode=args.decode, processes=not args.in_process,
-                         policy=args.policy, admission=args.admission, ttft_slo_s=args.ttft_slo_s,
-                         tbt_slo_s=args.tbt_slo_s, prefill_chunk_size=args.prefill_chunk_size,
-                         max_batch=args.max_batch, layerwise=args.layerwise, log_dir=args.log_dir, host=args.host,
-                         warmup=not args.no_warmup, auth_token=args.auth_token,
-                         compile_cache=None if args.compile_cache == "none" else args.compile_cache)
+    if args.cluster_file:
+        shaped = {"--prefill-chunk-size": args.prefill_chunk_size is not None,
+                  "--max-batch": args.max_batch is not None,
+                  "--layerwise": args.layerwise,
+                  **{f"--{r}-{w}": getattr(args, f"{r}_{w.replace('-', '_')}") is not None
+                     for r in ("prefill", "decode") for w in ("shape", "dtype", "block-size")}}
+        if any(shaped.values()):
+            given = [flag for flag, set_ in shaped.items() if set_]
+            raise ValueError(f"--cluster-file lists every instance's config; drop {given}")
+        roles = {}
+    else:
+        roles = dict(prefill=args.prefill, decode=args.decode, prefill_chunk_size=args.prefill_chunk_size,
+                     max_batch=args.max_batch, layerwise=args.layerwise,
+                     **{f"{r}_{w}": getattr(args, f"{r}_{w}") for r in ("prefill", "decode")
+                        for w in ("shape", "dtype", "block_size")})
+    return Cluster.local(args.model, processes=not args.in_process, policy=args.policy, admission=args.admission,
+                         ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s, cluster_file=args.cluster_file,
+                         log_dir=args.log_dir, host=args.host, warmup=not args.no_warmup, auth_token=args.auth_token,
+                         compile_cache=None if args.compile_cache == "none" else args.compile_cache, **roles)
 
 
 def _coupled(args):
     from ..instance.local_backend import CoupledServer
 
-    return CoupledServer(args.model, prefill_chunk_size=args.prefill_chunk_size, max_batch=args.max_batch,
+    sizes = {k: v for k, v in (("prefill_chunk_size", args.prefill_chunk_size), ("max_batch", args.max_batch))
+             if v is not None}
+    return CoupledServer(args.model, **sizes,
                          warmup=not args.no_warmup,
                          compile_cache=None if args.compile_cache == "none" else args.compile_cache)

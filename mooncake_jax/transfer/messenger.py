@@ -20,11 +20,14 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
+import numpy as np
 
 from mooncake_jax.blocks import BlockKey
 from mooncake_jax.proto.auth import open_channel
 from mooncake_jax.transfer.counters import Meter, TransferCounters
 from mooncake_jax.transfer.frame import check_key
+from mooncake_jax.transfer.frame import decode as decode_record
+from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.messenger_server import MessengerServer
 from mooncake_jax.transfer.messenger_wire import (
     MISSING_KEYS_METADATA,
@@ -163,6 +166,53 @@ class MessengerClient:
         self._meter.add(transfers=1, blocks_received=len(stored), bytes_received=received, busy_s=seconds)
         self._meter.add(blocks_skipped=len(skipped))
         return TransferResult(stored, skipped, received, seconds)
+
+    def same_spec(self, *, timeout_s: float | None = None) -> bool:
+        """Whether the peer's pool holds blocks of this pool's spec (so ``push`` and ``fetch`` can move them);
+        False when it holds another layout (then the peer fetches with ``fetch_blocks`` and converts)."""
+        try:
+            self._stub.Has(messages.HasRequest(keys=[], spec_fingerprint=self.pool.spec.fingerprint),
+                           timeout=timeout_s or self.timeout_s)
+            return True
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                return False
+            raise self._error("has", err) from err
+
+    def fetch_blocks(self, keys: Sequence[BlockKey], spec: BlockSpec, *,
+                     timeout_s: float | None = None) -> list[np.ndarray]:
+        """The blocks of ``keys`` from a peer whose pool holds ``spec`` (another layout than this pool's), each
+        verified, as arrays in the order asked; this pool is not touched. BlocksNotFoundError if the peer lacks
+        any, TransferError on any other failure."""
+        keys = [check_key(key) for key in keys]
+        wanted = set(keys)
+        started = time.perf_counter()
+        received, got = 0, {}
+        call = self._fetch_raw(messages.FetchRequest(keys=list(dict.fromkeys(keys)), spec_fingerprint=spec.fingerprint),
+                               timeout=timeout_s or self.timeout_s)
+        assembler = RecordAssembler(spec)
+        try:
+            for raw in call:
+                piece = parse_piece(raw)
+                if piece.key not in wanted:
+                    raise TransferError(f"peer sent block {piece.key:#018x}, which was not asked for")
+                record = assembler.add(piece, raw)
+                if record is not None:
+                    got[piece.key] = decode_record(spec, piece.key, bytes(record))
+                    received += assembler.frame_bytes
+        except grpc.RpcError as err:
+            self._failed(received, len(got), started)
+            raise self._error("fetch", err) from err
+        except (TransferError, ValueError) as err:
+            call.cancel()
+            self._failed(received, len(got), started)
+            raise TransferError(f"fetch from {self.address}: {err}") from err
+        if len(got) != len(wanted):
+            self._failed(received, len(got), started)
+            raise TransferError(f"fetch from {self.address}: peer sent {len(got)} of {len(wanted)} blocks")
+        self._meter.add(transfers=1, blocks_received=len(got), bytes_received=received,
+                        busy_s=time.perf_counter() - started)
+        return [got[key] for key in keys]
 
     def push(self, keys: Iterable[BlockKey], *, timeout_s: float | None = None) -> TransferResult:
         """Copy the blocks of ``keys`` that the peer lacks from this pool to it.
