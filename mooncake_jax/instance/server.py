@@ -33,7 +33,7 @@ from ..sharding.mesh import MeshSpec
 from .calibrate import calibrate
 from .config import InstanceConfig
 from .devices import instance_devices
-from .conductor_link import PREFILL, ConductorLink
+from .conductor_link import DECODE, PREFILL, ConductorLink
 from ..engine.runner_loop import RunnerLoop, wait
 from ..engine.transfer_workers import TransferWorkers
 
