@@ -33,7 +33,7 @@ import numpy as np
 from mooncake_jax.conductor import admission as adm
 from mooncake_jax.conductor.api import (Decision, PolicyConfig, RejectReason, Request, Snapshot, Strategy,
                                         Transfer, check_block_count)
-from mooncake_jax.conductor.costs import decode_step_seconds, prefill_seconds_in_prefix
+from mooncake_jax.conductor.costs import decode_step_seconds, prefill_seconds_in_prefix, transfer_seconds
 from mooncake_jax.conductor.instances import Role
 
 
@@ -109,9 +109,8 @@ class Policy:
             fetch = (own_blocks < best_len) & (best_len > threshold * own_blocks)
             if fetch.any():
                 moved_bytes = (best_len - own_blocks) * block * table.kv_bytes_per_token
-                bandwidth = np.minimum(table.nic_bytes_per_s, table.nic_bytes_per_s[source])
                 start_at = self._send_start(snapshot, source, keys[:best_len], own_blocks)
-                transfer_s = np.maximum(start_at - now, 0.0) + moved_bytes / bandwidth
+                transfer_s = transfer_seconds(moved_bytes, table.link_bytes_per_s[source], start_at - now)
                 best_tokens = min(best_len * block, reusable)
                 compute = np.where(fetch, a + best_tokens * (b + c * best_tokens), compute)
                 ttft = np.where(fetch, transfer_s + queue + compute, ttft)

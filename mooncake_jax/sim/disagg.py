@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 
 from mooncake_jax.conductor import ClusterState, Policy, Request, decode_accepts
+from mooncake_jax.conductor.costs import transfer_seconds
 from mooncake_jax.sim.batch import ContinuousBatch
 from mooncake_jax.sim.cache import make_cache
 from mooncake_jax.sim.hardware import resolve_costs
@@ -116,7 +117,8 @@ class DisaggregatedSim(ClusterSim):
     def _send(self, src: _Node, dst: _Node, ready: float, n_bytes: float) -> float:
         """Reserve both links for a transfer that may start at ``ready``; returns when it has arrived."""
         start = max(ready, src.out_free, dst.in_free)
-        end = start + n_bytes / min(src.costs.nic_bytes_per_s, dst.costs.nic_bytes_per_s)
+        table = self.state.instances
+        end = start + float(transfer_seconds(n_bytes, table.link(table.slot(src.id), table.slot(dst.id))))
         src.out_free = dst.in_free = end
         self.transferred_bytes += n_bytes
         return end
