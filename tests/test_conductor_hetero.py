@@ -9,6 +9,7 @@ Costs: SLOW prefills 1 ms per new token, FAST 0.25 ms; both 250 bytes of KV per 
 import json
 
 import grpc
+import numpy as np
 import pytest
 from test_conductor_support import BLOCK
 
@@ -91,7 +92,7 @@ def test_links_default_to_the_slower_nic_and_overrides_survive_re_registration()
 def test_transfer_time_is_one_formula_for_scalars_and_arrays():
     assert transfer_seconds(1e4, 1e5) == pytest.approx(0.1)
     assert transfer_seconds(1e4, 1e5, backlog_s=-3.0) == pytest.approx(0.1)  # a drained backlog is no wait
-    assert list(transfer_seconds(1e4, [1e5, 1e6], [0.5, 0.0])) == pytest.approx([0.6, 0.01])
+    assert list(transfer_seconds(1e4, np.array([1e5, 1e6]), [0.5, 0.0])) == pytest.approx([0.6, 0.01])
     with pytest.raises(ValueError, match="bandwidth"):
         transfer_seconds(1.0, 0.0)
 

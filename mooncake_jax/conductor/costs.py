@@ -45,8 +45,8 @@ def prefill_seconds_in_prefix(coef, n_tokens) -> np.ndarray:
     candidate prefix into one small matrix product and a few array operations (the policy's hot path).
     """
     n = float(n_tokens)
-    basis = np.array([[1.0, n, n * n, 0.0], [0.0, -1.0, -2.0 * n, n], [0.0, 0.0, 1.0, -1.0]])
-    return basis @ coef
+    basis = np.array((1.0, n, n * n, 0.0, 0.0, -1.0, -2.0 * n, n, 0.0, 0.0, 1.0, -1.0)).reshape(3, 4)
+    return np.dot(basis, coef)
 
 
 def decode_step_seconds(coef, batch, context_tokens):
@@ -61,8 +61,12 @@ def transfer_seconds(n_bytes, bytes_per_s, backlog_s=0.0):
     The one transfer-time formula of the system: the policy's fetch prediction, the cluster state's sender
     backlog and the simulator's links all call it. Scalars or arrays (one entry per destination) broadcast.
     """
-    if np.any(np.asarray(bytes_per_s) <= 0):
+    if isinstance(bytes_per_s, np.ndarray):  # a table's link row: validated when each link was set
+        return np.maximum(backlog_s, 0.0) + n_bytes / bytes_per_s
+    if not bytes_per_s > 0:
         raise ValueError(f"bandwidth must be positive, got {bytes_per_s}")
+    if np.ndim(backlog_s) == 0 and np.ndim(n_bytes) == 0:
+        return max(float(backlog_s), 0.0) + n_bytes / bytes_per_s
     return np.maximum(backlog_s, 0.0) + np.divide(n_bytes, bytes_per_s)
 
 
