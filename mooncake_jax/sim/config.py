@@ -11,7 +11,7 @@ import math
 
 from mooncake_jax.conductor import PolicyConfig
 from mooncake_jax.sim.cache import EVICTIONS
-from mooncake_jax.sim.hardware import HardwareSpec
+from mooncake_jax.sim.hardware import HardwareSpec, PoolSpec, resolve_pool
 
 ARCHITECTURES = ("disaggregated", "coupled")
 CACHE_MODES = ("per-node", "global")
@@ -23,8 +23,9 @@ class SimConfig:
 
     Cluster: ``prefill`` and ``decode`` instance counts (a ``coupled`` cluster has ``prefill + decode`` nodes that
     each do both). ``hardware`` is a built-in profile name, a measured profile JSON path, or ``InstanceCosts``;
-    ``prefill_hardware`` / ``decode_hardware`` override it per pool (heterogeneous clusters). ``model`` names the
-    model shape for built-in profiles.
+    ``prefill_hardware`` / ``decode_hardware`` override it per pool (heterogeneous clusters), either one spec for
+    the pool or a sequence with one per instance (a mixed pool). ``model`` names the model shape for built-in
+    profiles.
 
     KV cache: ``cache_tokens`` of host DRAM per prefill instance (None: unbounded) with ``eviction`` ``lru`` or
     ``lfu``; ``cache_mode="global"`` pools all of it into one cache every prefill instance reads (fetched over
@@ -48,8 +49,8 @@ class SimConfig:
     admission: str = "none"
     architecture: str = "disaggregated"
     hardware: HardwareSpec = "8xA800"
-    prefill_hardware: HardwareSpec | None = None
-    decode_hardware: HardwareSpec | None = None
+    prefill_hardware: PoolSpec | None = None
+    decode_hardware: PoolSpec | None = None
     model: str = "llama2-70b"
     cache_tokens: int | None = 3_000_000
     cache_mode: str = "per-node"
@@ -92,6 +93,15 @@ class SimConfig:
             raise ValueError(f"sample_interval_s must be positive, got {self.sample_interval_s!r}")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {list(EVICTIONS)}")
+        for name in ("prefill_hardware", "decode_hardware"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                value = tuple(value)
+                object.__setattr__(self, name, value)  # frozen and hashable like the rest
+            count = self.prefill if name == "prefill_hardware" else self.decode
+            if isinstance(value, tuple) and len(value) != count:
+                raise ValueError(f"{name} lists {len(value)} instances' hardware for a pool of {count}; "
+                                 f"give one spec, or one per instance")
         self.policy_config()  # unknown policy / admission, bad SLOs: the Conductor's own ValueError
 
     @property
@@ -104,10 +114,19 @@ class SimConfig:
                             ttft_slo_s=self.ttft_slo_s, tbt_slo_s=self.tbt_slo_s, decode_time_s=self.decode_time_s,
                             seed=self.seed)
 
+    def pool_costs(self) -> tuple[list, list]:
+        """Each prefill and each decode instance's ``InstanceCosts`` (disaggregated clusters)."""
+        return (resolve_pool(self.prefill_hardware or self.hardware, self.prefill, self.model, "prefill"),
+                resolve_pool(self.decode_hardware or self.hardware, self.decode, self.model, "decode"))
+
     def cache_blocks(self, block_tokens: int) -> int | None:
         """One prefill instance's DRAM cache in blocks."""
         return None if self.cache_tokens is None else self.cache_tokens // block_tokens
 
     def to_dict(self) -> dict:
-        return {f.name: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v))
-                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+        def plain(v):
+            if isinstance(v, (int, float, str, bool, type(None))):
+                return v
+            return [plain(x) for x in v] if isinstance(v, tuple) else str(v)
+
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -26,7 +26,6 @@ from mooncake_jax.conductor import ClusterState, Policy, Request, decode_accepts
 from mooncake_jax.conductor.costs import transfer_seconds
 from mooncake_jax.sim.batch import ContinuousBatch
 from mooncake_jax.sim.cache import make_cache
-from mooncake_jax.sim.hardware import resolve_costs
 from mooncake_jax.slo import tbt_of_gaps
 from mooncake_jax.sim.records import COMPLETED, REJECTED_EARLY, REJECTED_LATE, SimRequest
 from mooncake_jax.sim.runner import ClusterSim
@@ -69,16 +68,15 @@ class DisaggregatedSim(ClusterSim):
         self.state = ClusterState(policy_config)
         self.policy = Policy(policy_config)
         self.admission = policy_config.admission.value
-        prefill_costs = resolve_costs(config.prefill_hardware or config.hardware, config.model)
-        decode_costs = resolve_costs(config.decode_hardware or config.hardware, config.model)
+        prefill_costs, decode_costs = config.pool_costs()
         per_node = config.cache_blocks(self.block)
         self.global_cache = config.cache_mode == "global"
         shared = make_cache(config.eviction, None if per_node is None else per_node * config.prefill)
         self.prefill = []
         for i in range(config.prefill):
             cache = shared if self.global_cache else make_cache(config.eviction, per_node)
-            self.prefill.append(PrefillNode(f"p{i}", prefill_costs, cache))
-        self.decode = [DecodeNode(f"d{j}", decode_costs, decode_costs.kv_capacity_tokens)
+            self.prefill.append(PrefillNode(f"p{i}", prefill_costs[i], cache))
+        self.decode = [DecodeNode(f"d{j}", decode_costs[j], decode_costs[j].kv_capacity_tokens)
                        for j in range(config.decode)]
         self.by_id = {node.id: node for node in self.prefill + self.decode}
         for node in self.prefill:
