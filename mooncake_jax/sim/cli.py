@@ -10,7 +10,8 @@ from mooncake_jax.sim.experiments import EXPERIMENTS
 
 _SHOWN = ("requests", "completed", "rejected_early", "rejected_late", "avg_ttft_s", "p90_ttft_s", "p90_tbt_s",
           "slo_attainment", "cache_hit_ratio", "cache_hit_ratio_tokens", "avg_prefill_s", "wasted_prefill_s",
-          "throughput_rps", "cost_per_request", "cost_per_million_tokens", "sim_duration_s", "wall_s", "requests_per_wall_s")
+          "throughput_rps", "cost_per_request", "cost_per_million_tokens", "sim_duration_s", "wall_s",
+          "requests_per_wall_s")
 
 
 def _cache_tokens(text: str) -> int | None:
