@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from mooncake_jax.conductor import PolicyConfig
+from mooncake_jax.conductor.accounting import LAYERWISE, ReleaseTiming
 from mooncake_jax.sim.cache import EVICTIONS
 from mooncake_jax.sim.hardware import HardwareSpec, PoolSpec, resolve_pool
 
@@ -41,6 +42,11 @@ class SimConfig:
     ``chunk_tokens`` minus that many prompt tokens.
 
     ``sample_interval_s``: virtual seconds between load samples.
+
+    Instance accounting (``conductor/accounting.py``): ``release_timing`` says when the KV is pushed and the first
+    token released (default: streamed layer by layer, first token at the prefill's end; ``REAL_INSTANCES`` for
+    what this project's instances do); ``request_overhead_s`` is a fixed time each prefill takes beyond its cost
+    model (RPCs, scheduling: measured on a real cluster, 0 for datasheet studies).
     """
 
     prefill: int = 8
@@ -64,6 +70,8 @@ class SimConfig:
     chunk_tokens: int = 512
     prefill_batch_tokens: int = 16384
     sample_interval_s: float = 10.0
+    release_timing: ReleaseTiming = LAYERWISE
+    request_overhead_s: float = 0.0
 
     def __post_init__(self):
         for name in ("prefill", "decode", "chunk_tokens", "prefill_batch_tokens"):
@@ -91,6 +99,10 @@ class SimConfig:
         if not (isinstance(self.sample_interval_s, (int, float)) and math.isfinite(self.sample_interval_s)
                 and self.sample_interval_s > 0):
             raise ValueError(f"sample_interval_s must be positive, got {self.sample_interval_s!r}")
+        if not isinstance(self.release_timing, ReleaseTiming):
+            raise ValueError(f"release_timing must be a ReleaseTiming, got {self.release_timing!r}")
+        if not (math.isfinite(self.request_overhead_s) and self.request_overhead_s >= 0):
+            raise ValueError(f"request_overhead_s must be a non-negative number, got {self.request_overhead_s!r}")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {list(EVICTIONS)}")
         for name in ("prefill_hardware", "decode_hardware"):
