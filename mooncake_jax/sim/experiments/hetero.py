@@ -98,6 +98,8 @@ def _plot(out_dir: Path, results: dict) -> None:
         row[0].barh(y, capacity, color="tab:blue")
         row[1].barh(y, cost, color="tab:orange")
         for i, n in enumerate(names):
+            if configs[n].get("saturated"):
+                row[0].text(capacity[i], i, " >= (end of the searched range)", va="center", fontsize=7)
             if not configs[n]["fits"]:
                 for ax in row:
                     ax.text(0, i, "  model does not fit", va="center", fontsize=8, color="gray")
