@@ -137,6 +137,10 @@ class InstanceTable:
         """Boolean mask of the slots that may take new work in ``role`` (kept up to date, not recomputed)."""
         return self._masks[role]
 
+    def count(self, role: Role) -> int:
+        """How many slots hold an instance of ``role``."""
+        return self._counts[role]
+
     def barrier(self, role: Role) -> np.ndarray:
         """0 on the slots of ``role``, +inf elsewhere: ``(score + barrier).argmin()`` picks among them with one
         addition instead of a masked copy (the policy's hot path)."""
@@ -145,6 +149,7 @@ class InstanceTable:
     def _refresh_masks(self) -> None:
         self._masks = {role: self.role == int(role) for role in (Role.PREFILL, Role.DECODE)}
         self._barriers = {role: np.where(mask, 0.0, np.inf) for role, mask in self._masks.items()}
+        self._counts = {role: int(np.count_nonzero(mask)) for role, mask in self._masks.items()}
 
     def _grow(self, extra: int) -> None:
         for name, (rows, fill, dtype) in _COLUMNS.items():

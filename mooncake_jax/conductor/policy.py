@@ -56,12 +56,11 @@ class Policy:
         cfg = self.config
         check_block_count(request.block_keys, request.input_tokens, cfg.block_size, request.request_id)
         table = snapshot.instances
-        prefill_ok = table.candidates(Role.PREFILL)
-        if not prefill_ok.any():
+        if not table.count(Role.PREFILL):
             return Decision(request.request_id, RejectReason.NO_PREFILL_INSTANCE, cfg.min_retry_after_s)
-        decode_ok = table.candidates(Role.DECODE)
-        if not decode_ok.any():
+        if not table.count(Role.DECODE):
             return Decision(request.request_id, RejectReason.NO_DECODE_INSTANCE, cfg.min_retry_after_s)
+        prefill_ok, decode_ok = table.candidates(Role.PREFILL), table.candidates(Role.DECODE)
 
         prefill = self._choose_prefill(request, snapshot, now, prefill_ok)
         end = now + prefill.ttft_s
