@@ -11,8 +11,8 @@
    model as ``mooncake-jax demo`` does: a 512-token trace block becomes one 16-token engine block) through the real
    cluster, recording every token's time at the client.
 4. Simulate the same slice (same prompts' lengths and block ids, same instance counts, policy and cache size) on
-   the profile scaled by the probe, plus the probed per-request overhead, with the real instances' accounting (``REAL_INSTANCES``: KV pushed after
-   the prefill, first token released after the push).
+   the profile scaled by the probe, plus the probed per-request overhead, with the real instances' accounting
+   (``REAL_INSTANCES``: KV pushed after the prefill, first token released after the push).
 5. Report TTFT and TBT p50 / p90 of both side by side with their relative errors (goal <= 25%).
 
     python benchmarks/sim_to_real.py --json /tmp/sim_to_real.json

@@ -10,8 +10,9 @@ Per request, what a real cluster does, on the virtual clock:
    count), and takes the cost model's time for the rest. Its KV streams to the decode instance layer by layer
    during the prefill (the link is reserved from the start; the KV is there when both prefill and stream end), or
    is pushed after it (``SimConfig.release_timing``, the one accounting in ``conductor/accounting.py``).
-4. Prefill end: first token (or, released after the push, when the KV has arrived); the prompt's blocks enter the instance's cache (evictions and stores are reported
-   as KV events); ``prefill_done`` is reported, with the instance's queued work (a heartbeat).
+4. Prefill end: first token (or, released after the push, when the KV has arrived); the prompt's blocks enter
+   the instance's cache (evictions and stores are reported as KV events); ``prefill_done`` is reported, with the
+   instance's queued work (a heartbeat).
 5. KV arrival at decode: the decode side's own check (``decode_accepts``) may reject it *late*, wasting the
    prefill; otherwise it joins the continuous batch at the next iteration boundary (``batch.ContinuousBatch``)
    and ``decode_started`` / ``finished`` are reported, which feeds the Conductor's tracked decode time.
