@@ -120,9 +120,11 @@ class ConductorService(services.ConductorServicer):
         capacity = request.kv_capacity_tokens or None
         self._check_layout(request, role)
         with self.lock:
-            self.state.add_instance(request.instance_id, role, costs, self.clock(), request.address, capacity)
+            self.state.add_instance(request.instance_id, role, costs, self.clock(), request.address, capacity,
+                                    hardware=request.hardware or None)
             self.state.kv_reset(request.instance_id, request.dram_block_keys, request.ssd_block_keys)
-        log.info("registered %s instance %s at %s", role.name.lower(), request.instance_id, request.address)
+        log.info("registered %s instance %s at %s (%s)", role.name.lower(), request.instance_id, request.address,
+                 request.hardware or costs.hardware or costs.name)
         config = self.state.config
         return messages.RegisterReply(heartbeat_interval_s=self.heartbeat_interval_s,
                                       heartbeat_timeout_s=self.heartbeat_timeout_s, ttft_slo_s=config.ttft_slo_s,
@@ -227,7 +229,8 @@ class ConductorService(services.ConductorServicer):
                 reply.instances.add(
                     instance_id=instance_id, role=int(table.role[slot]), address=table.addresses[slot],
                     queued_s=max(0.0, table.queue_free_at[slot] - now), blocks=state.index.blocks_of(slot),
-                    decoding=int(batch[slot]), seconds_since_heartbeat=now - table.last_seen[slot])
+                    decoding=int(batch[slot]), seconds_since_heartbeat=now - table.last_seen[slot],
+                    hardware=table.hardware[slot])
         return reply
 
 

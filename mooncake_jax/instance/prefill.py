@@ -29,6 +29,7 @@ from ..model.engine import Engine
 from ..model.sequence import Sequence
 from ..transfer.messenger import BlocksNotFoundError, TransferError
 from ..blocks import BlockKey
+from ..conductor.accounting import prefill_work_s
 from ..transfer.offload import LayerwisePrefill, request_keys
 from ..engine.runner_loop import wait
 from .rpc import InstanceService, logprob_message, messages, rpc, sampling_params, validated
@@ -69,7 +70,8 @@ class PrefillService(InstanceService):
                 wait(inst.transfers.submit(self._fetch, request.fetch_from, list(request.fetch_keys)), timeout)
             staged = wait(inst.transfers.submit(self._stage_prefix, seq, keys), timeout)
             t_fetched = time.perf_counter()
-            predicted = inst.costs.prefill.seconds(len(seq.prompt), 0) if inst.costs else 0.0
+            cached = (staged[0] + len(staged[1])) * engine.block_size  # engine cache + staged pool blocks
+            predicted = prefill_work_s(inst.costs.prefill, len(seq.prompt), cached) if inst.costs else 0.0
             with self._lock:
                 self._queued_s += predicted
             try:
