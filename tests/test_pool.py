@@ -364,31 +364,25 @@ def test_remove_and_counters():
     assert (stats["hits"], stats["misses"], stats["stored"], stats["blocks"]) == (1, 1, 1, 0)
 
 
-class FailingWrites:
-    """A kvstore whose writes of chosen blocks fail when awaited, as a full disk's would."""
-
-    def __init__(self, store, failing_paths):
-        self.store, self.failing_paths = store, failing_paths
-
-    def write(self, path, value):
-        if path in self.failing_paths:
-            return types.SimpleNamespace(result=lambda: (_ for _ in ()).throw(ValueError("No space left on device")))
-        return self.store.write(path, value)
-
-    def __getattr__(self, name):
-        return getattr(self.store, name)
-
-
-def test_failed_write_is_an_error_and_leaves_no_trace(tmp_path):
+def test_failed_write_is_an_error_and_leaves_no_trace(tmp_path, monkeypatch):
     events = EventLog()
     pool = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path, on_event=events)
-    ssd = pool._tiers[0]
-    ssd._store = FailingWrites(ssd._store, {stored_file(tmp_path, 2).relative_to(tmp_path).as_posix()})
+    store = pool._tiers[0].store
+    write_file, failed = store._write_file, []
+
+    def failing(key, parts):
+        if key == 2 and not failed:
+            failed.append(key)
+            raise OSError("No space left on device")
+        write_file(key, parts)
+
+    monkeypatch.setattr(store, "_write_file", failing)
     with pytest.raises(OSError, match="block 0x0000000000000002 failed: No space left"):
-        pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])
-    assert pool.keys() == [1] and pool.get(2) is None and same_bits(pool.get(1), block_of(1))
-    assert events == [("stored", 1, "ssd"), ("stored", 2, "ssd"), ("removed", 2, "ssd")]
-    assert pool.put(3, block_of(3)) and same_bits(pool.get(3), block_of(3))
+        pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])  # 3 was in flight beside 2: stored
+    assert sorted(pool.keys()) == [1, 3] and pool.get(2) is None and same_bits(pool.get(1), block_of(1))
+    assert events == [("stored", 1, "ssd"), ("stored", 2, "ssd"), ("stored", 3, "ssd"), ("removed", 2, "ssd")]
+    assert not list(tmp_path.glob("*/*.partial"))  # the failed write left no file behind
+    assert pool.put(2, block_of(2)) and same_bits(pool.get(2), block_of(2))
 
 
 def test_closed_pool_refuses_reads_and_writes(tmp_path):
