@@ -9,7 +9,8 @@ import pytest
 
 from mooncake_jax.blocks import block_keys
 from mooncake_jax.transfer import BlockEvent, BlockPool, BlockSpec, EventKind, EvictionPolicy, PoolFullError
-from mooncake_jax.transfer.frame import DATA_OFFSET, PREFIX_BYTES, record_bytes
+from mooncake_jax.transfer.files import SLOTS_FILE
+from mooncake_jax.transfer.frame import DATA_OFFSET, PREFIX_BYTES, record_bytes, record_prefix
 
 SPEC = BlockSpec((2, 2, 4, 2, 8), np.float32)  # (layers, K/V, block_size, kv_heads, head_dim)
 
@@ -233,8 +234,10 @@ def test_ssd_survives_restart_and_refuses_another_spec(tmp_path):
     assert all(same_bits(reopened.get(k), block_of(k)) for k in (5, 6, 7))
     with pytest.raises(ValueError, match="holds blocks of float32"):
         BlockPool(BlockSpec((2, 2, 4, 2, 8), ml_dtypes.bfloat16), ssd_path=tmp_path)
-    smaller = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path, ssd_blocks=2)  # reopened with less room
-    assert len(smaller) == 2 and len(list(tmp_path.glob("*/*"))) == 2
+    reopened.close()
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path, ssd_blocks=2) as smaller:  # reopened with less room
+        assert len(smaller) == 2
+    assert len(BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path)) == 2  # the excess block is gone for good
     with pytest.raises(ValueError, match="not a directory"):
         BlockPool(SPEC, ssd_path=tmp_path / "spec.json")
 
@@ -259,9 +262,21 @@ def cancelling_bit_flips(raw: bytes) -> bytes:
     return raw[:DATA_OFFSET] + words.tobytes() + raw[DATA_OFFSET + 64 * 8 :]
 
 
-def stored_file(root, key):
-    name = f"{key:016x}"
-    return root / name[:2] / name
+def slot_of(root, key, spec=SPEC):
+    """Offset and bytes of ``key``'s record in the SSD tier's slot file (found by its wire prefix)."""
+    raw = (root / SLOTS_FILE).read_bytes()
+    stride = -(-record_bytes(spec) // 4096) * 4096
+    offset = next(at for at in range(0, len(raw), stride) if raw[at : at + PREFIX_BYTES] == record_prefix(spec, key))
+    return offset, raw[offset : offset + record_bytes(spec)]
+
+
+def rewrite_record(root, key, damage):
+    """Replace ``key``'s record in the slot file by ``damage(record)``; a shorter one cuts the file there."""
+    offset, record = slot_of(root, key)
+    raw = (root / SLOTS_FILE).read_bytes()
+    damaged = damage(record)
+    tail = raw[offset + len(record) :] if len(damaged) == len(record) else b""
+    (root / SLOTS_FILE).write_bytes(raw[:offset] + damaged + tail)
 
 
 @pytest.mark.parametrize(
@@ -280,14 +295,13 @@ def stored_file(root, key):
 )
 def test_damaged_file_is_a_counted_miss_never_garbage(tmp_path, damage):
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
-        pool.put_many([1, 2], [block_of(1), block_of(2)])
-    path = stored_file(tmp_path, 1)
-    path.write_bytes(damage(path.read_bytes()))
+        pool.put_many([2, 1], [block_of(2), block_of(1)])  # 1 in the last slot, so cutting the file spares 2
+    rewrite_record(tmp_path, 1, damage)
     events = EventLog()
     pool = BlockPool(SPEC, dram_blocks=4, ssd_path=tmp_path, on_event=events)
-    assert 1 in pool  # the index cannot know until the block is read
-    assert pool.get(1) is None
-    assert 1 not in pool and ("removed", 1, "ssd") in events
+    assert pool.get(1) is None and 1 not in pool
+    # a damaged head is found when the tier opens (its slot freed, never announced), damaged data when read
+    assert events in ([], [("removed", 1, "ssd")])
     assert pool.counters()["ssd"].corrupt == 1 and pool.counters()["ssd"].misses == 1
     assert same_bits(pool.get(2), block_of(2))
 
@@ -297,10 +311,8 @@ def test_a_record_of_an_older_format_is_dropped_as_stale_not_corrupt(tmp_path, c
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])
     for key in (1, 2):  # version 1 in the header (offset 4 of the frame)
-        path = stored_file(tmp_path, key)
-        raw = bytearray(path.read_bytes())
-        raw[PREFIX_BYTES + 4 : PREFIX_BYTES + 6] = (1).to_bytes(2, "little")
-        path.write_bytes(bytes(raw))
+        rewrite_record(tmp_path, key, lambda raw: raw[: PREFIX_BYTES + 4] + (1).to_bytes(2, "little")
+                       + raw[PREFIX_BYTES + 6 :])
     pool = BlockPool(SPEC, dram_blocks=4, ssd_path=tmp_path)
     with caplog.at_level("WARNING"):
         assert pool.get(1) is None and pool.get(2) is None
@@ -314,8 +326,10 @@ def test_a_record_of_an_older_format_is_dropped_as_stale_not_corrupt(tmp_path, c
 def test_block_filed_under_another_key_is_not_served(tmp_path):
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         pool.put_many([1, 2], [block_of(1), block_of(2)])
-    stored_file(tmp_path, 1).write_bytes(stored_file(tmp_path, 2).read_bytes())
-    assert BlockPool(SPEC, ssd_path=tmp_path).get(1) is None
+    rewrite_record(tmp_path, 1, lambda raw: slot_of(tmp_path, 2)[1])
+    reopened = BlockPool(SPEC, ssd_path=tmp_path)
+    assert reopened.get(1) is None and same_bits(reopened.get(2), block_of(2))
+    assert reopened.counters()["ssd"].corrupt == 1  # the second copy of 2 was freed
 
 
 def test_pinning_holds_under_eviction_pressure(tmp_path):
@@ -368,21 +382,22 @@ def test_failed_write_is_an_error_and_leaves_no_trace(tmp_path, monkeypatch):
     events = EventLog()
     pool = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path, on_event=events)
     store = pool._tiers[0].store
-    write_file, failed = store._write_file, []
+    write_slot, failed = store._write_slot, []
 
-    def failing(key, parts):
-        if key == 2 and not failed:
-            failed.append(key)
+    def failing(slot, parts):
+        if slot == 1 and not failed:  # block 2's
+            failed.append(slot)
             raise OSError("No space left on device")
-        write_file(key, parts)
+        write_slot(slot, parts)
 
-    monkeypatch.setattr(store, "_write_file", failing)
+    monkeypatch.setattr(store, "_write_slot", failing)
     with pytest.raises(OSError, match="block 0x0000000000000002 failed: No space left"):
         pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])  # 3 was in flight beside 2: stored
     assert sorted(pool.keys()) == [1, 3] and pool.get(2) is None and same_bits(pool.get(1), block_of(1))
     assert events == [("stored", 1, "ssd"), ("stored", 2, "ssd"), ("stored", 3, "ssd"), ("removed", 2, "ssd")]
-    assert not list(tmp_path.glob("*/*.partial"))  # the failed write left no file behind
     assert pool.put(2, block_of(2)) and same_bits(pool.get(2), block_of(2))
+    pool.close()
+    assert sorted(BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path).keys()) == [1, 2, 3]
 
 
 def test_closed_pool_refuses_reads_and_writes(tmp_path):
@@ -458,10 +473,11 @@ def test_writer_killed_mid_write_never_serves_a_torn_block(tmp_path):
     import time
 
     spec = BlockSpec((8, 2, 16, 4, 64), np.float32)
+    stride = -(-record_bytes(spec) // 4096) * 4096
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
     try:
         deadline = time.monotonic() + 30
-        while len(list(tmp_path.glob("*/*"))) < 20:
+        while not (tmp_path / SLOTS_FILE).exists() or (tmp_path / SLOTS_FILE).stat().st_size < 20 * stride:
             assert writer.poll() is None and time.monotonic() < deadline, "writer did not get going"
             time.sleep(0.02)
     finally:

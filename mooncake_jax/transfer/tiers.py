@@ -2,8 +2,8 @@
 
 The index (a set of keys, kept exact by this class) answers ``contains`` and prefix lookups without I/O; the store
 holds the records. DRAM is a ``SlotStore`` (records in reusable slots of preallocated host memory, ``slots.py``);
-SSD is a ``FileStore`` (one file per record in a directory, written behind the caller, ``files.py``), relisted on
-open so it survives a restart. A tier never evicts by itself: the pool decides, because eviction from DRAM means
+SSD is a ``FileStore`` (records in page-aligned slots of one file, written behind the caller, ``files.py``),
+rescanned on open so it survives a restart. A tier never evicts by itself: the pool decides, because eviction from DRAM means
 demotion to SSD.
 """
 
@@ -156,8 +156,10 @@ def file_tier(path: str | os.PathLike, spec: BlockSpec, capacity_blocks: int | N
         tmp.write_text(spec.to_json())
         tmp.replace(spec_path)
     store = FileStore(root, spec)
-    present = store.listed()
+    present = store.present
     excess = present[capacity_blocks:] if capacity_blocks is not None else []
     for key in excess:
         store.delete(key)
-    return Tier("ssd", store, capacity_blocks, policy, present[: len(present) - len(excess)])
+    tier = Tier("ssd", store, capacity_blocks, policy, present[: len(present) - len(excess)])
+    tier.counters.corrupt = store.corrupt_at_open
+    return tier
