@@ -11,7 +11,8 @@ import pytest
 
 from mooncake_jax.proto import channel_options
 from mooncake_jax.transfer import BlockPool, BlockSpec, EventKind
-from mooncake_jax.transfer.frame import PREFIX_BYTES, frame_bytes
+from mooncake_jax.transfer.files import SLOTS_FILE
+from mooncake_jax.transfer.frame import PREFIX_BYTES, frame_bytes, record_bytes, record_prefix
 from mooncake_jax.transfer.peer import PeerProcess
 from mooncake_jax.transfer.pieces import PIECE_BYTES, encode_piece, parse_piece
 from mooncake_jax.transfer.messenger import (
@@ -253,11 +254,12 @@ def test_bad_pushed_frames_are_refused(serve, bad, code, message, whole):
 
 def test_a_block_corrupt_at_the_sender_is_not_found_never_sent(serve, tmp_path):
     sender = filled_pool([1, 2, 3], dram_blocks=0, ssd_path=tmp_path)
-    name = f"{2:016x}"
-    path = tmp_path / name[:2] / name
+    sender.close()  # its writes are done; damage the end of block 2's data in the SSD tier's slot file
+    path = tmp_path / SLOTS_FILE
     damaged = bytearray(path.read_bytes())
-    damaged[-10] ^= 1
+    damaged[damaged.find(record_prefix(SPEC, 2)) + record_bytes(SPEC) - 10] ^= 1
     path.write_bytes(bytes(damaged))
+    sender = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path)
     server = serve(sender)
     receiver = BlockPool(SPEC)
     with MessengerClient(server.address, receiver) as client:

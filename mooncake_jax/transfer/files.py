@@ -37,6 +37,7 @@ from mooncake_jax.transfer.frame import (
     PREFIX_BYTES,
     CorruptBlockError,
     StaleFormatError,
+    check_digest,
     check_head,
     record_bytes,
     record_head,
@@ -126,6 +127,12 @@ class FileStore:
     def put_block(self, key: BlockKey, data: np.ndarray) -> None:
         """Store the block whose bytes are ``data`` (flat uint8, untouched until ``settle``)."""
         self.put(key, (record_head(self.spec, key, checksum(data)), data), owned=True)
+
+    def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
+                    expected: tuple[int, int]) -> None:
+        """Store a record whose data must hash to ``expected`` (checked before anything is written)."""
+        check_digest(key, expected, checksum(data))
+        self.put(key, (head, data), owned=True)
 
     def put(self, key: BlockKey, parts: Sequence[Buffer], owned: bool) -> None:
         """Store a record given as consecutive parts. ``owned``: the parts stay untouched until ``settle`` (else

@@ -35,6 +35,7 @@ from mooncake_jax.transfer.messenger_wire import (
 )
 from mooncake_jax.transfer.pieces import PIECE_BYTES, RecordAssembler, parse_piece, record_pieces
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
+from mooncake_jax.transfer.readahead import ReadAhead
 
 __all__ = [
     "BlocksNotFoundError",
@@ -185,14 +186,14 @@ class MessengerClient:
         def pieces() -> Iterator[bytes]:
             nonlocal sent_bytes
             fingerprint = self.pool.spec.fingerprint
-            for key in to_send:
-                record = self.pool.get_record(key, promote=False)
-                if record is None:  # failed its checksum here: end the stream cleanly, report after
-                    lost.append(key)
-                    return
-                yield from record_pieces(key, record, fingerprint)
-                sent.append(key)
-                sent_bytes += self.pool.frame_bytes
+            with ReadAhead(lambda key: self.pool.get_record(key, promote=False), to_send) as records:
+                for key, record in records:
+                    if record is None:  # failed its checksum here: end the stream cleanly, report after
+                        lost.append(key)
+                        return
+                    yield from record_pieces(key, record, fingerprint)
+                    sent.append(key)
+                    sent_bytes += self.pool.frame_bytes
 
         if to_send:
             with self.pool.pin(to_send):

@@ -28,6 +28,7 @@ from mooncake_jax.transfer.messenger_wire import (
 )
 from mooncake_jax.transfer.pieces import PIECE_BYTES, RecordAssembler, encode_piece, parse_piece, record_pieces
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
+from mooncake_jax.transfer.readahead import ReadAhead
 
 _MAX_PROBE_BYTES = 1 << 36
 
@@ -63,15 +64,15 @@ class _Servicer:
             if missing:
                 self._not_found(missing, context)
             fingerprint = self.pool.spec.fingerprint
-            for key in keys:
-                record = self.pool.get_record(key, promote=False)
-                if record is None:  # failed its checksum just now: gone from the pool
-                    self._not_found([key], context)
-                for piece in record_pieces(key, record, fingerprint):
-                    if not context.is_active():
-                        return
-                    yield piece
-                self.meter.add(blocks_sent=1, bytes_sent=self.pool.frame_bytes)
+            with ReadAhead(lambda key: self.pool.get_record(key, promote=False), keys) as records:
+                for key, record in records:
+                    if record is None:  # failed its checksum just now: gone from the pool
+                        self._not_found([key], context)
+                    for piece in record_pieces(key, record, fingerprint):
+                        if not context.is_active():
+                            return
+                        yield piece
+                    self.meter.add(blocks_sent=1, bytes_sent=self.pool.frame_bytes)
         self.meter.add(transfers=1, busy_s=time.perf_counter() - started)
 
     def Push(self, request_iterator, context):

@@ -23,10 +23,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from mooncake_jax.blocks import BlockKey, prefix_match
+from mooncake_jax.transfer.checksum import checksum
 from mooncake_jax.transfer.counters import TierCounters
 from mooncake_jax.transfer.events import BlockEvent, EventKind, EventListener
 from mooncake_jax.transfer.eviction import PolicyChoice, make_policy
-from mooncake_jax.transfer.frame import (VERSION, CorruptBlockError, StaleFormatError, check_digest,
+from mooncake_jax.transfer.frame import (DATA_OFFSET, VERSION, CorruptBlockError, StaleFormatError, check_digest,
                                          check_head, check_key, data_bytes, frame_bytes, record_bytes, verify)
 from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_tier
@@ -182,11 +183,17 @@ class BlockPool:
         key = check_key(key)
         if not isinstance(record, (bytes, bytearray)):
             raise ValueError(f"record must be bytes, got {type(record).__name__}")
-        verify(self.spec, key, record)
+        if len(record) != self.record_bytes:
+            raise CorruptBlockError(f"block {key:#018x}: record is {len(record)} bytes, expected {self.record_bytes}")
+        head = memoryview(record)[:DATA_OFFSET]
+        expected = check_head(self.spec, key, head)
+        data = np.frombuffer(record, np.uint8, offset=DATA_OFFSET)
         with self._operation():
             if self._touch(key):
+                check_digest(key, expected, checksum(data))
                 return False
-            self._insert(0, key, lambda tier: tier.write_record(key, (record,)))
+            # verified while it is copied in: a record that fails leaves nothing behind
+            self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected))
             return True
 
     def remove(self, key: BlockKey) -> bool:
@@ -388,11 +395,13 @@ class BlockPool:
             try:
                 if record is None:
                     raise CorruptBlockError(f"block {key:#018x}: lost from the {tier.name} tier")
+                # copied first (a DRAM record is a view of a slot a later write may reuse), then verified: the
+                # copy is still in cache, so the hash costs less than on the slot
+                record = bytes(record)
                 verify(self.spec, key, record)
             except CorruptBlockError as err:
                 self._bad_block(tier, key, err)
                 continue
-            record = bytes(record)  # a DRAM record is a view of a slot that a later write may reuse
             self._hit(level if promote else 0, tier, key, lambda t: t.write_record(key, (record,)))
             return record
         return None

@@ -20,7 +20,7 @@ import numpy as np
 
 from mooncake_jax.blocks import BlockKey
 from mooncake_jax.transfer.checksum import copy_with_checksum
-from mooncake_jax.transfer.frame import DATA_OFFSET, record_bytes, record_head
+from mooncake_jax.transfer.frame import DATA_OFFSET, CorruptBlockError, record_bytes, record_head
 from mooncake_jax.transfer.spec import BlockSpec
 
 PAGE_BYTES = 4096
@@ -65,6 +65,15 @@ class SlotStore:
         slot = self._slot_for(key)
         digest = copy_with_checksum(slot[DATA_OFFSET:], data)
         slot[:DATA_OFFSET] = np.frombuffer(record_head(self.spec, key, digest), np.uint8)
+
+    def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
+                    expected: tuple[int, int]) -> None:
+        """Store a record whose data must hash to ``expected``, verified while it is copied in (one pass)."""
+        slot = self._slot_for(key)
+        if copy_with_checksum(slot[DATA_OFFSET:], data) != expected:
+            self.delete(key)
+            raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
+        slot[:DATA_OFFSET] = np.frombuffer(head, np.uint8)
 
     def put(self, key: BlockKey, parts: Sequence[bytes | bytearray | memoryview | np.ndarray], owned: bool) -> None:
         """Store a record given as consecutive parts (already checksummed); copied at once, so ``owned`` is moot."""

@@ -102,6 +102,13 @@ class Tier:
         self.store.put(key, parts, owned)
         self._added(key)
 
+    def write_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
+                      expected: tuple[int, int]) -> None:
+        """Store a record (its checked ``head`` and ``data``, flat uint8) whose data must hash to ``expected``;
+        CorruptBlockError, and nothing stored, if it does not."""
+        self.store.put_checked(key, head, data, expected)
+        self._added(key)
+
     def _added(self, key: BlockKey) -> None:
         self._present.add(key)
         self.policy.inserted(key)
