@@ -24,6 +24,9 @@ Figures (issue 4, Measure):
   the way the Messenger reads (``messenger_raw_stream_ratio``), and in pieces of at most 2 MiB, the piece size
   before blocks travelled whole (``grpc_stream_2mib_gbps``: this machine's loopback moves 1.5 MiB messages faster
   than 3 MiB ones, but sending a block whole saves a copy at each end);
+* the same fetch and push over the device-native data plane (``data_plane="jax"``: records pulled as device
+  arrays with ``jax.experimental.transfer``, gRPC for control): ``jax_plane_fetch_gbps`` / ``jax_plane_push_gbps``
+  and their ratios to the bare gRPC stream;
 * layer-wise vs serialized prefill + store latency on the ``small`` preset, 1K to 16K-token prompts with half of
   their blocks already in the pool: ``layerwise_speedup`` = serialized / layer-wise time (best of the trials).
 
@@ -230,7 +233,8 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
     try:
         with MessengerClient(peer.address, source, timeout_s=300) as pusher, MessengerClient(
             peer.address, sink, timeout_s=300
-        ) as fetcher:
+        ) as fetcher, MessengerClient(peer.address, source, timeout_s=300, data_plane="jax") as jax_pusher, \
+                MessengerClient(peer.address, sink, timeout_s=300, data_plane="jax") as jax_fetcher:
 
             def fresh_keys() -> list[int]:
                 first = next(rounds) * n_blocks
@@ -238,16 +242,16 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
                 source.put_many(keys, [blocks[i % len(blocks)] for i in range(n_blocks)])
                 return keys
 
-            def push() -> float:
-                result = pusher.push(fresh_keys())
+            def push(client: MessengerClient = pusher) -> float:
+                result = client.push(fresh_keys())
                 assert len(result.moved) == n_blocks
                 return gbps(result.bytes, result.seconds)
 
-            def fetch() -> float:
-                keys = [key for key, held in zip(source.keys(), fetcher.has(source.keys())) if held]
+            def fetch(client: MessengerClient = fetcher) -> float:
+                keys = [key for key, held in zip(source.keys(), client.has(source.keys())) if held]
                 for key in sink.keys():
                     sink.remove(key)
-                result = fetcher.fetch(keys)
+                result = client.fetch(keys)
                 assert len(result.moved) == n_blocks
                 return gbps(result.bytes, result.seconds)
 
@@ -261,6 +265,8 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
                 "messenger_push_gbps": push,
                 "grpc_raw_stream_gbps": stream(same_pieces, parse=False),
                 "grpc_stream_2mib_gbps": stream(piece_bytes_for(source.frame_bytes, 2 << 20)),
+                "jax_plane_fetch_gbps": lambda: fetch(jax_fetcher),
+                "jax_plane_push_gbps": lambda: push(jax_pusher),
             }
             push()  # the peer holds blocks to fetch from now on
             for trial in trials.values():  # warm both processes' allocators and connections
@@ -337,6 +343,8 @@ def ratios(med: dict[str, float]) -> dict[str, float]:
         "messenger_ratio": ("messenger_fetch_gbps", "grpc_stream_gbps"),
         "messenger_push_ratio": ("messenger_push_gbps", "grpc_stream_gbps"),
         "messenger_raw_stream_ratio": ("messenger_fetch_gbps", "grpc_raw_stream_gbps"),
+        "jax_plane_fetch_ratio": ("jax_plane_fetch_gbps", "grpc_stream_gbps"),
+        "jax_plane_push_ratio": ("jax_plane_push_gbps", "grpc_stream_gbps"),
     }
     return {name: med[a] / med[b] for name, (a, b) in pairs.items() if a in med and b in med}
 
@@ -373,7 +381,9 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default") 
     for name in ("dram_put_ratio", "dram_get_ratio", "ssd_put_ratio", "ssd_get_ratio", "messenger_ratio",
                  "messenger_push_ratio"):
         results[name] = round(min(r[name] for r in sections if name in r), 3)
-    results["transfer_engine_gbps"] = results["block128"]["messenger_fetch_gbps"]["median"]
+    results["transfer_engine_gbps"] = results["block128"]["messenger_fetch_gbps"]["median"]  # the gRPC Messenger
+    results["jax_plane_fetch_gbps"] = results["block128"]["jax_plane_fetch_gbps"]["median"]
+    results["jax_plane_push_gbps"] = results["block128"]["jax_plane_push_gbps"]["median"]
     results["layerwise_speedup"] = results["layerwise_prefill"]["layerwise_speedup"] if layerwise != "skip" else None
     results["block_keys_ms_per_1k_tokens"] = results["block_keys"]["ms_per_1k_tokens_block16"]
     results["goals"] = {"dram_put_ratio": 0.6, "dram_get_ratio": 0.6, "ssd_put_ratio": 0.7, "ssd_get_ratio": 0.7,

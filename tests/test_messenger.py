@@ -361,3 +361,25 @@ def test_server_killed_midway_gives_an_error_and_only_whole_blocks(peer_process)
     stored = caught.value.stored
     assert 1 <= len(stored) < n_blocks and sorted(receiver.keys()) == sorted(stored)
     assert_exact(receiver, stored, BIG_SPEC)
+
+
+def test_device_data_plane_moves_the_same_blocks_with_grpc_for_control(serve):
+    """data_plane="jax": records travel as device arrays pulled with jax.experimental.transfer; the keys, the
+    skipping of held blocks, the verification and the errors are those of the gRPC data plane."""
+    a, b = filled_pool(range(6)), filled_pool(range(100, 103))
+    server_a, server_b = serve(a), serve(b)
+    with MessengerClient(server_a.address, b, data_plane="jax") as b_from_a, MessengerClient(
+        server_b.address, a, data_plane="jax"
+    ) as a_to_b:
+        fetched = b_from_a.fetch([0, 1, 2, 100])
+        assert fetched.moved == [0, 1, 2] and fetched.skipped == [100] and fetched.bytes == 3 * frame_bytes(SPEC)
+        assert_exact(b, [0, 1, 2])
+        pushed = a_to_b.push([3, 4, 0])
+        assert pushed.moved == [3, 4] and pushed.skipped == [0]
+        assert_exact(b, [3, 4])
+        with pytest.raises(BlocksNotFoundError) as caught:
+            b_from_a.fetch([5, 77])
+        assert caught.value.keys == [77] and 5 not in b
+        assert server_a.counters.blocks_sent == 3 and server_b.counters.blocks_received == 2
+    with pytest.raises(ValueError, match="data_plane must be one of grpc, jax"):
+        MessengerClient(server_a.address, b, data_plane="rdma")

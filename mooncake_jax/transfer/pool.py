@@ -174,15 +174,19 @@ class BlockPool:
                     stored += 1
         return stored
 
-    def put_record(self, key: BlockKey, record: bytes | bytearray) -> bool:
+    def put_record(self, key: BlockKey, record: bytes | bytearray | memoryview) -> bool:
         """Store a block's record (as received from a peer) after verifying it; False if already held.
 
         The pool keeps a copy, so the caller may reuse ``record``. A record that fails verification raises
         ``CorruptBlockError`` (a ValueError) and stores nothing.
         """
         key = check_key(key)
-        if not isinstance(record, (bytes, bytearray)):
+        if not isinstance(record, (bytes, bytearray, memoryview)):
             raise ValueError(f"record must be bytes, got {type(record).__name__}")
+        if isinstance(record, memoryview):
+            if not record.c_contiguous:
+                raise ValueError("record must be a contiguous buffer")
+            record = record.cast("B")
         if len(record) != self.record_bytes:
             raise CorruptBlockError(f"block {key:#018x}: record is {len(record)} bytes, expected {self.record_bytes}")
         head = memoryview(record)[:DATA_OFFSET]
