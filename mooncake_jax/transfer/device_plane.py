@@ -24,7 +24,12 @@ from collections.abc import Sequence
 import numpy as np
 
 PULL_BYTES = 256 << 20
-"""Most bytes offered or pulled as one array (JAX's transfer server moves at most this much per copy by default)."""
+"""Most bytes offered or pulled as one array."""
+COPY_BYTES = 1 << 20
+PARALLEL_COPIES = 8
+"""The transfer server cuts an array into copies of ``COPY_BYTES``, ``PARALLEL_COPIES`` in flight: on CPU loopback
+here 1 MiB copies moved 48 MiB arrays 2-5x faster than the default 256 MiB (0.4-0.7 against 0.07-0.2 GB/s, a
+loaded 2-core machine)."""
 
 
 class DevicePlane:
@@ -45,7 +50,8 @@ class DevicePlane:
 
                 self._device = jax.devices()[0]
                 self._server = transfer.start_transfer_server(
-                    self._device.client, f"{self.host}:0", [f"{self.host}:0"]
+                    self._device.client, f"{self.host}:0", [f"{self.host}:0"],
+                    max_num_parallel_copies=PARALLEL_COPIES, transfer_size=COPY_BYTES,
                 )
             return self._server
 
