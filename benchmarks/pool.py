@@ -352,6 +352,7 @@ def ratios(med: dict[str, float]) -> dict[str, float]:
 def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default") -> dict:
     """All sections; ``layerwise`` is ``"skip"``, ``"default"`` (1K and 2K tokens) or ``"full"`` (1K-16K)."""
     scale = 4 if quick else 1
+    started = time.perf_counter()
     results: dict = {"cpu_model": cpu_model(), "cpus": os.cpu_count(), "load_average_start": os.getloadavg(),
                      "block_keys": measure_block_keys()}
     for label, block_tokens, full_blocks in (("block128", 128, 96), ("block16", 16, 512)):
@@ -363,12 +364,14 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default") 
         section.update(measure_ssd(spec, blocks, n_ops=n_blocks, repeats=repeats, directory=directory))
         section.update(measure_messenger(spec, blocks, n_blocks=n_blocks, repeats=repeats))
         results[label] = section
+        section["seconds"] = round(time.perf_counter() - started, 1)
     spec = llama70b_spec()  # one 160 MiB block per call, as a 70B prefill hands over one 512-token block
     blocks = make_blocks(spec, 2)
     section = {"spec": spec.describe(), "block_bytes": spec.nbytes}
     section.update(measure_dram(spec, blocks, capacity=3, n_ops=6 // min(scale, 2), repeats=repeats, size=1))
     section.update(measure_ssd(spec, blocks, n_ops=4 // min(scale, 2), repeats=repeats, directory=directory, size=1))
     results["llama70b_block512"] = section
+    section["seconds"] = round(time.perf_counter() - started, 1)
     del blocks
     for label in ("block128", "block16", "llama70b_block512"):
         section = results[label]
@@ -389,6 +392,7 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default") 
     results["goals"] = {"dram_put_ratio": 0.6, "dram_get_ratio": 0.6, "ssd_put_ratio": 0.7, "ssd_get_ratio": 0.7,
                         "messenger_ratio": 0.85, "messenger_push_ratio": 0.85}
     results["load_average_end"] = os.getloadavg()
+    results["seconds"] = round(time.perf_counter() - started, 1)
     return results
 
 
