@@ -383,3 +383,27 @@ def test_device_data_plane_moves_the_same_blocks_with_grpc_for_control(serve):
         assert server_a.counters.blocks_sent == 3 and server_b.counters.blocks_received == 2
     with pytest.raises(ValueError, match="data_plane must be one of grpc, jax"):
         MessengerClient(server_a.address, b, data_plane="rdma")
+
+
+def test_read_ahead_keeps_order_raises_where_the_error_was_and_stops_early():
+    from mooncake_jax.transfer.readahead import ReadAhead
+
+    read = []
+
+    def record_of(key):
+        read.append(key)
+        if key == 4:
+            raise KeyError("block 4 is gone")
+        return key * 10
+
+    with ReadAhead(record_of, range(4), depth=2) as records:
+        assert list(records) == [(0, 0), (1, 10), (2, 20), (3, 30)]
+    got = []
+    with pytest.raises(KeyError, match="block 4 is gone"), ReadAhead(record_of, [3, 4, 5]) as records:
+        for key, value in records:
+            got.append(key)
+    assert got == [3] and 5 not in read  # nothing read past the failure
+    read.clear()
+    with ReadAhead(record_of, range(100, 200), depth=2) as records:
+        assert next(iter(records)) == (100, 1000)
+    assert len(read) <= 4  # the reader stopped: at most depth ahead of the consumer (plus the one in hand)

@@ -489,3 +489,75 @@ def test_writer_killed_mid_write_never_serves_a_torn_block(tmp_path):
     for key in keys:
         got = pool.get(key)
         assert got is None or same_bits(got, block_of(key, spec))
+
+
+def test_dram_slots_are_reused_not_reallocated():
+    pool = BlockPool(SPEC, dram_blocks=4)
+    for key in range(1, 21):
+        pool.put(key, block_of(key))
+    store = pool._tiers[0].store
+    assert store._allocated == 4 and len(store._slabs) == 1  # 20 puts, 16 evictions: the same 4 slots throughout
+    assert sorted(pool.keys()) == [17, 18, 19, 20] and all(same_bits(pool.get(k), block_of(k)) for k in pool.keys())
+
+
+def test_a_corrupt_record_from_a_peer_stores_nothing_and_frees_its_slot():
+    from mooncake_jax.transfer import CorruptBlockError
+    from mooncake_jax.transfer.frame import encode
+
+    pool = BlockPool(SPEC, dram_blocks=2)
+    pool.put(1, block_of(1))
+    record = bytearray(encode(SPEC, 2, block_of(2)))
+    record[DATA_OFFSET + 100] ^= 4
+    with pytest.raises(CorruptBlockError, match="checksum mismatch"):
+        pool.put_record(2, bytes(record))
+    assert 2 not in pool and pool.tier_of(1) == "dram"
+    assert pool.put_record(2, encode(SPEC, 2, block_of(2))) and pool.put(3, block_of(3))  # 2 slots, 1 evicted
+    assert pool._tiers[0].store._allocated == 2 and same_bits(pool.get(2), block_of(2))
+
+
+def test_ssd_slots_are_reused_and_a_removed_block_stays_removed(tmp_path):
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])
+        size = (tmp_path / SLOTS_FILE).stat().st_size
+        assert pool.remove(2)
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == [1, 3]  # its slot's head was zeroed: not listed again
+        pool.put(4, block_of(4))  # into the freed slot: the file does not grow
+        assert (tmp_path / SLOTS_FILE).stat().st_size == size
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == [1, 3, 4] and all(same_bits(pool.get(k), block_of(k)) for k in (1, 3, 4))
+
+
+def test_ssd_writes_in_flight_are_bounded(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    pool = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path)
+    store = pool._tiers[0].store
+    write_slot, running, most = store._write_slot, [0], [0]
+    lock = threading.Lock()
+
+    def slow(slot, parts):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], len(store._pending))
+        time.sleep(0.005)
+        write_slot(slot, parts)
+
+    monkeypatch.setattr(store, "_write_slot", slow)
+    keys = list(range(1, 3 * store.max_in_flight))
+    pool.put_many(keys, [block_of(k) for k in keys])
+    assert running[0] == len(keys) and most[0] <= store.max_in_flight and not store._pending
+    assert all(same_bits(pool.get(k), block_of(k)) for k in keys)
+
+
+@pytest.mark.parametrize("size", [1, 1000, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 3 * (1 << 20) + 5])
+def test_copy_with_checksum_copies_and_hashes_like_one_shot(size):
+    import xxhash
+
+    from mooncake_jax.transfer.checksum import copy_with_checksum
+
+    src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    high, low = copy_with_checksum(dst, src)
+    assert np.array_equal(dst, src) and (high << 64 | low) == xxhash.xxh3_128_intdigest(src.tobytes())

@@ -10,7 +10,8 @@ A write hands the kernel the record head and the caller's array as they are (``o
 aligned offset) on a writer thread, so hashing the next block overlaps the kernel's copy of this one; writes in
 flight are bounded (``max_in_flight``) and ``settle`` waits for all of them and reports failures. The pool settles
 at the end of every call, so buffers handed to a write stay untouched until it is done. A read lands chunk by chunk
-straight in the caller's staging buffer, each chunk hashed while in cache.
+straight in the caller's staging buffer, each chunk hashed while in cache; a batch read first asks the kernel to
+start reading all its records (``prefetch``), so the disk reads ahead while the blocks are copied and verified.
 
 Nothing is fsynced: the checksum in every record, not fsync, keeps a torn or lost write from being served. A freed
 slot has its head zeroed, so a restart does not bring its block back; on open every slot's head is read and
@@ -197,6 +198,19 @@ class FileStore:
             return os.pread(self._fd, self.record_bytes, slot * self.stride)
         except OSError:
             return None
+
+    def prefetch(self, keys: Sequence[BlockKey]) -> None:
+        """Ask the kernel to start reading these records from disk now (``POSIX_FADV_WILLNEED``), so the disk works
+        on the next blocks while this thread copies and verifies the current one; a hint, free when cached."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for key in keys:
+            slot = self._slot_of.get(key)
+            if slot is not None:
+                try:
+                    os.posix_fadvise(self._fd, slot * self.stride, self.record_bytes, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    return
 
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes, tuple[int, int]] | None:
         """Read the record's data straight into ``out`` (flat uint8), hashing each chunk as it lands; its head and

@@ -237,6 +237,8 @@ class BlockPool:
                 raise ValueError("out must be writable")
         blocks: list[np.ndarray | None] = []
         with self._operation():
+            for level, tier in enumerate(self._tiers):  # disk tiers read ahead of the copies
+                tier.prefetch([key for key in keys if not any(key in upper for upper in self._tiers[:level])])
             for i, key in enumerate(keys):
                 if out is not None:
                     block = out[i]

@@ -9,7 +9,8 @@ wire, so the Messenger sends a slot's bytes as they are.
 
 Slots live in slabs (one numpy array of many slots); a slab is allocated when no slot is free and kept for the
 life of the tier, so a warm pool writes into memory whose pages are already mapped (fresh pages cost more than the
-copy). A bounded tier allocates at most its capacity; each slot starts on a page boundary.
+copy). A bounded tier allocates at most its capacity; a slot starts on a page boundary (on a cache line for records under 64 KiB, so
+small blocks do not waste most of a page each).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from mooncake_jax.transfer.frame import DATA_OFFSET, CorruptBlockError, record_b
 from mooncake_jax.transfer.spec import BlockSpec
 
 PAGE_BYTES = 4096
+CACHE_LINE_BYTES = 64
 SLAB_BYTES = 256 << 20
 """Most bytes allocated at once when the tier grows (one slot if a record is larger)."""
 
@@ -34,7 +36,8 @@ class SlotStore:
     def __init__(self, spec: BlockSpec, capacity_blocks: int | None) -> None:
         self.spec = spec
         self.record_bytes = record_bytes(spec)
-        self._stride = -(-self.record_bytes // PAGE_BYTES) * PAGE_BYTES
+        align = PAGE_BYTES if self.record_bytes >= 16 * PAGE_BYTES else CACHE_LINE_BYTES
+        self._stride = -(-self.record_bytes // align) * align
         self._capacity = capacity_blocks
         self._allocated = 0
         self._slabs: list[np.ndarray] = []
@@ -99,6 +102,9 @@ class SlotStore:
             return None
         digest = copy_with_checksum(out, slot[DATA_OFFSET:])
         return memoryview(slot[:DATA_OFFSET]), digest
+
+    def prefetch(self, keys: Sequence[BlockKey]) -> None:
+        """Nothing to do: the records are in memory."""
 
     def delete(self, key: BlockKey) -> None:
         slot = self._slot_of.pop(key, None)

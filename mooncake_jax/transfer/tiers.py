@@ -91,6 +91,10 @@ class Tier:
             self.counters.bytes_read += out.size + len(found[0])
         return found
 
+    def prefetch(self, keys: Sequence[BlockKey]) -> None:
+        """Start bringing in the records of the ``keys`` this tier holds (a batch read is coming)."""
+        self.store.prefetch([key for key in keys if key in self._present])
+
     def write_block(self, key: BlockKey, data: np.ndarray) -> None:
         """Start storing the block whose bytes are ``data`` (flat uint8) under a key not yet in the tier."""
         self.store.put_block(key, data)
