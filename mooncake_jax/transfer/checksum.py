@@ -36,8 +36,12 @@ def copy_with_checksum(dst: np.ndarray, src: np.ndarray) -> tuple[int, int]:
     The copy and the hash go chunk by chunk, each chunk hashed from cache right after it is copied: one pass over
     memory instead of two, so a put or a verified get costs little more than the copy itself.
     """
-    hasher = xxhash.xxh3_128()
     n = dst.size
+    if n <= COPY_CHUNK_BYTES:  # one chunk: no streaming state to set up
+        np.copyto(dst, src)
+        digest = xxhash.xxh3_128_intdigest(dst)
+        return digest >> 64, digest & _LOW
+    hasher = xxhash.xxh3_128()
     for start in range(0, n, COPY_CHUNK_BYTES):
         chunk = dst[start : start + COPY_CHUNK_BYTES]
         np.copyto(chunk, src[start : start + COPY_CHUNK_BYTES])
