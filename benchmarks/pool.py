@@ -364,18 +364,19 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default") 
         section.update(measure_ssd(spec, blocks, n_ops=n_blocks, repeats=repeats, directory=directory))
         section.update(measure_messenger(spec, blocks, n_blocks=n_blocks, repeats=repeats))
         results[label] = section
-        section["seconds"] = round(time.perf_counter() - started, 1)
+        section["done_at_s"] = round(time.perf_counter() - started, 1)
     spec = llama70b_spec()  # one 160 MiB block per call, as a 70B prefill hands over one 512-token block
     blocks = make_blocks(spec, 2)
     section = {"spec": spec.describe(), "block_bytes": spec.nbytes}
     section.update(measure_dram(spec, blocks, capacity=3, n_ops=6 // min(scale, 2), repeats=repeats, size=1))
     section.update(measure_ssd(spec, blocks, n_ops=4 // min(scale, 2), repeats=repeats, directory=directory, size=1))
     results["llama70b_block512"] = section
-    section["seconds"] = round(time.perf_counter() - started, 1)
+    section["done_at_s"] = round(time.perf_counter() - started, 1)
     del blocks
     for label in ("block128", "block16", "llama70b_block512"):
         section = results[label]
-        section["ratios"] = ratios({k: v["median"] for k, v in section.items() if isinstance(v, dict) and "median" in v})
+        medians = {k: v["median"] for k, v in section.items() if isinstance(v, dict) and "median" in v}
+        section["ratios"] = ratios(medians)
     if layerwise != "skip":
         lengths = (1024, 2048) if layerwise == "default" else (1024, 2048, 4096, 8192, 16384)
         results["layerwise_prefill"] = measure_layerwise_prefill(lengths[:1] if quick else lengths,

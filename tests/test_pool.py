@@ -1,7 +1,6 @@
 """Block pool: exact round trips, eviction against brute-force models, tiers, pinning, events, bad input."""
 
 import random
-import types
 
 import ml_dtypes
 import numpy as np

@@ -3,8 +3,8 @@
 A **frame** is a fixed header (identity, length, checksum) then the raw data. A **record** is that frame behind
 the 64-byte protobuf encoding of a ``BlockPiece`` carrying it whole (key, frame length, spec fingerprint, zero
 padding to a fixed size, then the tag and length of the ``data`` field), so a record *is* the wire message of a
-one-piece transfer. The same bytes live in the DRAM tier, in the SSD tier's files and on the wire: a block is
-checksummed once when it enters a pool and verified wherever it is read, and a record moves between tiers and
+one-piece transfer. The same bytes live in the DRAM tier's slots, in the SSD tier's slot file and on the wire: a
+block is checksummed once when it enters a pool and verified wherever it is read, and a record moves between tiers and
 instances with no re-encoding (the Messenger sends the bytes a tier read returned, and stores the bytes gRPC
 handed it). Frames too large for one message travel in pieces and are reassembled into a record (``pieces.py``).
 

@@ -9,8 +9,8 @@ wire, so the Messenger sends a slot's bytes as they are.
 
 Slots live in slabs (one numpy array of many slots); a slab is allocated when no slot is free and kept for the
 life of the tier, so a warm pool writes into memory whose pages are already mapped (fresh pages cost more than the
-copy). A bounded tier allocates at most its capacity; a slot starts on a page boundary (on a cache line for records under 64 KiB, so
-small blocks do not waste most of a page each).
+copy). A bounded tier allocates at most its capacity; a slot starts on a page boundary (on a cache line for
+records under 64 KiB, so small blocks do not waste most of a page each).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class SlotStore:
         slot = self._slot_for(key)
         at = 0
         for part in parts:
-            flat = np.frombuffer(part, np.uint8) if not isinstance(part, np.ndarray) else part.reshape(-1).view(np.uint8)
+            flat = part.reshape(-1).view(np.uint8) if isinstance(part, np.ndarray) else np.frombuffer(part, np.uint8)
             slot[at : at + flat.size] = flat
             at += flat.size
         if at != self.record_bytes:
