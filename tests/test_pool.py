@@ -560,3 +560,21 @@ def test_copy_with_checksum_copies_and_hashes_like_one_shot(size):
     dst = np.zeros_like(src)
     high, low = copy_with_checksum(dst, src)
     assert np.array_equal(dst, src) and (high << 64 | low) == xxhash.xxh3_128_intdigest(src.tobytes())
+
+
+def test_blocks_in_the_file_per_block_layout_move_into_slots(tmp_path, caplog):
+    """An SSD directory written before slots (one file per record, same format) is migrated on open, once."""
+    from mooncake_jax.transfer.frame import encode
+
+    BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path).close()  # writes spec.json
+    for key in (1, 2, 0xAB00000000000003):
+        name = f"{key:016x}"
+        (tmp_path / name[:2]).mkdir(exist_ok=True)
+        (tmp_path / name[:2] / name).write_bytes(encode(SPEC, key, block_of(key)))
+    (tmp_path / "00" / f"{2:016x}").write_bytes(encode(SPEC, 9, block_of(9)))  # filed under the wrong key
+    with caplog.at_level("WARNING"), BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == [1, 0xAB00000000000003] and same_bits(pool.get(1), block_of(1))
+    assert sum("moved 2 blocks" in r.getMessage() and "dropped 1" in r.getMessage() for r in caplog.records) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [SLOTS_FILE, "spec.json"]
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert same_bits(pool.get(0xAB00000000000003), block_of(0xAB00000000000003)) and len(pool) == 2

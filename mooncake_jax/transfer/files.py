@@ -42,6 +42,7 @@ from mooncake_jax.transfer.frame import (
     check_head,
     record_bytes,
     record_head,
+    verify,
 )
 from mooncake_jax.transfer.spec import BlockSpec
 
@@ -84,6 +85,7 @@ class FileStore:
         self._failed: list[tuple[BlockKey, Exception]] = []
         self.corrupt_at_open = 0
         self.present = self._scan()
+        self.present += self._migrate_block_files()
 
     # ---- opening -----------------------------------------------------------------------------------------
 
@@ -112,6 +114,31 @@ class FileStore:
             self._slot_of[key] = slot
             present.append(key)
         return present
+
+    def _migrate_block_files(self) -> list[BlockKey]:
+        """Move the blocks of the layout before slots (one file per record, ``<root>/<2 hex>/<16 hex>``, the same
+        record format) into slots, with one log line; files that fail verification are dropped."""
+        moved, dropped = [], 0
+        for fan_out in sorted(self.root.glob("[0-9a-f][0-9a-f]")):
+            if not fan_out.is_dir():
+                continue
+            for path in sorted(fan_out.iterdir()):
+                try:
+                    key = int(path.name, 16) if len(path.name) == 16 else None
+                    if key is not None and key not in self._slot_of:
+                        record = path.read_bytes()
+                        verify(self.spec, key, record)
+                        self.put(key, (record,), owned=False)
+                        moved.append(key)
+                except (ValueError, OSError):  # not a record, or a damaged or stale one: a miss either way
+                    dropped += 1
+                path.unlink(missing_ok=True)
+            fan_out.rmdir()
+        failed = {key for key, _ in self.settle()}
+        if moved or dropped:
+            log.warning("ssd tier: moved %d blocks from one file each into %s, dropped %d that failed their checks",
+                        len(moved) - len(failed), self.path, dropped + len(failed))
+        return [key for key in moved if key not in failed]
 
     # ---- writes ------------------------------------------------------------------------------------------
 
