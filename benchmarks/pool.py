@@ -1,6 +1,12 @@
 """KVCache pool and Messenger throughput against this machine's physical baselines, measured in the same run.
 
-    python benchmarks/pool.py --json /tmp/pool.json [--quick] [--skip-layerwise]
+    python benchmarks/pool.py --json /tmp/pool.json [--quick] [--skip-layerwise | --full-layerwise]
+
+The default run finishes within 10 minutes on 2 cores (the layer-wise section on 1K and 2K-token prompts; the
+1K-16K sweep behind ``--full-layerwise``). The headline figures are flat at the top level of the JSON
+(``dram_put_ratio``, ``dram_get_ratio``, ``ssd_put_ratio``, ``ssd_get_ratio``, ``messenger_ratio``,
+``messenger_push_ratio``, ``transfer_engine_gbps``, ``layerwise_speedup``), with the CPU model and load average;
+a DRAM or SSD ratio there is the worst over the block sizes measured (the goal holds for each).
 
 Figures (issue 4, Measure):
 * block keys: milliseconds per 1000 tokens for a 128K-token prompt;
@@ -8,8 +14,9 @@ Figures (issue 4, Measure):
   steady state (the pool full, every put evicting), in batches of 16 blocks (``put_many``, and ``get_many`` into
   a reused staging buffer as an engine feeding a device would): ``dram_put_ratio`` / ``dram_get_ratio``
   (goal >= 0.3);
-* raw sequential file-write GB/s (one file, no fsync, same bytes and directory) and the SSD tier's put GB/s
-  (an SSD-only pool, ``put_many`` of 16): ``ssd_put_ratio`` (goal >= 0.5);
+* raw sequential file-write and -read GB/s (one file, no fsync, same bytes and directory; read into a reused
+  buffer) and the SSD tier's put and get GB/s (an SSD-only pool, ``put_many`` of 16 until every write is done,
+  ``get_many`` of 16 into a staging buffer): ``ssd_put_ratio`` / ``ssd_get_ratio`` (goal >= 0.7);
 * Messenger GB/s between two processes on loopback (a fetch into an empty DRAM pool; a push) and a bare gRPC
   stream of the same bytes in the same message sizes from the same peer process and connection (its Probe
   RPC, one prebuilt message sent again and again, read as protobuf ``BlockPiece`` messages):
@@ -17,13 +24,17 @@ Figures (issue 4, Measure):
   the way the Messenger reads (``messenger_raw_stream_ratio``), and in pieces of at most 2 MiB, the piece size
   before blocks travelled whole (``grpc_stream_2mib_gbps``: this machine's loopback moves 1.5 MiB messages faster
   than 3 MiB ones, but sending a block whole saves a copy at each end);
+* the same fetch and push over the device-native data plane (``data_plane="jax"``: records pulled as device
+  arrays with ``jax.experimental.transfer``, gRPC for control): ``jax_plane_fetch_gbps`` / ``jax_plane_push_gbps``
+  and their ratios to the bare gRPC stream;
 * layer-wise vs serialized prefill + store latency on the ``small`` preset, 1K to 16K-token prompts with half of
   their blocks already in the pool: ``layerwise_speedup`` = serialized / layer-wise time (best of the trials).
 
 Each figure and its baseline are measured alternately ``--repeats`` times and reported as medians (the machine
 is shared, single trials are noisy), with every trial kept in the JSON. Blocks have the ``small`` preset's
-geometry (12 layers, K and V, 4 KV heads, head_dim 64, float32) at 128 tokens per block (3 MiB, the headline)
-and at the engine's 16 tokens per block (384 KiB, where per-call overhead shows).
+geometry (12 layers, K and V, 4 KV heads, head_dim 64, float32) at 128 tokens per block (3 MiB)
+and at the engine's 16 tokens per block (384 KiB, where per-call overhead shows); the DRAM and SSD tiers also with
+one 512-token block of the llama2-70b shape (80 layers, 8 KV heads, head_dim 128, bfloat16: 160 MiB).
 """
 
 from __future__ import annotations
@@ -33,12 +44,16 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cpu_model  # noqa: E402
 
 from mooncake_jax.blocks import block_keys
 from mooncake_jax.transfer import BlockPool, BlockSpec
@@ -54,9 +69,14 @@ def small_spec(block_tokens: int) -> BlockSpec:
     return BlockSpec((SMALL_LAYERS, 2, block_tokens, SMALL_KV_HEADS, SMALL_HEAD_DIM), np.float32)
 
 
+def llama70b_spec() -> BlockSpec:
+    return BlockSpec((80, 2, 512, 8, 128), "bfloat16")
+
+
 def make_blocks(spec: BlockSpec, count: int) -> list[np.ndarray]:
     rng = np.random.default_rng(0)
-    return [rng.random(spec.shape, dtype=np.float32) for _ in range(count)]
+    return [rng.integers(0, 1 << 16, spec.nbytes // 2, dtype=np.uint16).view(spec.dtype).reshape(spec.shape)
+            for _ in range(count)]
 
 
 def gbps(n_bytes: int, seconds: float) -> float:
@@ -73,9 +93,9 @@ def each(n: int, op: Callable[[int], object]) -> Callable[[], None]:
     return loop
 
 
-def batch(keys: list[int], blocks: list[np.ndarray], index: int) -> tuple[list[int], list[np.ndarray]]:
-    """Batch ``index`` of ``BATCH`` keys, with blocks cycling through ``blocks``."""
-    span = range(index * BATCH, (index + 1) * BATCH)
+def batch(keys: list[int], blocks: list[np.ndarray], index: int, size: int = BATCH) -> tuple[list[int], list]:
+    """Batch ``index`` of ``size`` keys, with blocks cycling through ``blocks``."""
+    span = range(index * size, (index + 1) * size)
     return [keys[i % len(keys)] for i in span], [blocks[i % len(blocks)] for i in span]
 
 
@@ -109,7 +129,8 @@ def measure_block_keys() -> dict:
 # ---- DRAM tier vs memcpy --------------------------------------------------------------------------------
 
 
-def measure_dram(spec: BlockSpec, blocks: list[np.ndarray], capacity: int, n_ops: int, repeats: int) -> dict:
+def measure_dram(spec: BlockSpec, blocks: list[np.ndarray], capacity: int, n_ops: int, repeats: int,
+                 size: int = BATCH) -> dict:
     """Steady state: the pool is filled first, so every measured put evicts one block and reuses its memory."""
     slots = [np.empty_like(blocks[0]) for _ in range(capacity)]
     for slot in slots:
@@ -125,25 +146,44 @@ def measure_dram(spec: BlockSpec, blocks: list[np.ndarray], capacity: int, n_ops
 
     def put() -> float:
         keys = [next(next_key) for _ in range(n_ops)]
-        return gbps(n_bytes, timed(each(n_ops // BATCH, lambda b: pool.put_many(*batch(keys, blocks, b)))))
+        return gbps(n_bytes, timed(each(n_ops // size, lambda b: pool.put_many(*batch(keys, blocks, b, size)))))
 
-    staging = np.empty((BATCH, *spec.shape), spec.dtype)
+    staging = np.empty((size, *spec.shape), spec.dtype)
     staging.fill(1)
 
     def get() -> float:  # into a reused staging buffer, as an engine feeding a device would
         held = pool.keys()
-        return gbps(n_bytes, timed(each(n_ops // BATCH, lambda b: pool.get_many(batch(held, blocks, b)[0], staging))))
+        return gbps(n_bytes, timed(each(n_ops // size, lambda b: pool.get_many(batch(held, blocks, b, size)[0],
+                                                                                 staging))))
 
     figures = alternate(repeats, memcpy_gbps=memcpy, dram_put_gbps=put, dram_get_gbps=get)
     assert pool.counters()["dram"].corrupt == 0 and pool.counters()["dram"].evictions >= n_ops
+    pool.close()
     return figures
 
 
 # ---- SSD tier vs raw file writes ------------------------------------------------------------------------
 
 
-def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: int, directory: Path) -> dict:
+def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: int, directory: Path,
+                size: int = BATCH) -> dict:
     n_bytes = n_ops * spec.nbytes
+    read_buffer = np.ones((size, spec.nbytes), np.uint8)  # as large as the tier's staging buffer
+
+    def raw_read() -> float:  # the same bytes as one file, written just before (in the page cache, as the tier's)
+        path = directory / "raw-read.bin"
+        with open(path, "wb") as out:
+            for i in range(n_ops):
+                out.write(blocks[i % len(blocks)])
+
+        def read() -> None:
+            with open(path, "rb", buffering=0) as source:
+                for i in range(n_ops):
+                    source.readinto(read_buffer[i % size])
+
+        seconds = timed(read)
+        path.unlink()
+        return gbps(n_bytes, seconds)
 
     def raw_write() -> float:
         path = directory / "raw.bin"
@@ -161,7 +201,7 @@ def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: 
         root = directory / "ssd"
         pool = BlockPool(spec, dram_blocks=0, ssd_path=root)
         keys = list(range(n_ops))
-        seconds = timed(each(n_ops // BATCH, lambda b: pool.put_many(*batch(keys, blocks, b))))
+        seconds = timed(each(n_ops // size, lambda b: pool.put_many(*batch(keys, blocks, b, size))))
         pool.close()
         shutil.rmtree(root)
         return gbps(n_bytes, seconds)
@@ -170,14 +210,14 @@ def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: 
         root = directory / "ssd-read"
         pool = BlockPool(spec, dram_blocks=0, ssd_path=root)
         pool.put_many(range(n_ops), [blocks[i % len(blocks)] for i in range(n_ops)])
-        staging = np.ones((BATCH, *spec.shape), spec.dtype)
-        seconds = timed(each(n_ops // BATCH, lambda b: pool.get_many(range(b * BATCH, (b + 1) * BATCH), staging)))
+        staging = np.ones((size, *spec.shape), spec.dtype)
+        seconds = timed(each(n_ops // size, lambda b: pool.get_many(range(b * size, (b + 1) * size), staging)))
         pool.close()
         shutil.rmtree(root)
         return gbps(n_bytes, seconds)
 
     raw_write()  # the first write to a fresh filesystem area is slow for everyone: do not measure it
-    return alternate(repeats, raw_write_gbps=raw_write, ssd_put_gbps=put, ssd_get_gbps=get)
+    return alternate(repeats, raw_write_gbps=raw_write, ssd_put_gbps=put, raw_read_gbps=raw_read, ssd_get_gbps=get)
 
 
 # ---- Messenger between two processes vs a bare gRPC stream ----------------------------------------------
@@ -193,7 +233,8 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
     try:
         with MessengerClient(peer.address, source, timeout_s=300) as pusher, MessengerClient(
             peer.address, sink, timeout_s=300
-        ) as fetcher:
+        ) as fetcher, MessengerClient(peer.address, source, timeout_s=300, data_plane="jax") as jax_pusher, \
+                MessengerClient(peer.address, sink, timeout_s=300, data_plane="jax") as jax_fetcher:
 
             def fresh_keys() -> list[int]:
                 first = next(rounds) * n_blocks
@@ -201,16 +242,16 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
                 source.put_many(keys, [blocks[i % len(blocks)] for i in range(n_blocks)])
                 return keys
 
-            def push() -> float:
-                result = pusher.push(fresh_keys())
+            def push(client: MessengerClient = pusher) -> float:
+                result = client.push(fresh_keys())
                 assert len(result.moved) == n_blocks
                 return gbps(result.bytes, result.seconds)
 
-            def fetch() -> float:
-                keys = [key for key, held in zip(source.keys(), fetcher.has(source.keys())) if held]
+            def fetch(client: MessengerClient = fetcher) -> float:
+                keys = [key for key, held in zip(source.keys(), client.has(source.keys())) if held]
                 for key in sink.keys():
                     sink.remove(key)
-                result = fetcher.fetch(keys)
+                result = client.fetch(keys)
                 assert len(result.moved) == n_blocks
                 return gbps(result.bytes, result.seconds)
 
@@ -224,6 +265,8 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
                 "messenger_push_gbps": push,
                 "grpc_raw_stream_gbps": stream(same_pieces, parse=False),
                 "grpc_stream_2mib_gbps": stream(piece_bytes_for(source.frame_bytes, 2 << 20)),
+                "jax_plane_fetch_gbps": lambda: fetch(jax_fetcher),
+                "jax_plane_push_gbps": lambda: push(jax_pusher),
             }
             push()  # the peer holds blocks to fetch from now on
             for trial in trials.values():  # warm both processes' allocators and connections
@@ -290,9 +333,28 @@ def measure_layerwise_prefill(lengths: tuple[int, ...], repeats: int, prefix_fra
 # ---- main -----------------------------------------------------------------------------------------------
 
 
-def run(quick: bool, repeats: int, directory: Path, layerwise: bool = True) -> dict:
+def ratios(med: dict[str, float]) -> dict[str, float]:
+    """Each tier or transfer figure over its baseline, for the figures a section measured."""
+    pairs = {
+        "dram_put_ratio": ("dram_put_gbps", "memcpy_gbps"),
+        "dram_get_ratio": ("dram_get_gbps", "memcpy_gbps"),
+        "ssd_put_ratio": ("ssd_put_gbps", "raw_write_gbps"),
+        "ssd_get_ratio": ("ssd_get_gbps", "raw_read_gbps"),
+        "messenger_ratio": ("messenger_fetch_gbps", "grpc_stream_gbps"),
+        "messenger_push_ratio": ("messenger_push_gbps", "grpc_stream_gbps"),
+        "messenger_raw_stream_ratio": ("messenger_fetch_gbps", "grpc_raw_stream_gbps"),
+        "jax_plane_fetch_ratio": ("jax_plane_fetch_gbps", "grpc_stream_gbps"),
+        "jax_plane_push_ratio": ("jax_plane_push_gbps", "grpc_stream_gbps"),
+    }
+    return {name: med[a] / med[b] for name, (a, b) in pairs.items() if a in med and b in med}
+
+
+def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default") -> dict:
+    """All sections; ``layerwise`` is ``"skip"``, ``"default"`` (1K and 2K tokens) or ``"full"`` (1K-16K)."""
     scale = 4 if quick else 1
-    results: dict = {"machine": {"cpus": os.cpu_count()}, "block_keys": measure_block_keys()}
+    started = time.perf_counter()
+    results: dict = {"cpu_model": cpu_model(), "cpus": os.cpu_count(), "load_average_start": os.getloadavg(),
+                     "block_keys": measure_block_keys()}
     for label, block_tokens, full_blocks in (("block128", 128, 96), ("block16", 16, 512)):
         n_blocks = max(BATCH, full_blocks // scale // BATCH * BATCH)
         spec = small_spec(block_tokens)
@@ -301,26 +363,37 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: bool = True) -> d
         section.update(measure_dram(spec, blocks, capacity=n_blocks, n_ops=2 * n_blocks, repeats=repeats))
         section.update(measure_ssd(spec, blocks, n_ops=n_blocks, repeats=repeats, directory=directory))
         section.update(measure_messenger(spec, blocks, n_blocks=n_blocks, repeats=repeats))
-        med = {name: fig["median"] for name, fig in section.items() if isinstance(fig, dict) and "median" in fig}
-        section["ratios"] = {
-            "dram_put_ratio": med["dram_put_gbps"] / med["memcpy_gbps"],
-            "dram_get_ratio": med["dram_get_gbps"] / med["memcpy_gbps"],
-            "ssd_put_ratio": med["ssd_put_gbps"] / med["raw_write_gbps"],
-            "messenger_ratio": med["messenger_fetch_gbps"] / med["grpc_stream_gbps"],
-            "messenger_push_ratio": med["messenger_push_gbps"] / med["grpc_stream_gbps"],
-            "messenger_raw_stream_ratio": med["messenger_fetch_gbps"] / med["grpc_raw_stream_gbps"],
-        }
         results[label] = section
-    if layerwise:
-        lengths = (1024, 4096) if quick else (1024, 2048, 4096, 8192, 16384)
-        results["layerwise_prefill"] = measure_layerwise_prefill(lengths, repeats=1 if quick else 2)
-    headline = results["block128"]["ratios"]
-    results["summary"] = {
-        **{name: round(value, 3) for name, value in headline.items()},
-        "goals": {"dram_put_ratio": 0.3, "dram_get_ratio": 0.3, "ssd_put_ratio": 0.5, "messenger_ratio": 0.7},
-        "block_keys_ms_per_1k_tokens": results["block_keys"]["ms_per_1k_tokens_block16"],
-        "layerwise_speedup": results["layerwise_prefill"]["layerwise_speedup"] if layerwise else None,
-    }
+        section["done_at_s"] = round(time.perf_counter() - started, 1)
+    spec = llama70b_spec()  # one 160 MiB block per call, as a 70B prefill hands over one 512-token block
+    blocks = make_blocks(spec, 2)
+    section = {"spec": spec.describe(), "block_bytes": spec.nbytes}
+    section.update(measure_dram(spec, blocks, capacity=3, n_ops=6 // min(scale, 2), repeats=repeats, size=1))
+    section.update(measure_ssd(spec, blocks, n_ops=4 // min(scale, 2), repeats=repeats, directory=directory, size=1))
+    results["llama70b_block512"] = section
+    section["done_at_s"] = round(time.perf_counter() - started, 1)
+    del blocks
+    for label in ("block128", "block16", "llama70b_block512"):
+        section = results[label]
+        medians = {k: v["median"] for k, v in section.items() if isinstance(v, dict) and "median" in v}
+        section["ratios"] = ratios(medians)
+    if layerwise != "skip":
+        lengths = (1024, 2048) if layerwise == "default" else (1024, 2048, 4096, 8192, 16384)
+        results["layerwise_prefill"] = measure_layerwise_prefill(lengths[:1] if quick else lengths,
+                                                                 repeats=1 if quick or layerwise == "default" else 2)
+    sections = [results[label]["ratios"] for label in ("block128", "block16", "llama70b_block512")]
+    for name in ("dram_put_ratio", "dram_get_ratio", "ssd_put_ratio", "ssd_get_ratio", "messenger_ratio",
+                 "messenger_push_ratio"):
+        results[name] = round(min(r[name] for r in sections if name in r), 3)
+    results["transfer_engine_gbps"] = results["block128"]["messenger_fetch_gbps"]["median"]  # the gRPC Messenger
+    results["jax_plane_fetch_gbps"] = results["block128"]["jax_plane_fetch_gbps"]["median"]
+    results["jax_plane_push_gbps"] = results["block128"]["jax_plane_push_gbps"]["median"]
+    results["layerwise_speedup"] = results["layerwise_prefill"]["layerwise_speedup"] if layerwise != "skip" else None
+    results["block_keys_ms_per_1k_tokens"] = results["block_keys"]["ms_per_1k_tokens_block16"]
+    results["goals"] = {"dram_put_ratio": 0.6, "dram_get_ratio": 0.6, "ssd_put_ratio": 0.7, "ssd_get_ratio": 0.7,
+                        "messenger_ratio": 0.85, "messenger_push_ratio": 0.85}
+    results["load_average_end"] = os.getloadavg()
+    results["seconds"] = round(time.perf_counter() - started, 1)
     return results
 
 
@@ -329,20 +402,22 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--quick", action="store_true", help="a quarter of the data (a smoke run)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--skip-layerwise", action="store_true", help="leave out the (minutes-long) prefill section")
+    layerwise = parser.add_mutually_exclusive_group()
+    layerwise.add_argument("--skip-layerwise", action="store_true", help="leave out the layer-wise prefill section")
+    layerwise.add_argument("--full-layerwise", action="store_true", help="layer-wise prefill on 1K-16K tokens")
     parser.add_argument("--dir", type=Path, default=None, help="directory for SSD-tier files (default: a temp dir)")
     args = parser.parse_args()
+    mode = "skip" if args.skip_layerwise else "full" if args.full_layerwise else "default"
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
-        results = run(args.quick, args.repeats, Path(scratch), layerwise=not args.skip_layerwise)
+        results = run(args.quick, args.repeats, Path(scratch), layerwise=mode)
     text = json.dumps(results, indent=2)
     if args.json:
         args.json.write_text(text)
-    for label in ("block128", "block16"):
+    for label in ("block128", "block16", "llama70b_block512"):
         section = results[label]
         medians = {k: round(v["median"], 2) for k, v in section.items() if isinstance(v, dict) and "median" in v}
         print(label, section["spec"], medians, {k: round(v, 3) for k, v in section["ratios"].items()})
-    print("block keys", results["block_keys"])
-    print("summary", results["summary"])
+    print({k: v for k, v in results.items() if not isinstance(v, dict)})
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ import pytest
 
 from mooncake_jax.proto import channel_options
 from mooncake_jax.transfer import BlockPool, BlockSpec, EventKind
-from mooncake_jax.transfer.frame import PREFIX_BYTES, frame_bytes
+from mooncake_jax.transfer.files import SLOTS_FILE
+from mooncake_jax.transfer.frame import PREFIX_BYTES, frame_bytes, record_bytes, record_prefix
 from mooncake_jax.transfer.peer import PeerProcess
 from mooncake_jax.transfer.pieces import PIECE_BYTES, encode_piece, parse_piece
 from mooncake_jax.transfer.messenger import (
@@ -253,11 +254,12 @@ def test_bad_pushed_frames_are_refused(serve, bad, code, message, whole):
 
 def test_a_block_corrupt_at_the_sender_is_not_found_never_sent(serve, tmp_path):
     sender = filled_pool([1, 2, 3], dram_blocks=0, ssd_path=tmp_path)
-    name = f"{2:016x}"
-    path = tmp_path / name[:2] / name
+    sender.close()  # its writes are done; damage the end of block 2's data in the SSD tier's slot file
+    path = tmp_path / SLOTS_FILE
     damaged = bytearray(path.read_bytes())
-    damaged[-10] ^= 1
+    damaged[damaged.find(record_prefix(SPEC, 2)) + record_bytes(SPEC) - 10] ^= 1
     path.write_bytes(bytes(damaged))
+    sender = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path)
     server = serve(sender)
     receiver = BlockPool(SPEC)
     with MessengerClient(server.address, receiver) as client:
@@ -359,3 +361,49 @@ def test_server_killed_midway_gives_an_error_and_only_whole_blocks(peer_process)
     stored = caught.value.stored
     assert 1 <= len(stored) < n_blocks and sorted(receiver.keys()) == sorted(stored)
     assert_exact(receiver, stored, BIG_SPEC)
+
+
+def test_device_data_plane_moves_the_same_blocks_with_grpc_for_control(serve):
+    """data_plane="jax": records travel as device arrays pulled with jax.experimental.transfer; the keys, the
+    skipping of held blocks, the verification and the errors are those of the gRPC data plane."""
+    a, b = filled_pool(range(6)), filled_pool(range(100, 103))
+    server_a, server_b = serve(a), serve(b)
+    with MessengerClient(server_a.address, b, data_plane="jax") as b_from_a, MessengerClient(
+        server_b.address, a, data_plane="jax"
+    ) as a_to_b:
+        fetched = b_from_a.fetch([0, 1, 2, 100])
+        assert fetched.moved == [0, 1, 2] and fetched.skipped == [100] and fetched.bytes == 3 * frame_bytes(SPEC)
+        assert_exact(b, [0, 1, 2])
+        pushed = a_to_b.push([3, 4, 0])
+        assert pushed.moved == [3, 4] and pushed.skipped == [0]
+        assert_exact(b, [3, 4])
+        with pytest.raises(BlocksNotFoundError) as caught:
+            b_from_a.fetch([5, 77])
+        assert caught.value.keys == [77] and 5 not in b
+        assert server_a.counters.blocks_sent == 3 and server_b.counters.blocks_received == 2
+    with pytest.raises(ValueError, match="data_plane must be one of grpc, jax"):
+        MessengerClient(server_a.address, b, data_plane="rdma")
+
+
+def test_read_ahead_keeps_order_raises_where_the_error_was_and_stops_early():
+    from mooncake_jax.transfer.readahead import ReadAhead
+
+    read = []
+
+    def record_of(key):
+        read.append(key)
+        if key == 4:
+            raise KeyError("block 4 is gone")
+        return key * 10
+
+    with ReadAhead(record_of, range(4), depth=2) as records:
+        assert list(records) == [(0, 0), (1, 10), (2, 20), (3, 30)]
+    got = []
+    with pytest.raises(KeyError, match="block 4 is gone"), ReadAhead(record_of, [3, 4, 5]) as records:
+        for key, value in records:
+            got.append(key)
+    assert got == [3] and 5 not in read  # nothing read past the failure
+    read.clear()
+    with ReadAhead(record_of, range(100, 200), depth=2) as records:
+        assert next(iter(records)) == (100, 1000)
+    assert len(read) <= 4  # the reader stopped: at most depth ahead of the consumer (plus the one in hand)

@@ -1,7 +1,6 @@
 """Block pool: exact round trips, eviction against brute-force models, tiers, pinning, events, bad input."""
 
 import random
-import types
 
 import ml_dtypes
 import numpy as np
@@ -9,7 +8,8 @@ import pytest
 
 from mooncake_jax.blocks import block_keys
 from mooncake_jax.transfer import BlockEvent, BlockPool, BlockSpec, EventKind, EvictionPolicy, PoolFullError
-from mooncake_jax.transfer.frame import DATA_OFFSET, PREFIX_BYTES, record_bytes
+from mooncake_jax.transfer.files import SLOTS_FILE
+from mooncake_jax.transfer.frame import DATA_OFFSET, PREFIX_BYTES, record_bytes, record_prefix
 
 SPEC = BlockSpec((2, 2, 4, 2, 8), np.float32)  # (layers, K/V, block_size, kv_heads, head_dim)
 
@@ -233,8 +233,10 @@ def test_ssd_survives_restart_and_refuses_another_spec(tmp_path):
     assert all(same_bits(reopened.get(k), block_of(k)) for k in (5, 6, 7))
     with pytest.raises(ValueError, match="holds blocks of float32"):
         BlockPool(BlockSpec((2, 2, 4, 2, 8), ml_dtypes.bfloat16), ssd_path=tmp_path)
-    smaller = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path, ssd_blocks=2)  # reopened with less room
-    assert len(smaller) == 2 and len(list(tmp_path.glob("*/*"))) == 2
+    reopened.close()
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path, ssd_blocks=2) as smaller:  # reopened with less room
+        assert len(smaller) == 2
+    assert len(BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path)) == 2  # the excess block is gone for good
     with pytest.raises(ValueError, match="not a directory"):
         BlockPool(SPEC, ssd_path=tmp_path / "spec.json")
 
@@ -259,9 +261,21 @@ def cancelling_bit_flips(raw: bytes) -> bytes:
     return raw[:DATA_OFFSET] + words.tobytes() + raw[DATA_OFFSET + 64 * 8 :]
 
 
-def stored_file(root, key):
-    name = f"{key:016x}"
-    return root / name[:2] / name
+def slot_of(root, key, spec=SPEC):
+    """Offset and bytes of ``key``'s record in the SSD tier's slot file (found by its wire prefix)."""
+    raw = (root / SLOTS_FILE).read_bytes()
+    stride = -(-record_bytes(spec) // 4096) * 4096
+    offset = next(at for at in range(0, len(raw), stride) if raw[at : at + PREFIX_BYTES] == record_prefix(spec, key))
+    return offset, raw[offset : offset + record_bytes(spec)]
+
+
+def rewrite_record(root, key, damage):
+    """Replace ``key``'s record in the slot file by ``damage(record)``; a shorter one cuts the file there."""
+    offset, record = slot_of(root, key)
+    raw = (root / SLOTS_FILE).read_bytes()
+    damaged = damage(record)
+    tail = raw[offset + len(record) :] if len(damaged) == len(record) else b""
+    (root / SLOTS_FILE).write_bytes(raw[:offset] + damaged + tail)
 
 
 @pytest.mark.parametrize(
@@ -280,14 +294,13 @@ def stored_file(root, key):
 )
 def test_damaged_file_is_a_counted_miss_never_garbage(tmp_path, damage):
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
-        pool.put_many([1, 2], [block_of(1), block_of(2)])
-    path = stored_file(tmp_path, 1)
-    path.write_bytes(damage(path.read_bytes()))
+        pool.put_many([2, 1], [block_of(2), block_of(1)])  # 1 in the last slot, so cutting the file spares 2
+    rewrite_record(tmp_path, 1, damage)
     events = EventLog()
     pool = BlockPool(SPEC, dram_blocks=4, ssd_path=tmp_path, on_event=events)
-    assert 1 in pool  # the index cannot know until the block is read
-    assert pool.get(1) is None
-    assert 1 not in pool and ("removed", 1, "ssd") in events
+    assert pool.get(1) is None and 1 not in pool
+    # a damaged head is found when the tier opens (its slot freed, never announced), damaged data when read
+    assert events in ([], [("removed", 1, "ssd")])
     assert pool.counters()["ssd"].corrupt == 1 and pool.counters()["ssd"].misses == 1
     assert same_bits(pool.get(2), block_of(2))
 
@@ -297,10 +310,8 @@ def test_a_record_of_an_older_format_is_dropped_as_stale_not_corrupt(tmp_path, c
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])
     for key in (1, 2):  # version 1 in the header (offset 4 of the frame)
-        path = stored_file(tmp_path, key)
-        raw = bytearray(path.read_bytes())
-        raw[PREFIX_BYTES + 4 : PREFIX_BYTES + 6] = (1).to_bytes(2, "little")
-        path.write_bytes(bytes(raw))
+        rewrite_record(tmp_path, key, lambda raw: raw[: PREFIX_BYTES + 4] + (1).to_bytes(2, "little")
+                       + raw[PREFIX_BYTES + 6 :])
     pool = BlockPool(SPEC, dram_blocks=4, ssd_path=tmp_path)
     with caplog.at_level("WARNING"):
         assert pool.get(1) is None and pool.get(2) is None
@@ -314,8 +325,10 @@ def test_a_record_of_an_older_format_is_dropped_as_stale_not_corrupt(tmp_path, c
 def test_block_filed_under_another_key_is_not_served(tmp_path):
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         pool.put_many([1, 2], [block_of(1), block_of(2)])
-    stored_file(tmp_path, 1).write_bytes(stored_file(tmp_path, 2).read_bytes())
-    assert BlockPool(SPEC, ssd_path=tmp_path).get(1) is None
+    rewrite_record(tmp_path, 1, lambda raw: slot_of(tmp_path, 2)[1])
+    reopened = BlockPool(SPEC, ssd_path=tmp_path)
+    assert reopened.get(1) is None and same_bits(reopened.get(2), block_of(2))
+    assert reopened.counters()["ssd"].corrupt == 1  # the second copy of 2 was freed
 
 
 def test_pinning_holds_under_eviction_pressure(tmp_path):
@@ -364,31 +377,26 @@ def test_remove_and_counters():
     assert (stats["hits"], stats["misses"], stats["stored"], stats["blocks"]) == (1, 1, 1, 0)
 
 
-class FailingWrites:
-    """A kvstore whose writes of chosen blocks fail when awaited, as a full disk's would."""
-
-    def __init__(self, store, failing_paths):
-        self.store, self.failing_paths = store, failing_paths
-
-    def write(self, path, value):
-        if path in self.failing_paths:
-            return types.SimpleNamespace(result=lambda: (_ for _ in ()).throw(ValueError("No space left on device")))
-        return self.store.write(path, value)
-
-    def __getattr__(self, name):
-        return getattr(self.store, name)
-
-
-def test_failed_write_is_an_error_and_leaves_no_trace(tmp_path):
+def test_failed_write_is_an_error_and_leaves_no_trace(tmp_path, monkeypatch):
     events = EventLog()
     pool = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path, on_event=events)
-    ssd = pool._tiers[0]
-    ssd._store = FailingWrites(ssd._store, {stored_file(tmp_path, 2).relative_to(tmp_path).as_posix()})
+    store = pool._tiers[0].store
+    write_slot, failed = store._write_slot, []
+
+    def failing(slot, parts):
+        if slot == 1 and not failed:  # block 2's
+            failed.append(slot)
+            raise OSError("No space left on device")
+        write_slot(slot, parts)
+
+    monkeypatch.setattr(store, "_write_slot", failing)
     with pytest.raises(OSError, match="block 0x0000000000000002 failed: No space left"):
-        pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])
-    assert pool.keys() == [1] and pool.get(2) is None and same_bits(pool.get(1), block_of(1))
-    assert events == [("stored", 1, "ssd"), ("stored", 2, "ssd"), ("removed", 2, "ssd")]
-    assert pool.put(3, block_of(3)) and same_bits(pool.get(3), block_of(3))
+        pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])  # 3 was in flight beside 2: stored
+    assert sorted(pool.keys()) == [1, 3] and pool.get(2) is None and same_bits(pool.get(1), block_of(1))
+    assert events == [("stored", 1, "ssd"), ("stored", 2, "ssd"), ("stored", 3, "ssd"), ("removed", 2, "ssd")]
+    assert pool.put(2, block_of(2)) and same_bits(pool.get(2), block_of(2))
+    pool.close()
+    assert sorted(BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path).keys()) == [1, 2, 3]
 
 
 def test_closed_pool_refuses_reads_and_writes(tmp_path):
@@ -464,10 +472,11 @@ def test_writer_killed_mid_write_never_serves_a_torn_block(tmp_path):
     import time
 
     spec = BlockSpec((8, 2, 16, 4, 64), np.float32)
+    stride = -(-record_bytes(spec) // 4096) * 4096
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
     try:
         deadline = time.monotonic() + 30
-        while len(list(tmp_path.glob("*/*"))) < 20:
+        while not (tmp_path / SLOTS_FILE).exists() or (tmp_path / SLOTS_FILE).stat().st_size < 20 * stride:
             assert writer.poll() is None and time.monotonic() < deadline, "writer did not get going"
             time.sleep(0.02)
     finally:
@@ -479,3 +488,93 @@ def test_writer_killed_mid_write_never_serves_a_torn_block(tmp_path):
     for key in keys:
         got = pool.get(key)
         assert got is None or same_bits(got, block_of(key, spec))
+
+
+def test_dram_slots_are_reused_not_reallocated():
+    pool = BlockPool(SPEC, dram_blocks=4)
+    for key in range(1, 21):
+        pool.put(key, block_of(key))
+    store = pool._tiers[0].store
+    assert store._allocated == 4 and len(store._slabs) == 1  # 20 puts, 16 evictions: the same 4 slots throughout
+    assert sorted(pool.keys()) == [17, 18, 19, 20] and all(same_bits(pool.get(k), block_of(k)) for k in pool.keys())
+
+
+def test_a_corrupt_record_from_a_peer_stores_nothing_and_frees_its_slot():
+    from mooncake_jax.transfer import CorruptBlockError
+    from mooncake_jax.transfer.frame import encode
+
+    pool = BlockPool(SPEC, dram_blocks=2)
+    pool.put(1, block_of(1))
+    record = bytearray(encode(SPEC, 2, block_of(2)))
+    record[DATA_OFFSET + 100] ^= 4
+    with pytest.raises(CorruptBlockError, match="checksum mismatch"):
+        pool.put_record(2, bytes(record))
+    assert 2 not in pool and pool.tier_of(1) == "dram"
+    assert pool.put_record(2, encode(SPEC, 2, block_of(2))) and pool.put(3, block_of(3))  # 2 slots, 1 evicted
+    assert pool._tiers[0].store._allocated == 2 and same_bits(pool.get(2), block_of(2))
+
+
+def test_ssd_slots_are_reused_and_a_removed_block_stays_removed(tmp_path):
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])
+        size = (tmp_path / SLOTS_FILE).stat().st_size
+        assert pool.remove(2)
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == [1, 3]  # its slot's head was zeroed: not listed again
+        pool.put(4, block_of(4))  # into the freed slot: the file does not grow
+        assert (tmp_path / SLOTS_FILE).stat().st_size == size
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == [1, 3, 4] and all(same_bits(pool.get(k), block_of(k)) for k in (1, 3, 4))
+
+
+def test_ssd_writes_in_flight_are_bounded(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    pool = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path)
+    store = pool._tiers[0].store
+    write_slot, running, most = store._write_slot, [0], [0]
+    lock = threading.Lock()
+
+    def slow(slot, parts):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], len(store._pending))
+        time.sleep(0.005)
+        write_slot(slot, parts)
+
+    monkeypatch.setattr(store, "_write_slot", slow)
+    keys = list(range(1, 3 * store.max_in_flight))
+    pool.put_many(keys, [block_of(k) for k in keys])
+    assert running[0] == len(keys) and most[0] <= store.max_in_flight and not store._pending
+    assert all(same_bits(pool.get(k), block_of(k)) for k in keys)
+
+
+@pytest.mark.parametrize("size", [1, 1000, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 3 * (1 << 20) + 5])
+def test_copy_with_checksum_copies_and_hashes_like_one_shot(size):
+    import xxhash
+
+    from mooncake_jax.transfer.checksum import copy_with_checksum
+
+    src = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    high, low = copy_with_checksum(dst, src)
+    assert np.array_equal(dst, src) and (high << 64 | low) == xxhash.xxh3_128_intdigest(src.tobytes())
+
+
+def test_blocks_in_the_file_per_block_layout_move_into_slots(tmp_path, caplog):
+    """An SSD directory written before slots (one file per record, same format) is migrated on open, once."""
+    from mooncake_jax.transfer.frame import encode
+
+    BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path).close()  # writes spec.json
+    for key in (1, 2, 0xAB00000000000003):
+        name = f"{key:016x}"
+        (tmp_path / name[:2]).mkdir(exist_ok=True)
+        (tmp_path / name[:2] / name).write_bytes(encode(SPEC, key, block_of(key)))
+    (tmp_path / "00" / f"{2:016x}").write_bytes(encode(SPEC, 9, block_of(9)))  # filed under the wrong key
+    with caplog.at_level("WARNING"), BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == [1, 0xAB00000000000003] and same_bits(pool.get(1), block_of(1))
+    assert sum("moved 2 blocks" in r.getMessage() and "dropped 1" in r.getMessage() for r in caplog.records) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [SLOTS_FILE, "spec.json"]
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert same_bits(pool.get(0xAB00000000000003), block_of(0xAB00000000000003)) and len(pool) == 2

@@ -9,6 +9,7 @@ import pytest
 
 import mooncake_jax as mj
 from mooncake_jax.engine.kv_manager import KVCacheManager
+from mooncake_jax.instance.config import InstanceConfig
 from mooncake_jax.engine.scheduler import BatchFull, QueueFull, Scheduler
 from mooncake_jax.model.engine import Engine
 from mooncake_jax.model.kv_cache import OutOfPages
@@ -348,7 +349,7 @@ def test_decode_batch_keeps_stepping_while_another_requests_kv_is_fetched(llm):
     peer = _SlowMessenger(pool, blocks_by_key)
     instance = SimpleNamespace(engine=engine, pool=pool, loop=RunnerLoop(engine).start(),
                                transfers=TransferWorkers(2, 8), costs=None, link=None,
-                               config=SimpleNamespace(request_timeout_s=60, tbt_slo_s=1.0),
+                               config=SimpleNamespace(request_timeout_s=60),
                                messenger=lambda address: peer)
     service = DecodeService(instance)
     tokens = {0: [], 1: []}
@@ -421,7 +422,8 @@ def test_prefill_instance_reads_and_writes_the_pool_on_transfer_threads_only(llm
                                         dram_blocks=64))
     instance = SimpleNamespace(engine=engine, pool=pool, loop=RunnerLoop(engine, name="engine-thread").start(),
                                transfers=TransferWorkers(2, 8, name="transfer"), costs=None, link=None,
-                               config=SimpleNamespace(request_timeout_s=60, layerwise=False))
+                               config=SimpleNamespace(request_timeout_s=60, layerwise=False),
+                               kv_layout=InstanceConfig("prefill").kv_layout(engine.cfg))
     service = PrefillService(instance)
     (base,) = prompts([60], seed=12)
     second = base[:50] + prompts([9], seed=13)[0]

@@ -31,11 +31,15 @@ def children_of(pid: int) -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def served():
-    proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.cli", "serve", "--model", "tiny", "--prefill",
-                             "1", "--decode", "1", "--no-warmup", "--compile-cache", "none",
-                             "--served-model-name", SERVED_AS],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def served(tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.cli", "serve", "--model", "tiny", "--prefill",
+                                 "1", "--decode", "1", "--no-warmup", "--compile-cache", "none",
+                                 "--drain-grace-s", "3", "--log-dir", str(log.parent / "instances"),
+                                 "--served-model-name", SERVED_AS],
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    proc.log = log
     line = {}
     reader = threading.Thread(target=lambda: line.update(text=proc.stdout.readline()), daemon=True)
     reader.start()
@@ -107,8 +111,9 @@ def test_bad_http_input_gets_400_and_the_server_keeps_serving(served, expected):
         assert json.loads(r.read())["choices"][0]["token_ids"] == expected
 
 
-def test_health_turns_503_when_the_decode_instance_dies(served):
-    """Last but one (it kills the decode instance): /health and the gRPC health service say what is missing."""
+def test_health_turns_503_when_the_decode_instance_dies_and_serve_restarts_it(served, expected):
+    """Last but one (it kills the decode instance): a request gets 503 naming it (not 429), /health and the gRPC
+    health service say what is missing, and serve restarts the instance (the reason in its log)."""
     proc, grpc_port, http = served
     with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=30) as r:
         assert r.status == 200
@@ -116,6 +121,10 @@ def test_health_turns_503_when_the_decode_instance_dies(served):
               if b"--role\0decode" in open(f"/proc/{pid}/cmdline", "rb").read()]
     assert len(decode) == 1
     os.kill(decode[0], signal.SIGKILL)
+    time.sleep(0.3)
+    with pytest.raises(urllib.error.HTTPError) as err:  # the first call to it finds it dead: dropped at once
+        post(http, {"model": SERVED_AS, "prompt": PROMPT, "max_tokens": 3})
+    assert err.value.code == 503 and "decode" in json.loads(err.value.read())["error"]["message"]
 
     def health():
         try:
@@ -124,22 +133,38 @@ def test_health_turns_503_when_the_decode_instance_dies(served):
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
 
-    deadline = time.monotonic() + 60  # the Conductor drops an instance after missed heartbeats (3 s)
-    while health()[0] == 200 and time.monotonic() < deadline:
-        time.sleep(0.2)
     status, body = health()
     assert status == 503 and "no decode instance alive" in body["error"]["message"]
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
         check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    deadline = time.monotonic() + 240  # restarted after a backoff, then it starts as at first
+    while health()[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert health()[0] == 200
+    with post(http, {"model": SERVED_AS, "prompt": PROMPT, "max_tokens": 6, "ignore_eos": True}) as r:
+        assert json.loads(r.read())["choices"][0]["token_ids"] == expected
+    assert len(children_of(proc.pid)) == 2  # the dead one reaped, one new
+    text = proc.log.read_text()
+    assert "decode-0" in text and "killed by SIGKILL" in text and "restarted" in text
 
 
-def test_sigint_stops_everything(served):
-    proc, _, _ = served
+def test_sigterm_drains_and_stops_everything(served):
+    """SIGTERM: the open stream finishes within the grace or ends with an error event, then ``[DONE]``; serve
+    exits 0 with no traceback in its log and no instance left behind."""
+    proc, _, http = served
     instances = children_of(proc.pid)
     assert len(instances) == 2  # one prefill, one decode process
-    proc.send_signal(signal.SIGINT)
+    response = post(http, {"model": SERVED_AS, "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True,
+                           "stream": True})
+    lines = [response.readline().decode().strip()]
+    proc.send_signal(signal.SIGTERM)
+    lines += [raw.decode().strip() for raw in response if raw.strip()]
+    assert lines[0].startswith("data: ") and lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][len("data: "):])
+    assert "error" in last or last["choices"][0]["finish_reason"] == "length"
     assert proc.wait(60) == 0
+    assert "Traceback" not in proc.log.read_text()
     for pid in instances:
         try:
             os.waitpid(pid, os.WNOHANG)

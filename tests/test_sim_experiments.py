@@ -37,6 +37,12 @@ def test_each_experiment_writes_json_and_plots_on_a_slice(name, tmp_path):
         assert set(payload["at_2x"]["paper"]) == {"baseline", "early", "predictive"}
     if name == "pd-ratio":
         assert payload["best"]["llama2-70b"]["best_split"]
+    if name == "hetero":
+        v5e = payload["results"]["llama2-70b"]["tpu-v5e-8 prefill + tpu-v6e-8 decode"]
+        assert not v5e["fits"] and "tpu-v5e-8" in v5e["reason"]
+        a800 = payload["results"]["llama2-70b"]["all 8xA800"]
+        assert a800["fits"] and a800["cluster_cost_per_hour"] == 16 * HARDWARE["8xA800"].cost_per_hour
+        assert all(r["fits"] for r in payload["results"]["llama2-7b"].values())
     with pytest.raises(ValueError, match="unknown experiment"):
         run_experiment("fig99", tmp_path)
 
@@ -67,3 +73,38 @@ def test_whole_trace_on_sixteen_nodes_is_fast():
     summary = simulate("conversation", prefill=8, decode=8).summary
     assert summary["requests"] == summary["completed"] == 12031
     assert summary["wall_s"] < 30.0
+
+
+def test_mixed_pools_give_each_instance_its_own_costs_and_cost_per_token():
+    from mooncake_jax.sim.config import SimConfig
+    from mooncake_jax.sim.hardware import parse_pool
+
+    assert parse_pool("8xA800") == "8xA800"
+    assert parse_pool("8xH800*2,8xA800") == ("8xH800", "8xH800", "8xA800")
+    assert parse_pool("tpu-v6e-8*1") == ("tpu-v6e-8",)
+    for bad in ("8xH800*0", "8xH800*x", ",8xA800"):
+        with pytest.raises(ValueError, match="hardware"):
+            parse_pool(bad)
+    with pytest.raises(ValueError, match="prefill_hardware lists 2 instances' hardware for a pool of 3"):
+        SimConfig(prefill=3, decode=1, prefill_hardware=["8xH800", "8xA800"])
+    with pytest.raises(ValueError, match="8xB999"):
+        simulate(prefill=2, decode=1, first=5, prefill_hardware=["8xH800", "8xB999"])
+    config = SimConfig(prefill=3, decode=2, prefill_hardware=["8xH800", "8xA800", "8xH800"],
+                       decode_hardware="tpu-v6e-8")
+    prefill, decode = config.pool_costs()
+    assert [c.hardware for c in prefill] == ["8xH800", "8xA800", "8xH800"]
+    assert [c.hardware for c in decode] == ["tpu-v6e-8"] * 2
+    result = simulate(prefill=3, decode=2, first=300, prefill_hardware=["8xH800", "8xA800", "8xH800"],
+                      decode_hardware="tpu-v6e-8")
+    s = result.summary
+    hourly = 2 * HARDWARE["8xH800"].cost_per_hour + HARDWARE["8xA800"].cost_per_hour \
+        + 2 * HARDWARE["tpu-v6e-8"].cost_per_hour
+    assert s["cluster_cost_per_hour"] == pytest.approx(hourly)
+    done = [r for r in result.requests if r.status == "completed"]
+    tokens = sum(r.input_tokens + r.output_tokens for r in done)
+    assert s["completed_tokens"] == tokens
+    assert s["cost_per_million_tokens"] == pytest.approx(hourly * s["sim_duration_s"] / 3600 / tokens * 1e6)
+    assert result.config["prefill_hardware"] == ["8xH800", "8xA800", "8xH800"]
+    # the faster prefill instances take the requests while their queues are shorter: both kinds get work
+    by_node = {r.prefill_id for r in done}
+    assert by_node == {"p0", "p1", "p2"}

@@ -45,8 +45,8 @@ def prefill_seconds_in_prefix(coef, n_tokens) -> np.ndarray:
     candidate prefix into one small matrix product and a few array operations (the policy's hot path).
     """
     n = float(n_tokens)
-    basis = np.array([[1.0, n, n * n, 0.0], [0.0, -1.0, -2.0 * n, n], [0.0, 0.0, 1.0, -1.0]])
-    return basis @ coef
+    basis = np.array((1.0, n, n * n, 0.0, 0.0, -1.0, -2.0 * n, n, 0.0, 0.0, 1.0, -1.0)).reshape(3, 4)
+    return np.dot(basis, coef)
 
 
 def decode_step_seconds(coef, batch, context_tokens):
@@ -54,11 +54,26 @@ def decode_step_seconds(coef, batch, context_tokens):
     return coef[0] + coef[1] * batch + coef[2] * context_tokens
 
 
-def transfer_seconds(n_bytes: float, bytes_per_s: float, backlog_s: float = 0.0) -> float:
-    """Time until ``n_bytes`` have arrived: the sender's queued transfers first, then the bytes at line rate."""
-    if bytes_per_s <= 0:
+def transfer_seconds(n_bytes, bytes_per_s, backlog_s=0.0):
+    """Time until ``n_bytes`` have arrived over a link of ``bytes_per_s``: the link's queued transfers first
+    (``backlog_s``, never negative), then the bytes at line rate.
+
+    The one transfer-time formula of the system: the policy's fetch prediction, the cluster state's sender
+    backlog and the simulator's links all call it. Scalars or arrays (one entry per destination) broadcast.
+    """
+    if isinstance(bytes_per_s, np.ndarray):  # a table's link row: validated when each link was set
+        return np.maximum(backlog_s, 0.0) + n_bytes / bytes_per_s
+    if not bytes_per_s > 0:
         raise ValueError(f"bandwidth must be positive, got {bytes_per_s}")
-    return max(backlog_s, 0.0) + n_bytes / bytes_per_s
+    if np.ndim(backlog_s) == 0 and np.ndim(n_bytes) == 0:
+        return max(float(backlog_s), 0.0) + n_bytes / bytes_per_s
+    return np.maximum(backlog_s, 0.0) + np.divide(n_bytes, bytes_per_s)
+
+
+def link_bytes_per_s(sender_nic_bytes_per_s, receiver_nic_bytes_per_s):
+    """Default bandwidth of a sender -> receiver link: the slower of the two NICs (an explicit per-pair
+    figure, ``ClusterState.set_link``, overrides it)."""
+    return np.minimum(sender_nic_bytes_per_s, receiver_nic_bytes_per_s)
 
 
 def fast25_flops(n_tokens, prefix_tokens, layers: int, d_model: int, a: float = FAST25_A, b: float = FAST25_B):
@@ -117,6 +132,7 @@ class InstanceCosts:
 
     ``kv_capacity_tokens`` is the KV a decode instance can hold in device memory; ``nic_bytes_per_s`` bounds
     the transfers it sends and receives; ``cost_per_hour`` lets the simulator report cost per request.
+    ``hardware`` names the kind of hardware (``8xA800``, ``tpu-v5e-8``, or what a measured profile ran on).
     """
 
     name: str
@@ -126,6 +142,7 @@ class InstanceCosts:
     nic_bytes_per_s: float
     kv_capacity_tokens: int
     cost_per_hour: float = 0.0
+    hardware: str = ""
 
     def __post_init__(self):
         if self.kv_bytes_per_token <= 0 or self.nic_bytes_per_s <= 0:

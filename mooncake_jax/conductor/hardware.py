@@ -105,6 +105,7 @@ class HardwareProfile:
             nic_bytes_per_s=self.nic_bytes_per_s,
             kv_capacity_tokens=int(kv_memory // model.kv_bytes_per_token),
             cost_per_hour=self.cost_per_hour,
+            hardware=self.name,
         )
 
 

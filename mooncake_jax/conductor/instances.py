@@ -12,7 +12,7 @@ import enum
 
 import numpy as np
 
-from mooncake_jax.conductor.costs import InstanceCosts
+from mooncake_jax.conductor.costs import InstanceCosts, link_bytes_per_s
 
 
 class UnknownInstance(KeyError):
@@ -41,14 +41,19 @@ class InstanceTable:
     - ``prefill_coef`` (4 x capacity), ``decode_coef`` (3 x capacity): cost model coefficients per slot.
     - ``kv_bytes_per_token``, ``nic_bytes_per_s``, ``kv_capacity_tokens``: sizes and bandwidths per slot.
     - ``last_seen``: clock time of the instance's last heartbeat.
+    - ``link_bytes_per_s`` (capacity x capacity): bandwidth of each sender (row) -> receiver (column) link; the
+      slower NIC of the pair unless ``set_link`` gave the pair its own figure (same host, same rack, ...).
 
-    Plus ``ids``/``addresses``/``costs`` lists and ``slot_of`` (instance id -> slot).
+    Plus ``ids``/``addresses``/``costs``/``hardware`` lists and ``slot_of`` (instance id -> slot).
     """
 
     def __init__(self, capacity: int = 16):
         self.ids: list[str | None] = []
         self.addresses: list[str] = []
         self.costs: list[InstanceCosts | None] = []
+        self.hardware: list[str] = []
+        self.link_bytes_per_s = np.ones((0, 0))
+        self._link_overrides: dict[tuple[str, str], float] = {}
         self.slot_of: dict[str, int] = {}
         self.capacity = 0
         self._grow(capacity)
@@ -57,8 +62,9 @@ class InstanceTable:
         return len(self.slot_of)
 
     def add(self, instance_id: str, role: Role, costs: InstanceCosts, now: float, address: str = "",
-            kv_capacity_tokens: int | None = None) -> int:
-        """Register an instance in a free slot (the lowest one) and return the slot."""
+            kv_capacity_tokens: int | None = None, hardware: str | None = None) -> int:
+        """Register an instance in a free slot (the lowest one) and return the slot; ``hardware`` names its kind
+        (default: the one its costs name)."""
         if not instance_id:
             raise ValueError("instance id must be a non-empty string")
         if instance_id in self.slot_of:
@@ -71,6 +77,7 @@ class InstanceTable:
             free = np.flatnonzero(self.role == Role.FREE)
         slot = int(free[0])
         self.ids[slot], self.addresses[slot], self.costs[slot] = instance_id, address, costs
+        self.hardware[slot] = hardware or costs.hardware or costs.name
         self.slot_of[instance_id] = slot
         self.role[slot] = role
         self.queue_free_at[slot] = self.send_free_at[slot] = self.last_seen[slot] = now
@@ -82,14 +89,37 @@ class InstanceTable:
         if capacity < 0:
             raise ValueError(f"kv_capacity_tokens must be non-negative, got {capacity}")
         self.kv_capacity_tokens[slot] = capacity
+        self._refresh_links(slot)
         self._refresh_masks()
         return slot
+
+    def set_link(self, sender: str, receiver: str, bytes_per_s: float) -> None:
+        """Give the ``sender`` -> ``receiver`` link its own bandwidth (kept across re-registrations of either)."""
+        if not bytes_per_s > 0 or bytes_per_s == float("inf"):
+            raise ValueError(f"link bandwidth must be a positive finite number, got {bytes_per_s!r}")
+        self._link_overrides[(sender, receiver)] = float(bytes_per_s)
+        if sender in self.slot_of and receiver in self.slot_of:
+            self.link_bytes_per_s[self.slot_of[sender], self.slot_of[receiver]] = bytes_per_s
+
+    def link(self, sender: int, receiver: int) -> float:
+        """Bandwidth of the link between two slots, sender first."""
+        return float(self.link_bytes_per_s[sender, receiver])
+
+    def _refresh_links(self, slot: int) -> None:
+        """Row and column of a newly registered slot: the slower NIC of each pair, then the pairs' own figures."""
+        nic = self.nic_bytes_per_s
+        self.link_bytes_per_s[slot, :] = link_bytes_per_s(nic[slot], nic)
+        self.link_bytes_per_s[:, slot] = link_bytes_per_s(nic, nic[slot])
+        me = self.ids[slot]
+        for (sender, receiver), bandwidth in self._link_overrides.items():
+            if me in (sender, receiver) and sender in self.slot_of and receiver in self.slot_of:
+                self.link_bytes_per_s[self.slot_of[sender], self.slot_of[receiver]] = bandwidth
 
     def remove(self, instance_id: str) -> int:
         """Free an instance's slot; the caller purges what else refers to the slot first."""
         slot = self.slot(instance_id)
         del self.slot_of[instance_id]
-        self.ids[slot], self.addresses[slot], self.costs[slot] = None, "", None
+        self.ids[slot], self.addresses[slot], self.costs[slot], self.hardware[slot] = None, "", None, ""
         self.role[slot] = Role.FREE
         self.prefill_coef[:, slot] = 0
         self.decode_coef[:, slot] = 0
@@ -107,8 +137,19 @@ class InstanceTable:
         """Boolean mask of the slots that may take new work in ``role`` (kept up to date, not recomputed)."""
         return self._masks[role]
 
+    def count(self, role: Role) -> int:
+        """How many slots hold an instance of ``role``."""
+        return self._counts[role]
+
+    def barrier(self, role: Role) -> np.ndarray:
+        """0 on the slots of ``role``, +inf elsewhere: ``(score + barrier).argmin()`` picks among them with one
+        addition instead of a masked copy (the policy's hot path)."""
+        return self._barriers[role]
+
     def _refresh_masks(self) -> None:
         self._masks = {role: self.role == int(role) for role in (Role.PREFILL, Role.DECODE)}
+        self._barriers = {role: np.where(mask, 0.0, np.inf) for role, mask in self._masks.items()}
+        self._counts = {role: int(np.count_nonzero(mask)) for role, mask in self._masks.items()}
 
     def _grow(self, extra: int) -> None:
         for name, (rows, fill, dtype) in _COLUMNS.items():
@@ -118,6 +159,10 @@ class InstanceTable:
         self.ids.extend([None] * extra)
         self.addresses.extend([""] * extra)
         self.costs.extend([None] * extra)
+        self.hardware.extend([""] * extra)
+        links = np.ones((self.capacity + extra, self.capacity + extra))
+        links[: self.capacity, : self.capacity] = self.link_bytes_per_s
+        self.link_bytes_per_s = links
         self.capacity += extra
         self._refresh_masks()
 

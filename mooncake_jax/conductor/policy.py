@@ -33,7 +33,7 @@ import numpy as np
 from mooncake_jax.conductor import admission as adm
 from mooncake_jax.conductor.api import (Decision, PolicyConfig, RejectReason, Request, Snapshot, Strategy,
                                         Transfer, check_block_count)
-from mooncake_jax.conductor.costs import decode_step_seconds, prefill_seconds_in_prefix
+from mooncake_jax.conductor.costs import decode_step_seconds, prefill_seconds_in_prefix, transfer_seconds
 from mooncake_jax.conductor.instances import Role
 
 
@@ -56,12 +56,11 @@ class Policy:
         cfg = self.config
         check_block_count(request.block_keys, request.input_tokens, cfg.block_size, request.request_id)
         table = snapshot.instances
-        prefill_ok = table.candidates(Role.PREFILL)
-        if not prefill_ok.any():
+        if not table.count(Role.PREFILL):
             return Decision(request.request_id, RejectReason.NO_PREFILL_INSTANCE, cfg.min_retry_after_s)
-        decode_ok = table.candidates(Role.DECODE)
-        if not decode_ok.any():
+        if not table.count(Role.DECODE):
             return Decision(request.request_id, RejectReason.NO_DECODE_INSTANCE, cfg.min_retry_after_s)
+        prefill_ok, decode_ok = table.candidates(Role.PREFILL), table.candidates(Role.DECODE)
 
         prefill = self._choose_prefill(request, snapshot, now, prefill_ok)
         end = now + prefill.ttft_s
@@ -86,48 +85,56 @@ class Policy:
 
     def _choose_prefill(self, request: Request, snapshot: Snapshot, now: float,
                         candidates: np.ndarray) -> _PrefillChoice:
-        """The prefill instance and its predicted queue, compute, TTFT and transfer plan (step 1 and 2)."""
+        """The prefill instance and its predicted queue, compute, TTFT and transfer plan (step 1 and 2).
+
+        One array expression per quantity over all slots, each instance with its own coefficients and link: the
+        number of array operations per decision is fixed (about thirty) whatever the cluster size, and at a few
+        hundred slots their fixed cost, not their length, is the decision's time.
+        """
         cfg, table = self.config, snapshot.instances
         block, n = cfg.block_size, request.input_tokens
         keys = request.block_keys
         match = snapshot.index.match(keys) if keys else {}  # load-balance ignores it to choose, not to predict
-        own_blocks = np.zeros(table.capacity)
-        for slot, length in match.items():
-            own_blocks[slot] = length
         reusable = n - 1  # the last prompt token is always computed: it yields the first output token
         queue = np.maximum(table.queue_free_at - now, 0.0)
         a, b, c = prefill_seconds_in_prefix(table.prefill_coef, n)
-        own_tokens = np.minimum(own_blocks * block, reusable)
-        compute = a + own_tokens * (b + c * own_tokens)
-        ttft = queue + compute
+        if not match:
+            compute, own_blocks = a, None
+            ttft = queue + compute
+        else:
+            own_blocks = np.zeros(table.capacity)
+            own_blocks[np.fromiter(match, np.intp, len(match))] = np.fromiter(match.values(), float, len(match))
+            own_tokens = np.minimum(own_blocks * block, reusable)
+            compute = a + own_tokens * (b + c * own_tokens)
+            ttft = queue + compute
 
-        fetch = np.zeros(table.capacity, bool)
-        source, best_len, transfer_s, moved_bytes = None, 0, None, None
+        fetch, source, best_len = None, None, 0
         if cfg.strategy == Strategy.KVCACHE_CENTRIC and match:
             source, best_len = self._best_source(match, table)
             threshold = cfg.kvcache_balancing_threshold
-            fetch = (own_blocks < best_len) & (best_len > threshold * own_blocks)
-            if fetch.any():
-                moved_bytes = (best_len - own_blocks) * block * table.kv_bytes_per_token
-                bandwidth = np.minimum(table.nic_bytes_per_s, table.nic_bytes_per_s[source])
-                start_at = self._send_start(snapshot, source, keys[:best_len], own_blocks)
-                transfer_s = np.maximum(start_at - now, 0.0) + moved_bytes / bandwidth
-                best_tokens = min(best_len * block, reusable)
-                compute = np.where(fetch, a + best_tokens * (b + c * best_tokens), compute)
-                ttft = np.where(fetch, transfer_s + queue + compute, ttft)
+            # fetch when own < best and best / own > threshold (own 0: infinite ratio); for own >= 0 one
+            # comparison says both: with threshold >= 1 the second implies the first, below 1 the first the second
+            fetch = threshold * own_blocks < best_len if threshold >= 1 else own_blocks < best_len
+            moved_bytes = (best_len - own_blocks) * (block * table.kv_bytes_per_token)
+            start_at = self._send_start(snapshot, source, keys[:best_len], own_blocks)
+            transfer_s = transfer_seconds(moved_bytes, table.link_bytes_per_s[source], start_at - now)
+            best_tokens = min(best_len * block, reusable)
+            compute = np.where(fetch, a + best_tokens * (b + c * best_tokens), compute)
+            ttft = np.where(fetch, transfer_s + queue + compute, ttft)
 
         if cfg.strategy == Strategy.RANDOM:
             rng = random.Random(zlib.crc32(request.request_id.encode()) ^ cfg.seed)
             slot = int(rng.choice(np.flatnonzero(candidates)))
         else:
             score = queue if cfg.strategy == Strategy.LOAD_BALANCE else ttft
-            slot = int(np.argmin(np.where(candidates, score, np.inf)))
+            slot = int((score + table.barrier(Role.PREFILL)).argmin())
+        own = match.get(slot, 0)
         transfer = None
-        if fetch[slot]:
-            transfer = Transfer(table.ids[source], keys[int(own_blocks[slot]):best_len], float(moved_bytes[slot]),
+        if fetch is not None and fetch[slot]:
+            transfer = Transfer(table.ids[source], keys[own:best_len], float(moved_bytes[slot]),
                                 float(transfer_s[slot]))
         return _PrefillChoice(slot, float(queue[slot]), float(compute[slot]), float(ttft[slot]), transfer,
-                              best_len if fetch[slot] else int(own_blocks[slot]))
+                              best_len if transfer is not None else own)
 
     @staticmethod
     def _best_source(match: dict[int, int], table) -> tuple[int, int]:
@@ -136,8 +143,7 @@ class Policy:
         best = [slot for slot, length in match.items() if length == best_len]
         if len(best) == 1:
             return best[0], best_len
-        send_free_at = table.send_free_at[best]
-        return best[int(np.argmin(send_free_at))], best_len
+        return min(best, key=table.send_free_at.__getitem__), best_len  # the first of equals, as argmin
 
     @staticmethod
     def _send_start(snapshot: Snapshot, source: int, prefix: tuple[int, ...], own_blocks: np.ndarray):
@@ -147,7 +153,10 @@ class Policy:
         send_free_at = snapshot.instances.send_free_at[source]
         if not snapshot.index.has_pending(source):
             return send_free_at
-        ready = np.asarray(snapshot.index.ready_times(source, prefix))
+        ready = snapshot.index.ready_times(source, prefix)
+        if max(ready) <= send_free_at:  # all landed (or will have) before the source can send anyway
+            return send_free_at
+        ready = np.asarray(ready)
         latest_from = np.maximum.accumulate(ready[::-1])[::-1]  # [j]: latest landing among prefix[j:]
         first_missing = np.minimum(own_blocks, len(prefix) - 1).astype(np.intp)
         return np.maximum(send_free_at, latest_from[first_missing])
@@ -172,14 +181,15 @@ class Policy:
             seen_tbt = decode_step_seconds(coef, seen_batch + 1, seen_context + kv)
             ok = fits & (seen_tbt <= cfg.tbt_slo_s)
             if ok.any():
-                slot = int(np.argmin(np.where(ok, load, np.inf)))
+                slot = int(np.where(ok, load, np.inf).argmin())
             else:  # rejected on TBT: report the best the view allows
-                slot = int(np.argmin(np.where(fits, seen_tbt, np.inf)))
+                slot = int(np.where(fits, seen_tbt, np.inf).argmin())
             return slot, float(seen_tbt[slot])
         fits = candidates & (context + kv <= capacity)
-        if not fits.any():
-            fits = candidates  # the decode instance itself queues or rejects it
-        slot = int(np.argmin(np.where(fits, load, np.inf)))
+        if fits.any():
+            slot = int(np.where(fits, load, np.inf).argmin())
+        else:  # the decode instance itself queues or rejects it
+            slot = int((load + table.barrier(Role.DECODE)).argmin())
         seen_batch, seen_context = ledger.on_slot(seen, slot)
         return slot, adm.predicted_tbt(coef[:, slot], seen_batch, seen_context, kv)
 

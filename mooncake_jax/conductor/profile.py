@@ -8,7 +8,7 @@ later. Instances register with it (``RegisterRequest.profile_json``) and the sim
 Profile JSON (``"format": "mooncake-jax-profile/1"``)::
 
     {"format", "name", "model", "created",
-     "kv_bytes_per_token", "nic_bytes_per_s", "kv_capacity_tokens", "cost_per_hour",
+     "hardware", "kv_bytes_per_token", "nic_bytes_per_s", "kv_capacity_tokens", "cost_per_hour",
      "prefill": {"points": [[n_tokens, prefix_tokens, seconds], ...],
                  "fits": {"poly": Fit, "fast25": Fit (when the model's shape is known)},
                  "use": "poly" | "fast25"},
@@ -35,7 +35,7 @@ FORMAT = "mooncake-jax-profile/1"
 def build_profile(name: str, model: str, prefill_points, decode_points, *, kv_bytes_per_token: float,
                   nic_bytes_per_s: float, kv_capacity_tokens: int, cost_per_hour: float = 0.0,
                   layers: int | None = None, d_model: int | None = None,
-                  peak_flops_per_s: float | None = None) -> dict:
+                  peak_flops_per_s: float | None = None, hardware: str = "measured") -> dict:
     """Fit the measured points and return the profile JSON object.
 
     Both prefill forms are fitted when the model's ``layers`` and ``d_model`` are known; the one with the lower
@@ -48,7 +48,7 @@ def build_profile(name: str, model: str, prefill_points, decode_points, *, kv_by
         fits["fast25"] = fit_prefill_fast25(prefill_points, layers, d_model, peak_flops_per_s=peak_flops_per_s)
     use = min(fits, key=lambda form: fits[form].mean_rel_err)
     profile = {
-        "format": FORMAT, "name": name, "model": model,
+        "format": FORMAT, "name": name, "model": model, "hardware": str(hardware),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "kv_bytes_per_token": float(kv_bytes_per_token), "nic_bytes_per_s": float(nic_bytes_per_s),
         "kv_capacity_tokens": int(kv_capacity_tokens), "cost_per_hour": float(cost_per_hour),
@@ -78,6 +78,7 @@ def costs_from_profile(profile: dict | str) -> InstanceCosts:
             nic_bytes_per_s=float(profile["nic_bytes_per_s"]),
             kv_capacity_tokens=int(profile["kv_capacity_tokens"]),
             cost_per_hour=float(profile.get("cost_per_hour", 0.0)),
+            hardware=str(profile.get("hardware", "measured")),
         )
     except (KeyError, TypeError) as e:
         raise ValueError(f"cost profile lacks or mistypes {e}") from None
@@ -136,6 +137,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-capacity-tokens", type=int, default=65536, help="KV tokens a decode instance holds")
     parser.add_argument("--cost-per-hour", type=float, default=0.0)
     parser.add_argument("--peak-gflops", type=float, help="peak FLOP/s of the device, to report the efficiency")
+    parser.add_argument("--hardware", help="the kind of hardware measured, as the Conductor reports it "
+                                           "(default: <devices>x<device kind> of the local JAX backend)")
 
 
 def _model_shape(model: str) -> ModelShape | None:
@@ -149,6 +152,17 @@ def _model_shape(model: str) -> ModelShape | None:
     if Path(model).exists():
         return ModelShape.from_model_config(from_hf_config(model))
     return MODEL_SHAPES.get(model)
+
+
+def local_hardware_kind() -> str:
+    """``<n>x<device kind>`` of the local JAX backend (e.g. ``8xTPU v5 lite``, ``1xcpu``)."""
+    try:
+        import jax
+
+        devices = jax.local_devices()
+        return f"{len(devices)}x{devices[0].device_kind}"
+    except Exception:  # noqa: BLE001  (no backend: still a valid profile)
+        return "measured"
 
 
 def measurement_grid(args) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -194,7 +208,8 @@ def run(args) -> int:
             f"{args.model}@local", args.model, prefill_points, decode_points, kv_bytes_per_token=kv_bytes,
             nic_bytes_per_s=args.nic_gbps * 1e9 / 8, kv_capacity_tokens=args.kv_capacity_tokens,
             cost_per_hour=args.cost_per_hour, layers=layers, d_model=d_model,
-            peak_flops_per_s=args.peak_gflops * 1e9 if args.peak_gflops else None)
+            peak_flops_per_s=args.peak_gflops * 1e9 if args.peak_gflops else None,
+            hardware=getattr(args, "hardware", None) or local_hardware_kind())
     except ValueError as e:
         print(f"mooncake-jax profile: cannot fit the measured points: {e}", file=sys.stderr)
         return 1

@@ -29,9 +29,11 @@ from mooncake_jax.conductor.index import Tier
 from mooncake_jax.conductor.instances import Role, UnknownInstance
 from mooncake_jax.conductor.policy import Policy
 from mooncake_jax.conductor.profile import costs_from_profile
-from mooncake_jax.conductor.state import ClusterState
+from mooncake_jax.conductor.state import ClusterState, RequestInFlight
+from mooncake_jax.kv_layout import KVLayout, exchange_problem
 from mooncake_jax.proto import load, server_options
 from mooncake_jax.proto.auth import interceptors
+from mooncake_jax.proto.guards import DecodeGuard
 
 messages, services = load("conductor")
 log = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ def _rpc(method):
             return method(self, request, context)
         except (UnknownInstance, UnknownRequest) as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except RequestInFlight as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -72,6 +76,32 @@ class ConductorService(services.ConductorServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.lock = threading.Lock()
+        self.kv_layout: KVLayout | None = None  # the first registered instance's: every other must exchange KV
+        self.prefill_kv_layout: KVLayout | None = None  # the first prefill instance's: the others share its blocks
+
+    def _check_layout(self, request, role: Role) -> None:
+        """Refuse, at registration, an instance whose KV cannot become the cluster's (another model), or a prefill
+        instance whose blocks are not the index's block size (its KV events would name other blocks) or not the other
+        prefill instances' dtype (transfer plans copy blocks between their pools as they are)."""
+        if not request.kv_layout:
+            return
+        layout = KVLayout.from_json(request.kv_layout)
+        if role == Role.PREFILL and layout.block_size != self.state.config.block_size:
+            raise ValueError(f"instance {request.instance_id}: prefill block_size {layout.block_size} differs from "
+                             f"the cluster's {self.state.config.block_size} (the prefix index's block size); "
+                             f"allowed: {self.state.config.block_size}")
+        with self.lock:
+            first = self.kv_layout = self.kv_layout or layout
+            if role == Role.PREFILL:
+                prefill = self.prefill_kv_layout = self.prefill_kv_layout or layout
+        if role == Role.PREFILL and layout.dtype != prefill.dtype:
+            raise ValueError(f"instance {request.instance_id}: prefill KV dtype {layout.dtype} differs from the other "
+                             f"prefill instances' {prefill.dtype} (transfer plans move blocks between prefill pools "
+                             f"unchanged); allowed: {prefill.dtype}")
+        problem = exchange_problem(layout, first)
+        if problem:
+            raise ValueError(f"instance {request.instance_id} cannot exchange KV with this cluster ({problem}): "
+                             f"it has {layout.describe()}, the cluster {first.describe()}")
 
     def sweep(self) -> list[str]:
         """Drain the instances whose heartbeats stopped; returns their ids."""
@@ -88,12 +118,17 @@ class ConductorService(services.ConductorServicer):
             raise ValueError("role must be PREFILL or DECODE")
         role = Role.PREFILL if request.role == messages.PREFILL else Role.DECODE
         capacity = request.kv_capacity_tokens or None
+        self._check_layout(request, role)
         with self.lock:
-            self.state.add_instance(request.instance_id, role, costs, self.clock(), request.address, capacity)
+            self.state.add_instance(request.instance_id, role, costs, self.clock(), request.address, capacity,
+                                    hardware=request.hardware or None)
             self.state.kv_reset(request.instance_id, request.dram_block_keys, request.ssd_block_keys)
-        log.info("registered %s instance %s at %s", role.name.lower(), request.instance_id, request.address)
+        log.info("registered %s instance %s at %s (%s)", role.name.lower(), request.instance_id, request.address,
+                 request.hardware or costs.hardware or costs.name)
+        config = self.state.config
         return messages.RegisterReply(heartbeat_interval_s=self.heartbeat_interval_s,
-                                      heartbeat_timeout_s=self.heartbeat_timeout_s)
+                                      heartbeat_timeout_s=self.heartbeat_timeout_s, ttft_slo_s=config.ttft_slo_s,
+                                      tbt_slo_s=config.tbt_slo_s, block_size=config.block_size)
 
     @_rpc
     def Deregister(self, request, context):
@@ -194,7 +229,8 @@ class ConductorService(services.ConductorServicer):
                 reply.instances.add(
                     instance_id=instance_id, role=int(table.role[slot]), address=table.addresses[slot],
                     queued_s=max(0.0, table.queue_free_at[slot] - now), blocks=state.index.blocks_of(slot),
-                    decoding=int(batch[slot]), seconds_since_heartbeat=now - table.last_seen[slot])
+                    decoding=int(batch[slot]), seconds_since_heartbeat=now - table.last_seen[slot],
+                    hardware=table.hardware[slot])
         return reply
 
 
@@ -214,7 +250,7 @@ class ConductorServer:
                  sweep: bool = True, auth_token: str | None = None):
         self.service = service
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=server_options(),
-                                   interceptors=interceptors(auth_token))
+                                   interceptors=(*interceptors(auth_token), DecodeGuard()))
         services.add_ConductorServicer_to_server(service, self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

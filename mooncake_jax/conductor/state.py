@@ -17,11 +17,15 @@ import math
 from collections.abc import Iterable, Mapping
 
 from mooncake_jax.conductor.api import Decision, PolicyConfig, Request, Snapshot
-from mooncake_jax.conductor.costs import InstanceCosts
+from mooncake_jax.conductor.costs import InstanceCosts, transfer_seconds
 from mooncake_jax.conductor.index import BlockIndex, Tier
 from mooncake_jax.conductor.instances import InstanceTable, Role
 from mooncake_jax.conductor.ledger import DecodeLedger
 
+
+
+class RequestInFlight(ValueError):
+    """A request id that is already in flight (ALREADY_EXISTS over gRPC)."""
 
 class ClusterState:
     """Instances, block index, decode ledger and the tracked decode time t_d."""
@@ -48,7 +52,7 @@ class ClusterState:
     def schedule(self, policy, request: Request, now: float, store_blocks: bool = True) -> Decision:
         """Decide for ``request`` and, if accepted, apply the decision at once."""
         if request.request_id in self.ledger or request.request_id in self._prefill_of:
-            raise ValueError(f"request {request.request_id!r} is already in flight")
+            raise RequestInFlight(f"request {request.request_id!r} is already in flight")
         decision = policy.decide(request, self.snapshot(), now)
         self.apply(request, decision, now, store_blocks)
         return decision
@@ -67,8 +71,8 @@ class ClusterState:
         table.queue_free_at[prefill] = max(table.queue_free_at[prefill], decision.prefill_end_at)
         if decision.transfer is not None:
             source = table.slot(decision.transfer.source)
-            bandwidth = min(table.nic_bytes_per_s[prefill], table.nic_bytes_per_s[source])
-            table.send_free_at[source] = max(table.send_free_at[source], now) + decision.transfer.n_bytes / bandwidth
+            table.send_free_at[source] = now + float(transfer_seconds(
+                decision.transfer.n_bytes, table.link(source, prefill), table.send_free_at[source] - now))
         self.ledger.add(request.request_id, decode, decision.prefill_end_at, request.kv_tokens)
         self._prefill_of[request.request_id] = prefill
         if store_blocks:
@@ -78,12 +82,20 @@ class ClusterState:
     # ---------------------------------------------------------------------------------------- membership
 
     def add_instance(self, instance_id: str, role: Role | str, costs: InstanceCosts, now: float, address: str = "",
-                     kv_capacity_tokens: int | None = None) -> int:
-        """Register an instance (a re-registration replaces the old one and its blocks); returns its slot."""
+                     kv_capacity_tokens: int | None = None, hardware: str | None = None) -> int:
+        """Register an instance with its own cost model (a re-registration replaces the old one and its blocks);
+        returns its slot. ``hardware`` names its kind (default: what ``costs`` names)."""
         role = Role[role.upper()] if isinstance(role, str) else Role(role)
         if instance_id in self.instances.slot_of:
             self.remove_instance(instance_id)
-        return self.instances.add(instance_id, role, costs, now, address, kv_capacity_tokens)
+        return self.instances.add(instance_id, role, costs, now, address, kv_capacity_tokens, hardware)
+
+    def set_link(self, sender: str, receiver: str, bytes_per_s: float, both_ways: bool = True) -> None:
+        """Give a pair of instances its own link bandwidth (default: the slower NIC of the two); it holds across
+        re-registrations, and may name instances not registered yet."""
+        self.instances.set_link(sender, receiver, bytes_per_s)
+        if both_ways:
+            self.instances.set_link(receiver, sender, bytes_per_s)
 
     def remove_instance(self, instance_id: str) -> list[str]:
         """Drop an instance, purge its blocks, and forget requests that can no longer complete there.

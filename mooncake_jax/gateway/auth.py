@@ -15,3 +15,31 @@ def check_exposure(host: str, token: str | None, allow_unauthenticated: bool) ->
                          f"generate; give a token, listen on 127.0.0.1, or pass allow_unauthenticated=True")
     if token is not None and not token.strip():
         raise ValueError("auth_token must not be empty")
+
+
+API_KEY_ENV = "MOONCAKE_API_KEY"
+"""The environment variable a server reads its shared token from when neither a flag nor a file gives one (a
+command-line token shows in ``ps`` to every user of the machine)."""
+
+
+def resolve_token(flag: str | None, file: str | None, environ) -> str | None:
+    """The shared token: from ``--auth-token``, else the first line of ``--auth-token-file``, else the
+    ``MOONCAKE_API_KEY`` variable of ``environ``; None when none is given. At most one source may be given
+    explicitly; an empty token is an error."""
+    if flag is not None and file is not None:
+        raise ValueError("give --auth-token or --auth-token-file, not both")
+    if file is not None:
+        try:
+            with open(file, encoding="utf-8") as f:
+                token = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read the token file {file}: {e}") from None
+        if not token:
+            raise ValueError(f"the token file {file} is empty")
+        return token
+    if flag is not None:
+        if not flag.strip():
+            raise ValueError("--auth-token must not be empty")
+        return flag
+    token = environ.get(API_KEY_ENV, "").strip()
+    return token or None

@@ -10,6 +10,7 @@ Errors a backend raises map to one status each, on both front ends:
     InvalidRequest -> gRPC INVALID_ARGUMENT   / HTTP 400
     Rejected       -> gRPC RESOURCE_EXHAUSTED / HTTP 429 (with a retry-after hint)
     Unavailable    -> gRPC UNAVAILABLE        / HTTP 503
+    DuplicateRequest -> gRPC ALREADY_EXISTS   / HTTP 409 (a request id already in flight)
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ class Finished:
 
 class InvalidRequest(ValueError):
     """The request itself is wrong (empty prompt, token outside the vocabulary, too long, bad parameters)."""
+
+
+class DuplicateRequest(InvalidRequest):
+    """A request id that names a request still in flight (a client retrying too early, or two clients sharing an
+    id): refused, the running request untouched."""
 
 
 class Rejected(RuntimeError):

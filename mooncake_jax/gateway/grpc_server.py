@@ -19,13 +19,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mooncake_jax.gateway.backend import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, InvalidRequest, Rejected,
-                                          Unavailable)
+from mooncake_jax.gateway.backend import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, DuplicateRequest,
+                                          InvalidRequest, Rejected, Unavailable)
 from mooncake_jax.gateway.core import GatewayCore, retry_hint_s
 from mooncake_jax.gateway.stream import Summary
 from mooncake_jax.gateway.validate import Params
 from mooncake_jax.proto import load, server_options
 from mooncake_jax.proto.auth import interceptors
+from mooncake_jax.proto.guards import DecodeGuard
 
 messages, services = load("gateway")
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class GatewayService(services.GatewayServicer):
                         token_id=event.token, text=event.text, index=event.index, time_s=event.time_s,
                         logprob=None if event.logprob is None else _logprob(event.logprob),
                         prompt_logprobs=[_logprob(e) for e in event.prompt_logprobs or ()]))
+        except DuplicateRequest as e:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except InvalidRequest as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Rejected as e:
@@ -125,7 +128,7 @@ class GrpcFrontEnd:
 
     def __init__(self, core: GatewayCore, host: str, port: int, *, auth_token: str | None, max_workers: int):
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="gw-grpc"),
-                                   options=server_options(), interceptors=interceptors(auth_token))
+                                   options=server_options(), interceptors=(*interceptors(auth_token), DecodeGuard()))
         services.add_GatewayServicer_to_server(GatewayService(core), self._server)
         self._health = _LiveHealth(core)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import socket
 import threading
 import time
@@ -44,13 +45,14 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from mooncake_jax.gateway import openai_format as oai
-from mooncake_jax.gateway.backend import InvalidRequest, Rejected, Unavailable
+from mooncake_jax.gateway.backend import DuplicateRequest, InvalidRequest, Rejected, Unavailable
 from mooncake_jax.gateway.core import GatewayCore, retry_hint_s
 from mooncake_jax.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mooncake_jax.gateway.stream import Summary
@@ -61,6 +63,8 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 * 1024 * 1024
 MAX_JSON_DEPTH = 64
 _SHUTTING_DOWN = "the server is shutting down"
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class _HttpError(Exception):
@@ -73,6 +77,8 @@ def _http_error(e: Exception) -> _HttpError:
     """The answer to a failed request: the backend contract's errors by kind, anything else a logged 500."""
     if isinstance(e, _HttpError):
         return e
+    if isinstance(e, DuplicateRequest):
+        return _HttpError(409, str(e))
     if isinstance(e, InvalidRequest):
         return _HttpError(400, str(e))
     if isinstance(e, Rejected):
@@ -266,6 +272,7 @@ class _Gateway:
         if (refused := self._refused(request)) is not None:
             return refused
         try:
+            given_id = _request_id_header(request)
             body = await self._json_body(request)
             parsed: oai.Parsed = await run_in_threadpool(parse_body, body)  # a chat template may take a while
             self.core.check_model(parsed.model)
@@ -275,6 +282,9 @@ class _Gateway:
             error = _http_error(e)
             return _error_response(error.status, str(error), error.headers, **error.extra)
         loop = asyncio.get_running_loop()
+        if given_id is not None:  # the caller's id names the request (and, with several choices, each of them)
+            ids = [given_id] if len(parsed.choices) == 1 else [f"{given_id}-{i}" for i in range(len(parsed.choices))]
+            parsed.choices = [dataclasses.replace(p, request_id=i) for p, i in zip(parsed.choices, ids)]
         runs = [_Run(asyncio.Queue(), threading.Event()) for _ in parsed.choices]
         with self.lock:
             self.active.update(run.cancelled for run in runs)
@@ -290,7 +300,8 @@ class _Gateway:
                 watch.cancel()
                 handed_over = True  # the stream's generator unregisters the requests
                 return StreamingResponse(self._stream(request_id, parsed, runs, firsts, created, chat),
-                                         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                                         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                  REQUEST_ID_HEADER: given_id or request_id})
             choices, summaries = [], []
             for i, (run, event) in enumerate(zip(runs, firsts)):
                 events = []
@@ -301,10 +312,11 @@ class _Gateway:
                 choices.append(self._choice(parsed, i, events, event, chat))
             answer = (oai.chat_completion if chat else oai.completion)(
                 self.core.model_name, created, request_id, choices, summaries, parsed.n, parsed.echo_only)
-            return JSONResponse(answer)
+            return JSONResponse(answer, headers={REQUEST_ID_HEADER: given_id or request_id})
         except Exception as e:  # noqa: BLE001 - every failure becomes a status; none takes the server down
             error = _http_error(e)
-            return _error_response(error.status, str(error), error.headers, **error.extra)
+            headers = error.headers | ({REQUEST_ID_HEADER: given_id} if given_id else {})
+            return _error_response(error.status, str(error), headers, **error.extra)
         finally:
             watch.cancel()
             if not handed_over:
@@ -485,6 +497,17 @@ async def _watch_disconnect(request: Request, cancelled: list[threading.Event]) 
             return
 
 
+def _request_id_header(request: Request) -> str | None:
+    """The client's ``X-Request-Id`` (used as the request's id, echoed on the answer), checked: 1-128 characters of
+    letters, digits and ``._:-``."""
+    value = request.headers.get(REQUEST_ID_HEADER)
+    if value is None:
+        return None
+    if not _REQUEST_ID.fullmatch(value):
+        raise _HttpError(400, f"bad {REQUEST_ID_HEADER} header: use 1-128 characters of letters, digits and ._:-")
+    return value
+
+
 def _parse_json(raw: bytes):
     try:
         body = json.loads(raw)
@@ -518,6 +541,8 @@ def _depth_over(value, limit: int) -> bool:
         item, depth = stack.pop()
         if depth > limit:
             return True
+        if not isinstance(item, (list, dict)):  # a scalar body (``1.5``) nests nothing
+            continue
         children = item.values() if isinstance(item, dict) else item
         stack.extend((c, depth + 1) for c in children if isinstance(c, (list, dict)))
     return False
@@ -528,7 +553,8 @@ class HttpFrontEnd:
 
     def __init__(self, core: GatewayCore, host: str, port: int, *, auth_token: str | None,
                  idle_timeout_s: float = 60.0, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0,
-                 max_connections: int = 4096, generation_threads: int = 256, chat_template=None):
+                 max_connections: int = 4096, generation_threads: int = 256, chat_template=None,
+                 cors_origins: tuple[str, ...] = ()):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so (accepted ones inherit it)
         self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -542,8 +568,12 @@ class HttpFrontEnd:
         self.port = self._sock.getsockname()[1]
         self._pool = ThreadPoolExecutor(max_workers=generation_threads, thread_name_prefix="gw-http-gen")
         self._gateway = _Gateway(core, auth_token, self._pool, body_timeout_s, chat_template)
-        config = uvicorn.Config(_capped(self._gateway.app, lambda: len(self._server.server_state.connections),
-                                        max_connections),
+        app = self._gateway.app
+        if cors_origins:  # browsers on these origins may call the API (preflights answered, headers exposed)
+            app = CORSMiddleware(app, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                                 allow_headers=["Authorization", "Content-Type", REQUEST_ID_HEADER],
+                                 expose_headers=[REQUEST_ID_HEADER, "Retry-After"])
+        config = uvicorn.Config(_capped(app, lambda: len(self._server.server_state.connections), max_connections),
                                 http=_protocol(idle_timeout_s, header_timeout_s), lifespan="off", log_config=None,
                                 access_log=False, server_header=False, timeout_keep_alive=max(1, int(idle_timeout_s)),
                                 timeout_graceful_shutdown=None, backlog=2048)

@@ -33,7 +33,9 @@ model folder's name, not its path).
     waits at most ``http_idle_timeout_s`` for its next request and ``http_header_timeout_s`` for the rest of a
     request's head once it has begun, a body must arrive within ``http_body_timeout_s``; at most
     ``http_generation_threads`` generations run at once (more wait for a thread). ``drain_grace_s``: what
-    ``stop()`` gives open requests to finish when not told otherwise.
+    ``stop()`` gives open requests to finish when not told otherwise. ``cors_origins``: browser origins allowed
+    to call the HTTP API (none by default). A client's ``X-Request-Id`` header becomes the request's id and every
+    answer echoes the id; an id already in flight gets 409 / ALREADY_EXISTS.
     """
 
     def __init__(self, backend: Backend, *, host: str = "127.0.0.1", grpc_port: int | None = 0,
@@ -41,7 +43,8 @@ model folder's name, not its path).
                  tokenizer: Tokenizer | str | Path | None = None, chat_template: str | Path | None = None,
                  allow_unauthenticated: bool = False, grpc_workers: int = 128, http_idle_timeout_s: float = 60.0,
                  http_header_timeout_s: float = 10.0, http_body_timeout_s: float = 30.0,
-                 http_max_connections: int = 4096, http_generation_threads: int = 256, drain_grace_s: float = 1.0):
+                 http_max_connections: int = 4096, http_generation_threads: int = 256, drain_grace_s: float = 1.0,
+                 cors_origins: tuple[str, ...] = ()):
         check_exposure(host, auth_token, allow_unauthenticated)
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
             tokenizer = tokenizer_for(backend.model_name, backend.vocab_size,
@@ -61,7 +64,8 @@ model folder's name, not its path).
                 self._http = HttpFrontEnd(self.core, host, http_port, auth_token=auth_token,
                                           idle_timeout_s=http_idle_timeout_s, header_timeout_s=http_header_timeout_s,
                                           body_timeout_s=http_body_timeout_s, max_connections=http_max_connections,
-                                          generation_threads=http_generation_threads, chat_template=template)
+                                          generation_threads=http_generation_threads, chat_template=template,
+                                          cors_origins=tuple(cors_origins))
         except BaseException:
             if self._grpc is not None:
                 self._grpc.stop(0).wait()

@@ -14,15 +14,17 @@ frees its KV on the decode instance.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..blocks import block_keys
-from ..gateway.backend import (FINISH_ABORT, REJECT_EARLY, REJECT_LATE, Finished, GenerateRequest, InvalidRequest,
-                               Rejected, TokenOut, Unavailable, paper_tbt)
+from ..gateway.backend import (FINISH_ABORT, REJECT_EARLY, REJECT_LATE, DuplicateRequest, Finished, GenerateRequest,
+                               InvalidRequest, Rejected, TokenOut, Unavailable, paper_tbt)
 from ..model.config import ModelConfig
 from ..model.sequence import SamplingParams, validate_prompt
 from ..proto import load
@@ -32,6 +34,31 @@ from .rpc import logprob_entry, sampling_message, sampling_of
 from .rpc import services as instance_services
 
 conductor_messages, conductor_services = load("conductor")
+log = logging.getLogger(__name__)
+
+RETRIES_BEFORE_FIRST_TOKEN = 1
+"""A request that fails before its first token (an instance died or could not be reached) is scheduled once more:
+the Conductor has dropped the dead instance by then, so the retry lands on a live one."""
+
+PROBE_TIMEOUT_S = 1.0
+MISSING_ROLE = {"no_prefill_instance": "prefill", "no_decode_instance": "decode"}
+"""Schedule's reasons that mean "nothing to serve with", not overload: 503, naming the role."""
+
+
+def _with_first(error: Exception, first: Exception | None) -> Exception:
+    """``error`` of a retry, saying also why the first try failed (the instance that actually failed)."""
+    if first is None or not isinstance(error, Unavailable):
+        return error
+    return Unavailable(f"{error}; the first try failed: {first}")
+
+
+class _BeforeFirstToken(Exception):
+    """A failure before the request's first token, which a second trip may avoid; ``error`` is what the client
+    gets if there is none."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
 
 
 class ClusterBackend:
@@ -49,20 +76,24 @@ class ClusterBackend:
         self._conductor_channel = open_channel(conductor_address, auth_token)
         self._conductor = conductor_services.ConductorStub(self._conductor_channel)
         self._stubs: dict[str, object] = {}
-        self._channels: list[grpc.Channel] = []
+        self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._counts = {"requests": 0, "rejected_early": 0, "rejected_late": 0, "failed": 0, "cached_tokens": 0,
-                        "prompt_tokens": 0, "transfer_plans": 0}
+                        "prompt_tokens": 0, "transfer_plans": 0, "retried": 0}
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = open_channel(address, self._token)
+            return channel
 
     def instance_stub(self, address: str):
         """A (cached) stub of the Instance service at ``address``."""
-        with self._lock:
-            stub = self._stubs.get(address)
-            if stub is None:
-                channel = open_channel(address, self._token)
-                self._channels.append(channel)
-                stub = self._stubs[address] = instance_services.InstanceStub(channel)
-            return stub
+        stub = self._stubs.get(address)
+        if stub is None:
+            stub = self._stubs[address] = instance_services.InstanceStub(self._channel(address))
+        return stub
 
     def _count(self, **amounts) -> None:
         with self._lock:
@@ -123,17 +154,50 @@ class ClusterBackend:
         params = self._validate(request)
         t0 = time.perf_counter()
         self._count(requests=1, prompt_tokens=len(request.prompt))
+        first_failure = None
+        for attempt in range(1 + RETRIES_BEFORE_FIRST_TOKEN):
+            started = False
+            try:
+                for item in self._attempt(request, params, cancelled, t0):
+                    started = True
+                    yield item
+                return
+            except _BeforeFirstToken as failure:
+                if attempt == RETRIES_BEFORE_FIRST_TOKEN or (cancelled is not None and cancelled.is_set()):
+                    self._count(failed=1)
+                    raise _with_first(failure.error, first_failure) from None
+                first_failure = failure.error
+                self._count(retried=1)
+                log.warning("request %s failed before its first token (%s); retrying it once",
+                            request.request_id, failure.error)
+            except Unavailable as e:
+                if started:
+                    raise
+                raise _with_first(e, first_failure) from None
+
+    def _attempt(self, request: GenerateRequest, params: SamplingParams, cancelled: threading.Event | None,
+                 t0: float) -> Iterator[TokenOut | Finished]:
+        """One trip through Conductor, prefill and decode. A failure before the first token is yielded raises
+        ``_BeforeFirstToken`` when another trip may succeed (an instance died or could not be reached)."""
         keys = block_keys(request.prompt, self.config.block_size)
         try:
             decision = self._conductor.Schedule(conductor_messages.ScheduleRequest(
                 request_id=request.request_id, block_keys=keys, input_tokens=len(request.prompt),
                 output_tokens=request.max_tokens), timeout=self.timeout_s)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                raise DuplicateRequest(e.details()) from None
             self._count(failed=1)
             raise Unavailable(f"the Conductor is unavailable: {e.details()}") from None
         if not decision.accepted:
+            missing = MISSING_ROLE.get(decision.reject_reason)
+            if missing is not None:  # not overload: nothing to retry after; say what is missing
+                self._count(failed=1)
+                raise Unavailable(f"no {missing} instance alive (the Conductor lists none); retry when one is back")
             self._count(rejected_early=1)
             raise Rejected(f"overloaded ({decision.reject_reason})", decision.retry_after_s, REJECT_EARLY)
+        prefill_at = (decision.prefill_id, decision.prefill_address, "prefill")
+        decode_at = (decision.decode_id, decision.decode_address, "decode")
         sampling = sampling_message(params)
         plan = decision.transfer if decision.HasField("transfer") else None
         self._count(transfer_plans=int(plan is not None))
@@ -144,8 +208,7 @@ class ClusterBackend:
                 push_to=decision.decode_address), timeout=self.timeout_s)
         except grpc.RpcError as e:
             self._report_dropped(request.request_id)
-            self._count(failed=1)
-            raise self._error("prefill", decision.prefill_id, e) from None
+            raise self._failure(e, prefill_at, [prefill_at, decode_at]) from None
         first_at = time.perf_counter() - t0
         self._count(cached_tokens=prefill.cached_tokens)
         times = [first_at]
@@ -161,7 +224,8 @@ class ClusterBackend:
         stream = self.instance_stub(decision.decode_address).Decode(instance_messages.DecodeRequest(
             request_id=request.request_id, prompt=request.prompt, sampling=sampling,
             first_token=prefill.first_token, kv_keys=prefill.kv_keys, kv_source=decision.prefill_address,
-            first_logprob=prefill.first_logprob if params.logprobs is not None else None),
+            first_logprob=prefill.first_logprob if params.logprobs is not None else None,
+            kv_layout=prefill.kv_layout),
             timeout=self.timeout_s)
         watcher = _cancel_on(cancelled, stream)
         try:
@@ -172,11 +236,10 @@ class ClusterBackend:
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._count(rejected_late=1)
-                    raise Rejected(f"decode instance rejected the request: {e.details()}", 1.0,
-                                   REJECT_LATE) from None
+                    raise Rejected(f"decode instance {decision.decode_id} rejected the request: {e.details()}",
+                                   1.0, REJECT_LATE) from None
                 self._report_dropped(request.request_id)
-                self._count(failed=1)
-                raise self._error("decode", decision.decode_id, e) from None
+                raise self._failure(e, decode_at, [decode_at]) from None
             yield first_out
             count = 1
             reason = FINISH_ABORT
@@ -192,30 +255,65 @@ class ClusterBackend:
                         reason = event.done.reason
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.CANCELLED or not (cancelled and cancelled.is_set()):
-                    self._count(failed=1)
-                    raise self._error("decode", decision.decode_id, e) from None
+                    failure = self._failure(e, decode_at, [decode_at])
+                    if isinstance(failure, _BeforeFirstToken):  # too late to retry: tokens were streamed
+                        self._count(failed=1)
+                        failure = failure.error
+                    raise failure from None
             yield self._finished(reason, request, count, prefill, times)
         finally:
             stream.cancel()
             if watcher is not None:
                 watcher.set()
 
+    def _failure(self, error: grpc.RpcError, called: tuple[str, str, str],
+                 suspects: list[tuple[str, str, str]]) -> Exception:
+        """The error to raise for a failed call to instance ``called`` (id, address, role). Instance-reported
+        refusals map to their kind; otherwise each of ``suspects`` is probed, the dead ones are dropped from the
+        Conductor at once (not after missed heartbeats) and the error names the instance that actually failed;
+        a failure another instance could avoid comes wrapped in ``_BeforeFirstToken``."""
+        code = error.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidRequest(error.details())
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._count(rejected_late=1)
+            return Rejected(f"{called[2]} instance {called[0]} is overloaded: {error.details()}", 1.0, REJECT_LATE)
+        dead = [s for s in suspects if not self._alive(s[1])]
+        for instance_id, _, role in dead:
+            self._drop_instance(instance_id, role)
+        instance_id, _, role = dead[0] if dead else called
+        state = "is down" if dead else f"failed ({code.name})"
+        failure = Unavailable(f"{role} instance {instance_id} {state}: {error.details()}")
+        retryable = bool(dead) or code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                                           grpc.StatusCode.FAILED_PRECONDITION)
+        if not retryable:
+            self._count(failed=1)
+        return _BeforeFirstToken(failure) if retryable else failure
+
+    def _alive(self, address: str) -> bool:
+        """Whether the instance at ``address`` answers its (open) health service within a second."""
+        try:
+            reply = health_pb2_grpc.HealthStub(self._channel(address)).Check(health_pb2.HealthCheckRequest(),
+                                                                             timeout=PROBE_TIMEOUT_S)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _drop_instance(self, instance_id: str, role: str) -> None:
+        """Tell the Conductor to stop placing work on a dead instance now (it registers again if it was alive)."""
+        log.warning("%s instance %s does not answer: dropping it from the Conductor", role, instance_id)
+        try:
+            self._conductor.Deregister(conductor_messages.DeregisterRequest(instance_id=instance_id), timeout=5)
+        except grpc.RpcError:
+            pass  # already dropped (NOT_FOUND), or the Conductor is gone too
+
     @staticmethod
     def _finished(reason, request, count, prefill, times) -> Finished:
         return Finished(reason=reason, prompt_tokens=len(request.prompt), output_tokens=count,
                         cached_tokens=prefill.cached_tokens, ttft_s=times[0], tbt_s=paper_tbt(times))
 
-    @staticmethod
-    def _error(stage: str, instance_id: str, error: grpc.RpcError) -> Exception:
-        if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            return InvalidRequest(error.details())
-        if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            return Rejected(f"{stage} instance {instance_id} is out of KV space: {error.details()}", 1.0,
-                            REJECT_LATE)
-        return Unavailable(f"{stage} instance {instance_id} failed ({error.code().name}): {error.details()}")
-
     def close(self) -> None:
-        for channel in self._channels:
+        for channel in list(self._channels.values()):
             channel.close()
         self._conductor_channel.close()
 

@@ -6,12 +6,14 @@
 It starts a Conductor, P prefill and D decode instances and a ``ClusterBackend`` that routes requests through them
 (the gateway serves the same backend over gRPC and HTTP). Instances run in this process (``processes=False``, the
 default: quick to start, they share the model's weights) or each in its own process (``processes=True``, what
-``mooncake-jax serve`` does). The first instance measures the engine for the cost profile every instance then
-registers with.
+``mooncake-jax serve`` does). Instances may be unlike (per-role shapes, dtypes and page sizes, or a cluster file:
+``cluster_spec.py``), each on its own devices; the first instance of each kind of engine measures it for the cost
+profile the instances of that kind register with.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,7 +34,11 @@ from ..model.compile_cache import enable_compilation_cache
 from ..model.config import get_config
 from .backend import ClusterBackend
 from .conductor_link import DECODE, PREFILL
-from .server import InstanceConfig, InstanceServer
+from .cluster_spec import check_cluster, cluster_block_size, file_configs, role_configs
+from .config import InstanceConfig
+from .devices import reserve_cpu_devices
+from .server import InstanceServer
+from .supervise import Supervisor, exit_reason, tail
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +53,27 @@ nice levels lower. Nothing changes where the roles have their own machines, as i
 
 
 def lower_priority(pid: int, niceness: int) -> None:
-    """Run process ``pid`` (and the threads it creates from now on) as background work: SCHED_IDLE where the OS
-    has it, else ``niceness`` levels below this process; a warning, never an error, where neither is permitted."""
+    """Run process ``pid`` as background work: each of its threads (Linux lists them in /proc; elsewhere only the
+    main one) and the threads they create from now on, as SCHED_IDLE where the OS has it, else ``niceness`` levels
+    below this process; a warning, never an error, where neither is permitted. Called once the instance is ready:
+    its start-up (calibration, warm-up) runs at full priority, or a loaded host could starve it past its timeout."""
     try:
-        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
-        return
-    except (AttributeError, OSError):
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + niceness)
-    except (AttributeError, OSError) as e:  # not on this platform, or not permitted: run at our priority
-        log.warning("could not lower the priority of process %d: %s", pid, e)
+        threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        threads = [pid]
+    for tid in threads:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            continue
+        except (AttributeError, OSError):
+            pass
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, 0) + niceness)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+        except (AttributeError, OSError) as e:  # not on this platform, or not permitted: run at our priority
+            log.warning("could not lower the priority of process %d: %s", pid, e)
+            return
 
 
 class ChildInstance:
@@ -64,18 +81,19 @@ class ChildInstance:
 
     def __init__(self, args: list[str], log_path: Path | None, timeout_s: float = 600.0,
                  auth_token: str | None = None, niceness: int = 0):
+        self.log_path = log_path
         self.log_file = open(log_path, "ab") if log_path else subprocess.DEVNULL
         if auth_token:
             args = [*args, "--auth-token-stdin"]
         self.proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.instance.main", *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file)
-        if niceness:
-            lower_priority(self.proc.pid, niceness)
         if auth_token:  # not on the command line, where every user of the machine could read it
             self.proc.stdin.write(auth_token.encode() + b"\n")
             self.proc.stdin.flush()
         self.info = self._ready(timeout_s)
         self.instance_id, self.address = self.info["instance_id"], self.info["address"]
+        if niceness:
+            lower_priority(self.proc.pid, niceness)
 
     def _ready(self, timeout_s: float) -> dict:
         result: dict = {}
@@ -90,7 +108,11 @@ class ChildInstance:
         reader.join(timeout_s)
         if not result.get("ready"):
             self.kill()
-            raise RuntimeError(f"instance process did not start (exit code {self.proc.poll()}); see its log")
+            if self.log_file is not subprocess.DEVNULL:
+                self.log_file.flush()
+            lines = tail(self.log_path)
+            where = f"its log {self.log_path} ends:\n{lines}" if lines else "it wrote no log"
+            raise RuntimeError(f"instance process did not start ({exit_reason(self.proc.returncode)}); {where}")
         return result
 
     def kill(self) -> None:
@@ -123,6 +145,9 @@ class Cluster:
         self.model_name = model_name
         self.gateway = None
         self.auth_token = None
+        self.supervisor: Supervisor | None = None
+        self.log_dir: Path | None = None
+        self.configs: list[InstanceConfig] = []  # every instance's config, devices assigned
         self._closed = False
 
     def serve_gateway(self, *, host: str = "127.0.0.1", grpc_port: int | None = 0, http_port: int | None = 0,
@@ -140,47 +165,72 @@ class Cluster:
     @classmethod
     def local(cls, model: str = "tiny", prefill: int = 2, decode: int = 1, *, processes: bool = False,
               policy: str = "kvcache-centric", admission: str = "predictive", ttft_slo_s: float = 30.0,
-              tbt_slo_s: float = 1.0, seed: int = 0, prefill_chunk_size: int = 512, max_batch: int = 32,
-              num_pages: int | None = None, pool_dram_blocks: int = 8192, layerwise: bool = False,
+              tbt_slo_s: float = 1.0, seed: int = 0, prefill_shape: str | None = None,
+              decode_shape: str | None = None, prefill_dtype: str | None = None, decode_dtype: str | None = None,
+              prefill_block_size: int | None = None, decode_block_size: int | None = None,
+              instances: list | None = None, cluster_file: str | Path | None = None,
               heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0,
               kvcache_balancing_threshold: float = 1.0, profile_json: str | None = None,
               log_dir: str | Path | None = None, host: str = "127.0.0.1", warmup: bool = True,
-              compile_cache: str | Path | None = "", auth_token: str | None = None) -> "Cluster":
+              compile_cache: str | Path | None = "", auth_token: str | None = None,
+              supervise: bool = True, **instance_options) -> "Cluster":
         """Start a Conductor with ``prefill`` + ``decode`` instances of ``model`` on this machine.
+
+        Instances are alike (``instance_options``: any ``InstanceConfig`` field, e.g. ``prefill_chunk_size``,
+        ``max_batch``, ``num_pages``, ``dtype``, ``block_size``, ``layerwise`` (prefill only), ``pool_dram_blocks``,
+        ``pool_ssd_path``), or shaped per role: ``prefill_shape="tensor=2,stage=2"``, ``decode_shape="tensor=4"``,
+        ``prefill_dtype`` / ``decode_dtype``, ``prefill_block_size`` / ``decode_block_size``; or listed one by one
+        (``instances``: ``InstanceConfig`` s or their dicts; ``cluster_file``: JSON, see ``cluster_spec.py``).
+        Instances spanning several devices get their own (``devices``, else the next free ones); everything is
+        checked before anything starts.
 
         ``warmup`` compiles every step shape before an instance registers (first requests do not wait for XLA);
         ``compile_cache`` is the persistent XLA cache folder ("" for the user's cache directory, None for none),
         so later starts load the programs instead of compiling them. ``auth_token`` is required on every RPC
         between the cluster's processes (and by ``serve_gateway`` unless it is given its own).
+
+        With ``processes``, each instance logs to ``log_dir`` (default: a new folder per run under the system's
+        temporary directory, see ``.log_dir``) and, with ``supervise``, a crashed instance process is restarted
+        (``instance/supervise.py``).
         """
-        for name, value in (("prefill", prefill), ("decode", decode)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"a cluster needs at least one {name} instance, got {value!r}")
+        configs = _instance_configs(model, prefill, decode, seed, warmup, instances, cluster_file, instance_options,
+                                    {PREFILL: dict(shape=prefill_shape, dtype=prefill_dtype,
+                                                   block_size=prefill_block_size),
+                                     DECODE: dict(shape=decode_shape, dtype=decode_dtype,
+                                                  block_size=decode_block_size)})
+        model = configs[0].model
+        if processes:  # on the CPU platform the launcher may still ask for the devices the shapes need
+            reserve_cpu_devices(sum(c.device_count for c in configs))
+        import jax
+
+        configs = check_cluster(model, configs, jax.device_count())
         cfg = get_config(model)
-        config = PolicyConfig(strategy=policy, admission=admission, block_size=cfg.block_size,
+        config = PolicyConfig(strategy=policy, admission=admission, block_size=cluster_block_size(model, configs),
                               ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
                               kvcache_balancing_threshold=kvcache_balancing_threshold, seed=seed)
         conductor = serve_conductor(config, host=host, heartbeat_interval_s=heartbeat_interval_s,
                                     heartbeat_timeout_s=heartbeat_timeout_s, auth_token=auth_token)
+        configs = [c.replace(conductor_address=conductor.address, host=host) for c in configs]
         instances: dict = {}
         try:
-            common = dict(conductor_address=conductor.address, model=model, seed=seed, host=host,
-                          prefill_chunk_size=prefill_chunk_size, max_batch=max_batch, num_pages=num_pages,
-                          pool_dram_blocks=pool_dram_blocks, tbt_slo_s=tbt_slo_s, warmup=warmup,
-                          auth_token=auth_token)
-            roles = [(PREFILL, i) for i in range(prefill)] + [(DECODE, i) for i in range(decode)]
             if processes:
-                starter = _ProcessStarter(common, layerwise, Path(log_dir) if log_dir else None, compile_cache)
+                starter = _ProcessStarter(auth_token, Path(log_dir) if log_dir else None, compile_cache)
             else:
                 if compile_cache is not None:
                     enable_compilation_cache(compile_cache or None)
-                starter = _InProcessStarter(common, layerwise, build_model(model, seed=seed))
-            first = starter.start(*roles[0], profile_json)
-            instances[first.instance_id] = first
-            profile_json = starter.profile_of(first)
-            with ThreadPoolExecutor(max(1, len(roles) - 1)) as pool:
-                rest = list(pool.map(lambda role_index: starter.start(*role_index, profile_json), roles[1:]))
-            instances.update({inst.instance_id: inst for inst in rest})
+                starter = _InProcessStarter(auth_token)
+            # the first instance of each kind of engine measures it; the others of that kind reuse its profile
+            profiles: dict = {}
+            firsts = [c for i, c in enumerate(configs)
+                      if c.engine_key() not in {x.engine_key() for x in configs[:i]}]
+            for c in firsts:
+                inst = starter.start(c, profile_json)
+                instances[inst.instance_id] = inst
+                profiles[c.engine_key()] = profile_json or starter.profile_of(inst)
+            rest = [c for c in configs if c.instance_id not in instances]
+            with ThreadPoolExecutor(max(1, len(rest))) as pool:
+                started = list(pool.map(lambda c: starter.start(c, profiles[c.engine_key()]), rest))
+            instances.update({inst.instance_id: inst for inst in started})
         except BaseException:
             for inst in instances.values():
                 inst.stop()
@@ -189,6 +239,15 @@ class Cluster:
         backend = ClusterBackend(conductor.address, cfg, model_name=model, auth_token=auth_token)
         cluster = cls(conductor, instances, backend, model)
         cluster.auth_token = auth_token
+        cluster.configs = configs
+        if processes and supervise:
+            cluster.log_dir = starter.log_dir
+            configs_of = {c.instance_id: c for c in configs}
+            # a restart skips the warm-up: back in seconds instead of a minute of compiling on a loaded host (its
+            # programs compile, or load from the persistent cache, on first use), so the cluster heals quickly
+            cluster.supervisor = Supervisor(instances, lambda instance_id: starter.start(
+                configs_of[instance_id].replace(warmup=False), profiles[configs_of[instance_id].engine_key()])
+            ).start()
         return cluster
 
     def addresses(self) -> list[tuple[str, str]]:
@@ -233,6 +292,8 @@ class Cluster:
         self._closed = True
         if self.gateway is not None:
             self.gateway.stop()
+        if self.supervisor is not None:
+            self.supervisor.stop()
         self.backend.close()
         for inst in self.instances.values():
             inst.stop()
@@ -245,14 +306,51 @@ class Cluster:
         self.close()
 
 
-class _InProcessStarter:
-    def __init__(self, common: dict, layerwise: bool, model):
-        self.common, self.layerwise, self.model = common, layerwise, model
+def _instance_configs(model, prefill, decode, seed, warmup, instances, cluster_file, options, per_role):
+    """The cluster's instance configs from exactly one of: ``instances``, ``cluster_file``, per-role options."""
+    if instances is not None and cluster_file is not None:
+        raise ValueError("give instances or cluster_file, not both")
+    listed = instances is not None or cluster_file is not None
+    if listed and (options or any(v is not None for role in per_role.values() for v in role.values())):
+        raise ValueError(f"instances listed one by one take no per-role or instance options "
+                         f"(got {sorted(options) or 'per-role shapes'}); put them in each instance's config")
+    if cluster_file is not None:
+        configs = file_configs(cluster_file, model)[1]
+        return configs if warmup else [c.replace(warmup=False) for c in configs]
+    if instances is not None:
+        if not instances:
+            raise ValueError("instances is empty: a cluster needs at least one prefill and one decode instance")
+        configs = []
+        for n, c in enumerate(instances):
+            if isinstance(c, dict):
+                c = InstanceConfig.from_dict({"model": model, **c,
+                                              "instance_id": c.get("instance_id") or f"{c.get('role')}-{n}"})
+            elif not isinstance(c, InstanceConfig):
+                raise ValueError(f"instance {n} must be an InstanceConfig or a dict, got {type(c).__name__}")
+            configs.append(c)
+        return configs if warmup else [c.replace(warmup=False) for c in configs]
+    return role_configs(model, prefill, decode, options={"seed": seed, "warmup": warmup, **options},
+                        per_role=per_role)
 
-    def start(self, role: str, index: int, profile_json: str | None) -> InstanceServer:
-        config = InstanceConfig(role=role, instance_id=f"{role}-{index}", profile_json=profile_json,
-                                layerwise=self.layerwise and role == PREFILL, **self.common)
-        return InstanceServer(config, self.model).start()
+
+class _InProcessStarter:
+    """Instances as threads of this process; instances of one model dtype and block size share its weights."""
+
+    def __init__(self, auth_token: str | None):
+        self.auth_token = auth_token
+        self._models: dict = {}
+        self._lock = threading.Lock()
+
+    def _model(self, c: InstanceConfig):
+        key = (c.model, c.dtype, c.block_size, c.seed)
+        with self._lock:
+            if key not in self._models:
+                self._models[key] = build_model(c.model, dtype=c.dtype, block_size=c.block_size, seed=c.seed)
+            return self._models[key]
+
+    def start(self, config: InstanceConfig, profile_json: str | None) -> InstanceServer:
+        config = config.replace(profile_json=profile_json, auth_token=self.auth_token)
+        return InstanceServer(config, self._model(config)).start()
 
     @staticmethod
     def profile_of(instance: InstanceServer) -> str:
@@ -260,35 +358,28 @@ class _InProcessStarter:
 
 
 class _ProcessStarter:
-    def __init__(self, common: dict, layerwise: bool, log_dir: Path | None, compile_cache):
-        self.common, self.layerwise, self.log_dir = common, layerwise, log_dir
+    def __init__(self, auth_token: str | None, log_dir: Path | None, compile_cache):
+        if log_dir is None:  # kept after the run: the logs of a crash are what its operator reads next
+            log_dir = Path(tempfile.mkdtemp(prefix=f"mooncake-run-{time.strftime('%Y%m%d-%H%M%S')}-"))
+        self.auth_token, self.log_dir = auth_token, log_dir
         self.compile_cache = "none" if compile_cache is None else str(compile_cache)
         self._profile_dir = tempfile.TemporaryDirectory(prefix="mooncake-profile-")
-        if log_dir:
-            log_dir.mkdir(parents=True, exist_ok=True)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log.info("instance logs in %s", log_dir)
 
-    def start(self, role: str, index: int, profile_json: str | None) -> ChildInstance:
-        c = self.common
-        instance_id = f"{role}-{index}"
-        args = ["--role", role, "--conductor", c["conductor_address"], "--model", c["model"],
-                "--instance-id", instance_id, "--host", c["host"], "--seed", str(c["seed"]),
-                "--prefill-chunk-size", str(c["prefill_chunk_size"]), "--max-batch", str(c["max_batch"]),
-                "--pool-dram-blocks", str(c["pool_dram_blocks"]), "--tbt-slo-s", str(c["tbt_slo_s"])]
-        if c["num_pages"]:
-            args += ["--num-pages", str(c["num_pages"])]
-        if self.layerwise and role == PREFILL:
-            args.append("--layerwise")
-        if not c["warmup"]:
-            args.append("--no-warmup")
-        args += ["--compile-cache", self.compile_cache]
+    def start(self, config: InstanceConfig, profile_json: str | None) -> ChildInstance:
+        args = config.to_args() + ["--compile-cache", self.compile_cache]
         if profile_json:
-            path = Path(self._profile_dir.name) / "profile.json"
-            if not path.exists():
-                path.write_text(profile_json)
+            digest = hashlib.blake2b(profile_json.encode(), digest_size=8).hexdigest()
+            path = Path(self._profile_dir.name) / f"profile-{digest}.json"
+            if not path.exists():  # instances start in parallel: never let one read a half-written file
+                partial = path.with_suffix(f".{threading.get_ident()}.tmp")
+                partial.write_text(profile_json)
+                partial.replace(path)
             args += ["--profile-file", str(path)]
-        log_path = self.log_dir / f"{instance_id}.log" if self.log_dir else None
-        return ChildInstance(args, log_path, auth_token=c["auth_token"],
-                             niceness=PREFILL_NICENESS if role == PREFILL else 0)
+        log_path = self.log_dir / f"{config.instance_id}.log"
+        return ChildInstance(args, log_path, auth_token=self.auth_token,
+                             niceness=PREFILL_NICENESS if config.role == PREFILL else 0)
 
     @staticmethod
     def profile_of(instance: ChildInstance) -> str:

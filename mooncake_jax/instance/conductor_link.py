@@ -37,7 +37,8 @@ class ConductorLink:
 
     def __init__(self, conductor_address: str, instance_id: str, role: str, address: str, profile_json: str,
                  kv_capacity_tokens: int, load: Callable[[], dict], block_lists: Callable[[], tuple[list, list]],
-                 publish_events: bool = True, auth_token: str | None = None):
+                 publish_events: bool = True, auth_token: str | None = None, config_json: str = "",
+                 kv_layout: str = "", hardware: str = "", model: str = ""):
         if role not in (PREFILL, DECODE):
             raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {role!r}")
         self.instance_id, self.role, self.address = instance_id, role, address
@@ -49,6 +50,9 @@ class ConductorLink:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.interval_s = 1.0
+        self._described = dict(config_json=config_json, kv_layout=kv_layout, hardware=hardware, model=model)
+        self.ttft_slo_s: float | None = None  # the cluster's SLOs, as the Conductor hands them out at registration
+        self.tbt_slo_s: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"conductor-link-{instance_id}", daemon=True)
         self.ignored_keys: set[int] = set()  # keys never announced (a request's partial tail blocks)
 
@@ -80,8 +84,10 @@ class ConductorLink:
             instance_id=self.instance_id, role=messages.PREFILL if self.role == PREFILL else messages.DECODE,
             address=self.address, profile_json=self._profile_json, kv_capacity_tokens=self._capacity,
             dram_block_keys=[k for k in dram if k not in self.ignored_keys],
-            ssd_block_keys=[k for k in ssd if k not in self.ignored_keys]), timeout=RPC_TIMEOUT_S)
+            ssd_block_keys=[k for k in ssd if k not in self.ignored_keys], **self._described),
+            timeout=RPC_TIMEOUT_S)
         self.interval_s = reply.heartbeat_interval_s
+        self.ttft_slo_s, self.tbt_slo_s = reply.ttft_slo_s or None, reply.tbt_slo_s or None
         log.info("%s registered with the Conductor (heartbeat every %.2f s)", self.instance_id, self.interval_s)
 
     # ---- events and milestones ---------------------------------------------------------------------------------
@@ -100,6 +106,8 @@ class ConductorLink:
                                      timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as e:  # the Conductor forgot the request (restart) or is away: not the client's problem
             log.debug("report %s %s: %s", request_id, kind, e.code())
+        except ValueError:  # the link was stopped (channel closed) while a request was still ending
+            log.debug("report %s %s: the link is stopped", request_id, kind)
 
     # ---- the thread ------------------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -18,6 +18,7 @@ stream; the sequence is dropped and its pages freed before the next step.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import grpc
@@ -25,6 +26,10 @@ import grpc
 import numpy as np
 
 from ..conductor.admission import decode_accepts
+from ..kv_layout import KVLayout, exchange_problem
+from ..transfer.offload import request_keys
+from ..transfer.relayout import convert
+from ..transfer.spec import BlockSpec
 from ..model.engine import Engine
 from ..model.kv_cache import OutOfPages
 from ..model.sequence import Sequence
@@ -56,9 +61,9 @@ class DecodeService(InstanceService):
     def Decode(self, request, context):
         inst = self.instance
         try:
-            seq = validated(lambda: self._parse(request))
+            seq, source_layout = validated(lambda: self._parse(request))
             stream = TokenStream(timeout_s=inst.config.request_timeout_s)
-            self._start(seq, request, stream)
+            self._start(seq, request, stream, source_layout)
         except Exception as e:
             code = status_of(e)
             if code == grpc.StatusCode.INTERNAL:
@@ -93,29 +98,48 @@ class DecodeService(InstanceService):
                 inst.link.report(request.request_id,
                                  "FINISHED" if seq.finish_reason in ("length", "stop") else "DROPPED")
 
-    def _parse(self, request) -> Sequence:
+    def _parse(self, request) -> tuple[Sequence, KVLayout | None]:
+        """The request's sequence, and the layout of its KV blocks when they are not this instance's own (a
+        prefill instance of another page size, dtype, tensor parallelism or stages: converted on arrival)."""
         engine = self.instance.engine
         seq = engine.new_sequence(list(request.prompt), sampling_params(request.sampling))
         if not 0 <= request.first_token < engine.cfg.vocab_size:
             raise ValueError(f"first_token {request.first_token} is outside the vocabulary")
-        expected = -(-len(seq.prompt) // engine.block_size)
+        source = KVLayout.from_json(request.kv_layout) if request.kv_layout else None
+        if source is not None:
+            problem = exchange_problem(source, self.instance.kv_layout)
+            if problem:
+                raise ValueError(f"the request's KV ({source.describe()}) cannot become this instance's "
+                                 f"({self.instance.kv_layout.describe()}): {problem}")
+            if source.same_blocks(self.instance.kv_layout):
+                source = None
+        block_size = source.block_size if source is not None else engine.block_size
+        expected = -(-len(seq.prompt) // block_size)
         if len(request.kv_keys) != expected:
             raise ValueError(f"kv_keys has {len(request.kv_keys)} keys, the prompt needs {expected}")
-        return seq
+        return seq, source
 
-    def _start(self, seq: Sequence, request, stream: TokenStream) -> None:
+    def _start(self, seq: Sequence, request, stream: TokenStream, source: KVLayout | None = None) -> None:
         """Stage the request's KV on a transfer thread, then admit it on the engine loop (retried, a few times, for
-        cached blocks the engine evicted meanwhile)."""
+        cached blocks the engine evicted meanwhile). KV of another layout (``source``) is fetched from the prefill
+        instance in that layout and converted to this instance's blocks, under this instance's own block keys."""
         inst = self.instance
+        if source is None:
+            keys = list(request.kv_keys)
+            stage = functools.partial(self._stage, source=request.kv_source)
+        else:
+            keys = request_keys(seq, inst.engine.block_size)
+            stage = functools.partial(self._stage_converted, request=request, source=source, own_keys=keys)
         timeout = inst.config.request_timeout_s
         if len(inst.loop.running) >= inst.engine.max_batch:  # before any I/O; the scheduler decides for good
             raise LateRejection(f"decode batch is full ({inst.engine.max_batch} sequences)")
         staged: dict = {}
-        need = [key for key in request.kv_keys if inst.engine.kv.page_of(key) is None]
+        need = [key for key in keys if inst.engine.kv.page_of(key) is None]
         for _ in range(3):
             if need:
-                staged.update(wait(inst.transfers.submit(self._stage, need, request.kv_source), timeout))
-            future = inst.loop.submit(lambda engine: self._admit(engine, seq, request, stream, staged),
+                staged.update(wait(inst.transfers.submit(stage, need), timeout))
+            future = inst.loop.submit(lambda engine: self._admit(engine, seq, keys, request, stream,
+                                                                 staged),
                                       joins_batch=True, wait_for_room=False)
             try:
                 need = wait(future, timeout)
@@ -144,16 +168,29 @@ class DecodeService(InstanceService):
             raise MissingKV(f"{len(absent)} of the request's KV blocks are not in this instance's pool")
         return dict(zip(keys, blocks))
 
-    def _admit(self, engine: Engine, seq: Sequence, request, stream: TokenStream, staged: dict) -> list:
+    def _stage_converted(self, keys: list, request, source: KVLayout, own_keys: list) -> dict:
+        """On a transfer thread: the request's blocks in the prefill instance's layout ``source``, fetched from it
+        (``kv_source``) without entering this pool (it holds only this instance's layout), converted to this
+        instance's blocks: by key, for the ``keys`` (of ``own_keys``) asked for."""
+        inst = self.instance
+        if not request.kv_source:
+            raise MissingKV("the request's KV is in another layout and no kv_source was given to fetch it from")
+        spec = BlockSpec(source.block_shape, source.dtype)
+        blocks = inst.messenger(request.kv_source).fetch_blocks(list(request.kv_keys), spec)
+        converted = convert(np.stack(blocks), source, inst.kv_layout, len(request.prompt))
+        wanted = set(keys)
+        return {key: block for key, block in zip(own_keys, converted) if key in wanted}
+
+    def _admit(self, engine: Engine, seq: Sequence, keys: list, request, stream: TokenStream,
+               staged: dict) -> list:
         """On the engine loop (the scheduler saw a free slot): the late check, the staged KV into pages, and into
         the batch. Returns the keys that must be staged first (cached blocks evicted since), else []."""
         inst = self.instance
         running = inst.loop.running
         context = sum(s.num_tokens for s in running)
-        if inst.costs is not None and not decode_accepts(inst.costs.decode, len(running), context, seq.max_len,
-                                                         inst.config.tbt_slo_s):
-            raise LateRejection(f"adding this request would exceed the TBT SLO of {inst.config.tbt_slo_s} s")
-        keys = list(request.kv_keys)
+        if inst.costs is not None and inst.tbt_slo_s is not None and not decode_accepts(
+                inst.costs.decode, len(running), context, seq.max_len, inst.tbt_slo_s):
+            raise LateRejection(f"adding this request would exceed the cluster's TBT SLO of {inst.tbt_slo_s} s")
         present = [engine.kv.page_of(key) for key in keys]
         lacking = [key for key, page in zip(keys, present) if page is None and key not in staged]
         if lacking:

@@ -17,7 +17,7 @@ from ..gateway.backend import (FINISH_ABORT, REJECT_EARLY, Finished, GenerateReq
                                TokenOut, Unavailable, paper_tbt)
 from ..llm import LLM
 from ..model.kv_cache import OutOfPages
-from ..model.sequence import SamplingParams, Sequence
+from ..model.sequence import Sequence
 from ..engine.runner_loop import LoopStopped, RunnerLoop, TokenStream, wait
 from ..engine.scheduler import DEFAULT_MAX_WAITING, QueueFull
 from .rpc import sampling_of

@@ -1,5 +1,8 @@
 """One instance as its own process: ``python -m mooncake_jax.instance.main --role prefill --conductor HOST:PORT``.
 
+Its configuration is an ``InstanceConfig`` (``config.py``): given whole as ``--config JSON`` (what a cluster passes
+its children), field by field as flags, or both (flags win). Its SLOs come from the Conductor at registration.
+
 When ready it prints one JSON line on stdout (``{"ready": true, "instance_id", "address", "profile_json"}``) and
 serves until SIGTERM/SIGINT, or until its standard input closes: the parent that started it holds the other end,
 so an instance never outlives the cluster that started it (no orphans, even if the parent is killed).
@@ -18,26 +21,31 @@ from pathlib import Path
 
 from ..model.compile_cache import enable_compilation_cache
 from .conductor_link import DECODE, PREFILL
-from .server import InstanceConfig, InstanceServer
+from .config import InstanceConfig
+from .devices import reserve_cpu_devices
+from .server import InstanceServer
+
+
+FLAGS = {  # flag -> InstanceConfig field (defaults: the config's own; ``--config`` gives them all at once)
+    "--role": "role", "--conductor": "conductor_address", "--model": "model", "--instance-id": "instance_id",
+    "--host": "host", "--port": "port", "--seed": "seed", "--dtype": "dtype", "--block-size": "block_size",
+    "--tensor-parallel": "tensor_parallel", "--pipeline-stages": "pipeline_stages", "--devices": "devices",
+    "--prefill-chunk-size": "prefill_chunk_size", "--max-batch": "max_batch", "--num-pages": "num_pages",
+    "--hardware": "hardware",
+}
+_INT_FIELDS = {"port", "seed", "block_size", "tensor_parallel", "pipeline_stages", "prefill_chunk_size", "max_batch",
+               "num_pages"}
 
 
 def parse_args(argv=None) -> InstanceConfig:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--role", required=True, choices=[PREFILL, DECODE])
-    p.add_argument("--conductor", required=True, help="Conductor address host:port")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--instance-id", default="")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--prefill-chunk-size", type=int, default=512)
-    p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--pool-dram-blocks", type=int, default=8192)
+    p.add_argument("--config", default=None, help="the whole InstanceConfig as JSON (what a cluster passes)")
+    for flag, name in FLAGS.items():
+        p.add_argument(flag, dest=name, default=None, type=int if name in _INT_FIELDS else str,
+                       choices=[PREFILL, DECODE] if name == "role" else None)
+    p.add_argument("--pool-dram-blocks", type=int, default=None)
     p.add_argument("--pool-ssd-path", default=None)
-    p.add_argument("--layerwise", action="store_true")
-    p.add_argument("--tbt-slo-s", type=float, default=1.0)
+    p.add_argument("--layerwise", action="store_true", default=None)
     p.add_argument("--profile-file", type=Path, default=None, help="cost profile JSON (default: measure at start)")
     p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start")
     p.add_argument("--auth-token-stdin", action="store_true",
@@ -45,15 +53,32 @@ def parse_args(argv=None) -> InstanceConfig:
     p.add_argument("--compile-cache", default="", help="persistent XLA cache folder ('none' to disable; "
                                                           "default: the user's cache directory)")
     a = p.parse_args(argv)
+    try:
+        fields = json.loads(a.config) if a.config else {}
+    except json.JSONDecodeError as e:
+        p.error(f"--config is not JSON: {e}")
+    fields.update({name: getattr(a, name) for name in FLAGS.values() if getattr(a, name) is not None})
+    pool = dict(fields.get("pool") or {})
+    if a.pool_dram_blocks is not None:
+        pool["dram_blocks"] = a.pool_dram_blocks
+    if a.pool_ssd_path is not None:
+        pool["ssd_path"] = a.pool_ssd_path
+    fields["pool"] = pool
+    if a.layerwise:
+        fields["layerwise"] = True
+    if a.no_warmup:
+        fields["warmup"] = False
+    if "role" not in fields or "conductor_address" not in fields:
+        p.error("an instance needs --role and --conductor (or both in --config)")
+    try:
+        config = InstanceConfig.from_dict(
+            fields, auth_token=sys.stdin.readline().strip() or None if a.auth_token_stdin else None,
+            profile_json=a.profile_file.read_text() if a.profile_file else None)
+    except ValueError as e:
+        p.error(str(e))
     if a.compile_cache != "none":
         enable_compilation_cache(a.compile_cache or None)
-    return InstanceConfig(
-        role=a.role, conductor_address=a.conductor, model=a.model, instance_id=a.instance_id, host=a.host,
-        port=a.port, seed=a.seed, dtype=a.dtype, prefill_chunk_size=a.prefill_chunk_size, max_batch=a.max_batch,
-        num_pages=a.num_pages, pool_dram_blocks=a.pool_dram_blocks, pool_ssd_path=a.pool_ssd_path,
-        layerwise=a.layerwise, tbt_slo_s=a.tbt_slo_s, warmup=not a.no_warmup,
-        auth_token=sys.stdin.readline().strip() or None if a.auth_token_stdin else None,
-        profile_json=a.profile_file.read_text() if a.profile_file else None)
+    return config
 
 
 SWITCH_INTERVAL_S = 0.0005
@@ -76,6 +101,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     config = parse_args(argv)
+    if config.devices:  # on the CPU platform, have the device ids this instance owns (before JAX starts)
+        reserve_cpu_devices(max(config.devices) + 1)
     server = InstanceServer(config).start()
     settle_serving_process()
     stop = threading.Event()

@@ -29,6 +29,7 @@ from ..model.engine import Engine
 from ..model.sequence import Sequence
 from ..transfer.messenger import BlocksNotFoundError, TransferError
 from ..blocks import BlockKey
+from ..conductor.accounting import prefill_work_s
 from ..transfer.offload import LayerwisePrefill, request_keys
 from ..engine.runner_loop import wait
 from .rpc import InstanceService, logprob_message, messages, rpc, sampling_params, validated
@@ -43,6 +44,7 @@ class PrefillService(InstanceService):
         super().__init__(instance, ("prefill_requests", "prefill_prompt_tokens", "prefill_cached_tokens",
                                     "prefill_fetched_blocks", "prefill_pushed_blocks", "prefill_fetch_failures"))
         self._queued_s = 0.0
+        self._peer_same_spec: dict[str, bool] = {}
         self._layerwise = _layerwise(instance.engine) if instance.config.layerwise else None
 
     def load(self) -> dict:
@@ -68,7 +70,8 @@ class PrefillService(InstanceService):
                 wait(inst.transfers.submit(self._fetch, request.fetch_from, list(request.fetch_keys)), timeout)
             staged = wait(inst.transfers.submit(self._stage_prefix, seq, keys), timeout)
             t_fetched = time.perf_counter()
-            predicted = inst.costs.prefill.seconds(len(seq.prompt), 0) if inst.costs else 0.0
+            cached = (staged[0] + len(staged[1])) * engine.block_size  # engine cache + staged pool blocks
+            predicted = prefill_work_s(inst.costs.prefill, len(seq.prompt), cached) if inst.costs else 0.0
             with self._lock:
                 self._queued_s += predicted
             try:
@@ -95,7 +98,8 @@ class PrefillService(InstanceService):
             queue_s=started.get("t", queued_at) - queued_at, prefill_s=t_prefilled - started.get("t", queued_at),
             transfer_s=(t_fetched - t0) + (t_end - t_prefilled), finished=seq.finished,
             first_logprob=logprob_message(seq.logprobs[0] if seq.logprobs else None),
-            prompt_logprobs=[logprob_message(entry) for entry in seq.prompt_logprobs or ()])
+            prompt_logprobs=[logprob_message(entry) for entry in seq.prompt_logprobs or ()],
+            kv_layout=inst.kv_layout.to_json())
 
     def _fetch(self, source: str, keys: list[int]) -> None:
         """Run the transfer plan. The Conductor may plan blocks the source is still computing (another request's
@@ -170,9 +174,21 @@ class PrefillService(InstanceService):
         """On a transfer thread: the new blocks into the pool, then the request's blocks to the decode instance."""
         if new_keys:
             self.instance.pool.put_many(new_keys, new_blocks[: len(new_keys)])
-        if push_to:
+        if push_to and self._holds_our_blocks(push_to):
             moved = self.instance.messenger(push_to).push(keys).moved
             self._count(prefill_pushed_blocks=len(moved))
+
+    def _holds_our_blocks(self, address: str) -> bool:
+        """Whether the decode instance at ``address`` stores blocks of this instance's layout (asked once per
+        peer). One that does not (another page size, dtype or model split) fetches the request's blocks from this
+        pool in this layout and converts them itself, so nothing is pushed to it."""
+        with self._lock:
+            known = self._peer_same_spec.get(address)
+        if known is None:
+            known = self.instance.messenger(address).same_spec()
+            with self._lock:
+                self._peer_same_spec[address] = known
+        return known
 
 
 def _layerwise(engine: Engine) -> LayerwisePrefill:

@@ -9,6 +9,7 @@ SIGINT/SIGTERM, then stops everything (instances are tied to this process and ex
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -23,15 +24,27 @@ def add_arguments(p) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address every server listens on (default loopback)")
     p.add_argument("--grpc-port", type=int, default=0, help="gateway gRPC port (0: a free one)")
     p.add_argument("--http-port", type=int, default=0, help="gateway HTTP port (0: a free one)")
-    p.add_argument("--auth-token", default=None, help="shared token every gateway request must carry")
+    p.add_argument("--auth-token", default=None,
+                   help="shared token every gateway request must carry (visible in ps: prefer --auth-token-file or "
+                        "the MOONCAKE_API_KEY environment variable)")
+    p.add_argument("--auth-token-file", default=None, help="file whose first line is the shared token")
+    p.add_argument("--cors-origin", action="append", default=[],
+                   help="browser origin allowed to call the HTTP API (repeat for several)")
     p.add_argument("--policy", default="kvcache-centric",
                    choices=["random", "load-balance", "local-cache-aware", "kvcache-centric"])
     p.add_argument("--admission", default="predictive", choices=["none", "baseline", "early", "predictive"])
     p.add_argument("--ttft-slo-s", type=float, default=30.0)
     p.add_argument("--tbt-slo-s", type=float, default=1.0)
-    p.add_argument("--prefill-chunk-size", type=int, default=512)
-    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--prefill-chunk-size", type=int, default=None, help="default: InstanceConfig's (512)")
+    p.add_argument("--max-batch", type=int, default=None, help="default: InstanceConfig's (32)")
     p.add_argument("--layerwise", action="store_true", help="layer-wise prefill with the KV pool")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-shape", default=None,
+                       help=f"{role} instances' shape, e.g. tensor=2,stage=2 (each gets its own devices)")
+        p.add_argument(f"--{role}-dtype", default=None, help=f"{role} instances' dtype (float32, bfloat16)")
+        p.add_argument(f"--{role}-block-size", type=int, default=None, help=f"{role} instances' KV page size")
+    p.add_argument("--cluster-file", default=None,
+                   help="JSON listing the instances with their configs (instead of --prefill/--decode and shapes)")
     p.add_argument("--in-process", action="store_true", help="run the instances as threads of this process")
     p.add_argument("--coupled", action="store_true",
                    help="no disaggregation: one engine does prefill and decode (the baseline)")
@@ -45,7 +58,8 @@ def add_arguments(p) -> None:
                    help="Jinja chat template file for /v1/chat/completions (default: the model's own)")
     p.add_argument("--drain-grace-s", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, seconds open requests get to finish before they are ended")
-    p.add_argument("--log-dir", default=None, help="write each instance's log here")
+    p.add_argument("--log-dir", default=None,
+                   help="write each instance's log here (default: a new folder per run in the temporary directory)")
     p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start")
     p.add_argument("--compile-cache", default="", help="persistent XLA cache folder ('none' to disable; default: "
                                                           "the user's cache directory)")
@@ -53,6 +67,13 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    from ..gateway.auth import resolve_token
+
+    try:
+        args.auth_token = resolve_token(args.auth_token, args.auth_token_file, os.environ)
+    except ValueError as e:
+        print(f"mooncake-jax serve: {e}", file=sys.stderr)
+        return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.auth_token:
         print("mooncake-jax serve: listening beyond loopback needs --auth-token", file=sys.stderr)
         return 2
@@ -73,7 +94,7 @@ def run(args) -> int:
             gateway = service.serve_gateway(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                                             auth_token=args.auth_token, tokenizer=args.tokenizer,
                                             chat_template=args.chat_template, drain_grace_s=args.drain_grace_s,
-                                            model_name=args.served_model_name)
+                                            model_name=args.served_model_name, cors_origins=tuple(args.cors_origin))
         except (ValueError, OSError) as e:
             print(f"mooncake-jax serve: {e}", file=sys.stderr)
             return 2
@@ -92,17 +113,32 @@ def run(args) -> int:
 def _cluster(args):
     from ..instance.cluster import Cluster
 
-    return Cluster.local(args.model, prefill=args.prefill, decode=args.decode, processes=not args.in_process,
-                         policy=args.policy, admission=args.admission, ttft_slo_s=args.ttft_slo_s,
-                         tbt_slo_s=args.tbt_slo_s, prefill_chunk_size=args.prefill_chunk_size,
-                         max_batch=args.max_batch, layerwise=args.layerwise, log_dir=args.log_dir, host=args.host,
-                         warmup=not args.no_warmup, auth_token=args.auth_token,
-                         compile_cache=None if args.compile_cache == "none" else args.compile_cache)
+    if args.cluster_file:
+        shaped = {"--prefill-chunk-size": args.prefill_chunk_size is not None,
+                  "--max-batch": args.max_batch is not None,
+                  "--layerwise": args.layerwise,
+                  **{f"--{r}-{w}": getattr(args, f"{r}_{w.replace('-', '_')}") is not None
+                     for r in ("prefill", "decode") for w in ("shape", "dtype", "block-size")}}
+        if any(shaped.values()):
+            given = [flag for flag, set_ in shaped.items() if set_]
+            raise ValueError(f"--cluster-file lists every instance's config; drop {given}")
+        roles = {}
+    else:
+        roles = dict(prefill=args.prefill, decode=args.decode, prefill_chunk_size=args.prefill_chunk_size,
+                     max_batch=args.max_batch, layerwise=args.layerwise,
+                     **{f"{r}_{w}": getattr(args, f"{r}_{w}") for r in ("prefill", "decode")
+                        for w in ("shape", "dtype", "block_size")})
+    return Cluster.local(args.model, processes=not args.in_process, policy=args.policy, admission=args.admission,
+                         ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s, cluster_file=args.cluster_file,
+                         log_dir=args.log_dir, host=args.host, warmup=not args.no_warmup, auth_token=args.auth_token,
+                         compile_cache=None if args.compile_cache == "none" else args.compile_cache, **roles)
 
 
 def _coupled(args):
     from ..instance.local_backend import CoupledServer
 
-    return CoupledServer(args.model, prefill_chunk_size=args.prefill_chunk_size, max_batch=args.max_batch,
+    sizes = {k: v for k, v in (("prefill_chunk_size", args.prefill_chunk_size), ("max_batch", args.max_batch))
+             if v is not None}
+    return CoupledServer(args.model, **sizes,
                          warmup=not args.no_warmup,
                          compile_cache=None if args.compile_cache == "none" else args.compile_cache)

@@ -12,10 +12,10 @@ import dataclasses
 import logging
 import threading
 import time
-import uuid
 from concurrent import futures
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..conductor.profile import costs_from_profile
@@ -24,48 +24,28 @@ from ..model.engine import Engine
 from ..model.llama import Llama
 from ..proto import server_options
 from ..proto.auth import interceptors
+from ..proto.guards import DecodeGuard, WorkGate
 from ..transfer import BlockPool, BlockSpec
 from ..transfer.messenger import MessengerClient
 from ..transfer.messenger_server import add_messenger
+from ..sharding.layout import MeshLayout
+from ..sharding.mesh import MeshSpec
 from .calibrate import calibrate
+from .config import InstanceConfig
+from .devices import instance_devices
 from .conductor_link import DECODE, PREFILL, ConductorLink
 from ..engine.runner_loop import RunnerLoop, wait
-from ..engine.scheduler import DEFAULT_MAX_WAITING
 from ..engine.transfer_workers import TransferWorkers
 
 log = logging.getLogger(__name__)
 
+INSTANCE_SERVICE, MESSENGER_SERVICE = "mooncake.v1.Instance", "mooncake.v1.Messenger"
+MESSENGER_CALLS = 32
+"""Concurrent block transfers a peer may run against one instance (pushes from prefill instances, fetches)."""
 
-@dataclasses.dataclass
-class InstanceConfig:
-    """Everything an instance needs to start (also its command line, see ``main.py``)."""
 
-    role: str
-    conductor_address: str
-    model: str = "tiny"
-    instance_id: str = ""
-    host: str = "127.0.0.1"
-    port: int = 0
-    seed: int = 0
-    dtype: str | None = None
-    prefill_chunk_size: int = 512
-    max_batch: int = 32
-    num_pages: int | None = None
-    pool_dram_blocks: int = 8192
-    pool_ssd_path: str | None = None
-    layerwise: bool = False
-    tbt_slo_s: float = 1.0
-    profile_json: str | None = None
-    request_timeout_s: float = 120.0
-    warmup: bool = True  # compile every step shape of its role before registering
-    auth_token: str | None = None  # required on every RPC to this instance (and sent on its own calls)
-    bucket_factor: int = 4  # prefill chunk lengths grow 4x: fewer programs to compile per instance
-    max_waiting: int = DEFAULT_MAX_WAITING  # requests queued for the engine beyond this: RESOURCE_EXHAUSTED
-    transfer_workers: int = 4  # threads for pool / SSD / Messenger I/O (never on the engine's thread)
-    def __post_init__(self):
-        if self.role not in (PREFILL, DECODE):
-            raise ValueError(f"role must be {PREFILL!r} or {DECODE!r}, got {self.role!r}")
-        self.instance_id = self.instance_id or f"{self.role}-{uuid.uuid4().hex[:8]}"
+class RegistrationError(RuntimeError):
+    """The Conductor refused (or could not be asked to take) this instance; the message says why."""
 
 
 class InstanceServer:
@@ -74,20 +54,38 @@ class InstanceServer:
     def __init__(self, config: InstanceConfig, model: Llama | None = None):
         self.config = config
         self.instance_id = config.instance_id
-        self.model = model or build_model(config.model, dtype=config.dtype, seed=config.seed)
+        self.model = model or build_model(config.model, dtype=config.dtype, block_size=config.block_size,
+                                          seed=config.seed)
         cfg = self.model.cfg
+        config.validate_for(cfg)
+        for name in ("dtype", "block_size"):
+            if getattr(config, name) is not None and getattr(config, name) != getattr(cfg, name):
+                raise ValueError(f"the model given has {name} {getattr(cfg, name)!r}, the config asks for "
+                                 f"{getattr(config, name)!r}")
+        devices = instance_devices(config)
+        spec = MeshSpec(stage=config.pipeline_stages, tensor=config.tensor_parallel)
+        layout = MeshLayout(cfg, spec, devices) if spec.devices > 1 or devices is not None else None
         self.engine = Engine(self.model, num_pages=config.num_pages, max_batch=config.max_batch,
-                             prefill_chunk_size=config.prefill_chunk_size,
+                             prefill_chunk_size=config.prefill_chunk_size, layout=layout,
                              bucket_factor=config.bucket_factor)
+        self.kv_layout = dataclasses.replace(config.kv_layout(cfg),
+                                             dtype=np.dtype(self.engine.runner.kv[0][0].dtype).name)
         self.loop = RunnerLoop(self.engine, name=f"engine-{config.instance_id}", max_waiting=config.max_waiting)
         self.transfers = TransferWorkers(config.transfer_workers, max(config.max_waiting, config.transfer_workers),
                                          name=f"transfer-{config.instance_id}")
         self.link: ConductorLink | None = None
         self.pool = BlockPool(BlockSpec(cfg.block_shape(), self.engine.runner.kv[0][0].dtype),
-                              dram_blocks=config.pool_dram_blocks, ssd_path=config.pool_ssd_path,
-                              on_event=self._on_pool_event)
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=server_options(),
-                                   interceptors=interceptors(config.auth_token))
+                              dram_blocks=config.pool.dram_blocks, ssd_path=config.pool.ssd_path,
+                              ssd_blocks=config.pool.ssd_blocks, on_event=self._on_pool_event)
+        # admission before grpcio's queue (proto/guards.py): work calls beyond the scheduler's own bounds are
+        # refused at once, and Stats and health always find a thread
+        engine_calls = (config.max_batch + config.max_waiting if config.role == DECODE
+                        else config.max_waiting + config.transfer_workers + 1)
+        self.work_gate = WorkGate({INSTANCE_SERVICE: engine_calls, MESSENGER_SERVICE: MESSENGER_CALLS},
+                                  name=f"{config.role} instance {config.instance_id}")
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.work_gate.threads),
+                                   options=server_options(),
+                                   interceptors=(*interceptors(config.auth_token), DecodeGuard(), self.work_gate))
         self.messenger_meter = add_messenger(self._server, self.pool)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -107,6 +105,11 @@ class InstanceServer:
 
             self.service = DecodeService(self)
         self.service.add_to_server(self._server)
+
+    @property
+    def tbt_slo_s(self) -> float | None:
+        """The cluster's TBT SLO, as the Conductor handed it out at registration (None before)."""
+        return self.link.tbt_slo_s if self.link is not None else None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -145,8 +148,15 @@ class InstanceServer:
         self.link = ConductorLink(
             self.config.conductor_address, self.config.instance_id, self.config.role, self.address, profile,
             self.kv_capacity_tokens, load=self.service.load, block_lists=self._block_lists,
-            publish_events=self.config.role == PREFILL, auth_token=self.config.auth_token)
-        self.link.start()
+            publish_events=self.config.role == PREFILL, auth_token=self.config.auth_token,
+            config_json=self.config.to_json(), kv_layout=self.kv_layout.to_json(), hardware=self.config.hardware,
+            model=self.config.model)
+        try:
+            self.link.start()
+        except grpc.RpcError as e:  # refused (say, KV of another model) or unreachable: take everything down
+            self.stop()
+            raise RegistrationError(f"{self.instance_id}: the Conductor at {self.config.conductor_address} did not "
+                                    f"register it: {e.code().name}: {e.details()}") from None
         log.info("%s instance %s listening on %s", self.config.role, self.config.instance_id, self.address)
         return self
 
@@ -165,6 +175,7 @@ class InstanceServer:
         values["engine_kv_usage"] = self.engine.pages_in_use / max(1, self.engine.num_pages - 1)  # 0..1, as vLLM's
         values["engine_running"] = float(len(self.loop.running))
         values["engine_queued_jobs"] = float(self.loop.queued_jobs)
+        values["rpc_refused_total"] = float(self.work_gate.refused)
         return values
 
     def stop(self, grace_s: float = 1.0) -> None:

@@ -10,7 +10,8 @@ from mooncake_jax.sim.experiments import EXPERIMENTS
 
 _SHOWN = ("requests", "completed", "rejected_early", "rejected_late", "avg_ttft_s", "p90_ttft_s", "p90_tbt_s",
           "slo_attainment", "cache_hit_ratio", "cache_hit_ratio_tokens", "avg_prefill_s", "wasted_prefill_s",
-          "throughput_rps", "cost_per_request", "sim_duration_s", "wall_s", "requests_per_wall_s")
+          "throughput_rps", "cost_per_request", "cost_per_million_tokens", "sim_duration_s", "wall_s",
+          "requests_per_wall_s")
 
 
 def _cache_tokens(text: str) -> int | None:
@@ -39,8 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-tokens", type=int, default=512, help="coupled: tokens per chunked iteration")
     g.add_argument("--hardware", default="8xA800",
                    help="built-in profile (8xA800, 8xH800, 8xH200, tpu-v5e-8, tpu-v6e-8) or profile JSON path")
-    g.add_argument("--prefill-hardware", default=None, help="prefill pool's hardware (heterogeneous cluster)")
-    g.add_argument("--decode-hardware", default=None, help="decode pool's hardware (heterogeneous cluster)")
+    g.add_argument("--prefill-hardware", default=None,
+                   help="prefill pool's hardware (heterogeneous cluster); one per instance for a mixed pool: "
+                        "8xH800*4,8xA800*4")
+    g.add_argument("--decode-hardware", default=None, help="decode pool's hardware, as --prefill-hardware")
     g.add_argument("--model", default="llama2-70b", help="model shape for built-in hardware profiles")
     g.add_argument("--cache-tokens", type=_cache_tokens, default=3_000_000,
                    help="DRAM KV cache per prefill node in tokens ('none': unbounded)")
@@ -70,13 +73,15 @@ def run(args: argparse.Namespace) -> int:
             run_experiment(args.experiment, args.out, first=args.first, progress=progress)
             print(f"wrote {args.experiment} results to {args.out}/")
             return 0
+        from mooncake_jax.sim.hardware import parse_pool
         from mooncake_jax.sim.simulate import simulate
 
         result = simulate(args.trace, args.prefill, args.decode, args.policy, args.admission, args.speed,
                           first=args.first, start_s=args.start_s, end_s=args.end_s, progress=progress,
                           architecture=args.architecture, chunked_prefill=args.chunked_prefill,
                           chunk_tokens=args.chunk_tokens, hardware=args.hardware,
-                          prefill_hardware=args.prefill_hardware, decode_hardware=args.decode_hardware,
+                          prefill_hardware=args.prefill_hardware and parse_pool(args.prefill_hardware),
+                          decode_hardware=args.decode_hardware and parse_pool(args.decode_hardware),
                           model=args.model, cache_tokens=args.cache_tokens, cache_mode=args.cache_mode,
                           eviction=args.eviction, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                           kvcache_balancing_threshold=args.threshold)

@@ -10,8 +10,9 @@ import dataclasses
 import math
 
 from mooncake_jax.conductor import PolicyConfig
+from mooncake_jax.conductor.accounting import LAYERWISE, ReleaseTiming
 from mooncake_jax.sim.cache import EVICTIONS
-from mooncake_jax.sim.hardware import HardwareSpec
+from mooncake_jax.sim.hardware import HardwareSpec, PoolSpec, resolve_pool
 
 ARCHITECTURES = ("disaggregated", "coupled")
 CACHE_MODES = ("per-node", "global")
@@ -23,8 +24,9 @@ class SimConfig:
 
     Cluster: ``prefill`` and ``decode`` instance counts (a ``coupled`` cluster has ``prefill + decode`` nodes that
     each do both). ``hardware`` is a built-in profile name, a measured profile JSON path, or ``InstanceCosts``;
-    ``prefill_hardware`` / ``decode_hardware`` override it per pool (heterogeneous clusters). ``model`` names the
-    model shape for built-in profiles.
+    ``prefill_hardware`` / ``decode_hardware`` override it per pool (heterogeneous clusters), either one spec for
+    the pool or a sequence with one per instance (a mixed pool). ``model`` names the model shape for built-in
+    profiles.
 
     KV cache: ``cache_tokens`` of host DRAM per prefill instance (None: unbounded) with ``eviction`` ``lru`` or
     ``lfu``; ``cache_mode="global"`` pools all of it into one cache every prefill instance reads (fetched over
@@ -40,6 +42,11 @@ class SimConfig:
     ``chunk_tokens`` minus that many prompt tokens.
 
     ``sample_interval_s``: virtual seconds between load samples.
+
+    Instance accounting (``conductor/accounting.py``): ``release_timing`` says when the KV is pushed and the first
+    token released (default: streamed layer by layer, first token at the prefill's end; ``REAL_INSTANCES`` for
+    what this project's instances do); ``request_overhead_s`` is a fixed time each prefill takes beyond its cost
+    model (RPCs, scheduling: measured on a real cluster, 0 for datasheet studies).
     """
 
     prefill: int = 8
@@ -48,8 +55,8 @@ class SimConfig:
     admission: str = "none"
     architecture: str = "disaggregated"
     hardware: HardwareSpec = "8xA800"
-    prefill_hardware: HardwareSpec | None = None
-    decode_hardware: HardwareSpec | None = None
+    prefill_hardware: PoolSpec | None = None
+    decode_hardware: PoolSpec | None = None
     model: str = "llama2-70b"
     cache_tokens: int | None = 3_000_000
     cache_mode: str = "per-node"
@@ -63,6 +70,8 @@ class SimConfig:
     chunk_tokens: int = 512
     prefill_batch_tokens: int = 16384
     sample_interval_s: float = 10.0
+    release_timing: ReleaseTiming = LAYERWISE
+    request_overhead_s: float = 0.0
 
     def __post_init__(self):
         for name in ("prefill", "decode", "chunk_tokens", "prefill_batch_tokens"):
@@ -90,8 +99,21 @@ class SimConfig:
         if not (isinstance(self.sample_interval_s, (int, float)) and math.isfinite(self.sample_interval_s)
                 and self.sample_interval_s > 0):
             raise ValueError(f"sample_interval_s must be positive, got {self.sample_interval_s!r}")
+        if not isinstance(self.release_timing, ReleaseTiming):
+            raise ValueError(f"release_timing must be a ReleaseTiming, got {self.release_timing!r}")
+        if not (math.isfinite(self.request_overhead_s) and self.request_overhead_s >= 0):
+            raise ValueError(f"request_overhead_s must be a non-negative number, got {self.request_overhead_s!r}")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {list(EVICTIONS)}")
+        for name in ("prefill_hardware", "decode_hardware"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                value = tuple(value)
+                object.__setattr__(self, name, value)  # frozen and hashable like the rest
+            count = self.prefill if name == "prefill_hardware" else self.decode
+            if isinstance(value, tuple) and len(value) != count:
+                raise ValueError(f"{name} lists {len(value)} instances' hardware for a pool of {count}; "
+                                 f"give one spec, or one per instance")
         self.policy_config()  # unknown policy / admission, bad SLOs: the Conductor's own ValueError
 
     @property
@@ -104,10 +126,19 @@ class SimConfig:
                             ttft_slo_s=self.ttft_slo_s, tbt_slo_s=self.tbt_slo_s, decode_time_s=self.decode_time_s,
                             seed=self.seed)
 
+    def pool_costs(self) -> tuple[list, list]:
+        """Each prefill and each decode instance's ``InstanceCosts`` (disaggregated clusters)."""
+        return (resolve_pool(self.prefill_hardware or self.hardware, self.prefill, self.model, "prefill"),
+                resolve_pool(self.decode_hardware or self.hardware, self.decode, self.model, "decode"))
+
     def cache_blocks(self, block_tokens: int) -> int | None:
         """One prefill instance's DRAM cache in blocks."""
         return None if self.cache_tokens is None else self.cache_tokens // block_tokens
 
     def to_dict(self) -> dict:
-        return {f.name: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v))
-                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+        def plain(v):
+            if isinstance(v, (int, float, str, bool, type(None))):
+                return v
+            return [plain(x) for x in v] if isinstance(v, tuple) else str(v)
+
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -8,9 +8,11 @@ Per request, what a real cluster does, on the virtual clock:
 3. Prefill, FIFO per instance, one request at a time: it starts when the instance is free and its fetch has
    landed, reuses the longest prefix it then holds (own cache plus fetched blocks: evictions since the decision
    count), and takes the cost model's time for the rest. Its KV streams to the decode instance layer by layer
-   during the prefill (the link is reserved from the start; the KV is there when both prefill and stream end).
-4. Prefill end: first token; the prompt's blocks enter the instance's cache (evictions and stores are reported
-   as KV events); ``prefill_done`` is reported, with the instance's queued work (a heartbeat).
+   during the prefill (the link is reserved from the start; the KV is there when both prefill and stream end), or
+   is pushed after it (``SimConfig.release_timing``, the one accounting in ``conductor/accounting.py``).
+4. Prefill end: first token (or, released after the push, when the KV has arrived); the prompt's blocks enter
+   the instance's cache (evictions and stores are reported as KV events); ``prefill_done`` is reported, with the
+   instance's queued work (a heartbeat).
 5. KV arrival at decode: the decode side's own check (``decode_accepts``) may reject it *late*, wasting the
    prefill; otherwise it joins the continuous batch at the next iteration boundary (``batch.ContinuousBatch``)
    and ``decode_started`` / ``finished`` are reported, which feeds the Conductor's tracked decode time.
@@ -23,9 +25,10 @@ from __future__ import annotations
 from collections import deque
 
 from mooncake_jax.conductor import ClusterState, Policy, Request, decode_accepts
+from mooncake_jax.conductor.accounting import prefill_work_s, reused_tokens
+from mooncake_jax.conductor.costs import transfer_seconds
 from mooncake_jax.sim.batch import ContinuousBatch
 from mooncake_jax.sim.cache import make_cache
-from mooncake_jax.sim.hardware import resolve_costs
 from mooncake_jax.slo import tbt_of_gaps
 from mooncake_jax.sim.records import COMPLETED, REJECTED_EARLY, REJECTED_LATE, SimRequest
 from mooncake_jax.sim.runner import ClusterSim
@@ -68,16 +71,15 @@ class DisaggregatedSim(ClusterSim):
         self.state = ClusterState(policy_config)
         self.policy = Policy(policy_config)
         self.admission = policy_config.admission.value
-        prefill_costs = resolve_costs(config.prefill_hardware or config.hardware, config.model)
-        decode_costs = resolve_costs(config.decode_hardware or config.hardware, config.model)
+        prefill_costs, decode_costs = config.pool_costs()
         per_node = config.cache_blocks(self.block)
         self.global_cache = config.cache_mode == "global"
         shared = make_cache(config.eviction, None if per_node is None else per_node * config.prefill)
         self.prefill = []
         for i in range(config.prefill):
             cache = shared if self.global_cache else make_cache(config.eviction, per_node)
-            self.prefill.append(PrefillNode(f"p{i}", prefill_costs, cache))
-        self.decode = [DecodeNode(f"d{j}", decode_costs, decode_costs.kv_capacity_tokens)
+            self.prefill.append(PrefillNode(f"p{i}", prefill_costs[i], cache))
+        self.decode = [DecodeNode(f"d{j}", decode_costs[j], decode_costs[j].kv_capacity_tokens)
                        for j in range(config.decode)]
         self.by_id = {node.id: node for node in self.prefill + self.decode}
         for node in self.prefill:
@@ -116,7 +118,8 @@ class DisaggregatedSim(ClusterSim):
     def _send(self, src: _Node, dst: _Node, ready: float, n_bytes: float) -> float:
         """Reserve both links for a transfer that may start at ``ready``; returns when it has arrived."""
         start = max(ready, src.out_free, dst.in_free)
-        end = start + n_bytes / min(src.costs.nic_bytes_per_s, dst.costs.nic_bytes_per_s)
+        table = self.state.instances
+        end = start + float(transfer_seconds(n_bytes, table.link(table.slot(src.id), table.slot(dst.id))))
         src.out_free = dst.in_free = end
         self.transferred_bytes += n_bytes
         return end
@@ -156,17 +159,19 @@ class DisaggregatedSim(ClusterSim):
         else:
             prefix = cache.prefix(keys)
         cache.touch(keys[:prefix])
-        reused = min(prefix * self.block, n - 1)
-        compute = float(p.costs.prefill.seconds(n, reused))
-        duration = compute
+        reused = reused_tokens(n, prefix * self.block)
+        compute = prefill_work_s(p.costs.prefill, n, reused)
+        duration = compute + self.config.request_overhead_s
         if self.global_cache and reused:  # the pool is spread over all nodes: load it over the NIC, layer-wise
             duration = max(compute, reused * p.costs.kv_bytes_per_token / p.costs.nic_bytes_per_s)
         req.prefill_start, req.prefill_s = now, compute
         req.prefix_blocks, req.prefix_tokens = prefix, min(prefix * self.block, n)
         p.running, p.busy_until = req, now + duration
+        timing = self.config.release_timing
+        req.kv_ready_at = p.busy_until
         if req.output_tokens > 1:
             d = self.by_id[req.decode_id]
-            stream_end = self._send(p, d, now, n * p.costs.kv_bytes_per_token)
+            stream_end = self._send(p, d, timing.push_start(now, p.busy_until), n * p.costs.kv_bytes_per_token)
             req.kv_ready_at = max(p.busy_until, stream_end)
         self.state.heartbeat(p.id, now, queued_s=duration + p.queued_s,
                              send_backlog_s=max(p.out_free - now, 0.0))
@@ -174,7 +179,7 @@ class DisaggregatedSim(ClusterSim):
 
     def _prefill_end(self, p: PrefillNode, req: SimRequest) -> None:
         now = self.events.now
-        req.first_token_at = now
+        req.first_token_at = self.config.release_timing.first_token_at(now, req.kv_ready_at)
         req.staged = frozenset()
         p.running = None
         evicted = p.cache.insert(req.keys)
@@ -185,7 +190,7 @@ class DisaggregatedSim(ClusterSim):
         self.state.prefill_done(req.request_id, now)
         self.state.heartbeat(p.id, now, queued_s=p.queued_s, send_backlog_s=max(p.out_free - now, 0.0))
         if req.output_tokens == 1:
-            req.status, req.finished_at = COMPLETED, now
+            req.status, req.finished_at = COMPLETED, req.first_token_at
             self.state.finished(req.request_id, now)
         else:
             self.events.at(req.kv_ready_at, self._kv_arrived, self.by_id[req.decode_id], req)

@@ -8,12 +8,15 @@ what the policy does with them, and a measured profile brings real engine behavi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from mooncake_jax.conductor import HARDWARE, MODEL_SHAPES, InstanceCosts, ModelShape
 from mooncake_jax.conductor.profile import load_profile
 
 HardwareSpec = str | Path | InstanceCosts
+PoolSpec = HardwareSpec | Sequence[HardwareSpec]
+"""One spec for every instance of a pool, or one per instance (a mixed pool)."""
 
 SIM_MODEL_SHAPES: dict[str, ModelShape] = {
     **MODEL_SHAPES,
@@ -39,3 +42,32 @@ def resolve_costs(spec: HardwareSpec, model: str) -> InstanceCosts:
     if name.endswith(".json") or Path(name).is_file():
         return load_profile(name)
     raise ValueError(f"unknown hardware {name!r}: not a built-in profile ({sorted(HARDWARE)}) nor a profile file")
+
+
+def parse_pool(text: str) -> str | tuple[str, ...]:
+    """A pool's hardware from the command line: ``8xA800``, or one per instance, ``8xH800*4,8xA800*4`` (a name
+    with ``*N`` stands for N instances)."""
+    items = []
+    for part in text.split(","):
+        name, _, count = part.strip().partition("*")
+        if not name:
+            raise ValueError(f"empty hardware name in {text!r}")
+        try:
+            n = int(count) if count else 1
+        except ValueError:
+            raise ValueError(f"hardware count must be an integer in {part!r}") from None
+        if n < 1:
+            raise ValueError(f"hardware count must be positive in {part!r}")
+        items += [name] * n
+    return items[0] if len(items) == 1 and "*" not in text else tuple(items)
+
+
+def resolve_pool(spec: PoolSpec, count: int, model: str, role: str) -> list[InstanceCosts]:
+    """Costs of each of a pool's ``count`` instances: one spec for all, or a sequence with one per instance."""
+    if isinstance(spec, (str, Path, InstanceCosts)):
+        return [resolve_costs(spec, model)] * count
+    specs = list(spec)
+    if len(specs) != count:
+        raise ValueError(f"{role} pool has {count} instances but {len(specs)} hardware specs were given "
+                         f"({', '.join(map(str, specs))}); give one, or one per instance")
+    return [resolve_costs(one, model) for one in specs]

@@ -8,6 +8,8 @@ Definitions (all over the requests of the trace, rejected ones included where it
   requests (the effective share the cluster served well; rejected requests count against it).
 - Cache hit ratio: cached prefix blocks reused / prompt blocks, over prefilled requests (``_tokens``: tokens).
 - Prefill compute: seconds of prefill computation spent; wasted: the part spent on requests rejected late.
+- Cost: the cluster's cost per hour (each instance's profile) over the run's duration, per completed request and
+  per million tokens of completed requests (prompt + generated, and generated only).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def summarize(requests: list[SimRequest], *, ttft_slo_s: float, tbt_slo_s: float
     late = [r for r, s in zip(requests, status) if s == REJECTED_LATE]
     n = len(requests)
     hours = duration_s / 3600.0
+    served_output = int(sum(r.output_tokens for r in done))
+    served_tokens = int(sum(r.input_tokens for r in done)) + served_output
     return {
         "requests": n,
         "completed": len(done),
@@ -70,6 +74,10 @@ def summarize(requests: list[SimRequest], *, ttft_slo_s: float, tbt_slo_s: float
         "requests_per_wall_s": n / wall_s if wall_s > 0 else None,
         "cluster_cost_per_hour": cost_per_hour,
         "cost_per_request": cost_per_hour * hours / len(done) if done else None,
+        "completed_tokens": served_tokens,
+        "completed_output_tokens": served_output,
+        "cost_per_million_tokens": cost_per_hour * hours / served_tokens * 1e6 if served_tokens else None,
+        "cost_per_million_output_tokens": cost_per_hour * hours / served_output * 1e6 if served_output else None,
         "trace_block_tokens": block_tokens,
     }
 

@@ -1,5 +1,5 @@
-"""KVCache transfer: the block pool (DRAM and SSD tiers on TensorStore) and the Messenger that moves blocks
-between instances' pools."""
+"""KVCache transfer: the block pool (a DRAM tier in slots of host memory, an SSD tier in slots of one file) and the
+Messenger that moves blocks between instances' pools (over gRPC, or as device arrays with jax.experimental.transfer)."""
 
 from mooncake_jax.transfer.counters import TierCounters, TransferCounters
 from mooncake_jax.transfer.events import BlockEvent, EventKind

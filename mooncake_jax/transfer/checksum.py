@@ -22,3 +22,29 @@ def checksum(data: memoryview | bytes | np.ndarray) -> tuple[int, int]:
         data = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
     digest = xxhash.xxh3_128_intdigest(data)
     return digest >> 64, digest & _LOW
+
+
+COPY_CHUNK_BYTES = 1 << 20
+"""Bytes copied then hashed at a time by ``copy_with_checksum``: small enough that the copied chunk is still in
+the core's L2 cache (2 MiB on the machines measured) when it is hashed, large enough that Python's per-chunk cost
+is noise."""
+
+
+def copy_with_checksum(dst: np.ndarray, src: np.ndarray) -> tuple[int, int]:
+    """Copy ``src`` into ``dst`` (flat uint8 arrays of one length) and return the checksum of the bytes copied.
+
+    The copy and the hash go chunk by chunk, each chunk hashed from cache right after it is copied: one pass over
+    memory instead of two, so a put or a verified get costs little more than the copy itself.
+    """
+    n = dst.size
+    if n <= COPY_CHUNK_BYTES:  # one chunk: no streaming state to set up
+        np.copyto(dst, src)
+        digest = xxhash.xxh3_128_intdigest(dst)
+        return digest >> 64, digest & _LOW
+    hasher = xxhash.xxh3_128()
+    for start in range(0, n, COPY_CHUNK_BYTES):
+        chunk = dst[start : start + COPY_CHUNK_BYTES]
+        np.copyto(chunk, src[start : start + COPY_CHUNK_BYTES])
+        hasher.update(chunk)
+    digest = hasher.intdigest()
+    return digest >> 64, digest & _LOW

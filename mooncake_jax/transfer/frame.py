@@ -3,8 +3,8 @@
 A **frame** is a fixed header (identity, length, checksum) then the raw data. A **record** is that frame behind
 the 64-byte protobuf encoding of a ``BlockPiece`` carrying it whole (key, frame length, spec fingerprint, zero
 padding to a fixed size, then the tag and length of the ``data`` field), so a record *is* the wire message of a
-one-piece transfer. The same bytes live in the DRAM tier, in the SSD tier's files and on the wire: a block is
-checksummed once when it enters a pool and verified wherever it is read, and a record moves between tiers and
+one-piece transfer. The same bytes live in the DRAM tier's slots, in the SSD tier's slot file and on the wire: a
+block is checksummed once when it enters a pool and verified wherever it is read, and a record moves between tiers and
 instances with no re-encoding (the Messenger sends the bytes a tier read returned, and stores the bytes gRPC
 handed it). Frames too large for one message travel in pieces and are reassembled into a record (``pieces.py``).
 
@@ -106,18 +106,36 @@ def record_prefix(spec: BlockSpec, key: BlockKey) -> bytes:
     return b"\x08" + key_field + _prefix_tails(spec)[len(key_field)]
 
 
+def record_head(spec: BlockSpec, key: BlockKey, digest: tuple[int, int]) -> bytes:
+    """The first ``DATA_OFFSET`` bytes of ``key``'s record (wire prefix and frame header) for data of checksum
+    ``digest``: a tier writes these beside the data, which it copies or writes straight from the caller's array."""
+    high, low = digest
+    header = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, spec.fingerprint, key, spec.nbytes, high, low)
+    return b"".join((record_prefix(spec, key), header, bytes(HEADER_BYTES - _HEADER.size)))
+
+
+def data_bytes(block: np.ndarray) -> np.ndarray:
+    """A C-contiguous block's bytes as a flat uint8 view (no copy)."""
+    return block.reshape(-1).view(np.uint8)
+
+
 def encode(spec: BlockSpec, key: BlockKey, block: np.ndarray) -> bytes:
     """The record of ``block`` (already checked against ``spec``) under ``key``."""
-    data = memoryview(block.reshape(-1).view(np.uint8))
-    high, low = checksum(block)
-    header = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, spec.fingerprint, key, spec.nbytes, high, low)
-    return b"".join((record_prefix(spec, key), header, bytes(HEADER_BYTES - _HEADER.size), data))
+    data = data_bytes(block)
+    return b"".join((record_head(spec, key, checksum(data)), memoryview(data)))
 
 
-def verify_frame(spec: BlockSpec, key: BlockKey, frame: bytes | bytearray | memoryview) -> None:
-    """CorruptBlockError unless ``frame`` is ``key``'s frame for ``spec`` with a matching checksum."""
-    if len(frame) != frame_bytes(spec):
-        raise CorruptBlockError(f"block {key:#018x}: frame is {len(frame)} bytes, expected {frame_bytes(spec)}")
+def check_head(spec: BlockSpec, key: BlockKey, head: bytes | bytearray | memoryview) -> tuple[int, int]:
+    """The checksum ``key``'s record head promises for its data; CorruptBlockError (StaleFormatError for another
+    format version) unless ``head`` is exactly the head of ``key``'s record for ``spec``."""
+    if len(head) != DATA_OFFSET:
+        raise CorruptBlockError(f"block {key:#018x}: record head is {len(head)} bytes, expected {DATA_OFFSET}")
+    if head[:PREFIX_BYTES] != record_prefix(spec, key):
+        raise CorruptBlockError(f"block {key:#018x}: damaged or foreign wire prefix")
+    return _check_header(spec, key, memoryview(head)[PREFIX_BYTES:])
+
+
+def _check_header(spec: BlockSpec, key: BlockKey, frame: memoryview) -> tuple[int, int]:
     magic, version, header_len, fingerprint, stored_key, n_bytes, high, low = _HEADER.unpack_from(frame)
     if magic == MAGIC and version != VERSION:
         raise StaleFormatError(f"block {key:#018x}: record format version {version}, this build reads {VERSION}",
@@ -130,8 +148,20 @@ def verify_frame(spec: BlockSpec, key: BlockKey, frame: bytes | bytearray | memo
         raise CorruptBlockError(f"block {key:#018x}: frame holds block {stored_key:#018x}")
     if n_bytes != spec.nbytes:
         raise CorruptBlockError(f"block {key:#018x}: header says {n_bytes} data bytes, spec has {spec.nbytes}")
-    if checksum(memoryview(frame)[HEADER_BYTES:]) != (high, low):
+    return high, low
+
+
+def check_digest(key: BlockKey, expected: tuple[int, int], found: tuple[int, int]) -> None:
+    """CorruptBlockError unless the data's checksum ``found`` is the one its head promised."""
+    if found != expected:
         raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
+
+
+def verify_frame(spec: BlockSpec, key: BlockKey, frame: bytes | bytearray | memoryview) -> None:
+    """CorruptBlockError unless ``frame`` is ``key``'s frame for ``spec`` with a matching checksum."""
+    if len(frame) != frame_bytes(spec):
+        raise CorruptBlockError(f"block {key:#018x}: frame is {len(frame)} bytes, expected {frame_bytes(spec)}")
+    check_digest(key, _check_header(spec, key, memoryview(frame)), checksum(memoryview(frame)[HEADER_BYTES:]))
 
 
 def verify(spec: BlockSpec, key: BlockKey, record: bytes | bytearray) -> None:

@@ -20,11 +20,15 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import grpc
+import numpy as np
 
 from mooncake_jax.blocks import BlockKey
 from mooncake_jax.proto.auth import open_channel
 from mooncake_jax.transfer.counters import Meter, TransferCounters
+from mooncake_jax.transfer.device_plane import device_plane, groups
 from mooncake_jax.transfer.frame import check_key
+from mooncake_jax.transfer.frame import decode as decode_record
+from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.messenger_server import MessengerServer
 from mooncake_jax.transfer.messenger_wire import (
     MISSING_KEYS_METADATA,
@@ -35,6 +39,7 @@ from mooncake_jax.transfer.messenger_wire import (
 )
 from mooncake_jax.transfer.pieces import PIECE_BYTES, RecordAssembler, parse_piece, record_pieces
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
+from mooncake_jax.transfer.readahead import ReadAhead
 
 __all__ = [
     "BlocksNotFoundError",
@@ -83,13 +88,24 @@ def _unique(keys: Iterable[BlockKey]) -> list[BlockKey]:
     return list(dict.fromkeys(check_key(key) for key in keys))
 
 
+DATA_PLANES = ("grpc", "jax")
+"""How block data moves: streamed over gRPC (portable, the default), or as device arrays pulled with
+``jax.experimental.transfer`` (``device_plane.py``; gRPC then carries only the control calls)."""
+
+
 class MessengerClient:
-    """Moves blocks between ``pool`` and the Messenger at ``address``; every call has a deadline."""
+    """Moves blocks between ``pool`` and the Messenger at ``address``; every call has a deadline.
+
+    ``data_plane`` picks how block data moves (``DATA_PLANES``); keys, checks and results are the same either way.
+    """
 
     def __init__(self, address: str, pool: BlockPool, *, timeout_s: float = 60.0,
-                 auth_token: str | None = None) -> None:
+                 auth_token: str | None = None, data_plane: str = "grpc") -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane must be one of {', '.join(DATA_PLANES)}, got {data_plane!r}")
+        self.data_plane = data_plane
         self.address = address
         self.pool = pool
         self.timeout_s = timeout_s
@@ -134,7 +150,9 @@ class MessengerClient:
         started = time.perf_counter()
         stored: list[BlockKey] = []
         received = 0
-        if wanted:
+        if wanted and self.data_plane == "jax":
+            stored, received = self._fetch_pulled(wanted, started, timeout_s or self.timeout_s)
+        elif wanted:
             request = messages.FetchRequest(keys=wanted, spec_fingerprint=self.pool.spec.fingerprint)
             call = self._fetch_raw(request, timeout=timeout_s or self.timeout_s)
             assembler = RecordAssembler(self.pool.spec)
@@ -164,6 +182,53 @@ class MessengerClient:
         self._meter.add(blocks_skipped=len(skipped))
         return TransferResult(stored, skipped, received, seconds)
 
+    def same_spec(self, *, timeout_s: float | None = None) -> bool:
+        """Whether the peer's pool holds blocks of this pool's spec (so ``push`` and ``fetch`` can move them);
+        False when it holds another layout (then the peer fetches with ``fetch_blocks`` and converts)."""
+        try:
+            self._stub.Has(messages.HasRequest(keys=[], spec_fingerprint=self.pool.spec.fingerprint),
+                           timeout=timeout_s or self.timeout_s)
+            return True
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                return False
+            raise self._error("has", err) from err
+
+    def fetch_blocks(self, keys: Sequence[BlockKey], spec: BlockSpec, *,
+                     timeout_s: float | None = None) -> list[np.ndarray]:
+        """The blocks of ``keys`` from a peer whose pool holds ``spec`` (another layout than this pool's), each
+        verified, as arrays in the order asked; this pool is not touched. BlocksNotFoundError if the peer lacks
+        any, TransferError on any other failure."""
+        keys = [check_key(key) for key in keys]
+        wanted = set(keys)
+        started = time.perf_counter()
+        received, got = 0, {}
+        call = self._fetch_raw(messages.FetchRequest(keys=list(dict.fromkeys(keys)), spec_fingerprint=spec.fingerprint),
+                               timeout=timeout_s or self.timeout_s)
+        assembler = RecordAssembler(spec)
+        try:
+            for raw in call:
+                piece = parse_piece(raw)
+                if piece.key not in wanted:
+                    raise TransferError(f"peer sent block {piece.key:#018x}, which was not asked for")
+                record = assembler.add(piece, raw)
+                if record is not None:
+                    got[piece.key] = decode_record(spec, piece.key, bytes(record))
+                    received += assembler.frame_bytes
+        except grpc.RpcError as err:
+            self._failed(received, len(got), started)
+            raise self._error("fetch", err) from err
+        except (TransferError, ValueError) as err:
+            call.cancel()
+            self._failed(received, len(got), started)
+            raise TransferError(f"fetch from {self.address}: {err}") from err
+        if len(got) != len(wanted):
+            self._failed(received, len(got), started)
+            raise TransferError(f"fetch from {self.address}: peer sent {len(got)} of {len(wanted)} blocks")
+        self._meter.add(transfers=1, blocks_received=len(got), bytes_received=received,
+                        busy_s=time.perf_counter() - started)
+        return [got[key] for key in keys]
+
     def push(self, keys: Iterable[BlockKey], *, timeout_s: float | None = None) -> TransferResult:
         """Copy the blocks of ``keys`` that the peer lacks from this pool to it.
 
@@ -185,16 +250,19 @@ class MessengerClient:
         def pieces() -> Iterator[bytes]:
             nonlocal sent_bytes
             fingerprint = self.pool.spec.fingerprint
-            for key in to_send:
-                record = self.pool.get_record(key, promote=False)
-                if record is None:  # failed its checksum here: end the stream cleanly, report after
-                    lost.append(key)
-                    return
-                yield from record_pieces(key, record, fingerprint)
-                sent.append(key)
-                sent_bytes += self.pool.frame_bytes
+            with ReadAhead(lambda key: self.pool.get_record(key, promote=False), to_send) as records:
+                for key, record in records:
+                    if record is None:  # failed its checksum here: end the stream cleanly, report after
+                        lost.append(key)
+                        return
+                    yield from record_pieces(key, record, fingerprint)
+                    sent.append(key)
+                    sent_bytes += self.pool.frame_bytes
 
-        if to_send:
+        if to_send and self.data_plane == "jax":
+            with self.pool.pin(to_send):
+                sent, lost, sent_bytes = self._push_offered(to_send, started, deadline)
+        elif to_send:
             with self.pool.pin(to_send):
                 try:
                     self._push_raw(pieces(), timeout=max(deadline - time.monotonic(), 0.001))
@@ -209,6 +277,59 @@ class MessengerClient:
             message = f"push to {self.address}: block {lost[0]:#018x} failed its checksum here"
             raise BlocksNotFoundError(message, lost, stored=sent)
         return TransferResult(sent, skipped, sent_bytes, seconds)
+
+    def _fetch_pulled(self, wanted: list[BlockKey], started: float, timeout_s: float) -> tuple[list[BlockKey], int]:
+        """Fetch over the device plane: per group of blocks, the peer offers their records, this process pulls
+        them and stores each (verified) row."""
+        deadline = time.monotonic() + timeout_s
+        stored: list[BlockKey] = []
+        fingerprint = self.pool.spec.fingerprint
+        try:
+            for group in groups(wanted, self.pool.record_bytes):
+                remaining = max(deadline - time.monotonic(), 0.001)
+                offer = self._stub.OfferPull(messages.FetchRequest(keys=group, spec_fingerprint=fingerprint),
+                                             timeout=remaining)
+                rows = device_plane().pull(offer.address, offer.pull_id, len(group), self.pool.record_bytes,
+                                           timeout_s=max(deadline - time.monotonic(), 0.001))
+                for key, row in zip(group, rows):
+                    self.pool.put_record(key, memoryview(row))
+                    stored.append(key)
+        except grpc.RpcError as err:
+            self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
+            raise self._error("fetch", err, stored) from err
+        except (ValueError, PoolFullError, RuntimeError) as err:  # a corrupt row, a full pool, a failed pull
+            self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
+            raise TransferError(f"fetch from {self.address}: {err}", stored=stored) from err
+        return stored, len(stored) * self.pool.frame_bytes
+
+    def _push_offered(self, to_send: list[BlockKey], started: float,
+                      deadline: float) -> tuple[list[BlockKey], list[BlockKey], int]:
+        """Push over the device plane: per group of blocks, this process offers their records and the peer pulls
+        and stores them. ``(sent, lost, bytes)``: a block that failed its checksum here ends the push."""
+        sent: list[BlockKey] = []
+        fingerprint = self.pool.spec.fingerprint
+        for group in groups(to_send, self.pool.record_bytes):
+            records = []
+            for key in group:
+                record = self.pool.get_record(key, promote=False)
+                if record is None:
+                    if records:
+                        self._offer(group[: len(records)], records, fingerprint, deadline, started, sent)
+                    return sent, [key], len(sent) * self.pool.frame_bytes
+                records.append(record)
+            self._offer(group, records, fingerprint, deadline, started, sent)
+        return sent, [], len(sent) * self.pool.frame_bytes
+
+    def _offer(self, keys: list[BlockKey], records: list[bytes], fingerprint: int, deadline: float, started: float,
+               sent: list[BlockKey]) -> None:
+        address, pull_id = device_plane().offer(records)
+        request = messages.PullOffer(address=address, pull_id=pull_id, keys=keys, spec_fingerprint=fingerprint)
+        try:
+            self._stub.PullFrom(request, timeout=max(deadline - time.monotonic(), 0.001))
+        except grpc.RpcError as err:
+            self._failed(len(sent) * self.pool.frame_bytes, 0, started, sending=True)
+            raise self._error("push", err) from err
+        sent.extend(keys)
 
     def probe(
         self, total_bytes: int, *, piece_bytes: int = PIECE_BYTES, parse: bool = True, timeout_s: float | None = None

@@ -18,6 +18,7 @@ from mooncake_jax.blocks import BlockKey
 from mooncake_jax.proto import GRPC_MAX_MESSAGE_BYTES, server_options
 from mooncake_jax.proto.auth import interceptors
 from mooncake_jax.transfer.counters import Meter, TransferCounters
+from mooncake_jax.transfer.device_plane import PULL_BYTES, device_plane
 from mooncake_jax.transfer.frame import CorruptBlockError
 from mooncake_jax.transfer.messenger_wire import (
     MAX_LISTED_KEYS,
@@ -28,6 +29,7 @@ from mooncake_jax.transfer.messenger_wire import (
 )
 from mooncake_jax.transfer.pieces import PIECE_BYTES, RecordAssembler, encode_piece, parse_piece, record_pieces
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
+from mooncake_jax.transfer.readahead import ReadAhead
 
 _MAX_PROBE_BYTES = 1 << 36
 
@@ -63,15 +65,15 @@ class _Servicer:
             if missing:
                 self._not_found(missing, context)
             fingerprint = self.pool.spec.fingerprint
-            for key in keys:
-                record = self.pool.get_record(key, promote=False)
-                if record is None:  # failed its checksum just now: gone from the pool
-                    self._not_found([key], context)
-                for piece in record_pieces(key, record, fingerprint):
-                    if not context.is_active():
-                        return
-                    yield piece
-                self.meter.add(blocks_sent=1, bytes_sent=self.pool.frame_bytes)
+            with ReadAhead(lambda key: self.pool.get_record(key, promote=False), keys) as records:
+                for key, record in records:
+                    if record is None:  # failed its checksum just now: gone from the pool
+                        self._not_found([key], context)
+                    for piece in record_pieces(key, record, fingerprint):
+                        if not context.is_active():
+                            return
+                        yield piece
+                    self.meter.add(blocks_sent=1, bytes_sent=self.pool.frame_bytes)
         self.meter.add(transfers=1, busy_s=time.perf_counter() - started)
 
     def Push(self, request_iterator, context):
@@ -108,6 +110,60 @@ class _Servicer:
         self.meter.add(transfers=1, blocks_skipped=already, busy_s=time.perf_counter() - started)
         return messages.PushReply(stored=stored, already_present=already)
 
+    def OfferPull(self, request, context):
+        """Offer the records of the keys on the device plane (at most ``PULL_BYTES`` of them)."""
+        self._check_spec(request.spec_fingerprint, context)
+        keys = list(dict.fromkeys(request.keys))
+        if not keys or len(keys) * self.pool.record_bytes > max(PULL_BYTES, self.pool.record_bytes):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"offer {len(keys)} blocks: between 1 and {max(1, PULL_BYTES // self.pool.record_bytes)}")
+        started = time.perf_counter()
+        with self.pool.pin(keys):
+            missing = [key for key in keys if key not in self.pool]
+            if missing:
+                self._not_found(missing, context)
+            records = []
+            for key in keys:
+                record = self.pool.get_record(key, promote=False)
+                if record is None:
+                    self._not_found([key], context)
+                records.append(record)
+        address, pull_id = device_plane().offer(records)
+        self.meter.add(transfers=1, blocks_sent=len(keys), bytes_sent=len(keys) * self.pool.frame_bytes,
+                       busy_s=time.perf_counter() - started)
+        return messages.PullOffer(address=address, pull_id=pull_id, keys=keys,
+                                  spec_fingerprint=self.pool.spec.fingerprint)
+
+    def PullFrom(self, request, context):
+        """Pull the records the caller offers on the device plane and store them."""
+        self._check_spec(request.spec_fingerprint, context)
+        keys = list(request.keys)
+        if not keys or len(set(keys)) != len(keys) or len(keys) * self.pool.record_bytes > max(
+                PULL_BYTES, self.pool.record_bytes):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pull of {len(keys)} blocks: need 1 to "
+                          f"{max(1, PULL_BYTES // self.pool.record_bytes)} distinct keys")
+        started = time.perf_counter()
+        remaining = context.time_remaining()
+        try:
+            rows = device_plane().pull(request.address, request.pull_id, len(keys), self.pool.record_bytes,
+                                       timeout_s=remaining if remaining is not None else 60.0)
+        except Exception as err:  # the peer's offer is gone, or the link failed
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"pull {request.pull_id} from {request.address}: {err}")
+        stored = already = 0
+        for key, row in zip(keys, rows):
+            try:
+                if self.pool.put_record(key, memoryview(row)):
+                    stored += 1
+                else:
+                    already += 1
+            except CorruptBlockError as err:
+                context.abort(grpc.StatusCode.DATA_LOSS, f"{err}; {stored} earlier block(s) were stored")
+            except PoolFullError as err:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        self.meter.add(transfers=1, blocks_received=stored, blocks_skipped=already,
+                       bytes_received=stored * self.pool.frame_bytes, busy_s=time.perf_counter() - started)
+        return messages.PushReply(stored=stored, already_present=already)
+
     def Probe(self, request, context):
         piece_bytes = request.piece_bytes or PIECE_BYTES
         if request.total_bytes > _MAX_PROBE_BYTES or piece_bytes > GRPC_MAX_MESSAGE_BYTES // 2:
@@ -139,6 +195,12 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
             "Fetch": grpc.unary_stream_rpc_method_handler(servicer.Fetch, messages.FetchRequest.FromString, as_is),
             "Push": grpc.stream_unary_rpc_method_handler(servicer.Push, as_is, messages.PushReply.SerializeToString),
             "Probe": grpc.unary_stream_rpc_method_handler(servicer.Probe, messages.ProbeRequest.FromString, as_is),
+            "OfferPull": grpc.unary_unary_rpc_method_handler(
+                servicer.OfferPull, messages.FetchRequest.FromString, messages.PullOffer.SerializeToString
+            ),
+            "PullFrom": grpc.unary_unary_rpc_method_handler(
+                servicer.PullFrom, messages.PullOffer.FromString, messages.PushReply.SerializeToString
+            ),
         },
     )
 

@@ -51,10 +51,11 @@ def pool_prefix(pool, seq: Sequence, block_size: int) -> np.ndarray | None:
     None; stops at the first block the pool lost between the lookup and the read."""
     keys = request_keys(seq, block_size)[: usable_prefix_blocks(seq, block_size)]
     usable = pool.prefix_len(keys)
+    stacked = np.empty((usable, *pool.spec.shape), pool.spec.dtype)  # the blocks land here: no stacking copy
     with pool.pin(keys[:usable]):
-        blocks = pool.get_many(keys[:usable])
+        blocks = pool.get_many(keys[:usable], out=stacked)
     good = next((i for i, block in enumerate(blocks) if block is None), len(blocks))
-    return np.stack(blocks[:good]) if good else None
+    return stacked[:good] if good else None
 
 
 @functools.cache

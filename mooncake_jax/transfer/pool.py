@@ -18,16 +18,17 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from mooncake_jax.blocks import BlockKey, prefix_match
+from mooncake_jax.transfer.checksum import checksum
 from mooncake_jax.transfer.counters import TierCounters
 from mooncake_jax.transfer.events import BlockEvent, EventKind, EventListener
 from mooncake_jax.transfer.eviction import PolicyChoice, make_policy
-from mooncake_jax.transfer.frame import (VERSION, CorruptBlockError, StaleFormatError, check_key, decode, encode,
-                                         frame_bytes, record_bytes, verify)
+from mooncake_jax.transfer.frame import (DATA_OFFSET, VERSION, CorruptBlockError, StaleFormatError, check_digest,
+                                         check_head, check_key, data_bytes, frame_bytes, record_bytes, verify)
 from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_tier
 
@@ -89,7 +90,7 @@ class BlockPool:
             raise ValueError("an SSD capacity was given without ssd_path")
         self._tiers: list[Tier] = []
         if dram_capacity != 0:
-            self._tiers.append(memory_tier(dram_capacity, make_policy(eviction)))
+            self._tiers.append(memory_tier(spec, dram_capacity, make_policy(eviction)))
         if ssd_path is not None:
             self._tiers.append(file_tier(ssd_path, spec, ssd_capacity, make_policy(eviction)))
         if not self._tiers:
@@ -168,24 +169,35 @@ class BlockPool:
         with self._operation():
             for key, block in zip(keys, checked):
                 if not self._touch(key):
-                    self._insert(0, key, encode(self.spec, key, block))
+                    data = data_bytes(block)
+                    self._insert(0, key, lambda tier, key=key, data=data: tier.write_block(key, data))
                     stored += 1
         return stored
 
-    def put_record(self, key: BlockKey, record: bytes | bytearray) -> bool:
+    def put_record(self, key: BlockKey, record: bytes | bytearray | memoryview) -> bool:
         """Store a block's record (as received from a peer) after verifying it; False if already held.
 
         The pool keeps a copy, so the caller may reuse ``record``. A record that fails verification raises
         ``CorruptBlockError`` (a ValueError) and stores nothing.
         """
         key = check_key(key)
-        if not isinstance(record, (bytes, bytearray)):
+        if not isinstance(record, (bytes, bytearray, memoryview)):
             raise ValueError(f"record must be bytes, got {type(record).__name__}")
-        verify(self.spec, key, record)
+        if isinstance(record, memoryview):
+            if not record.c_contiguous:
+                raise ValueError("record must be a contiguous buffer")
+            record = record.cast("B")
+        if len(record) != self.record_bytes:
+            raise CorruptBlockError(f"block {key:#018x}: record is {len(record)} bytes, expected {self.record_bytes}")
+        head = memoryview(record)[:DATA_OFFSET]
+        expected = check_head(self.spec, key, head)
+        data = np.frombuffer(record, np.uint8, offset=DATA_OFFSET)
         with self._operation():
             if self._touch(key):
+                check_digest(key, expected, checksum(data))
                 return False
-            self._insert(0, key, record)
+            # verified while it is copied in: a record that fails leaves nothing behind
+            self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected))
             return True
 
     def remove(self, key: BlockKey) -> bool:
@@ -209,9 +221,11 @@ class BlockPool:
         """Blocks of ``keys`` in order, None where missing or corrupt. SSD hits are promoted to DRAM.
 
         Without ``out`` each block is a read-only array of its own. With ``out`` (a writable array of shape
-        ``(len(keys), *spec.shape)`` and the spec's dtype, e.g. a reused staging buffer) block i is copied into
-        ``out[i]`` and returned as that view: holding many multi-MiB results at once makes the allocator take
-        fresh pages from the kernel for every batch, which costs more than the copy.
+        ``(len(keys), *spec.shape)`` and the spec's dtype, e.g. a reused staging buffer) block i is copied straight
+        from its tier into ``out[i]`` (verified as it lands) and returned as that view: holding many multi-MiB
+        results at once makes the allocator take fresh pages from the kernel for every batch, which costs more
+        than the copy. ``out[i]`` of a block that was missing is untouched; of one that failed its checksum it
+        holds garbage (the result says None).
         """
         keys = [check_key(key) for key in keys]
         if out is not None:
@@ -223,13 +237,17 @@ class BlockPool:
                 raise ValueError("out must be writable")
         blocks: list[np.ndarray | None] = []
         with self._operation():
+            for level, tier in enumerate(self._tiers):  # disk tiers read ahead of the copies
+                tier.prefetch([key for key in keys if not any(key in upper for upper in self._tiers[:level])])
             for i, key in enumerate(keys):
-                found = self._read(key, promote=True)
-                if found is not None and out is not None:
-                    out[i] = found[1]
-                    found = (found[0], out[i])
-                blocks.append(None if found is None else found[1])
-                del found  # the record goes before the next is read: one fewer multi-MiB buffer alive
+                if out is not None:
+                    block = out[i]
+                    blocks.append(block if self._read_into(key, data_bytes(block)) else None)
+                else:
+                    block = np.empty(self.spec.shape, self.spec.dtype)
+                    found = self._read_into(key, data_bytes(block))
+                    block.flags.writeable = False
+                    blocks.append(block if found else None)
         return blocks
 
     def get_record(self, key: BlockKey, promote: bool = True) -> bytes | None:
@@ -240,8 +258,7 @@ class BlockPool:
         """
         key = check_key(key)
         with self._operation():
-            found = self._read(key, promote)
-            return None if found is None else found[0]
+            return self._read_record(key, promote)
 
     @contextlib.contextmanager
     def pin(self, keys: Iterable[BlockKey]) -> Iterator[list[BlockKey]]:
@@ -269,11 +286,13 @@ class BlockPool:
             self._listeners.append(listener)
 
     def close(self) -> None:
-        """Release the DRAM tier's memory; the SSD tier's files stay for the next open. Reads and writes after
+        """Release the DRAM tier's memory; the SSD tier's slot file stays for the next open. Reads and writes after
         this are a ValueError; lookups answer as for an empty pool."""
         with self._operation():  # finishes writes in flight on the way out
             self._closed = True
         with self._lock:
+            for tier in self._tiers:
+                tier.close()
             self._tiers = []
 
     def __enter__(self) -> BlockPool:
@@ -299,7 +318,8 @@ class BlockPool:
                     for tier in self._tiers:
                         tier.settle()
             except TierWriteError as err:
-                self._announce(err.key, err.tier)
+                for key in err.keys:
+                    self._announce(key, err.tier)
                 raise
 
     def _touch(self, key: BlockKey) -> bool:
@@ -311,20 +331,21 @@ class BlockPool:
                 return True
         return False
 
-    def _insert(self, level: int, key: BlockKey, record: bytes | bytearray) -> int:
-        """Store ``record`` in tier ``level`` (or, if every block there is pinned, a lower one); returns the level."""
+    def _insert(self, level: int, key: BlockKey, write: Callable[[Tier], None]) -> int:
+        """Store ``key`` by ``write(tier)`` in tier ``level`` (or, if every block there is pinned, a lower one);
+        returns the level."""
         tier = self._tiers[level]
         if key in tier:
             tier.accessed(key)
             return level
         if tier.full and not self._evict_one(level):
             if level + 1 < len(self._tiers):
-                return self._insert(level + 1, key, record)
+                return self._insert(level + 1, key, write)
             raise PoolFullError(
                 f"cannot store block {key:#018x}: all {tier.capacity_blocks} blocks of the {tier.name} tier are pinned"
             )
         before = self.tier_of(key)
-        tier.write(key, record)
+        write(tier)
         self._announce(key, before)
         return level
 
@@ -336,10 +357,10 @@ class BlockPool:
             return False
         if level + 1 < len(self._tiers):
             lower = self._tiers[level + 1]
-            record = None if victim in lower else tier.read(victim)
+            record = None if victim in lower else tier.read_record(victim)
             try:
-                if record is not None:
-                    self._insert(level + 1, victim, record)
+                if record is not None:  # written before its slot is reused (owned=False); checked when read back
+                    self._insert(level + 1, victim, lambda t: t.write_record(victim, (record,), owned=False))
                 tier.counters.demotions += victim in lower
             except PoolFullError:
                 log.warning("dropping block %#018x: no unpinned room below the %s tier", victim, tier.name)
@@ -347,39 +368,70 @@ class BlockPool:
         self._drop(tier, victim)
         return True
 
-    def _read(self, key: BlockKey, promote: bool) -> tuple[bytes, np.ndarray] | None:
-        """``(record, block)`` of ``key`` from the fastest tier holding a sound copy, or None."""
+    def _read_into(self, key: BlockKey, out: np.ndarray) -> bool:
+        """Copy ``key``'s data from the fastest tier holding a sound copy into ``out`` (flat uint8), verified as
+        it lands, promoting an SSD hit; False on a miss."""
         self._check_open()
         for level, tier in enumerate(self._tiers):
             if key not in tier:
                 tier.counters.misses += 1
                 continue
-            record = tier.read(key)
+            found = tier.read_into(key, out)
+            try:
+                if found is None:
+                    raise CorruptBlockError(f"block {key:#018x}: lost from the {tier.name} tier")
+                head, digest = found
+                check_digest(key, check_head(self.spec, key, head), digest)
+            except CorruptBlockError as err:
+                self._bad_block(tier, key, err)
+                continue
+            self._hit(level, tier, key, lambda t: t.write_record(key, (head, out)))
+            return True
+        return False
+
+    def _read_record(self, key: BlockKey, promote: bool) -> bytes | None:
+        """The verified record of ``key`` from the fastest tier holding a sound copy (promoting an SSD hit if
+        ``promote``), or None."""
+        self._check_open()
+        for level, tier in enumerate(self._tiers):
+            if key not in tier:
+                tier.counters.misses += 1
+                continue
+            record = tier.read_record(key)
             try:
                 if record is None:
                     raise CorruptBlockError(f"block {key:#018x}: lost from the {tier.name} tier")
-                block = decode(self.spec, key, record)
-            except StaleFormatError as err:
-                if err.version not in self._stale_versions:  # one line per old format, not one per block
-                    self._stale_versions.add(err.version)
-                    log.warning("%s tier: dropping blocks stored in record format version %d (this build writes "
-                                "version %d); they are misses and will be recomputed", tier.name, err.version, VERSION)
-                tier.counters.stale += 1
-                tier.counters.misses += 1
-                self._drop(tier, key)
-                continue
+                # copied first (a DRAM record is a view of a slot a later write may reuse), then verified: the
+                # copy is still in cache, so the hash costs less than on the slot
+                record = bytes(record)
+                verify(self.spec, key, record)
             except CorruptBlockError as err:
-                log.warning("%s tier: %s; treated as a miss", tier.name, err)
-                tier.counters.corrupt += 1
-                tier.counters.misses += 1
-                self._drop(tier, key)
+                self._bad_block(tier, key, err)
                 continue
-            tier.counters.hits += 1
-            tier.accessed(key)
-            if promote and level > 0 and self._insert(0, key, record) == 0:
-                self._tiers[0].counters.promotions += 1
-            return record, block
+            self._hit(level if promote else 0, tier, key, lambda t: t.write_record(key, (record,)))
+            return record
         return None
+
+    def _hit(self, level: int, tier: Tier, key: BlockKey, promote: Callable[[Tier], None]) -> None:
+        """Count a hit of ``key`` in ``tier`` (at ``level``); a hit below DRAM is copied up by ``promote``."""
+        tier.counters.hits += 1
+        tier.accessed(key)
+        if level > 0 and self._insert(0, key, promote) == 0:
+            self._tiers[0].counters.promotions += 1
+
+    def _bad_block(self, tier: Tier, key: BlockKey, err: CorruptBlockError) -> None:
+        """Drop a block that failed its checks: stale (another record format) or corrupt, a miss either way."""
+        if isinstance(err, StaleFormatError):
+            if err.version not in self._stale_versions:  # one line per old format, not one per block
+                self._stale_versions.add(err.version)
+                log.warning("%s tier: dropping blocks stored in record format version %d (this build writes "
+                            "version %d); they are misses and will be recomputed", tier.name, err.version, VERSION)
+            tier.counters.stale += 1
+        else:
+            log.warning("%s tier: %s; treated as a miss", tier.name, err)
+            tier.counters.corrupt += 1
+        tier.counters.misses += 1
+        self._drop(tier, key)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,58 +1,51 @@
-"""One storage level of the pool: a TensorStore kvstore of block records plus an in-memory index of what it holds.
+"""One storage level of the pool: a store of block records plus an in-memory index of what it holds.
 
-The index (a set of keys, kept exact by this class) answers ``contains`` and prefix lookups without I/O; the
-kvstore holds the records. DRAM is a TensorStore memory kvstore with its own context (two pools in one process
-must not share a store); SSD is a TensorStore file kvstore in a directory, written without fsync (the checksum in
-every record, not fsync, is what keeps a torn write from being served) and relisted on open so it survives a
-restart. A tier never evicts by itself: the pool decides, because eviction from DRAM means demotion to SSD.
+The index (a set of keys, kept exact by this class) answers ``contains`` and prefix lookups without I/O; the store
+holds the records. DRAM is a ``SlotStore`` (records in reusable slots of preallocated host memory, ``slots.py``);
+SSD is a ``FileStore`` (records in page-aligned slots of one file, written behind the caller, ``files.py``),
+rescanned on open so it survives a restart. A tier never evicts by itself: the pool decides, because eviction from
+DRAM means demotion to SSD.
 """
 
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import tensorstore as ts
+import numpy as np
 
 from mooncake_jax.blocks import BlockKey
 from mooncake_jax.transfer.counters import TierCounters
 from mooncake_jax.transfer.eviction import EvictionPolicy
+from mooncake_jax.transfer.files import FileStore
+from mooncake_jax.transfer.slots import SlotStore
 from mooncake_jax.transfer.spec import BlockSpec
 
 SPEC_FILE = "spec.json"
-_STORED_NAME = re.compile(rb"^[0-9a-f]{2}/([0-9a-f]{16})$")
-
-
-def _path_of(key: BlockKey) -> str:
-    """Kvstore key of a block: 256 fan-out directories keep SSD directories small."""
-    name = f"{key:016x}"
-    return f"{name[:2]}/{name}"
 
 
 class TierWriteError(OSError):
     """Storing a block failed (disk full, directory removed...); the block is not in the tier."""
 
-    def __init__(self, tier: str, key: BlockKey, cause: Exception) -> None:
+    def __init__(self, tier: str, key: BlockKey, cause: Exception, keys: Sequence[BlockKey] = ()) -> None:
         super().__init__(f"{tier} tier: storing block {key:#018x} failed: {cause}")
         self.tier = tier
         self.key = key
+        self.keys = list(keys) or [key]
 
 
 class Tier:
-    """Frames of one storage level, its capacity (in blocks), eviction policy, index and counters.
+    """Records of one storage level, its capacity (in blocks), eviction policy, index and counters.
 
-    One write may be in flight: ``write`` returns once the write is started (TensorStore has copied the record)
-    and waits only for the previous one, so the pool encodes the next block of a batch while this one goes to
-    disk (about 15% more SSD throughput here; more writes in flight measured no faster). Every other operation
-    first ``settle``s it, so reads never race a write, and the pool settles at the end of each call.
+    Writes may still be in flight when ``write_*`` returns (the SSD store writes behind the caller); every read or
+    delete first ``settle``s them, so reads never race a write, and the pool settles at the end of each call.
     """
 
     def __init__(
         self,
         name: str,
-        store: ts.KvStore,
+        store: SlotStore | FileStore,
         capacity_blocks: int | None,
         policy: EvictionPolicy,
         present: Iterable[BlockKey] = (),
@@ -61,9 +54,8 @@ class Tier:
         self.capacity_blocks = capacity_blocks
         self.policy = policy
         self.counters = TierCounters()
-        self._store = store
+        self.store = store
         self._present: set[BlockKey] = set()
-        self._in_flight: tuple[BlockKey, ts.Future] | None = None
         for key in present:
             self._present.add(key)
             policy.inserted(key)
@@ -81,54 +73,78 @@ class Tier:
     def full(self) -> bool:
         return self.capacity_blocks is not None and len(self._present) >= self.capacity_blocks
 
-    def read(self, key: BlockKey) -> bytes | None:
-        """The stored record, or None when the store has lost it (unverified: the pool checks it)."""
+    def read_record(self, key: BlockKey) -> bytes | memoryview | None:
+        """The stored record, or None when the store has lost it (unverified: the pool checks it). A DRAM record
+        is a view of its slot: copy it before the pool's lock is released."""
         self.settle()
-        try:
-            result = self._store.read(_path_of(key)).result()
-        except ValueError:  # an I/O error reading the file: as good as lost
-            return None
-        if result.state != "value":
-            return None
-        self.counters.bytes_read += len(result.value)
-        return result.value
+        record = self.store.record(key)
+        if record is not None:
+            self.counters.bytes_read += len(record)
+        return record
 
-    def write(self, key: BlockKey, record: bytes | bytearray) -> None:
-        """Start storing the record of a key not yet in the tier (the caller may reuse ``record`` at once)."""
+    def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes | memoryview, tuple[int, int]] | None:
+        """Copy the block's data into ``out`` (flat uint8); its record head (unverified) and the checksum of the
+        bytes copied, or None when the store has lost it."""
         self.settle()
-        self._in_flight = (key, self._store.write(_path_of(key), record))
+        found = self.store.read_into(key, out)
+        if found is not None:
+            self.counters.bytes_read += out.size + len(found[0])
+        return found
+
+    def prefetch(self, keys: Sequence[BlockKey]) -> None:
+        """Start bringing in the records of the ``keys`` this tier holds (a batch read is coming)."""
+        self.store.prefetch([key for key in keys if key in self._present])
+
+    def write_block(self, key: BlockKey, data: np.ndarray) -> None:
+        """Start storing the block whose bytes are ``data`` (flat uint8) under a key not yet in the tier."""
+        self.store.put_block(key, data)
+        self._added(key)
+
+    def write_record(self, key: BlockKey, parts: Sequence[bytes | bytearray | memoryview | np.ndarray],
+                     owned: bool = True) -> None:
+        """Start storing a verified record given as consecutive parts (``owned``: see ``FileStore.put``)."""
+        self.store.put(key, parts, owned)
+        self._added(key)
+
+    def write_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
+                      expected: tuple[int, int]) -> None:
+        """Store a record (its checked ``head`` and ``data``, flat uint8) whose data must hash to ``expected``;
+        CorruptBlockError, and nothing stored, if it does not."""
+        self.store.put_checked(key, head, data, expected)
+        self._added(key)
+
+    def _added(self, key: BlockKey) -> None:
         self._present.add(key)
         self.policy.inserted(key)
         self.counters.stored += 1
-        self.counters.bytes_written += len(record)
+        self.counters.bytes_written += self.store.record_bytes
 
     def settle(self) -> None:
-        """Wait for the write in flight; if it failed, forget its block and raise TierWriteError."""
-        if self._in_flight is None:
-            return
-        key, future = self._in_flight
-        self._in_flight = None
-        try:
-            future.result()
-        except Exception as err:
+        """Wait for the writes in flight; forget the blocks of those that failed and raise TierWriteError."""
+        failed = self.store.settle()
+        for key, _ in failed:
             self._present.discard(key)
             self.policy.removed(key)
-            raise TierWriteError(self.name, key, err) from err
+        if failed:
+            key, err = failed[0]
+            raise TierWriteError(self.name, key, err, [key for key, _ in failed]) from err
 
     def delete(self, key: BlockKey) -> None:
         self.settle()
         self._present.discard(key)
         self.policy.removed(key)
-        self._store.write(_path_of(key), None).result()
+        self.store.delete(key)
 
     def accessed(self, key: BlockKey) -> None:
         self.policy.accessed(key)
 
+    def close(self) -> None:
+        self.store.close()
 
-def memory_tier(capacity_blocks: int | None, policy: EvictionPolicy) -> Tier:
-    """The DRAM tier: a private TensorStore memory kvstore."""
-    store = ts.KvStore.open({"driver": "memory"}, context=ts.Context()).result()
-    return Tier("dram", store, capacity_blocks, policy)
+
+def memory_tier(spec: BlockSpec, capacity_blocks: int | None, policy: EvictionPolicy) -> Tier:
+    """The DRAM tier: records in slots of host memory."""
+    return Tier("dram", SlotStore(spec, capacity_blocks), capacity_blocks, policy)
 
 
 def file_tier(path: str | os.PathLike, spec: BlockSpec, capacity_blocks: int | None, policy: EvictionPolicy) -> Tier:
@@ -150,11 +166,11 @@ def file_tier(path: str | os.PathLike, spec: BlockSpec, capacity_blocks: int | N
         tmp = spec_path.with_suffix(".tmp")
         tmp.write_text(spec.to_json())
         tmp.replace(spec_path)
-    context = ts.Context({"file_io_sync": False})
-    store = ts.KvStore.open({"driver": "file", "path": str(root) + "/"}, context=context).result()
-    listed = (_STORED_NAME.match(name) for name in store.list().result())
-    present = sorted(int(match.group(1), 16) for match in listed if match)
+    store = FileStore(root, spec)
+    present = store.present
     excess = present[capacity_blocks:] if capacity_blocks is not None else []
-    for future in [store.write(_path_of(key), None) for key in excess]:
-        future.result()
-    return Tier("ssd", store, capacity_blocks, policy, present[: len(present) - len(excess)])
+    for key in excess:
+        store.delete(key)
+    tier = Tier("ssd", store, capacity_blocks, policy, present[: len(present) - len(excess)])
+    tier.counters.corrupt = store.corrupt_at_open
+    return tier

@@ -4,6 +4,8 @@
 - ``cache``: hit ratio against capacity; per-node caches against a global pool.
 - ``overload``: rejections, wasted prefill and load over time under the three admission policies.
 - ``pd-ratio``: effective request capacity over prefill/decode splits, and against the coupled baseline.
+- ``hetero``: prefill and decode pools of different hardware: effective request capacity and cost per million
+  tokens.
 
 Each module's ``run(out_dir, first=None, progress=True)`` returns what it wrote to its JSON file.
 """
@@ -18,6 +20,7 @@ EXPERIMENTS = {
     "cache": "mooncake_jax.sim.experiments.cache",
     "overload": "mooncake_jax.sim.experiments.overload",
     "pd-ratio": "mooncake_jax.sim.experiments.pd_ratio",
+    "hetero": "mooncake_jax.sim.experiments.hetero",
 }
 
 

@@ -8,6 +8,7 @@ the figures in the docs come from the whole trace).
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import matplotlib
@@ -77,3 +78,26 @@ def save_figure(fig, out_dir: Path, name: str) -> Path:
 def pick(summary: dict, *keys: str) -> dict:
     """The named figures of a run summary."""
     return {k: summary.get(k) for k in keys}
+
+
+def capacity_search(sim, target: float, speed_range: tuple[float, float], steps: int, **cluster) -> dict:
+    """Highest speed factor at which ``sim(speed=..., **cluster)`` reaches SLO attainment >= ``target``
+    (bisection in log space over ``speed_range``); ``tried`` maps each speed to its attainment and ``summary`` is
+    the run at the speed returned (None when even the slowest fails)."""
+    lo, hi = speed_range
+    tried, summaries = {}, {}
+
+    def ok(speed: float) -> bool:
+        summary = sim(speed=speed, **cluster)
+        tried[f"{speed:.4g}"] = summary["slo_attainment"]
+        summaries[speed] = summary
+        return summary["slo_attainment"] >= target
+
+    if ok(hi):
+        return {"speed": hi, "saturated": True, "tried": tried, "summary": summaries[hi]}
+    if not ok(lo):
+        return {"speed": 0.0, "saturated": False, "tried": tried, "summary": summaries[lo]}
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return {"speed": lo, "saturated": False, "tried": tried, "summary": summaries[lo]}

@@ -13,12 +13,12 @@ with and without chunked prefill) is measured the same way for each.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from mooncake_jax.sim.experiments.common import MHA_MODEL, PAPER_MODEL, PAPER_NODE, runs, save_figure, write_json
+from mooncake_jax.sim.experiments.common import (MHA_MODEL, PAPER_MODEL, PAPER_NODE, capacity_search, runs,
+                                                 save_figure, write_json)
 from mooncake_jax.sim.trace import load_trace
 
 NODES = 16
@@ -33,22 +33,9 @@ PAPER = {"best_ratio": "near 1:1 (FAST'25, TTFT 10 s / TBT 100 ms)"}
 
 def effective_capacity(sim, **cluster) -> dict:
     """Highest speed factor with SLO attainment >= TARGET (bisection in log space), and the runs it took."""
-    lo, hi = SPEED_RANGE
-    tried = {}
-
-    def ok(speed: float) -> bool:
-        summary = sim(speed=speed, **SLO, **cluster)
-        tried[f"{speed:.4g}"] = summary["slo_attainment"]
-        return summary["slo_attainment"] >= TARGET
-
-    if ok(hi):
-        return {"speed": hi, "saturated": True, "tried": tried}
-    if not ok(lo):
-        return {"speed": 0.0, "saturated": False, "tried": tried}
-    for _ in range(BISECTION_STEPS):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return {"speed": lo, "saturated": False, "tried": tried}
+    found = capacity_search(sim, TARGET, SPEED_RANGE, BISECTION_STEPS, **SLO, **cluster)
+    del found["summary"]
+    return found
 
 
 def run(out_dir: Path, first: int | None = None, progress: bool = True) -> dict:

@@ -1,0 +1,217 @@
+"""Sim-to-real: does the simulator, given a profile of the local instances, predict the real local cluster?
+
+1. Start a real local cluster (tiny model; instance processes, Conductor, the gateway's backend) with no admission
+   control. Its first instance measures the engine (``instance/calibrate.py``, the cost profile every instance
+   registers with); that profile is what the simulator gets.
+2. Probe the serving path end to end, before and independently of the replay: lone requests of fresh prompts (not
+   in the trace) give the per-request overhead beyond the profile's prefill time (RPCs, scheduling, pool I/O) and
+   how fast this shared machine runs prefill and decode right now against the start-up profile (the machine's
+   other load changes by the minute; the profile's shape is kept, its scale is measured again).
+3. Replay the first ``--requests`` of the conversation trace at their recorded arrival times (scaled to the tiny
+   model as ``mooncake-jax demo`` does: a 512-token trace block becomes one 16-token engine block) through the real
+   cluster, recording every token's time at the client.
+4. Simulate the same slice (same prompts' lengths and block ids, same instance counts, policy and cache size) on
+   the profile scaled by the probe, plus the probed per-request overhead, with the real instances' accounting
+   (``REAL_INSTANCES``: KV pushed after the prefill, first token released after the push).
+5. Report TTFT and TBT p50 / p90 of both side by side with their relative errors (goal <= 25%).
+
+    python benchmarks/sim_to_real.py --json /tmp/sim_to_real.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cpu_model  # noqa: E402
+
+from mooncake_jax.conductor.accounting import REAL_INSTANCES, prefill_work_s  # noqa: E402
+from mooncake_jax.conductor.costs import DecodeCost, PrefillCost  # noqa: E402
+from mooncake_jax.conductor.profile import costs_from_profile  # noqa: E402
+from mooncake_jax.slo import tbt_of_times  # noqa: E402
+
+TRACE_BLOCK, ENGINE_BLOCK = 512, 16
+PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 768), 16, 2
+
+
+def trace_slice(n: int, vocab_size: int, max_context: int):
+    """The first ``n`` trace requests as (arrival s, prompt token ids, max tokens, engine-block ids)."""
+    from mooncake_jax.sim.trace import load_trace, synthesize_prompt
+
+    scale = TRACE_BLOCK // ENGINE_BLOCK
+    trace = load_trace("conversation", first=n)
+    t0 = trace.requests[0].timestamp_s
+    out = []
+    for r in trace.requests:
+        max_tokens = max(1, round(r.output_length / scale))
+        prompt = synthesize_prompt(r.hash_ids, r.input_length, ENGINE_BLOCK, vocab_size, scale=scale)
+        prompt = prompt[: max_context - max_tokens]
+        out.append((r.timestamp_s - t0, prompt, max_tokens, tuple(r.hash_ids[: -(-len(prompt) // ENGINE_BLOCK)])))
+    return out
+
+
+def token_times(cluster, prompt, max_tokens: int) -> list[float]:
+    """Seconds from submission to each token of one request (the backend's own clock)."""
+    from mooncake_jax.gateway.backend import TokenOut
+
+    return [item.time_s for item in cluster.stream(prompt, max_new_tokens=max_tokens) if isinstance(item, TokenOut)]
+
+
+def probe(cluster, costs, vocab_size: int) -> dict:
+    """The serving path measured end to end, right before the replay, by lone requests of fresh prompts (not in
+    the trace): the start-up profile gives how times grow with tokens and batch; the probe gives how fast this
+    shared machine runs them now (``prefill_scale``, ``decode_scale``) and the fixed cost of a request beyond
+    its prefill (``request_overhead_s``: RPCs, scheduling, pool I/O).
+
+    Prefill: TTFT = overhead + scale * predicted prefill, fitted over a few prompt lengths. Decode: each probe's
+    TBT (mean of its longest 10% token gaps, the statistic compared later) over the predicted step at batch 1.
+    """
+    rng = np.random.default_rng(12345)
+    token_times(cluster, rng.integers(0, vocab_size, 32).tolist(), 4)  # warms connections and queues
+    predicted, measured, decode_ratio = [], [], []
+    for _ in range(PROBES):
+        for n in PROBE_PROMPT_TOKENS:
+            prompt = rng.integers(0, vocab_size, n).tolist()
+            times = token_times(cluster, prompt, PROBE_OUTPUT_TOKENS)
+            predicted.append(prefill_work_s(costs.prefill, n, 0))
+            measured.append(times[0])
+            step = np.mean([float(costs.decode.step_seconds(1, n + k)) for k in range(1, len(times))])
+            decode_ratio.append(tbt_of_times(times) / step)
+    a = np.stack([np.ones(len(predicted)), predicted], axis=1)
+    (overhead, scale), *_ = np.linalg.lstsq(a, np.array(measured), rcond=None)
+    if scale <= 0:  # no growth with length measured: all overhead
+        overhead, scale = float(np.median(np.array(measured) - np.array(predicted))), 1.0
+    return {"request_overhead_s": max(0.0, float(overhead)), "prefill_scale": float(scale),
+            "decode_scale": max(1e-3, float(np.median(decode_ratio)))}
+
+
+def replay(cluster, items, speed: float) -> list[list[float] | None]:
+    """Every request at its arrival time; each one's token times (None when it failed)."""
+    results: list = [None] * len(items)
+    start = time.perf_counter()
+
+    def one(i: int) -> None:
+        at, prompt, max_tokens, _ = items[i]
+        delay = at / speed - (time.perf_counter() - start)
+        if delay > 0:
+            time.sleep(delay)
+        try:
+            results[i] = token_times(cluster, prompt, max_tokens)
+        except Exception as e:  # noqa: BLE001  (reported, not fatal: the comparison skips it)
+            print(f"request {i} failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+    with ThreadPoolExecutor(64) as pool:
+        list(pool.map(one, range(len(items))))
+    return results
+
+
+def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: float, cache_tokens: int,
+              slo: dict):
+    """The same slice through the simulator on the profile plus the probed overheads."""
+    from mooncake_jax.sim import simulate
+    from mooncake_jax.sim.trace import Trace, TraceRequest
+
+    trace = Trace([TraceRequest(at, len(prompt), max_tokens, keys) for at, prompt, max_tokens, keys in items],
+                  "conversation-slice", ENGINE_BLOCK)
+    profiled = costs.replace(prefill=PrefillCost([c * overheads["prefill_scale"] for c in costs.prefill.coef]),
+                             decode=DecodeCost([c * overheads["decode_scale"] for c in costs.decode.coef]))
+    return simulate(trace, prefill=prefill, decode=decode, policy="kvcache-centric", admission="none",
+                    speed=speed, hardware=profiled, cache_tokens=cache_tokens, release_timing=REAL_INSTANCES,
+                    request_overhead_s=overheads["request_overhead_s"], **slo)
+
+
+def percentiles(values) -> dict:
+    v = np.asarray([x for x in values if x is not None and math.isfinite(x)])
+    return {"p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90))} if v.size else {}
+
+
+def rel_err(sim: float, real: float) -> float:
+    return abs(sim - real) / real if real > 0 else float("inf")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=100, help="first N trace requests (default 100)")
+    parser.add_argument("--speed", type=float, default=1.0, help="replay speed (default 1.0)")
+    parser.add_argument("--prefill", type=int, default=2)
+    parser.add_argument("--decode", type=int, default=1)
+    parser.add_argument("--in-process", action="store_true", help="instances as threads instead of processes")
+    parser.add_argument("--json", type=Path, help="write the results here as a flat JSON object")
+    args = parser.parse_args()
+    if args.requests < 10 or args.speed <= 0:
+        parser.error("--requests must be >= 10 and --speed > 0")
+
+    from mooncake_jax.instance.cluster import Cluster
+    from mooncake_jax.model.config import PRESETS
+
+    cfg = PRESETS["tiny"]
+    items = trace_slice(args.requests, cfg.vocab_size, cfg.max_seq_len)
+    slo = {"ttft_slo_s": 30.0, "tbt_slo_s": 1.0}
+    pool_blocks = 8192
+    load_start = os.getloadavg()[0]
+    t_start = time.perf_counter()
+    with Cluster.local("tiny", prefill=args.prefill, decode=args.decode, processes=not args.in_process,
+                       admission="none", pool_dram_blocks=pool_blocks, **slo) as cluster:
+        first = next(iter(cluster.instances.values()))
+        profile_json = getattr(first, "profile_json", None) or first.info["profile_json"]
+        costs = costs_from_profile(profile_json)
+        overheads = probe(cluster, costs, cfg.vocab_size)
+        print(f"profile: {costs.name}; probed overheads {overheads}", flush=True)
+        t_replay = time.perf_counter()
+        real = replay(cluster, items, args.speed)
+        replay_s = time.perf_counter() - t_replay
+    sim = simulated(items, costs, overheads, args.prefill, args.decode, args.speed, pool_blocks * ENGINE_BLOCK,
+                    slo)
+
+    done = [i for i, times in enumerate(real) if times]
+    real_ttft = [real[i][0] for i in done]
+    real_tbt = [tbt_of_times(real[i]) for i in done if len(real[i]) > 1]
+    sim_reqs = sim.requests
+    sim_ttft = [sim_reqs[i].ttft_s for i in done]
+    sim_tbt = [sim_reqs[i].tbt_s for i in done if len(real[i]) > 1]
+    figures = {"real_ttft": percentiles(real_ttft), "sim_ttft": percentiles(sim_ttft),
+               "real_tbt": percentiles(real_tbt), "sim_tbt": percentiles(sim_tbt)}
+    results = {
+        "requests": len(items), "completed_real": len(done), "completed_sim": sim.summary["completed"],
+        "speed": args.speed, "prefill": args.prefill, "decode": args.decode, "model": "tiny",
+        "cpu_model": cpu_model(), "cpus": os.cpu_count(), "load_average_at_start": load_start,
+        "load_average_at_end": os.getloadavg()[0], "replay_wall_s": replay_s,
+        "total_wall_s": time.perf_counter() - t_start, "profile": costs.name,
+        "prefill_coef": list(costs.prefill.coef), "decode_coef": list(costs.decode.coef), **overheads,
+        "release_timing": f"{REAL_INSTANCES.kv_push}/{REAL_INSTANCES.first_token}",
+        "cache_hit_ratio_sim": sim.summary["cache_hit_ratio"],
+    }
+    for metric in ("ttft", "tbt"):
+        for q in ("p50", "p90"):
+            r, s = figures[f"real_{metric}"].get(q), figures[f"sim_{metric}"].get(q)
+            results[f"{metric}_{q}_real_s"] = r
+            results[f"{metric}_{q}_sim_s"] = s
+            results[f"{metric}_{q}_rel_err"] = rel_err(s, r) if r is not None and s is not None else None
+    results["goal_rel_err"] = 0.25
+    results["meets_goal"] = all(results[f"{m}_{q}_rel_err"] is not None and results[f"{m}_{q}_rel_err"] <= 0.25
+                                for m in ("ttft", "tbt") for q in ("p50", "p90"))
+    print(f"{'':10}{'real':>10}{'sim':>10}{'rel err':>10}")
+    for metric in ("ttft", "tbt"):
+        for q in ("p50", "p90"):
+            r, s, e = (results[f"{metric}_{q}_real_s"], results[f"{metric}_{q}_sim_s"],
+                       results[f"{metric}_{q}_rel_err"])
+            print(f"{metric} {q:<6}{r:>10.4f}{s:>10.4f}{e:>10.1%}")
+    text = json.dumps(results, indent=2, sort_keys=True)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    threading.excepthook = lambda hook: print(f"thread failed: {hook.exc_value}", file=sys.stderr)
+    main()

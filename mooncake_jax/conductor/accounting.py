@@ -1,0 +1,63 @@
+"""One accounting of a prefill instance's time, shared by the Conductor, the real instances and the simulator.
+
+The Conductor predicts TTFT from an instance's queue and cost model; the instance reports its queue in heartbeats;
+the simulator times the same work. If the three count differently (a cached prefix counted on one side and not
+the other, the KV push before or after the first token), the simulator cannot predict the real cluster and the
+Conductor's predictions drift from what the instances report. So the rules live here, once:
+
+- **Work of a prefill**: ``prefill_work_s(cost, n_tokens, cached_tokens)``: the prompt's leading cached tokens
+  (engine page cache, pool, fetched blocks) are not computed, but the last prompt token always is (it yields the
+  first output token), so at most ``n_tokens - 1`` are reused.
+- **Queue**: the predicted work of every request accepted by the instance and not yet finished, the running one
+  included at its full prediction (``queued_s``; the Conductor drains it at ``now + queued_s``).
+- **KV push and first-token release** (``ReleaseTiming``): the KV goes to the decode instance after the prefill
+  (``after-prefill``, one push of the request's blocks) or streams layer by layer during it (``layerwise``); the
+  first token is released when the prefill ends (``at-prefill-end``) or once the KV has reached the decode
+  instance (``after-push``). The real instances push after the prefill and answer after the push
+  (``REAL_INSTANCES``); the simulator's default is the paper's layer-wise streaming (``LAYERWISE``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+KV_PUSH = ("after-prefill", "layerwise")
+FIRST_TOKEN = ("at-prefill-end", "after-push")
+
+
+def reused_tokens(n_tokens: int, cached_tokens: int) -> int:
+    """Cached leading tokens a prefill of ``n_tokens`` skips: all but the last prompt token at most."""
+    return max(0, min(int(cached_tokens), int(n_tokens) - 1))
+
+
+def prefill_work_s(prefill_cost, n_tokens: int, cached_tokens: int) -> float:
+    """Predicted seconds of one prefill (``prefill_cost``: a ``PrefillCost``) over its cached prefix."""
+    return float(prefill_cost.seconds(n_tokens, reused_tokens(n_tokens, cached_tokens)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseTiming:
+    """When a prefilled request's KV moves to its decode instance and when its first token is released."""
+
+    kv_push: str = "layerwise"
+    first_token: str = "at-prefill-end"
+
+    def __post_init__(self):
+        if self.kv_push not in KV_PUSH:
+            raise ValueError(f"unknown kv_push {self.kv_push!r}; choose from {list(KV_PUSH)}")
+        if self.first_token not in FIRST_TOKEN:
+            raise ValueError(f"unknown first_token {self.first_token!r}; choose from {list(FIRST_TOKEN)}")
+
+    def push_start(self, prefill_start: float, prefill_end: float) -> float:
+        """When the push of the request's KV may start."""
+        return prefill_start if self.kv_push == "layerwise" else prefill_end
+
+    def first_token_at(self, prefill_end: float, kv_ready_at: float) -> float:
+        """When the client gets the first token, given when the prefill ends and when the KV is on decode."""
+        return prefill_end if self.first_token == "at-prefill-end" else max(prefill_end, kv_ready_at)
+
+
+LAYERWISE = ReleaseTiming("layerwise", "at-prefill-end")
+"""The paper's design: KV streamed during the prefill, first token at once."""
+REAL_INSTANCES = ReleaseTiming("after-prefill", "after-push")
+"""What ``mooncake_jax/instance/prefill.py`` does: store and push after the prefill, then answer."""

@@ -1,0 +1,63 @@
+"""One accounting of an instance (conductor/accounting.py): the rules by hand, and the simulator following them.
+
+Costs (as test_sim_cluster.TOY but with a slow link): prefill 1 s + 1 ms per computed token, decode step 10 ms,
+1 byte of KV per token over a 1,000 bytes/s link, so a 1,000-token prompt's KV moves in 1 s.
+"""
+
+import pytest
+
+from mooncake_jax.conductor import DecodeCost, InstanceCosts, PrefillCost
+from mooncake_jax.conductor.accounting import (LAYERWISE, REAL_INSTANCES, ReleaseTiming, prefill_work_s,
+                                               reused_tokens)
+from mooncake_jax.sim import SimConfig, simulate
+from mooncake_jax.sim.trace import Trace, TraceRequest
+
+SLOW_LINK = InstanceCosts("slow-link", PrefillCost((1.0, 0.001, 0.0, 0.0)), DecodeCost((0.01, 0.0, 0.0)),
+                          kv_bytes_per_token=1.0, nic_bytes_per_s=1000.0, kv_capacity_tokens=10**6)
+ONE = Trace([TraceRequest(0.0, 1000, 11, (1, 2))])
+
+
+def test_cached_prefix_rule():
+    assert reused_tokens(1000, 0) == 0
+    assert reused_tokens(1000, 512) == 512
+    assert reused_tokens(1024, 1024) == 1023  # the last prompt token is always computed
+    assert reused_tokens(1, 512) == 0
+    assert prefill_work_s(SLOW_LINK.prefill, 1000, 512) == pytest.approx(1.0 + 0.488)
+    assert prefill_work_s(SLOW_LINK.prefill, 1024, 4096) == pytest.approx(1.001)
+
+
+def test_release_timing_by_hand():
+    assert LAYERWISE.push_start(2.0, 5.0) == 2.0 and LAYERWISE.first_token_at(5.0, 6.0) == 5.0
+    assert REAL_INSTANCES.push_start(2.0, 5.0) == 5.0 and REAL_INSTANCES.first_token_at(5.0, 6.0) == 6.0
+    with pytest.raises(ValueError, match="kv_push"):
+        ReleaseTiming("sometimes", "after-push")
+    with pytest.raises(ValueError, match="first_token"):
+        ReleaseTiming("layerwise", "never")
+    with pytest.raises(ValueError, match="request_overhead_s"):
+        SimConfig(request_overhead_s=-1.0)
+
+
+def test_simulator_follows_the_release_timing():
+    # prefill 1 + 1.000 = 2 s; the 1,000-token KV takes 1 s on the link
+    layerwise = simulate(ONE, prefill=1, decode=1, hardware=SLOW_LINK).requests[0]
+    assert layerwise.ttft_s == pytest.approx(2.0)  # streamed during the prefill, first token at its end
+    assert layerwise.finished_at == pytest.approx(2.0 + 10 * 0.01)
+    real = simulate(ONE, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES).requests[0]
+    assert real.ttft_s == pytest.approx(3.0)  # pushed after the prefill (1 s), first token after the push
+    assert real.finished_at == pytest.approx(3.0 + 10 * 0.01)
+    overhead = simulate(ONE, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                        request_overhead_s=0.25).requests[0]
+    assert overhead.ttft_s == pytest.approx(3.25)
+
+
+def test_conductor_predicts_prefill_work_by_the_same_rule():
+    from mooncake_jax.conductor import ClusterState, Policy, PolicyConfig, Request
+
+    cfg = PolicyConfig(block_size=512, admission="none")
+    state = ClusterState(cfg)
+    state.add_instance("p", "prefill", SLOW_LINK, 0.0)
+    state.add_instance("d", "decode", SLOW_LINK, 0.0)
+    state.kv_stored("p", [1, 2])
+    for n, keys in ((1000, (1, 2)), (1024, (1, 2)), (1500, (1, 2, 3))):
+        d = Policy(cfg).decide(Request(f"r{n}", keys, n, 4), state.snapshot(), 0.0)
+        assert d.prefill_s == pytest.approx(prefill_work_s(SLOW_LINK.prefill, n, d.prefix_blocks * 512))

@@ -1,0 +1,138 @@
+"""Faults under load, in a cluster of this process (fast) and, marked slow, of processes: a prefill instance that
+dies under load fails no request that had not started on it (dropped from the Conductor at once, the request
+retried elsewhere); no decode instance is 503 naming it, not overload; a duplicate in-flight id is refused; a
+crashed instance process is restarted by the supervisor with the reason logged."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from test_cluster import FAST, PROFILE, wait_until
+
+import mooncake_jax as mj
+from mooncake_jax.gateway.backend import DuplicateRequest, TokenOut, Unavailable
+from mooncake_jax.instance.supervise import Supervisor
+from reference_model import random_prompts as prompts
+
+
+def kill_in_process(instance) -> None:
+    """Abrupt death of an in-process instance: no goodbye to the Conductor, its port closed."""
+    instance.link.stop(deregister=False)
+    instance._server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # heartbeats would take 60 s to notice a death: only the at-once drop on a failed call keeps these tests fast
+    with mj.Cluster.local("tiny", prefill=2, decode=1, profile_json=PROFILE, heartbeat_interval_s=1.0,
+                          heartbeat_timeout_s=60.0, **FAST) as c:
+        yield c
+
+
+def test_killing_one_of_two_prefill_instances_under_load_fails_no_request(cluster):
+    c = cluster
+    ps = prompts([20] * 12, seed=21)
+    expected = c.generate(ps, max_new_tokens=3)  # also compiles what the load runs
+    results: dict[int, object] = {}
+    done = threading.Semaphore(0)
+
+    def client(indices):
+        for i in indices:
+            try:
+                results[i] = c.run(ps[i], max_new_tokens=3)[0]
+            except Exception as e:  # noqa: BLE001 - recorded, asserted below
+                results[i] = e
+            done.release()
+
+    threads = [threading.Thread(target=client, args=(range(k, len(ps), 3),)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for _ in range(3):
+        done.acquire(timeout=60)
+    t_kill = time.monotonic()
+    kill_in_process(c.instances["prefill-0"])
+    for t in threads:
+        t.join(120)
+    failed = {i: r for i, r in results.items() if isinstance(r, Exception)}
+    assert not failed, failed
+    assert [results[i] for i in range(len(ps))] == expected
+    assert "prefill-0" not in c.conductor.service.state.instances.slot_of
+    assert time.monotonic() - t_kill < 50  # well before the 60 s heartbeat timeout could have dropped it
+
+
+def test_no_decode_instance_is_503_naming_it_and_duplicate_ids_are_refused(cluster):
+    """Runs after the prefill test (prefill-1 still serves); kills the decode instance."""
+    c = cluster
+    stream = c.backend.generate(mj.gateway.GenerateRequest(prompt=[1, 5, 9, 4], max_tokens=200, request_id="dup",
+                                                           ignore_eos=True))
+    assert isinstance(next(stream), TokenOut)
+    with pytest.raises(DuplicateRequest, match="already in flight"):
+        list(c.backend.generate(mj.gateway.GenerateRequest(prompt=[1, 5], max_tokens=2, request_id="dup")))
+    stream.close()
+    assert c.backend.health() is None
+    kill_in_process(c.instances["decode-0"])
+    with pytest.raises(Unavailable) as err:  # the retry finds none; the first try names the dead one
+        c.run([1, 5, 9, 4, 7], max_new_tokens=3)
+    assert "no decode instance alive" in str(err.value) and "decode instance decode-0 is down" in str(err.value)
+    assert c.backend.health() == "no decode instance alive"  # dropped at once, not after 60 s
+    with pytest.raises(Unavailable, match="no decode instance alive"):  # 503, not 429 overload
+        c.run([1, 5, 9], max_new_tokens=3)
+
+
+class _Child:
+    """What the supervisor needs of a ChildInstance: a process, a log, an address, stop()."""
+
+    def __init__(self, log_path):
+        self.log_path = log_path
+        with open(log_path, "a") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", "import sys, time; print('starting up', "
+                                          "file=sys.stderr, flush=True); time.sleep(60)"], stderr=log)
+        self.address = f"pid {self.proc.pid}"
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def test_supervisor_restarts_a_crashed_process_with_the_reason_logged(tmp_path, caplog):
+    children = {"decode-0": _Child(tmp_path / "decode-0.log")}
+    started = []
+
+    def restart(instance_id):
+        if len(started) == 0:
+            started.append("failed")
+            raise RuntimeError("port taken")  # a failed restart is retried after a longer backoff
+        child = _Child(tmp_path / f"{instance_id}.log")
+        started.append(child)
+        return child
+
+    first = children["decode-0"]
+    supervisor = Supervisor(children, restart, poll_s=0.05).start()
+    try:
+        with caplog.at_level(logging.INFO, logger="mooncake_jax.instance.supervise"):
+            assert wait_until(lambda: open(first.log_path).read().startswith("starting up"), 10)
+            first.proc.kill()
+            assert wait_until(lambda: children["decode-0"] is not first, 20)
+        assert first.proc.returncode is not None  # reaped: no zombie
+        text = caplog.text
+        assert "decode-0" in text and "killed by SIGKILL" in text and "starting up" in text  # why, with its log
+        assert "did not restart (port taken)" in text and supervisor.restarts == {"decode-0": 1}
+    finally:
+        supervisor.stop()
+        for child in children.values():
+            child.stop()
+
+
+def test_an_instance_that_cannot_start_says_why(tmp_path):
+    from mooncake_jax.instance.cluster import ChildInstance
+
+    with pytest.raises(RuntimeError) as err:  # argparse refuses the command line: its message is in the error
+        ChildInstance(["--role", "prefill", "--conductor", "127.0.0.1:1", "--max-batch", "many"],
+                      tmp_path / "prefill-0.log", timeout_s=120)
+    assert "exited with status 2" in str(err.value) and "invalid int value: 'many'" in str(err.value)
