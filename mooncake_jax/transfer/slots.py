@@ -2,10 +2,12 @@
 
 The backing store is TensorStore: each slab is a ``[slots, stride]`` uint8 TensorStore array (the ``array``
 driver, ``ts.array(..., copy=False)``) whose memory is a preallocated host buffer, and records are written into
-and read out of it through TensorStore, without intermediate encodes. A put is one TensorStore write per record
-part straight from the caller's array into the slot (the data hashed just before, chunk by chunk, so the chunk is
-in cache when TensorStore copies it); a get is one TensorStore write from the slot into a TensorStore view of the
-caller's staging buffer, each chunk hashed from cache as it lands. The TensorStore memory kvstore this tier used
+and read out of it through TensorStore, without intermediate encodes. A put is one TensorStore write straight from the
+caller's array into the slot, started asynchronously while this thread hashes the same bytes (TensorStore copies
+on its own thread: copy and hash run side by side); a get is one TensorStore write from the slot into a
+TensorStore view of the caller's staging buffer while this thread hashes the slot. Copies in flight are waited
+for by ``settle`` (the pool settles before every read and delete and at the end of every call), which costs a
+thread hand-off per block instead of one per copy. The TensorStore memory kvstore this tier used
 first copied a record on every write and again on every read, and a put had to join the record into one ``bytes``
 first (about 0.3 of memcpy). The record layout in a slot is the one on SSD and on the wire, so the Messenger sends
 a slot's bytes as they are (``record`` is a view of the array's memory, copied by the pool under its lock).
@@ -25,7 +27,6 @@ import tensorstore as ts
 import xxhash
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES
 from mooncake_jax.transfer.frame import DATA_OFFSET, CorruptBlockError, record_bytes, record_head
 from mooncake_jax.transfer.spec import BlockSpec
 
@@ -35,8 +36,8 @@ SLAB_BYTES = 256 << 20
 """Most bytes allocated at once when the tier grows (one slot if a record is larger)."""
 _LOW = (1 << 64) - 1
 _CONTEXT = ts.Context({"data_copy_concurrency": {"limit": 1}})
-"""TensorStore copies on one thread: the caller waits for each copy anyway (it hashes the chunk next), and more
-threads only add hand-offs on a 2-core host."""
+"""TensorStore copies on one thread while the caller's thread hashes: two cores busy, and more copy threads only add
+hand-offs on a 2-core host."""
 
 
 def as_store(buffer: np.ndarray) -> ts.TensorStore:
@@ -44,22 +45,14 @@ def as_store(buffer: np.ndarray) -> ts.TensorStore:
     return ts.array(buffer, copy=False, write=True, context=_CONTEXT)
 
 
-def copy_hashed(dst: ts.TensorStore, src: ts.TensorStore | np.ndarray, landed: np.ndarray) -> tuple[int, int]:
-    """Copy ``src`` into ``dst`` through TensorStore (flat uint8, one length) and return the XXH3-128 checksum of
-    the bytes that landed (``landed``: ``dst``'s memory as numpy), hashed chunk by chunk right after each chunk's
-    copy, from cache: one pass over memory, as ``checksum.copy_with_checksum`` does with numpy."""
-    n = landed.size
-    if n <= COPY_CHUNK_BYTES:
-        dst.write(src).result()
-        digest = xxhash.xxh3_128_intdigest(landed)
-        return digest >> 64, digest & _LOW
-    hasher = xxhash.xxh3_128()
-    for start in range(0, n, COPY_CHUNK_BYTES):
-        stop = min(n, start + COPY_CHUNK_BYTES)
-        dst[start:stop].write(src[start:stop]).result()
-        hasher.update(landed[start:stop])
-    digest = hasher.intdigest()
-    return digest >> 64, digest & _LOW
+def start_copy(dst: ts.TensorStore, src: ts.TensorStore | np.ndarray, hashed: np.ndarray) -> tuple[ts.Future, tuple[int, int]]:
+    """Start copying ``src`` into ``dst`` through TensorStore (flat uint8, one length) and hash ``hashed`` (the
+    source's bytes as numpy) on this thread meanwhile: TensorStore copies on its own thread, so the copy and the
+    XXH3-128 hash run side by side on two cores. Returns the copy's future (``src`` must stay untouched and
+    ``dst`` unread until it is done) and the checksum."""
+    copy = dst.write(src)
+    digest = xxhash.xxh3_128_intdigest(hashed)
+    return copy, (digest >> 64, digest & _LOW)
 
 
 class _Slot:
@@ -71,7 +64,7 @@ class _Slot:
         self.memory = memory
         self.record = store
         self.head = store[:DATA_OFFSET]
-        self.data = store[DATA_OFFSET:]
+        self.data = store[DATA_OFFSET:].translate_to[0]  # indexed from 0, as the caller's array is
 
 
 class SlotStore:
@@ -87,6 +80,7 @@ class SlotStore:
         self._slabs: list[ts.TensorStore] = []
         self._free: list[_Slot] = []
         self._slot_of: dict[BlockKey, _Slot] = {}
+        self._pending: list[tuple[BlockKey, ts.Future]] = []
 
     def _take_slot(self) -> _Slot:
         if not self._free:
@@ -110,33 +104,39 @@ class SlotStore:
         return slot
 
     def put_block(self, key: BlockKey, data: np.ndarray) -> None:
-        """Store the block whose bytes are ``data`` (flat uint8): one copy, hashed on the way."""
+        """Start storing the block whose bytes are ``data`` (flat uint8, untouched until ``settle``): one copy,
+        by TensorStore, while this thread hashes the same bytes."""
         slot = self._slot_for(key)
-        digest = copy_hashed(slot.data, data, slot.memory[DATA_OFFSET:])
-        slot.head.write(np.frombuffer(record_head(self.spec, key, digest), np.uint8)).result()
+        copy, digest = start_copy(slot.data, data, data)
+        self._pending.append((key, copy))
+        self._pending.append((key, slot.head.write(np.frombuffer(record_head(self.spec, key, digest), np.uint8))))
 
     def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
                     expected: tuple[int, int]) -> None:
-        """Store a record whose data must hash to ``expected``, verified while it is copied in (one pass)."""
+        """Store a record whose data must hash to ``expected``, hashed while it is copied in."""
         slot = self._slot_for(key)
-        if copy_hashed(slot.data, data, slot.memory[DATA_OFFSET:]) != expected:
+        copy, digest = start_copy(slot.data, data, data)
+        if digest != expected:
+            copy.result()
             self.delete(key)
             raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
-        slot.head.write(np.frombuffer(head, np.uint8)).result()
+        self._pending.append((key, copy))
+        self._pending.append((key, slot.head.write(np.frombuffer(head, np.uint8))))
 
     def put(self, key: BlockKey, parts: Sequence[bytes | bytearray | memoryview | np.ndarray], owned: bool) -> None:
-        """Store a record given as consecutive parts (already checksummed); copied at once, so ``owned`` is moot."""
+        """Store a record given as consecutive parts (already checksummed). ``owned``: the parts stay untouched
+        until ``settle`` (else the copies finish before this returns)."""
         flats = [part.reshape(-1).view(np.uint8) if isinstance(part, np.ndarray) else np.frombuffer(part, np.uint8)
                  for part in parts]
         if sum(flat.size for flat in flats) != self.record_bytes:
             raise ValueError(f"record of {sum(flat.size for flat in flats)} bytes, expected {self.record_bytes}")
         slot = self._slot_for(key)
-        at, writes = 0, []
+        at = 0
         for flat in flats:
-            writes.append(slot.record[at : at + flat.size].write(flat))
+            self._pending.append((key, slot.record[at : at + flat.size].translate_to[0].write(flat)))
             at += flat.size
-        for write in writes:
-            write.result()
+        if not owned:
+            self._finish()
 
     def record(self, key: BlockKey) -> memoryview | None:
         """The stored record (a view of the TensorStore array's memory, valid until the slot is reused: the pool
@@ -145,26 +145,43 @@ class SlotStore:
         return None if slot is None else memoryview(slot.memory)
 
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[memoryview, tuple[int, int]] | None:
-        """Copy the block's data into ``out`` (flat uint8) through TensorStore; its record head and the checksum
-        of what was copied."""
+        """Start copying the block's data into ``out`` (flat uint8, not to be read before ``settle``) through
+        TensorStore; its record head and the checksum of the slot's data, hashed while it is copied."""
         slot = self._slot_of.get(key)
         if slot is None:
             return None
-        digest = copy_hashed(as_store(out), slot.data, out)
+        copy, digest = start_copy(as_store(out), slot.data, slot.memory[DATA_OFFSET:])
+        self._pending.append((key, copy))
         return memoryview(slot.memory[:DATA_OFFSET]), digest
 
     def prefetch(self, keys: Sequence[BlockKey]) -> None:
         """Nothing to do: the records are in memory."""
 
     def delete(self, key: BlockKey) -> None:
+        if self._pending:
+            self._finish()
         slot = self._slot_of.pop(key, None)
         if slot is not None:
             self._free.append(slot)
 
+    def _finish(self) -> list[tuple[BlockKey, Exception]]:
+        failed = []
+        for key, copy in self._pending:
+            try:
+                copy.result()
+            except Exception as err:  # not seen: a copy between arrays of one shape does not fail
+                failed.append((key, err))
+        self._pending.clear()
+        for key, _ in failed:
+            self.delete(key)
+        return failed
+
     def settle(self) -> list[tuple[BlockKey, Exception]]:
-        return []  # every write is done when it returns
+        """Wait for the copies in flight (every read, delete and the end of every pool call settles first)."""
+        return self._finish() if self._pending else []
 
     def close(self) -> None:
+        self._finish()
         self._slot_of.clear()
         self._free.clear()
         self._slabs.clear()
