@@ -578,3 +578,24 @@ def test_blocks_in_the_file_per_block_layout_move_into_slots(tmp_path, caplog):
     assert sorted(p.name for p in tmp_path.iterdir()) == [SLOTS_FILE, "spec.json"]
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         assert same_bits(pool.get(0xAB00000000000003), block_of(0xAB00000000000003)) and len(pool) == 2
+
+
+def test_dram_tier_is_a_tensorstore_array_over_its_slot_memory():
+    """Records live in TensorStore arrays whose memory is the preallocated slab; a multi-MiB block (copied by
+    TensorStore while the hash runs) round-trips bit-exact, and a get into a staging buffer lands every byte."""
+    import tensorstore as ts
+
+    spec = BlockSpec((4, 2, 64, 4, 256), np.float32)  # 2 MiB
+    blocks = {key: block_of(key, spec) for key in (1, 2, 3)}
+    with BlockPool(spec, dram_blocks=2) as pool:
+        pool.put_many(list(blocks), list(blocks.values()))  # 1 evicted (no SSD tier: dropped)
+        store = pool._tiers[0].store
+        assert all(isinstance(slab, ts.TensorStore) for slab in store._slabs)
+        slot = store._slot_of[3]
+        assert np.array_equal(slot.memory[DATA_OFFSET:], blocks[3].reshape(-1).view(np.uint8))
+        staging = np.zeros((2, *spec.shape), spec.dtype)
+        got = pool.get_many([2, 3], staging)
+        assert same_bits(got[0], blocks[2]) and same_bits(got[1], blocks[3]) and got[1] is not None
+        assert pool.get(1) is None
+        slot.record[:1].write(np.array([0xAB], np.uint8)).result()  # the array's memory is the slot's, not a copy
+        assert slot.memory[0] == 0xAB and pool.get(3) is None and pool.stats()["dram"]["corrupt"] == 1
