@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
 import re
 from collections import deque
 from collections.abc import Sequence
