@@ -301,11 +301,12 @@ class FileStore:
         return found.value
 
     def prefetch(self, keys: Sequence[BlockKey]) -> None:
-        """Start reading the heads of these records (a batch read is coming): the reads of the next blocks run
-        on TensorStore's I/O threads while this thread copies and verifies the current one."""
+        """Start reading the heads of these records (a batch read is coming): they are read on TensorStore's I/O
+        threads while this thread copies and verifies the blocks before them (the data has no destination yet)."""
+        self._heads.clear()  # what an earlier batch left unread
         for key in keys:
             slot = self._slot_of.get(key)
-            if slot is not None and key not in self._heads:
+            if slot is not None:
                 self._heads[key] = self._read_head(slot)
 
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes, tuple[int, int]] | None:

@@ -45,11 +45,13 @@ def as_store(buffer: np.ndarray) -> ts.TensorStore:
     return ts.array(buffer, copy=False, write=True, context=_CONTEXT)
 
 
-def start_copy(dst: ts.TensorStore, src: ts.TensorStore | np.ndarray, hashed: np.ndarray) -> tuple[ts.Future, tuple[int, int]]:
+def start_copy(dst: ts.TensorStore, src: ts.TensorStore | np.ndarray,
+               hashed: np.ndarray) -> tuple[ts.Future, tuple[int, int]]:
     """Start copying ``src`` into ``dst`` through TensorStore (flat uint8, one length) and hash ``hashed`` (the
     source's bytes as numpy) on this thread meanwhile: TensorStore copies on its own thread, so the copy and the
     XXH3-128 hash run side by side on two cores. Returns the copy's future (``src`` must stay untouched and
-    ``dst`` unread until it is done) and the checksum."""
+    ``dst`` unread until it is done; TensorStore holds a reference to a numpy ``src`` meanwhile) and the
+    checksum."""
     copy = dst.write(src)
     digest = xxhash.xxh3_128_intdigest(hashed)
     return copy, (digest >> 64, digest & _LOW)
