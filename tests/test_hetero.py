@@ -37,6 +37,27 @@ def test_one_serializer_for_command_line_json_and_registration():
     assert c.to_dict()["pool"] == {"dram_blocks": 64, "ssd_path": "/tmp/x", "ssd_blocks": None}
 
 
+def test_data_plane_survives_every_serialization_and_bad_values_are_named():
+    c = InstanceConfig("decode", data_plane="jax")
+    assert InstanceConfig.from_json(c.to_json()).data_plane == "jax"
+    assert parse_args(c.to_args()).data_plane == "jax"
+    assert InstanceConfig("decode").data_plane == "grpc"
+    with pytest.raises(ValueError, match="data_plane must be one of .*'rdma'"):
+        InstanceConfig("decode", data_plane="rdma")
+    # the instance's Messenger clients use it (called on a stand-in: no engine needed to build a client)
+    import threading
+    from types import SimpleNamespace
+
+    from mooncake_jax.instance.server import InstanceServer
+    from mooncake_jax.transfer import BlockPool, BlockSpec
+
+    with BlockPool(BlockSpec((1, 2, 4, 1, 8), np.float32), dram_blocks=2) as pool:
+        server = SimpleNamespace(_clients_lock=threading.Lock(), _clients={}, pool=pool, config=c)
+        client = InstanceServer.messenger(server, "127.0.0.1:9")
+        assert client.data_plane == "jax"
+        client.close()
+
+
 def test_cluster_local_options_reach_every_instance():
     """Cluster.local used to drop dtype, bucket_factor and pool_ssd_path on the way to the child command line."""
     configs = role_configs("tiny", 1, 1, options=dict(dtype="bfloat16", bucket_factor=2, pool_ssd_path="/ssd",

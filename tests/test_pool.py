@@ -8,7 +8,7 @@ import pytest
 
 from mooncake_jax.blocks import block_keys
 from mooncake_jax.transfer import BlockEvent, BlockPool, BlockSpec, EventKind, EvictionPolicy, PoolFullError
-from mooncake_jax.transfer.files import SLOTS_FILE
+from mooncake_jax.transfer.files import ARRAY_DIR, LEGACY_SLOTS_FILE
 from mooncake_jax.transfer.frame import DATA_OFFSET, PREFIX_BYTES, record_bytes, record_prefix
 
 SPEC = BlockSpec((2, 2, 4, 2, 8), np.float32)  # (layers, K/V, block_size, kv_heads, head_dim)
@@ -261,21 +261,23 @@ def cancelling_bit_flips(raw: bytes) -> bytes:
     return raw[:DATA_OFFSET] + words.tobytes() + raw[DATA_OFFSET + 64 * 8 :]
 
 
+def chunk_files(root):
+    """The SSD tier's chunk files (one per slot holding a record) in its zarr3 array."""
+    return sorted((root / ARRAY_DIR / "c").glob("*/0"))
+
+
 def slot_of(root, key, spec=SPEC):
-    """Offset and bytes of ``key``'s record in the SSD tier's slot file (found by its wire prefix)."""
-    raw = (root / SLOTS_FILE).read_bytes()
-    stride = -(-record_bytes(spec) // 4096) * 4096
-    offset = next(at for at in range(0, len(raw), stride) if raw[at : at + PREFIX_BYTES] == record_prefix(spec, key))
-    return offset, raw[offset : offset + record_bytes(spec)]
+    """The chunk file holding ``key``'s record in the SSD tier's array (found by its wire prefix), and the record."""
+    path = next(p for p in chunk_files(root) if p.read_bytes()[:PREFIX_BYTES] == record_prefix(spec, key))
+    raw = path.read_bytes()
+    assert len(raw) == record_bytes(spec)  # a chunk is exactly one record, stored raw
+    return path, raw
 
 
 def rewrite_record(root, key, damage):
-    """Replace ``key``'s record in the slot file by ``damage(record)``; a shorter one cuts the file there."""
-    offset, record = slot_of(root, key)
-    raw = (root / SLOTS_FILE).read_bytes()
-    damaged = damage(record)
-    tail = raw[offset + len(record) :] if len(damaged) == len(record) else b""
-    (root / SLOTS_FILE).write_bytes(raw[:offset] + damaged + tail)
+    """Replace ``key``'s record in its chunk file by ``damage(record)`` (a shorter one: a file cut short)."""
+    path, record = slot_of(root, key)
+    path.write_bytes(damage(record))
 
 
 @pytest.mark.parametrize(
@@ -387,7 +389,7 @@ def test_failed_write_is_an_error_and_leaves_no_trace(tmp_path, monkeypatch):
         if slot == 1 and not failed:  # block 2's
             failed.append(slot)
             raise OSError("No space left on device")
-        write_slot(slot, parts)
+        return write_slot(slot, parts)
 
     monkeypatch.setattr(store, "_write_slot", failing)
     with pytest.raises(OSError, match="block 0x0000000000000002 failed: No space left"):
@@ -472,11 +474,10 @@ def test_writer_killed_mid_write_never_serves_a_torn_block(tmp_path):
     import time
 
     spec = BlockSpec((8, 2, 16, 4, 64), np.float32)
-    stride = -(-record_bytes(spec) // 4096) * 4096
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
     try:
         deadline = time.monotonic() + 30
-        while not (tmp_path / SLOTS_FILE).exists() or (tmp_path / SLOTS_FILE).stat().st_size < 20 * stride:
+        while len(chunk_files(tmp_path)) < 20:
             assert writer.poll() is None and time.monotonic() < deadline, "writer did not get going"
             time.sleep(0.02)
     finally:
@@ -517,12 +518,12 @@ def test_a_corrupt_record_from_a_peer_stores_nothing_and_frees_its_slot():
 def test_ssd_slots_are_reused_and_a_removed_block_stays_removed(tmp_path):
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])
-        size = (tmp_path / SLOTS_FILE).stat().st_size
-        assert pool.remove(2)
+        assert len(chunk_files(tmp_path)) == 3
+        assert pool.remove(2) and len(chunk_files(tmp_path)) == 2
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
-        assert sorted(pool.keys()) == [1, 3]  # its slot's head was zeroed: not listed again
-        pool.put(4, block_of(4))  # into the freed slot: the file does not grow
-        assert (tmp_path / SLOTS_FILE).stat().st_size == size
+        assert sorted(pool.keys()) == [1, 3]  # its chunk was deleted: not listed again
+        pool.put(4, block_of(4))  # into the freed slot: no new chunk beyond the three slots
+        assert [p.parent.name for p in chunk_files(tmp_path)] == ["0", "1", "2"]
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         assert sorted(pool.keys()) == [1, 3, 4] and all(same_bits(pool.get(k), block_of(k)) for k in (1, 3, 4))
 
@@ -541,7 +542,7 @@ def test_ssd_writes_in_flight_are_bounded(tmp_path, monkeypatch):
             running[0] += 1
             most[0] = max(most[0], len(store._pending))
         time.sleep(0.005)
-        write_slot(slot, parts)
+        return write_slot(slot, parts)
 
     monkeypatch.setattr(store, "_write_slot", slow)
     keys = list(range(1, 3 * store.max_in_flight))
@@ -562,7 +563,27 @@ def test_copy_with_checksum_copies_and_hashes_like_one_shot(size):
     assert np.array_equal(dst, src) and (high << 64 | low) == xxhash.xxh3_128_intdigest(src.tobytes())
 
 
-def test_blocks_in_the_file_per_block_layout_move_into_slots(tmp_path, caplog):
+def test_blocks_in_the_slot_file_layout_move_into_the_array(tmp_path, caplog):
+    """An SSD directory of the slot-file layout (records at page-aligned offsets of ``records.slots``, the same
+    record format) is migrated on open, once, with one log line; damaged records and free slots are dropped."""
+    from mooncake_jax.transfer.frame import encode
+
+    BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path).close()  # writes spec.json
+    stride = -(-record_bytes(SPEC) // 4096) * 4096
+    bad = bytearray(encode(SPEC, 3, block_of(3)))
+    bad[DATA_OFFSET + 5] ^= 1
+    slots = [encode(SPEC, 1, block_of(1)), bytes(record_bytes(SPEC)), bytes(bad), encode(SPEC, 2, block_of(2))]
+    (tmp_path / LEGACY_SLOTS_FILE).write_bytes(b"".join(r.ljust(stride, b"\0") for r in slots))
+    with caplog.at_level("WARNING"), BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == [1, 2] and same_bits(pool.get(2), block_of(2))
+    assert sum("moved 2 blocks from the slot file" in r.getMessage() and "dropped 1" in r.getMessage()
+               for r in caplog.records) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ARRAY_DIR, "spec.json"]
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == [1, 2] and same_bits(pool.get(1), block_of(1))
+
+
+def test_blocks_in_the_file_per_block_layout_move_into_the_array(tmp_path, caplog):
     """An SSD directory written before slots (one file per record, same format) is migrated on open, once."""
     from mooncake_jax.transfer.frame import encode
 
@@ -575,6 +596,27 @@ def test_blocks_in_the_file_per_block_layout_move_into_slots(tmp_path, caplog):
     with caplog.at_level("WARNING"), BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         assert sorted(pool.keys()) == [1, 0xAB00000000000003] and same_bits(pool.get(1), block_of(1))
     assert sum("moved 2 blocks" in r.getMessage() and "dropped 1" in r.getMessage() for r in caplog.records) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == [SLOTS_FILE, "spec.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ARRAY_DIR, "spec.json"]
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         assert same_bits(pool.get(0xAB00000000000003), block_of(0xAB00000000000003)) and len(pool) == 2
+
+
+def test_dram_tier_is_a_tensorstore_array_over_its_slot_memory():
+    """Records live in TensorStore arrays whose memory is the preallocated slab; a multi-MiB block (copied by
+    TensorStore while the hash runs) round-trips bit-exact, and a get into a staging buffer lands every byte."""
+    import tensorstore as ts
+
+    spec = BlockSpec((4, 2, 64, 4, 256), np.float32)  # 2 MiB
+    blocks = {key: block_of(key, spec) for key in (1, 2, 3)}
+    with BlockPool(spec, dram_blocks=2) as pool:
+        pool.put_many(list(blocks), list(blocks.values()))  # 1 evicted (no SSD tier: dropped)
+        store = pool._tiers[0].store
+        assert all(isinstance(slab, ts.TensorStore) for slab in store._slabs)
+        slot = store._slot_of[3]
+        assert np.array_equal(slot.memory[DATA_OFFSET:], blocks[3].reshape(-1).view(np.uint8))
+        staging = np.zeros((2, *spec.shape), spec.dtype)
+        got = pool.get_many([2, 3], staging)
+        assert same_bits(got[0], blocks[2]) and same_bits(got[1], blocks[3]) and got[1] is not None
+        assert pool.get(1) is None
+        slot.record[:1].write(np.array([0xAB], np.uint8)).result()  # the array's memory is the slot's, not a copy
+        assert slot.memory[0] == 0xAB and pool.get(3) is None and pool.stats()["dram"]["corrupt"] == 1

@@ -21,6 +21,7 @@ from typing import Any
 from ..conductor.hardware import HARDWARE
 from ..engine.scheduler import DEFAULT_MAX_WAITING
 from ..kv_layout import KV_DTYPES, KVLayout
+from ..transfer.messenger import DATA_PLANES
 
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
@@ -106,6 +107,7 @@ class InstanceConfig:
     bucket_factor: int = 4  # prefill chunk lengths grow 4x: fewer programs to compile per instance
     max_waiting: int = DEFAULT_MAX_WAITING  # requests queued for the engine beyond this: RESOURCE_EXHAUSTED
     transfer_workers: int = 4  # threads for pool / SSD / Messenger I/O (never on the engine's thread)
+    data_plane: str = "grpc"  # how block data moves between instances (DATA_PLANES); gRPC carries control either way
     request_timeout_s: float = 120.0
     warmup: bool = True  # compile every step shape of its role before registering
     # where it runs
@@ -132,6 +134,8 @@ class InstanceConfig:
         _positive("pool dram_blocks", self.pool.dram_blocks)
         if self.bucket_factor < 2:
             raise ValueError(f"bucket_factor must be >= 2, got {self.bucket_factor!r}")
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane must be one of {list(DATA_PLANES)}, got {self.data_plane!r}")
         if self.dtype is not None and self.dtype not in KV_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; allowed: {list(KV_DTYPES)}")
         if self.hardware != MEASURED and self.hardware not in HARDWARE:

@@ -126,7 +126,8 @@ class InstanceServer:
             if client is None:
                 client = self._clients[address] = MessengerClient(address, self.pool,
                                                                   timeout_s=self.config.request_timeout_s,
-                                                                  auth_token=self.config.auth_token)
+                                                                  auth_token=self.config.auth_token,
+                                                                  data_plane=self.config.data_plane)
             return client
 
     def start(self) -> "InstanceServer":

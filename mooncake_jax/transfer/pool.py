@@ -286,7 +286,7 @@ class BlockPool:
             self._listeners.append(listener)
 
     def close(self) -> None:
-        """Release the DRAM tier's memory; the SSD tier's slot file stays for the next open. Reads and writes after
+        """Release the DRAM tier's memory; the SSD tier's array stays for the next open. Reads and writes after
         this are a ValueError; lookups answer as for an empty pool."""
         with self._operation():  # finishes writes in flight on the way out
             self._closed = True

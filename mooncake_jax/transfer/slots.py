@@ -1,16 +1,21 @@
-"""The DRAM tier's storage: block records in slots of preallocated host memory, reused as blocks come and go.
+"""The DRAM tier's storage: block records in the slots of TensorStore arrays over preallocated host memory.
 
-A TensorStore memory kvstore (what this tier used before) copies a record on every write and again on every read,
-and a put had to join the record into one ``bytes`` first: three copies and a hash for a put, two copies and a hash
-for a get, about 0.3 of memcpy. Here a put copies the block once, straight from the caller's array into its slot,
-hashing each chunk while it is still in cache (``copy_with_checksum``), and a get copies the data once, straight
-into the caller's staging buffer, verifying the same way; the record layout in a slot is the one on SSD and on the
-wire, so the Messenger sends a slot's bytes as they are.
+The backing store is TensorStore: each slab is a ``[slots, stride]`` uint8 TensorStore array (the ``array``
+driver, ``ts.array(..., copy=False)``) whose memory is a preallocated host buffer, and records are written into
+and read out of it through TensorStore, without intermediate encodes. A put is one TensorStore write straight from the
+caller's array into the slot, started asynchronously while this thread hashes the same bytes (TensorStore copies
+on its own thread: copy and hash run side by side); a get is one TensorStore write from the slot into a
+TensorStore view of the caller's staging buffer while this thread hashes the slot. Copies in flight are waited
+for by ``settle`` (the pool settles before every read and delete and at the end of every call), which costs a
+thread hand-off per block instead of one per copy. The TensorStore memory kvstore this tier used
+first copied a record on every write and again on every read, and a put had to join the record into one ``bytes``
+first (about 0.3 of memcpy). The record layout in a slot is the one on SSD and on the wire, so the Messenger sends
+a slot's bytes as they are (``record`` is a view of the array's memory, copied by the pool under its lock).
 
-Slots live in slabs (one numpy array of many slots); a slab is allocated when no slot is free and kept for the
-life of the tier, so a warm pool writes into memory whose pages are already mapped (fresh pages cost more than the
-copy). A bounded tier allocates at most its capacity; a slot starts on a page boundary (on a cache line for
-records under 64 KiB, so small blocks do not waste most of a page each).
+Slabs are allocated when no slot is free and kept for the life of the tier, so a warm pool writes into memory
+whose pages are already mapped (fresh pages cost more than the copy). A bounded tier allocates at most its
+capacity; a slot starts on a page boundary (on a cache line for records under 64 KiB, so small blocks do not waste
+most of a page each).
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import tensorstore as ts
+import xxhash
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.transfer.checksum import copy_with_checksum
 from mooncake_jax.transfer.frame import DATA_OFFSET, CorruptBlockError, record_bytes, record_head
 from mooncake_jax.transfer.spec import BlockSpec
 
@@ -28,10 +34,43 @@ PAGE_BYTES = 4096
 CACHE_LINE_BYTES = 64
 SLAB_BYTES = 256 << 20
 """Most bytes allocated at once when the tier grows (one slot if a record is larger)."""
+_LOW = (1 << 64) - 1
+_CONTEXT = ts.Context({"data_copy_concurrency": {"limit": 1}})
+"""TensorStore copies on one thread while the caller's thread hashes: two cores busy, and more copy threads only add
+hand-offs on a 2-core host."""
+
+
+def as_store(buffer: np.ndarray) -> ts.TensorStore:
+    """A writable TensorStore array over ``buffer``'s memory (never a copy)."""
+    return ts.array(buffer, copy=False, write=True, context=_CONTEXT)
+
+
+def start_copy(dst: ts.TensorStore, src: ts.TensorStore | np.ndarray,
+               hashed: np.ndarray) -> tuple[ts.Future, tuple[int, int]]:
+    """Start copying ``src`` into ``dst`` through TensorStore (flat uint8, one length) and hash ``hashed`` (the
+    source's bytes as numpy) on this thread meanwhile: TensorStore copies on its own thread, so the copy and the
+    XXH3-128 hash run side by side on two cores. Returns the copy's future (``src`` must stay untouched and
+    ``dst`` unread until it is done; TensorStore holds a reference to a numpy ``src`` meanwhile) and the
+    checksum."""
+    copy = dst.write(src)
+    digest = xxhash.xxh3_128_intdigest(hashed)
+    return copy, (digest >> 64, digest & _LOW)
+
+
+class _Slot:
+    """One record's place in a slab: its memory as numpy (for hashing and views) and as TensorStore (for I/O)."""
+
+    __slots__ = ("memory", "record", "head", "data")
+
+    def __init__(self, memory: np.ndarray, store: ts.TensorStore) -> None:
+        self.memory = memory
+        self.record = store
+        self.head = store[:DATA_OFFSET]
+        self.data = store[DATA_OFFSET:].translate_to[0]  # indexed from 0, as the caller's array is
 
 
 class SlotStore:
-    """Records of one ``BlockSpec`` in reusable slots of host memory, by key."""
+    """Records of one ``BlockSpec`` in reusable slots of TensorStore arrays over host memory, by key."""
 
     def __init__(self, spec: BlockSpec, capacity_blocks: int | None) -> None:
         self.spec = spec
@@ -40,81 +79,112 @@ class SlotStore:
         self._stride = -(-self.record_bytes // align) * align
         self._capacity = capacity_blocks
         self._allocated = 0
-        self._slabs: list[np.ndarray] = []
-        self._free: list[np.ndarray] = []
-        self._slot_of: dict[BlockKey, np.ndarray] = {}
+        self._slabs: list[ts.TensorStore] = []
+        self._free: list[_Slot] = []
+        self._slot_of: dict[BlockKey, _Slot] = {}
+        self._pending: list[tuple[BlockKey, ts.Future]] = []
 
-    def _take_slot(self) -> np.ndarray:
+    def _take_slot(self) -> _Slot:
         if not self._free:
             count = max(1, SLAB_BYTES // self._stride)
             if self._capacity is not None:
                 count = min(count, self._capacity - self._allocated)
             if count < 1:
                 raise RuntimeError("the DRAM tier has no free slot (the pool evicts before it writes)")
-            slab = np.empty((count, self._stride), np.uint8)
+            memory = np.empty((count, self._stride), np.uint8)
+            slab = as_store(memory)
             self._slabs.append(slab)
             self._allocated += count
-            self._free.extend(slab[i, : self.record_bytes] for i in reversed(range(count)))
+            size = self.record_bytes
+            self._free.extend(_Slot(memory[i, :size], slab[i, :size]) for i in reversed(range(count)))
         return self._free.pop()
 
-    def _slot_for(self, key: BlockKey) -> np.ndarray:
+    def _slot_for(self, key: BlockKey) -> _Slot:
         slot = self._slot_of.get(key)
         if slot is None:
             slot = self._slot_of[key] = self._take_slot()
         return slot
 
     def put_block(self, key: BlockKey, data: np.ndarray) -> None:
-        """Store the block whose bytes are ``data`` (flat uint8): one copy, hashed on the way."""
+        """Start storing the block whose bytes are ``data`` (flat uint8, untouched until ``settle``): one copy,
+        by TensorStore, while this thread hashes the same bytes."""
         slot = self._slot_for(key)
-        digest = copy_with_checksum(slot[DATA_OFFSET:], data)
-        slot[:DATA_OFFSET] = np.frombuffer(record_head(self.spec, key, digest), np.uint8)
+        copy, digest = start_copy(slot.data, data, data)
+        self._pending.append((key, copy))
+        self._pending.append((key, slot.head.write(np.frombuffer(record_head(self.spec, key, digest), np.uint8))))
 
     def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
                     expected: tuple[int, int]) -> None:
-        """Store a record whose data must hash to ``expected``, verified while it is copied in (one pass)."""
+        """Store a record whose data must hash to ``expected``, hashed while it is copied in."""
         slot = self._slot_for(key)
-        if copy_with_checksum(slot[DATA_OFFSET:], data) != expected:
+        copy, digest = start_copy(slot.data, data, data)
+        if digest != expected:
+            copy.result()
             self.delete(key)
             raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
-        slot[:DATA_OFFSET] = np.frombuffer(head, np.uint8)
+        self._pending.append((key, copy))
+        self._pending.append((key, slot.head.write(np.frombuffer(head, np.uint8))))
 
     def put(self, key: BlockKey, parts: Sequence[bytes | bytearray | memoryview | np.ndarray], owned: bool) -> None:
-        """Store a record given as consecutive parts (already checksummed); copied at once, so ``owned`` is moot."""
+        """Store a record given as consecutive parts (already checksummed). ``owned``: the parts stay untouched
+        until ``settle`` (else the copies finish before this returns)."""
+        flats = [part.reshape(-1).view(np.uint8) if isinstance(part, np.ndarray) else np.frombuffer(part, np.uint8)
+                 for part in parts]
+        if sum(flat.size for flat in flats) != self.record_bytes:
+            raise ValueError(f"record of {sum(flat.size for flat in flats)} bytes, expected {self.record_bytes}")
         slot = self._slot_for(key)
         at = 0
-        for part in parts:
-            flat = part.reshape(-1).view(np.uint8) if isinstance(part, np.ndarray) else np.frombuffer(part, np.uint8)
-            slot[at : at + flat.size] = flat
+        for flat in flats:
+            self._pending.append((key, slot.record[at : at + flat.size].translate_to[0].write(flat)))
             at += flat.size
-        if at != self.record_bytes:
-            raise ValueError(f"record of {at} bytes, expected {self.record_bytes}")
+        if not owned:
+            self._finish()
 
     def record(self, key: BlockKey) -> memoryview | None:
-        """The stored record (a view of its slot: valid until the slot is reused, so copy it before releasing the
-        pool's lock)."""
+        """The stored record (a view of the TensorStore array's memory, valid until the slot is reused: the pool
+        copies it before releasing its lock)."""
         slot = self._slot_of.get(key)
-        return None if slot is None else memoryview(slot)
+        return None if slot is None else memoryview(slot.memory)
 
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[memoryview, tuple[int, int]] | None:
-        """Copy the block's data into ``out`` (flat uint8); its record head and the checksum of what was copied."""
+        """Start copying the block's data into ``out`` (flat uint8, not to be read before ``settle``) through
+        TensorStore; its record head and the checksum of the slot's data, hashed while it is copied."""
         slot = self._slot_of.get(key)
         if slot is None:
             return None
-        digest = copy_with_checksum(out, slot[DATA_OFFSET:])
-        return memoryview(slot[:DATA_OFFSET]), digest
+        copy, digest = start_copy(as_store(out), slot.data, slot.memory[DATA_OFFSET:])
+        self._pending.append((key, copy))
+        return memoryview(slot.memory[:DATA_OFFSET]), digest
 
     def prefetch(self, keys: Sequence[BlockKey]) -> None:
         """Nothing to do: the records are in memory."""
 
     def delete(self, key: BlockKey) -> None:
+        if self._pending:
+            self._finish()
         slot = self._slot_of.pop(key, None)
         if slot is not None:
             self._free.append(slot)
 
+    def _finish(self) -> list[tuple[BlockKey, Exception]]:
+        failed = []
+        for key, copy in self._pending:
+            try:
+                copy.result()
+            except Exception as err:  # not seen: a copy between arrays of one shape does not fail
+                failed.append((key, err))
+        self._pending.clear()
+        for key, _ in failed:
+            self.delete(key)
+        return failed
+
     def settle(self) -> list[tuple[BlockKey, Exception]]:
-        return []  # every write is done when it returns
+        """Wait for the copies in flight (every read, delete and the end of every pool call settles first)."""
+        return self._finish() if self._pending else []
 
     def close(self) -> None:
+        self._finish()
         self._slot_of.clear()
         self._free.clear()
         self._slabs.clear()
+

@@ -2,8 +2,8 @@
 
 The index (a set of keys, kept exact by this class) answers ``contains`` and prefix lookups without I/O; the store
 holds the records. DRAM is a ``SlotStore`` (records in reusable slots of preallocated host memory, ``slots.py``);
-SSD is a ``FileStore`` (records in page-aligned slots of one file, written behind the caller, ``files.py``),
-rescanned on open so it survives a restart. A tier never evicts by itself: the pool decides, because eviction from
+SSD is a ``FileStore`` (records in the one-slot chunks of a zarr3 TensorStore array on disk, written behind
+the caller, ``files.py``), rescanned on open so it survives a restart. A tier never evicts by itself: the pool decides, because eviction from
 DRAM means demotion to SSD.
 """
 
@@ -143,7 +143,7 @@ class Tier:
 
 
 def memory_tier(spec: BlockSpec, capacity_blocks: int | None, policy: EvictionPolicy) -> Tier:
-    """The DRAM tier: records in slots of host memory."""
+    """The DRAM tier: records in slots of TensorStore arrays over host memory."""
     return Tier("dram", SlotStore(spec, capacity_blocks), capacity_blocks, policy)
 
 
