@@ -130,6 +130,7 @@ def pallas_llm():
     return mj.LLM("tiny", attention="pallas", prefill_chunk_size=32)
 
 
+@pytest.mark.slow  # the kernels are checked against the reference above; this runs them through a whole model
 def test_pallas_model_generates_the_reference_greedy_tokens(pallas_llm):
     assert pallas_llm.config.attention == "pallas"
     ref = reference_for(pallas_llm.model)

@@ -22,7 +22,10 @@ def single():
     return llm.score(PROMPT), llm.generate([PROMPT, SHORT], max_new_tokens=6)
 
 
-@pytest.mark.parametrize("tensor, stages", [(2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (4, 2)])
+@pytest.mark.parametrize("tensor, stages", [
+    (2, 1), (1, 2), (4, 2),  # tensor, stages and both in the default suite; wider meshes of each with -m slow
+    pytest.param(4, 1, marks=pytest.mark.slow), pytest.param(8, 1, marks=pytest.mark.slow),
+    pytest.param(1, 4, marks=pytest.mark.slow)])
 def test_sharded_engine_equals_single_device(single, tensor, stages):
     logits, greedy = single
     llm = mj.LLM("tiny", tensor_parallel=tensor, pipeline_stages=stages, prefill_chunk_size=CHUNK)
