@@ -21,6 +21,19 @@ DECODE_GRID = ((1, 64), (4, 64), (8, 256), (16, 128), (16, 512))
 LOOPBACK_BYTES_PER_S = 0.5e9  # gRPC on loopback moves about this much KV per second on a 2-core machine
 
 
+def decode_grid(limit: int, max_batch: int) -> list[tuple[int, int]]:
+    """(batch, context tokens) points of DECODE_GRID that fit ``limit`` tokens of KV and ``max_batch``; where fewer
+    than the fit's three do (a short context window, a small KV budget), points scaled to the limit instead: a
+    model with 1,024 positions must calibrate as well as one with 32K."""
+    fits = [(b, c) for b, c in DECODE_GRID if b <= max_batch and b * (c + 8) <= limit]
+    if len(fits) >= 3:
+        return fits
+    wide = min(4, max_batch)
+    points = {(1, limit // 2 - 8), (1, limit // 8 - 8), (wide, limit // (2 * wide) - 8), (wide, limit // (8 * wide) - 8),
+              (1, limit // 4 - 8)}
+    return sorted((b, c) for b, c in points if c >= 1)
+
+
 def calibrate(engine: Engine, name: str, model: str, kv_capacity_tokens: int, repeats: int = 2) -> str:
     """Measure ``engine`` on the grid (fastest of ``repeats`` after a compiling run) and return profile JSON."""
     cfg = engine.cfg
@@ -33,10 +46,9 @@ def calibrate(engine: Engine, name: str, model: str, kv_capacity_tokens: int, re
             seconds = min(prefill_seconds(engine, prompt, prefix) for _ in range(repeats + 1))
             prefill_points.append((n, prefix, seconds))
     decode_points = []
-    for batch, context in DECODE_GRID:
-        if batch <= engine.max_batch and batch * (context + 8) <= limit:
-            seconds = decode_step_seconds(engine, rng, batch, context, steps=3, repeats=repeats)
-            decode_points.append((batch, batch * context, seconds))
+    for batch, context in decode_grid(limit, engine.max_batch):
+        seconds = decode_step_seconds(engine, rng, batch, context, steps=3, repeats=repeats)
+        decode_points.append((batch, batch * context, seconds))
     profile = build_profile(name, model, prefill_points, decode_points,
                             kv_bytes_per_token=cfg.kv_bytes_per_token(), nic_bytes_per_s=LOOPBACK_BYTES_PER_S,
                             kv_capacity_tokens=kv_capacity_tokens, layers=cfg.n_layers, d_model=cfg.d_model)

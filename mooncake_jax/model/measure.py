@@ -40,11 +40,12 @@ def prefill_seconds(engine: Engine, prompt: list[int], prefix_tokens: int = 0) -
 def decode_step_seconds(engine: Engine, rng: np.random.Generator, batch: int, context_tokens: int,
                         steps: int = 4, repeats: int = 1) -> float:
     """Seconds per decode step for ``batch`` sequences of ``context_tokens`` each (fastest of ``repeats``
-    rounds of ``steps`` steps, after one compiling step)."""
+    rounds of ``steps`` steps, after one compiling step). EOS is ignored: a model that samples it must still be
+    timed for every step."""
     seqs = []
     for _ in range(batch):
         seq = engine.new_sequence(rng.integers(0, engine.cfg.vocab_size, context_tokens).tolist(),
-                                  SamplingParams(max_new_tokens=steps * repeats + 2))
+                                  SamplingParams(max_new_tokens=steps * repeats + 2, ignore_eos=True))
         engine.admit(seq, cached_pages=[])
         engine.prefill(seq)
         seqs.append(seq)
