@@ -113,6 +113,11 @@ class InstanceConfig:
     instance_id: str = ""
     host: str = "127.0.0.1"
     port: int = 0
+    # an instance over several processes (jax.distributed): process 0 serves, the others follow (distributed.py)
+    coordinator: str = ""  # HOST:PORT of the instance's JAX coordinator (process 0 listens there)
+    num_processes: int = 1
+    process_id: int = 0
+    coordinator_timeout_s: float = 120.0  # the group must form within this, or every process exits with an error
     # this process only
     profile_json: str | None = dataclasses.field(default=None, repr=False, metadata=_LOCAL)
     auth_token: str | None = dataclasses.field(default=None, repr=False, metadata=_LOCAL)
@@ -141,8 +146,29 @@ class InstanceConfig:
             raise ValueError(f"{self.role} instance: devices {format_devices(self.devices)} are "
                              f"{len(self.devices)} device(s), its shape tensor={self.tensor_parallel},"
                              f"stage={self.pipeline_stages} needs {self.device_count}")
+        self._check_processes()
         if not self.instance_id:
             object.__setattr__(self, "instance_id", f"{self.role}-{uuid.uuid4().hex[:8]}")
+
+    def _check_processes(self) -> None:
+        _positive("num_processes", self.num_processes)
+        n, i = self.num_processes, self.process_id
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+            raise ValueError(f"process_id {i!r} is out of range for num_processes={n}; allowed: 0 to {n - 1}")
+        if isinstance(self.coordinator_timeout_s, bool) or not isinstance(self.coordinator_timeout_s, (int, float)) \
+                or not self.coordinator_timeout_s > 0:
+            raise ValueError(f"coordinator_timeout_s must be a positive number, got {self.coordinator_timeout_s!r}")
+        if n == 1:
+            return
+        host, sep, port = self.coordinator.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"an instance of {n} processes needs coordinator HOST:PORT, got {self.coordinator!r}")
+        if self.devices is not None:
+            raise ValueError(f"an instance of {n} processes uses every local device of each process; "
+                             f"devices {format_devices(self.devices)} cannot be given")
+        if self.device_count % n:
+            raise ValueError(f"shape {self.shape} ({self.device_count} devices) cannot be split evenly over "
+                             f"{n} processes")
 
     # ---- derived ----------------------------------------------------------------------------------------------
     @property

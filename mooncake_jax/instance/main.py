@@ -31,10 +31,11 @@ FLAGS = {  # flag -> InstanceConfig field (defaults: the config's own; ``--confi
     "--host": "host", "--port": "port", "--seed": "seed", "--dtype": "dtype", "--block-size": "block_size",
     "--tensor-parallel": "tensor_parallel", "--pipeline-stages": "pipeline_stages", "--devices": "devices",
     "--prefill-chunk-size": "prefill_chunk_size", "--max-batch": "max_batch", "--num-pages": "num_pages",
-    "--hardware": "hardware",
+    "--hardware": "hardware", "--coordinator": "coordinator", "--num-processes": "num_processes",
+    "--process-id": "process_id",
 }
 _INT_FIELDS = {"port", "seed", "block_size", "tensor_parallel", "pipeline_stages", "prefill_chunk_size", "max_batch",
-               "num_pages"}
+               "num_pages", "num_processes", "process_id"}
 
 
 def parse_args(argv=None) -> InstanceConfig:
@@ -101,6 +102,13 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     config = parse_args(argv)
+    if config.num_processes > 1:  # one instance over several processes: join them before JAX starts
+        from .distributed import join_group, run_follower
+
+        reserve_cpu_devices(config.device_count // config.num_processes)
+        join_group(config.coordinator, config.num_processes, config.process_id, config.coordinator_timeout_s)
+        if config.process_id != 0:
+            return run_follower(config)
     if config.devices:  # on the CPU platform, have the device ids this instance owns (before JAX starts)
         reserve_cpu_devices(max(config.devices) + 1)
     server = InstanceServer(config).start()
@@ -118,6 +126,10 @@ def main(argv=None) -> int:
                       "profile_json": server.profile_json}), flush=True)
     stop.wait()
     server.stop()
+    if config.num_processes > 1:
+        from .distributed import stop_followers
+
+        stop_followers(server.engine.runner.channel)
     return 0
 
 
