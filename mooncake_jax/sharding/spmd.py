@@ -167,10 +167,10 @@ def _stage_loop(layers_graphdef, per_stage: int, n_stages: int, n_chunks: int, l
     module = nnx.merge(layers_graphdef, jax.tree.map(lambda a: a[0], layers))
     k, v = kv[0][0], kv[1][0]
     scratch = jnp.full(slots.shape[1:], SCRATCH_PAGE * k.shape[2], slots.dtype)
-    state = jnp.zeros(x.shape[1:], x.dtype)
-    outputs = jnp.zeros_like(x)
     shift = [(i, (i + 1) % n_stages) for i in range(n_stages)]
-    for t in range(n_chunks + n_stages - 1):
+
+    def step(t, carry):
+        state, outputs, k, v = carry
         chunk = t - stage
         valid = (chunk >= 0) & (chunk < n_chunks)
         c = jnp.clip(chunk, 0, n_chunks - 1)
@@ -180,6 +180,12 @@ def _stage_loop(layers_graphdef, per_stage: int, n_stages: int, n_chunks: int, l
         outputs = jnp.where(valid, outputs.at[c].set(y), outputs)
         if n_stages > 1:
             state = jax.lax.ppermute(y, STAGE, shift)
+        return state, outputs, k, v
+
+    # One loop body whatever the chunk count: compile time does not grow with the prompt's length.
+    varying = lambda a: jax.lax.pcast(a, (STAGE,), to="varying")  # noqa: E731  (per-stage values in the carry)
+    carry = (varying(jnp.zeros(x.shape[1:], x.dtype)), varying(jnp.zeros_like(x)), k, v)
+    _, outputs, k, v = jax.lax.fori_loop(0, n_chunks + n_stages - 1, step, carry)
     return outputs[None], (k[None], v[None])
 
 
