@@ -40,7 +40,7 @@ from ..model.config import ModelConfig
 from ..model.kv_cache import kv_shape
 from ..model.llama import Llama, Stage, _slice_layers, stacked_layers
 from ..model.sampling import sample_out
-from .mesh import MESH_AXES, STAGE, TENSOR, MeshSpec
+from .mesh import MESH_AXES, STAGE, MeshSpec
 from .rules import KV_PAGE_AXES, spec_for
 
 
