@@ -41,10 +41,13 @@ def start(cfg: InstanceConfig, prompts, out: Path, new_tokens: int) -> subproces
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def run_group(tmp_path, stage, tensor, prompts, new_tokens, timeout=240):
+def run_group(tmp_path, stage, tensor, prompts, new_tokens, meanwhile=lambda: None, timeout=240):
+    """Run the 2-process instance on ``prompts``; ``meanwhile()`` runs here while the processes do. Returns (the
+    processes' results, what ``meanwhile`` returned)."""
     port, out = free_port(), tmp_path / "out.npz"
     procs = [start(config(i, port, stage, tensor), prompts, out, new_tokens) for i in range(2)]
     try:
+        expected = meanwhile()
         results = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:  # nothing left behind, whatever happened
@@ -53,34 +56,41 @@ def run_group(tmp_path, stage, tensor, prompts, new_tokens, timeout=240):
                 p.wait()
     for p, (_, err) in zip(procs, results):
         assert p.returncode == 0, err[-3000:]
-    return dict(np.load(out))
+    return dict(np.load(out)), expected
 
 
-def check_equal_to_one_process(got, prompts, new_tokens, global_devices, local_devices):
-    assert int(got["global_devices"]) == global_devices and int(got["local_devices"]) == local_devices
+def one_process(prompts, new_tokens, with_llm=True):
+    """The float64 reference's logits and greedy tokens of ``prompts`` (and ``mj.LLM``'s greedy tokens)."""
     llm = mj.LLM("tiny", prefill_chunk_size=CHUNK)
     ref = reference_for(llm.model)
-    expected_tokens = llm.generate(prompts, max_new_tokens=new_tokens)
-    for i, prompt in enumerate(prompts):
-        expected = ref(prompt)
-        assert np.max(np.abs(got[f"logits{i}"] - expected)) / np.max(np.abs(expected)) <= 1e-4
-        assert got[f"tokens{i}"].tolist() == expected_tokens[i] == reference_greedy(ref, prompt, new_tokens)
+    return ([ref(p) for p in prompts], [reference_greedy(ref, p, new_tokens) for p in prompts],
+            llm.generate(prompts, max_new_tokens=new_tokens) if with_llm else None)
+
+
+def check_equal_to_one_process(got, expected, prompts, global_devices, local_devices):
+    assert int(got["global_devices"]) == global_devices and int(got["local_devices"]) == local_devices
+    logits, greedy, llm_tokens = expected
+    for i in range(len(prompts)):
+        assert np.max(np.abs(got[f"logits{i}"] - logits[i])) / np.max(np.abs(logits[i])) <= 1e-4
+        assert got[f"tokens{i}"].tolist() == greedy[i]
+        if llm_tokens is not None:
+            assert got[f"tokens{i}"].tolist() == llm_tokens[i]
 
 
 def test_two_processes_of_one_device_equal_one_process(tmp_path):
     """The default, smaller variant: stage=2 over 2 processes x 1 CPU device, one 2-chunk prompt whose prefill
-    samples the first token (one program to compile per process)."""
+    samples the first token (one program to compile per process), against the float64 reference."""
     prompts = random_prompts([29], seed=5)
-    got = run_group(tmp_path, 2, 1, prompts, 1)
-    check_equal_to_one_process(got, prompts, 1, 2, 1)
+    got, expected = run_group(tmp_path, 2, 1, prompts, 1, lambda: one_process(prompts, 1, with_llm=False))
+    check_equal_to_one_process(got, expected, prompts, 2, 1)
 
 
 @pytest.mark.slow
 def test_two_processes_of_one_device_decode_equal_one_process(tmp_path):
     """stage=2 over 2 processes x 1 CPU device: a 3-chunk prompt, then greedy decode through both stages."""
     prompts = random_prompts([37], seed=5)
-    got = run_group(tmp_path, 2, 1, prompts, 3)
-    check_equal_to_one_process(got, prompts, 3, 2, 1)
+    got, expected = run_group(tmp_path, 2, 1, prompts, 3, lambda: one_process(prompts, 3))
+    check_equal_to_one_process(got, expected, prompts, 2, 1)
 
 
 @pytest.mark.slow
@@ -88,8 +98,8 @@ def test_two_processes_of_four_devices_equal_one_process(tmp_path):
     """The issue's shape: stage=2, tensor=4 over 2 processes x 4 CPU devices (tensor inside a process, the
     pipeline's ppermute across them), two prompts, batched greedy decode."""
     prompts = random_prompts([37, 6], seed=5)
-    got = run_group(tmp_path, 2, 4, prompts, 4)
-    check_equal_to_one_process(got, prompts, 4, 8, 4)
+    got, expected = run_group(tmp_path, 2, 4, prompts, 4, lambda: one_process(prompts, 4))
+    check_equal_to_one_process(got, expected, prompts, 8, 4)
 
 
 def test_group_that_never_forms_exits_with_a_clear_error(tmp_path):

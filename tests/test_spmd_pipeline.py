@@ -113,9 +113,9 @@ def test_chunks_are_padded_to_one_shape(engine):
         engine.runner._dispatch = original
         engine.release(seq)
     stacked = _stack_chunks(captured["steps"])
-    assert stacked["tokens"].shape == (3, 1, 16)
+    assert stacked["tokens"].shape == (4, 1, 16) and stacked["n_chunks"] == 3  # 3 chunks in 4 slots
     assert np.all(stacked["slots"][2, 0, 13:] == 0) and np.all(stacked["slots"][2, 0, :13] > 0)
-    assert stacked["ctx_len"][:, 0].tolist() == [0, 16, 32]
+    assert stacked["ctx_len"][:, 0].tolist() == [0, 16, 32, 0]
 
 
 @pytest.mark.parametrize("stage, tensor, message", [(3, 1, "does not divide"), (2, 3, "does not divide")])

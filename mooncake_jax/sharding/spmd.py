@@ -154,13 +154,13 @@ class _Ends(nnx.Module):
         return Stage.head(self, x)
 
 
-def _stage_loop(layers_graphdef, per_stage: int, n_stages: int, n_chunks: int, layers, kv, x, positions, table,
-                ctx_len, slots):
+def _stage_loop(layers_graphdef, per_stage: int, n_stages: int, layers, kv, x, positions, table, ctx_len, slots,
+                n_chunks):
     """One stage's part of the circular schedule (inside ``shard_map``, manual over ``stage``).
 
     Local views: ``layers`` [1, L/S, ...], ``kv`` ([1, ...], [1, ...]); chunk inputs are whole: ``x`` [C, B, T, d]
     (embedded tokens; only stage 0 reads them), ``positions`` / ``slots`` [C, B, T], ``table`` [C, B, P], ``ctx_len``
-    [C, B]. Returns the hidden states of every chunk after this stage ([1, C, B, T, d]; meaningful on the last
+    [C, B]; ``n_chunks`` (traced, <= C) of the C chunk slots are real (the rest is padding, never run). Returns the hidden states of every chunk after this stage ([1, C, B, T, d]; meaningful on the last
     stage) and this stage's KV.
     """
     stage = jax.lax.axis_index(STAGE)
@@ -185,13 +185,13 @@ def _stage_loop(layers_graphdef, per_stage: int, n_stages: int, n_chunks: int, l
     # One loop body whatever the chunk count: compile time does not grow with the prompt's length.
     varying = lambda a: jax.lax.pcast(a, (STAGE,), to="varying")  # noqa: E731  (per-stage values in the carry)
     carry = (varying(jnp.zeros(x.shape[1:], x.dtype)), varying(jnp.zeros_like(x)), k, v)
-    _, outputs, k, v = jax.lax.fori_loop(0, n_chunks + n_stages - 1, step, carry)
+    _, outputs, k, v = jax.lax.fori_loop(0, n_chunks + n_stages - 1, step, carry)  # C + S - 1 steps
     return outputs[None], (k[None], v[None])
 
 
-@partial(jax.jit, static_argnames=("programs", "n_chunks", "every_position", "mode"), donate_argnames=("kv",))
+@partial(jax.jit, static_argnames=("programs", "every_position", "mode"), donate_argnames=("kv",))
 def spmd_forward(programs: "SpmdPrograms", layers, ends, kv, tokens, positions, table, ctx_len, slots, logits_index,
-                 sampling, *, n_chunks: int, every_position: bool, mode: str):
+                 sampling, n_chunks, *, every_position: bool, mode: str):
     """The whole prefill (or one decode step) of C chunks: (sampled tokens of the last chunk or None, logits, kv).
 
     Logits: [C, B, V] at ``logits_index`` [C, B], or [C, B, T, V] with ``every_position``.
@@ -199,17 +199,17 @@ def spmd_forward(programs: "SpmdPrograms", layers, ends, kv, tokens, positions, 
     mesh = programs.mesh
     ends_module = nnx.merge(programs.ends_graphdef, ends)
     x = ends_module.embed(tokens)  # [C, B, T, d] on the whole mesh
-    loop = partial(_stage_loop, programs.layers_graphdef, programs.per_stage, programs.n_stages, n_chunks)
+    loop = partial(_stage_loop, programs.layers_graphdef, programs.per_stage, programs.n_stages)
     staged = jax.shard_map(loop, mesh=mesh, axis_names={STAGE},
-                           in_specs=(P(STAGE), P(STAGE), P(), P(), P(), P(), P()),
+                           in_specs=(P(STAGE), P(STAGE), P(), P(), P(), P(), P(), P()),
                            out_specs=(P(STAGE), P(STAGE)))
-    hidden, kv = staged(layers, kv, x, positions, table, ctx_len, slots)
+    hidden, kv = staged(layers, kv, x, positions, table, ctx_len, slots, n_chunks)
     hidden = hidden[-1]  # the last stage's outputs [C, B, T, d]
     if not every_position:
         hidden = jnp.take_along_axis(hidden, logits_index[:, :, None, None], axis=2)[:, :, 0]
     logits = ends_module.head(hidden)
     logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
-    sampled = None if every_position else sample_out(logits[-1], sampling, mode)
+    sampled = None if every_position else sample_out(logits[n_chunks - 1], sampling, mode)
     if sampled is not None:
         sampled = jax.lax.with_sharding_constraint(sampled, NamedSharding(mesh, P()))
     return sampled, logits, kv
@@ -243,13 +243,20 @@ def spmd_write_blocks(kv, pages, blocks, *, per_stage: int):
     return k, v
 
 
+def chunk_slots(n_chunks: int) -> int:
+    """Chunk slots of the program that runs ``n_chunks`` chunks: the next power of two, so prompts of any length
+    share a few compiled programs (the loop runs only the real chunks; the padding slots cost memory only)."""
+    return 1 << (n_chunks - 1).bit_length()
+
+
 def _stack_chunks(steps) -> dict:
-    """The steps' inputs stacked on a leading chunk axis, padded to the widest chunk and context table: padded
-    tokens write to the scratch page, padded table entries point at it (masked by ``ctx_len`` anyway)."""
+    """The steps' inputs stacked on a leading chunk axis of ``chunk_slots`` slots, padded to the widest chunk and
+    context table: padded tokens write to the scratch page, padded table entries point at it (masked by
+    ``ctx_len`` anyway); padding chunk slots are never run."""
     n_rows = steps[0].tokens.shape[0]
     width = max(s.tokens.shape[1] for s in steps)
     pages = max(s.batch.page_table.shape[1] for s in steps)
-    c = len(steps)
+    c = chunk_slots(len(steps))
     tokens = np.zeros((c, n_rows, width), np.int32)
     positions = np.zeros((c, n_rows, width), np.int32)
     slots = np.full((c, n_rows, width), SCRATCH_PAGE, np.int32)
@@ -266,7 +273,8 @@ def _stack_chunks(steps) -> dict:
         ctx_len[i] = s.batch.ctx_len
         if s.logits_index is not None:
             index[i] = s.logits_index
-    return dict(tokens=tokens, positions=positions, table=table, ctx_len=ctx_len, slots=slots, logits_index=index)
+    return dict(tokens=tokens, positions=positions, table=table, ctx_len=ctx_len, slots=slots, logits_index=index,
+                n_chunks=np.int32(len(steps)))
 
 
 class SpmdRunner:
@@ -325,7 +333,7 @@ class SpmdRunner:
         sampling = progs.replicated(last.sampling)
         sampled, logits, self._kv = spmd_forward(
             progs, progs.layers, progs.ends, self._kv, stacked["tokens"], stacked["positions"], stacked["table"],
-            stacked["ctx_len"], stacked["slots"], stacked["logits_index"], sampling, n_chunks=len(steps),
+            stacked["ctx_len"], stacked["slots"], stacked["logits_index"], sampling, stacked["n_chunks"],
             every_position=every_position, mode=last.mode)
         logits = np.asarray(logits)
         sampled = None if sampled is None else jax.tree.map(np.asarray, sampled)
