@@ -148,3 +148,12 @@ def test_instance_command_refuses_a_process_id_out_of_range(capsys):
         parse_args(["--role", "prefill", "--conductor", "127.0.0.1:1", "--coordinator", "127.0.0.1:2",
                     "--num-processes", "2", "--process-id", "5", "--pipeline-stages", "2"])
     assert "process_id 5 is out of range for num_processes=2" in capsys.readouterr().err
+
+
+def test_instance_command_refuses_a_shape_the_model_cannot_split_before_joining(capsys):
+    """stage=3 cannot stack the tiny model's 4 layers into equal stages: refused before waiting for any process."""
+    from mooncake_jax.instance.main import main
+
+    assert main(["--role", "prefill", "--conductor", "127.0.0.1:1", "--coordinator", "127.0.0.1:2",
+                 "--num-processes", "3", "--process-id", "0", "--pipeline-stages", "3"]) == 2
+    assert "stage=3 does not divide tiny's 4 layers; allowed: [1, 2, 4]" in capsys.readouterr().err

@@ -200,6 +200,10 @@ class InstanceConfig:
         if s > cfg.n_layers:
             raise ValueError(f"{self.role} instance: stage={s} is more stages than {cfg.name}'s {cfg.n_layers} "
                              f"layers; allowed: 1 to {cfg.n_layers}")
+        if self.num_processes > 1 and cfg.n_layers % s:  # the SPMD pipeline stacks equal stages
+            raise ValueError(f"{self.role} instance of {self.num_processes} processes: stage={s} does not divide "
+                             f"{cfg.name}'s {cfg.n_layers} layers; allowed: "
+                             f"{[d for d in range(1, cfg.n_layers + 1) if cfg.n_layers % d == 0]}")
 
     def kv_layout(self, cfg) -> KVLayout:
         """The layout of this instance's KV blocks for model ``cfg`` (its own block size and dtype applied)."""

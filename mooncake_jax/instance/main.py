@@ -103,8 +103,14 @@ def main(argv=None) -> int:
                         stream=sys.stderr)
     config = parse_args(argv)
     if config.num_processes > 1:  # one instance over several processes: join them before JAX starts
+        from ..model.config import get_config
         from .distributed import join_group, run_follower
 
+        try:  # refuse a shape the model cannot take before any process waits for the others
+            config.validate_for(get_config(config.model))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         reserve_cpu_devices(config.device_count // config.num_processes)
         join_group(config.coordinator, config.num_processes, config.process_id, config.coordinator_timeout_s)
         if config.process_id != 0:

@@ -69,7 +69,8 @@ def _axes_of(var: nnx.Variable) -> tuple:
 class SpmdLayout:
     """``spec.stage`` stages x ``spec.tensor`` devices as one global mesh; the engine builds an ``SpmdRunner``.
 
-    ``channel``: the instance's ``multiprocess.StepChannel`` when it spans several processes (None: one process).
+    ``channel``: the instance's ``step_channel.StepChannel`` when it spans several processes (None: one process).
+    Layers always run scanned inside a stage (``build_runner`` ignores ``scan``): one layer body per program.
     """
 
     def __init__(self, cfg: ModelConfig, spec: MeshSpec, devices=None, channel=None):
@@ -99,7 +100,7 @@ class SpmdPrograms:
         self.n_stages = mesh.shape[STAGE]
         self.per_stage = cfg.n_layers // self.n_stages
         self.layers_graphdef = nnx.split(_slice_layers(model.layers, 0, self.per_stage))[0]
-        # The embedding and head: a one-layer Stage over the whole model gives embed/head without its layers.
+        # The parts outside the layer stack (embedding, final norm, LM head), on the whole mesh.
         self.ends_graphdef, ends_state = nnx.split(_Ends(model))
         self.ends = self._place_ends(ends_state)
         self.layers = self._place_layers(nnx.state(model.layers))
