@@ -6,6 +6,10 @@ its children), field by field as flags, or both (flags win). Its SLOs come from 
 When ready it prints one JSON line on stdout (``{"ready": true, "instance_id", "address", "profile_json"}``) and
 serves until SIGTERM/SIGINT, or until its standard input closes: the parent that started it holds the other end,
 so an instance never outlives the cluster that started it (no orphans, even if the parent is killed).
+
+An instance over several processes (hosts): start one process per ``--process-id 0..N-1``, each with the same
+flags and ``--coordinator HOST:PORT --num-processes N`` (``distributed.py``). Process 0 serves and prints the ready
+line; the others follow it and exit when it stops.
 """
 
 from __future__ import annotations
