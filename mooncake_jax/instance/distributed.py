@@ -10,7 +10,8 @@ Every process of the instance runs ``instance.main`` with the same configuration
 2. Every process builds the same model and engine over the one global (stage, tensor) mesh
    (``sharding.spmd.SpmdLayout``). Process 0 is the control plane: gRPC server, scheduler, Conductor link. The
    others run ``follow``: they execute each device operation process 0 sends through the ``StepChannel``, until
-   process 0 sends ``STOP`` (when it stops) or dies (then JAX's heartbeat ends them too).
+   process 0 sends ``STOP`` (when it stops, or fails to start) or dies (then JAX's heartbeat ends them too, within
+   ``HEARTBEAT_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ log = logging.getLogger(__name__)
 
 GROUP_FAILED_EXIT = 3
 """Exit status of a process whose group did not form in time."""
+
+HEARTBEAT_TIMEOUT_S = 30
+"""A process of the group that stops answering JAX's heartbeat for this long (it died) ends the others: followers
+never wait long for a process 0 that is gone (JAX's default is 100 s)."""
 
 
 def join_group(coordinator: str, num_processes: int, process_id: int, timeout_s: float) -> None:
@@ -55,7 +60,8 @@ def join_group(coordinator: str, num_processes: int, process_id: int, timeout_s:
     try:
         # JAX's own limit (an abort) stays beyond ours, so the watchdog always speaks first.
         jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
-                                   initialization_timeout=int(timeout_s) + 60)
+                                   initialization_timeout=int(timeout_s) + 60,
+                                   heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
         jax.devices()  # the global device list: every process has joined once this returns
     finally:
         watchdog.cancel()

@@ -121,7 +121,15 @@ def main(argv=None) -> int:
             return run_follower(config)
     if config.devices:  # on the CPU platform, have the device ids this instance owns (before JAX starts)
         reserve_cpu_devices(max(config.devices) + 1)
-    server = InstanceServer(config).start()
+    server = InstanceServer(config)
+    try:
+        server.start()
+    except BaseException:
+        if config.num_processes > 1:  # the followers would wait for process 0's operations until JAX's heartbeat
+            from .distributed import stop_followers
+
+            stop_followers(server.engine.runner.channel)
+        raise
     settle_serving_process()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
