@@ -60,11 +60,16 @@ def run_group(tmp_path, stage, tensor, prompts, new_tokens, meanwhile=lambda: No
 
 
 def one_process(prompts, new_tokens, with_llm=True):
-    """The float64 reference's logits and greedy tokens of ``prompts`` (and ``mj.LLM``'s greedy tokens)."""
-    llm = mj.LLM("tiny", prefill_chunk_size=CHUNK)
-    ref = reference_for(llm.model)
-    return ([ref(p) for p in prompts], [reference_greedy(ref, p, new_tokens) for p in prompts],
-            llm.generate(prompts, max_new_tokens=new_tokens) if with_llm else None)
+    """The float64 reference's logits and greedy tokens of ``prompts`` over the weights every process builds (the
+    tiny preset, seed 0), and with ``with_llm`` ``mj.LLM``'s greedy tokens on this one process."""
+    from mooncake_jax.model.config import get_config
+    from mooncake_jax.model.llama import init_model
+
+    ref = reference_for(init_model(get_config("tiny"), 0))
+    llm_tokens = None
+    if with_llm:
+        llm_tokens = mj.LLM("tiny", prefill_chunk_size=CHUNK).generate(prompts, max_new_tokens=new_tokens)
+    return [ref(p) for p in prompts], [reference_greedy(ref, p, new_tokens) for p in prompts], llm_tokens
 
 
 def check_equal_to_one_process(got, expected, prompts, global_devices, local_devices):
@@ -127,6 +132,8 @@ def test_group_that_never_forms_exits_with_a_clear_error(tmp_path):
     (dict(tensor_parallel=3, pipeline_stages=1), "cannot be split evenly over 2 processes"),
     (dict(num_processes=0, process_id=0), "num_processes must be a positive integer"),
     (dict(coordinator_timeout_s=0), "coordinator_timeout_s must be a positive number"),
+    (dict(layerwise=True), "layer-wise prefill .* is not available"),
+    (dict(devices="0-1"), "devices 0-1 cannot be given"),
 ])
 def test_bad_process_group_configs(changes, message):
     fields = config(0, 1234, 2, 1).to_dict() | changes

@@ -166,6 +166,9 @@ class InstanceConfig:
         if self.devices is not None:
             raise ValueError(f"an instance of {n} processes uses every local device of each process; "
                              f"devices {format_devices(self.devices)} cannot be given")
+        if self.layerwise:
+            raise ValueError(f"an instance of {n} processes runs each prefill as one SPMD program: layer-wise "
+                             f"prefill (hooks between layers) is not available; leave layerwise off")
         if self.device_count % n:
             raise ValueError(f"shape {self.shape} ({self.device_count} devices) cannot be split evenly over "
                              f"{n} processes")
