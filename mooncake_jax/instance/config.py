@@ -115,6 +115,11 @@ class InstanceConfig:
     instance_id: str = ""
     host: str = "127.0.0.1"
     port: int = 0
+    # an instance over several processes (jax.distributed): process 0 serves, the others follow (distributed.py)
+    coordinator: str = ""  # HOST:PORT of the instance's JAX coordinator (process 0 listens there)
+    num_processes: int = 1
+    process_id: int = 0
+    coordinator_timeout_s: float = 120.0  # the group must form within this, or every process exits with an error
     # this process only
     profile_json: str | None = dataclasses.field(default=None, repr=False, metadata=_LOCAL)
     auth_token: str | None = dataclasses.field(default=None, repr=False, metadata=_LOCAL)
@@ -145,8 +150,32 @@ class InstanceConfig:
             raise ValueError(f"{self.role} instance: devices {format_devices(self.devices)} are "
                              f"{len(self.devices)} device(s), its shape tensor={self.tensor_parallel},"
                              f"stage={self.pipeline_stages} needs {self.device_count}")
+        self._check_processes()
         if not self.instance_id:
             object.__setattr__(self, "instance_id", f"{self.role}-{uuid.uuid4().hex[:8]}")
+
+    def _check_processes(self) -> None:
+        _positive("num_processes", self.num_processes)
+        n, i = self.num_processes, self.process_id
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+            raise ValueError(f"process_id {i!r} is out of range for num_processes={n}; allowed: 0 to {n - 1}")
+        if isinstance(self.coordinator_timeout_s, bool) or not isinstance(self.coordinator_timeout_s, (int, float)) \
+                or not self.coordinator_timeout_s > 0:
+            raise ValueError(f"coordinator_timeout_s must be a positive number, got {self.coordinator_timeout_s!r}")
+        if n == 1:
+            return
+        host, sep, port = self.coordinator.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"an instance of {n} processes needs coordinator HOST:PORT, got {self.coordinator!r}")
+        if self.devices is not None:
+            raise ValueError(f"an instance of {n} processes uses every local device of each process; "
+                             f"devices {format_devices(self.devices)} cannot be given")
+        if self.layerwise:
+            raise ValueError(f"an instance of {n} processes runs each prefill as one SPMD program: layer-wise "
+                             f"prefill (hooks between layers) is not available; leave layerwise off")
+        if self.device_count % n:
+            raise ValueError(f"shape {self.shape} ({self.device_count} devices) cannot be split evenly over "
+                             f"{n} processes")
 
     # ---- derived ----------------------------------------------------------------------------------------------
     @property
@@ -178,6 +207,10 @@ class InstanceConfig:
         if s > cfg.n_layers:
             raise ValueError(f"{self.role} instance: stage={s} is more stages than {cfg.name}'s {cfg.n_layers} "
                              f"layers; allowed: 1 to {cfg.n_layers}")
+        if self.num_processes > 1 and cfg.n_layers % s:  # the SPMD pipeline stacks equal stages
+            raise ValueError(f"{self.role} instance of {self.num_processes} processes: stage={s} does not divide "
+                             f"{cfg.name}'s {cfg.n_layers} layers; allowed: "
+                             f"{[d for d in range(1, cfg.n_layers + 1) if cfg.n_layers % d == 0]}")
 
     def kv_layout(self, cfg) -> KVLayout:
         """The layout of this instance's KV blocks for model ``cfg`` (its own block size and dtype applied)."""

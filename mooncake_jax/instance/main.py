@@ -6,6 +6,10 @@ its children), field by field as flags, or both (flags win). Its SLOs come from 
 When ready it prints one JSON line on stdout (``{"ready": true, "instance_id", "address", "profile_json"}``) and
 serves until SIGTERM/SIGINT, or until its standard input closes: the parent that started it holds the other end,
 so an instance never outlives the cluster that started it (no orphans, even if the parent is killed).
+
+An instance over several processes (hosts): start one process per ``--process-id 0..N-1``, each with the same
+flags and ``--coordinator HOST:PORT --num-processes N`` (``distributed.py``). Process 0 serves and prints the ready
+line; the others follow it and exit when it stops.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ FLAGS = {  # flag -> InstanceConfig field (defaults: the config's own; ``--confi
     "--host": "host", "--port": "port", "--seed": "seed", "--dtype": "dtype", "--block-size": "block_size",
     "--tensor-parallel": "tensor_parallel", "--pipeline-stages": "pipeline_stages", "--devices": "devices",
     "--prefill-chunk-size": "prefill_chunk_size", "--max-batch": "max_batch", "--num-pages": "num_pages",
-    "--hardware": "hardware",
+    "--hardware": "hardware", "--coordinator": "coordinator", "--num-processes": "num_processes",
+    "--process-id": "process_id",
 }
 _INT_FIELDS = {"port", "seed", "block_size", "tensor_parallel", "pipeline_stages", "prefill_chunk_size", "max_batch",
-               "num_pages"}
+               "num_pages", "num_processes", "process_id"}
 
 
 def parse_args(argv=None) -> InstanceConfig:
@@ -101,9 +106,30 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     config = parse_args(argv)
+    if config.num_processes > 1:  # one instance over several processes: join them before JAX starts
+        from ..model.config import get_config
+        from .distributed import join_group, run_follower
+
+        try:  # refuse a shape the model cannot take before any process waits for the others
+            config.validate_for(get_config(config.model))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        reserve_cpu_devices(config.device_count // config.num_processes)
+        join_group(config.coordinator, config.num_processes, config.process_id, config.coordinator_timeout_s)
+        if config.process_id != 0:
+            return run_follower(config)
     if config.devices:  # on the CPU platform, have the device ids this instance owns (before JAX starts)
         reserve_cpu_devices(max(config.devices) + 1)
-    server = InstanceServer(config).start()
+    server = InstanceServer(config)
+    try:
+        server.start()
+    except BaseException:
+        if config.num_processes > 1:  # the followers would wait for process 0's operations until JAX's heartbeat
+            from .distributed import stop_followers
+
+            stop_followers(server.engine.runner.channel)
+        raise
     settle_serving_process()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -118,6 +144,10 @@ def main(argv=None) -> int:
                       "profile_json": server.profile_json}), flush=True)
     stop.wait()
     server.stop()
+    if config.num_processes > 1:
+        from .distributed import stop_followers
+
+        stop_followers(server.engine.runner.channel)
     return 0
 
 

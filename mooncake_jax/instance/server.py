@@ -29,6 +29,8 @@ from ..transfer import BlockPool, BlockSpec
 from ..transfer.messenger import MessengerClient
 from ..transfer.messenger_server import add_messenger
 from ..sharding.layout import MeshLayout
+from ..sharding.spmd import SpmdLayout
+from ..sharding.step_channel import StepChannel
 from ..sharding.mesh import MeshSpec
 from .calibrate import calibrate
 from .config import InstanceConfig
@@ -42,6 +44,19 @@ log = logging.getLogger(__name__)
 INSTANCE_SERVICE, MESSENGER_SERVICE = "mooncake.v1.Instance", "mooncake.v1.Messenger"
 MESSENGER_CALLS = 32
 """Concurrent block transfers a peer may run against one instance (pushes from prefill instances, fetches)."""
+
+
+def build_engine(config: InstanceConfig, model: Llama) -> Engine:
+    """The instance's engine: over its local devices, or (``num_processes`` > 1) over the global mesh of all its
+    processes as one SPMD program, which process 0 drives and the others follow (``distributed.py``)."""
+    spec = MeshSpec(stage=config.pipeline_stages, tensor=config.tensor_parallel)
+    if config.num_processes > 1:
+        layout = SpmdLayout(model.cfg, spec, channel=StepChannel())
+    else:
+        devices = instance_devices(config)
+        layout = MeshLayout(model.cfg, spec, devices) if spec.devices > 1 or devices is not None else None
+    return Engine(model, num_pages=config.num_pages, max_batch=config.max_batch,
+                  prefill_chunk_size=config.prefill_chunk_size, layout=layout, bucket_factor=config.bucket_factor)
 
 
 class RegistrationError(RuntimeError):
@@ -62,12 +77,7 @@ class InstanceServer:
             if getattr(config, name) is not None and getattr(config, name) != getattr(cfg, name):
                 raise ValueError(f"the model given has {name} {getattr(cfg, name)!r}, the config asks for "
                                  f"{getattr(config, name)!r}")
-        devices = instance_devices(config)
-        spec = MeshSpec(stage=config.pipeline_stages, tensor=config.tensor_parallel)
-        layout = MeshLayout(cfg, spec, devices) if spec.devices > 1 or devices is not None else None
-        self.engine = Engine(self.model, num_pages=config.num_pages, max_batch=config.max_batch,
-                             prefill_chunk_size=config.prefill_chunk_size, layout=layout,
-                             bucket_factor=config.bucket_factor)
+        self.engine = build_engine(config, self.model)
         self.kv_layout = dataclasses.replace(config.kv_layout(cfg),
                                              dtype=np.dtype(self.engine.runner.kv[0][0].dtype).name)
         self.loop = RunnerLoop(self.engine, name=f"engine-{config.instance_id}", max_waiting=config.max_waiting)

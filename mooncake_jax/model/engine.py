@@ -87,7 +87,10 @@ class Engine:
                                 max_batch * self.max_pages_per_seq)
         self.layout = layout or SingleDevice(cfg)
         # Layers under lax.scan (compile time flat in depth) or unrolled (faster on XLA:CPU); None: by backend.
-        self.runner = PipelineRunner(model, self.layout, num_pages, kv_dtype, scan=scan_layers)
+        # A layout may bring its own runner (sharding.spmd: the whole pipeline as one SPMD program).
+        build_runner = getattr(self.layout, "build_runner", None)
+        self.runner = (build_runner(model, num_pages, kv_dtype, scan_layers) if build_runner is not None
+                       else PipelineRunner(model, self.layout, num_pages, kv_dtype, scan=scan_layers))
         # Page bookkeeping (admission, reservations, prefix reuse) lives in the engine layer's KV-cache manager.
         self.kv = KVCacheManager(num_pages, cfg.block_size, prefix_caching)
         self.allocator, self.prefix_cache = self.kv.allocator, self.kv.prefix_cache

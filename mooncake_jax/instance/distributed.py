@@ -1,0 +1,107 @@
+"""An instance over several processes (and hosts) on JAX's multi-controller runtime (``jax.distributed``).
+
+Every process of the instance runs ``instance.main`` with the same configuration but its own ``process_id``:
+
+1. ``join_group`` connects it to the instance's coordinator (process 0 hosts it) before JAX starts its backends,
+   with gloo collectives on CPU, so ``jax.devices()`` becomes the global device list of all processes. If the group
+   does not form within ``coordinator_timeout_s`` the process logs why and exits (JAX's own timeout aborts the
+   process with a C++ stack trace; this fires first, with a message that names the coordinator and the count);
+   nothing else has been started yet, so nothing is left behind.
+2. Every process builds the same model and engine over the one global (stage, tensor) mesh
+   (``sharding.spmd.SpmdLayout``). Process 0 is the control plane: gRPC server, scheduler, Conductor link. The
+   others run ``follow``: they execute each device operation process 0 sends through the ``StepChannel``, until
+   process 0 sends ``STOP`` (when it stops, or fails to start) or dies (then JAX's heartbeat ends them too, within
+   ``HEARTBEAT_TIMEOUT_S``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+from ..sharding.step_channel import STOP, StepChannel
+
+log = logging.getLogger(__name__)
+
+GROUP_FAILED_EXIT = 3
+"""Exit status of a process whose group did not form in time."""
+
+HEARTBEAT_TIMEOUT_S = 30
+"""A process of the group that stops answering JAX's heartbeat for this long (it died) ends the others: followers
+never wait long for a process 0 that is gone (JAX's default is 100 s)."""
+
+
+def join_group(coordinator: str, num_processes: int, process_id: int, timeout_s: float) -> None:
+    """Join the instance's process group (blocking until all ``num_processes`` have joined).
+
+    Exits the process with status ``GROUP_FAILED_EXIT`` and a clear log line if the group has not formed after
+    ``timeout_s`` seconds. Must run before anything touches a JAX backend.
+    """
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id {process_id} is out of range for num_processes={num_processes}; "
+                         f"allowed: 0 to {num_processes - 1}")
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+    def give_up():
+        message = (f"process {process_id} of {num_processes}: the process group at coordinator {coordinator} did "
+                   f"not form within {timeout_s:g} s (is every process started, with the same --coordinator and "
+                   f"--num-processes, and is the coordinator reachable?); exiting")
+        log.error(message)
+        print(message, file=sys.stderr, flush=True)
+        os._exit(GROUP_FAILED_EXIT)
+
+    watchdog = threading.Timer(timeout_s, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        # JAX's own limit (an abort) stays beyond ours, so the watchdog always speaks first.
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
+                                   initialization_timeout=int(timeout_s) + 60,
+                                   heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+        jax.devices()  # the global device list: every process has joined once this returns
+    finally:
+        watchdog.cancel()
+    log.info("process %d of %d joined the group at %s: %d global devices, %d local", process_id, num_processes,
+             coordinator, jax.device_count(), jax.local_device_count())
+
+
+def follow(runner, channel: StepChannel) -> int:
+    """Run every operation process 0 sends, on this process's share of the mesh, until ``STOP``; returns how many
+    ran."""
+    done = 0
+    while True:
+        op, payload = channel.recv()
+        if op == STOP:
+            return done
+        runner.execute(op, payload)
+        done += 1
+
+
+def stop_followers(channel: StepChannel | None) -> None:
+    """Tell the other processes to leave ``follow`` (process 0, when the instance stops)."""
+    if channel is not None and channel.is_leader:
+        channel.send((STOP, None))
+
+
+def run_follower(config) -> int:
+    """A process other than 0 of a multi-process instance: the same model and engine as process 0 (which builds
+    its own in ``InstanceServer``), following process 0's operations until it stops. Returns the exit status."""
+    import jax
+
+    from ..llm import build_model
+    from .server import build_engine
+
+    model = build_model(config.model, dtype=config.dtype, block_size=config.block_size, seed=config.seed)
+    config.validate_for(model.cfg)
+    engine = build_engine(config, model)
+    runner = engine.runner
+    print(f"process {config.process_id} of {config.num_processes} of {config.role} instance following "
+          f"{config.coordinator}", file=sys.stderr, flush=True)
+    done = follow(runner, runner.channel)
+    log.info("process %d: process 0 stopped the instance after %d operations", config.process_id, done)
+    jax.distributed.shutdown()
+    return 0
