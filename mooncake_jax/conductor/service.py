@@ -33,6 +33,7 @@ from mooncake_jax.conductor.state import ClusterState, RequestInFlight
 from mooncake_jax.kv_layout import KVLayout, exchange_problem
 from mooncake_jax.proto import load, server_options
 from mooncake_jax.proto.auth import interceptors
+from mooncake_jax.proto.tls import add_port
 from mooncake_jax.proto.guards import DecodeGuard
 
 messages, services = load("conductor")
@@ -256,7 +257,7 @@ class ConductorServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME],
                                             self._server)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        self.port = add_port(self._server, f"{host}:{port}")
         if not self.port:
             raise OSError(f"cannot listen on {host}:{port}")
         self.address = f"{host}:{self.port}"

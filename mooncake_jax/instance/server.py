@@ -24,6 +24,7 @@ from ..model.engine import Engine
 from ..model.llama import Llama
 from ..proto import server_options
 from ..proto.auth import interceptors
+from ..proto.tls import add_port
 from ..proto.guards import DecodeGuard, WorkGate
 from ..transfer import BlockPool, BlockSpec
 from ..transfer.messenger import MessengerClient
@@ -89,7 +90,7 @@ class InstanceServer:
         self.messenger_meter = add_messenger(self._server, self.pool)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        self.port = add_port(self._server, f"{config.host}:{config.port}")
         if not self.port:
             raise ValueError(f"cannot listen on {config.host}:{config.port}")
         self.address = f"{config.host}:{self.port}"

@@ -13,7 +13,7 @@ import ipaddress
 
 import grpc
 
-from . import channel_options
+from . import channel_options, tls
 
 OPEN_SERVICES = ("grpc.health.v1.Health",)
 LOOPBACK_NAMES = ("localhost",)
@@ -96,8 +96,9 @@ class _AddToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercep
 
 
 def open_channel(address: str, token: str | None = None) -> grpc.Channel:
-    """A channel to ``address`` with the project's message limits, carrying ``token`` on every call if given."""
-    channel = grpc.insecure_channel(address, options=channel_options())
+    """A channel to ``address`` with the project's message limits (TLS when this process has it: ``tls.py``),
+    carrying ``token`` on every call if given."""
+    channel = tls.channel(address, channel_options())
     return grpc.intercept_channel(channel, _AddToken(token)) if token else channel
 
 
