@@ -16,6 +16,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("mooncake_jax.sim.cli", "replay a request trace through the simulated cluster"),
     "profile": ("mooncake_jax.conductor.profile", "measure the local engine and write a cost-model profile JSON"),
     "generate": ("mooncake_jax.model.cli", "generate tokens with the local engine (no cluster)"),
+    "conductor": ("mooncake_jax.conductor.command", "run the Conductor alone (instances and gateways join it)"),
+    "instance": ("mooncake_jax.instance.main", "run one prefill or decode instance that joins a Conductor"),
+    "gateway": ("mooncake_jax.gateway.command", "run the gRPC + HTTP gateway of a Conductor's cluster"),
 }
 
 

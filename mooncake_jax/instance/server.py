@@ -45,6 +45,17 @@ MESSENGER_CALLS = 32
 """Concurrent block transfers a peer may run against one instance (pushes from prefill instances, fetches)."""
 
 
+def advertised_address(advertise: str, host: str, port: int) -> str:
+    """The address this instance registers: ``advertise`` (HOST:PORT, or HOST with the bound ``port``) when given,
+    else where it listens."""
+    if not advertise:
+        return f"{host}:{port}"
+    head, sep, tail = advertise.rpartition(":")
+    if sep and tail.isdigit() and not advertise.endswith("]"):
+        return advertise
+    return f"{advertise}:{port}"
+
+
 class RegistrationError(RuntimeError):
     """The Conductor refused (or could not be asked to take) this instance; the message says why."""
 
@@ -93,7 +104,7 @@ class InstanceServer:
         self.port = add_port(self._server, f"{config.host}:{config.port}")
         if not self.port:
             raise ValueError(f"cannot listen on {config.host}:{config.port}")
-        self.address = f"{config.host}:{self.port}"
+        self.address = advertised_address(config.advertise, config.host, self.port)
         self._clients: dict[str, MessengerClient] = {}
         self._clients_lock = threading.Lock()
         self.costs = None
@@ -153,7 +164,7 @@ class InstanceServer:
             config_json=self.config.to_json(), kv_layout=self.kv_layout.to_json(), hardware=self.config.hardware,
             model=self.config.model)
         try:
-            self.link.start()
+            self.link.start(register_timeout_s=self.config.conductor_wait_s)
         except grpc.RpcError as e:  # refused (say, KV of another model) or unreachable: take everything down
             self.stop()
             raise RegistrationError(f"{self.instance_id}: the Conductor at {self.config.conductor_address} did not "
