@@ -18,6 +18,7 @@ import argparse
 import gc
 import json
 import logging
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -147,19 +148,12 @@ def run(args) -> int:
         return roles.fail("instance", e, roles.EXIT_BAD_INPUT)
     if args.compile_cache != "none":
         enable_compilation_cache(args.compile_cache or None)
-    stop = roles.stop_event()
-    if args.exit_with_stdin:
-        def lifeline():
-            sys.stdin.read()  # returns at EOF: the parent is gone or wants us to stop
-            stop.set()
-
-        threading.Thread(target=lifeline, daemon=True).start()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # while starting, a signal ends the process at once: nothing of
+        signal.signal(sig, signal.SIG_DFL)       # it is registered anywhere until the very end of the start
     try:  # before minutes of loading and compiling: is there a Conductor to serve?
-        roles.wait_for_conductor(config.conductor_address, config.conductor_wait_s, config.instance_id, stop)
+        roles.wait_for_conductor(config.conductor_address, config.conductor_wait_s, config.instance_id)
     except roles.Unreachable as e:
         return roles.fail("instance", e, roles.EXIT_UNREACHABLE)
-    if stop.is_set():
-        return 0
     if config.devices:  # on the CPU platform, have the device ids this instance owns (before JAX starts)
         reserve_cpu_devices(max(config.devices) + 1)
     try:
@@ -168,6 +162,13 @@ def run(args) -> int:
         return roles.fail("instance", e, roles.EXIT_UNREACHABLE)
     except (ValueError, OSError) as e:
         return roles.fail("instance", e, roles.EXIT_BAD_INPUT)
+    stop = roles.stop_event()
+    if args.exit_with_stdin:
+        def lifeline():
+            sys.stdin.read()  # returns at EOF: the parent is gone or wants us to stop
+            stop.set()
+
+        threading.Thread(target=lifeline, daemon=True).start()
     settle_serving_process()
     log.info("%s instance %s serving on %s:%d, registered as %s", config.role, config.instance_id, config.host,
              server.port, server.address)
