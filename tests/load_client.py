@@ -51,7 +51,8 @@ def run(address: str, seconds: float, concurrency: int, timeout_s: float = 60.0,
             except (urllib.error.URLError, ConnectionError) as e:
                 hung = isinstance(getattr(e, "reason", None), TimeoutError)
                 outcome, status = ("hung", "timeout") if hung else ("failed", type(e).__name__)
-                time.sleep(0.2)
+            if outcome == "failed":
+                time.sleep(0.25)  # as a client honouring Retry-After would, instead of spinning on a 503
             with lock:
                 counts[outcome] += 1
                 counts["statuses"][str(status)] = counts["statuses"].get(str(status), 0) + 1
