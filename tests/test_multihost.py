@@ -213,3 +213,69 @@ def test_roles_on_separate_hosts_serve_and_survive_a_conductor_restart(tmp_path)
                  if name in roles}
         hosts.close()
     assert all(code == 0 for code in codes.values()), codes  # each stopped cleanly on SIGTERM
+
+
+def test_a_conductor_restart_mid_load_in_one_process_loses_no_instance_and_hangs_no_request():
+    """The cheap variant (default suite): instances of this process, the Conductor stopped abruptly and served
+    again on its address while three clients send requests. In-flight requests finish or fail with Unavailable,
+    none hang; the instances register again and the prefill instances' blocks are back in the index, exactly."""
+    import mooncake_jax as mj
+    from mooncake_jax.conductor.api import PolicyConfig
+    from mooncake_jax.conductor.service import serve
+    from mooncake_jax.gateway.backend import Unavailable
+    from reference_model import random_prompts
+    from test_cluster import wait_until
+
+    with mj.Cluster.local("tiny", prefill=1, decode=1, profile_json=json.dumps(PROFILE), heartbeat_interval_s=0.2,
+                          heartbeat_timeout_s=30.0, warmup=False, compile_cache=None) as cluster:
+        prompts = random_prompts([40] * 4, seed=5)
+        expected = cluster.generate(prompts, max_new_tokens=3)  # compiles what the load runs (first sight ...
+        assert cluster.generate(prompts, max_new_tokens=3) == expected  # ... and prefix hit)
+        outcomes: list[tuple[str, float]] = []
+        stop = threading.Event()
+        t0 = time.monotonic()
+
+        def client(k: int) -> None:
+            i = k
+            while not stop.is_set():
+                try:
+                    tokens = cluster.run(prompts[i % len(prompts)], max_new_tokens=3)[0]
+                    outcomes.append(("completed" if tokens == expected[i % len(prompts)] else "wrong",
+                                     time.monotonic() - t0))
+                except Unavailable:
+                    outcomes.append(("failed", time.monotonic() - t0))
+                    time.sleep(0.05)
+                i += 1
+
+        def completed_since(t: float) -> int:
+            return sum(1 for k, at in list(outcomes) if k == "completed" and at > t)
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        assert wait_until(lambda: completed_since(0) >= 3, 60)
+        old = cluster.conductor
+        host, port = old.address.rsplit(":", 1)
+        old.stop(0)  # abrupt: no goodbye to anyone
+        killed = time.monotonic() - t0
+        time.sleep(0.5)
+        cluster.conductor = serve(PolicyConfig(block_size=16), host=host, port=int(port), heartbeat_interval_s=0.2,
+                                  heartbeat_timeout_s=30.0)
+        restarted = time.monotonic() - t0
+        assert wait_until(lambda: completed_since(restarted) >= 3, 60)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a request hung"
+        kinds = [k for k, _ in outcomes]
+        assert "wrong" not in kinds
+        assert all(killed - 0.5 < at < restarted + 5 for k, at in outcomes if k == "failed"), outcomes
+        state = cluster.conductor.service.state
+        assert sorted(state.instances.slot_of) == sorted(cluster.instances)
+        for instance_id, instance in cluster.instances.items():  # the index holds exactly each pool's blocks
+            if instance.config.role == "prefill":
+                keys = set(instance.pool.keys_by_tier().get("dram", [])) - instance.link.ignored_keys
+                slot = state.instances.slot(instance_id)
+                assert keys and all(state.index.tier(k, slot) is not None for k in keys)
+                assert state.index.blocks_of(slot) == len(keys)
+        print("in-process restart:", {k: kinds.count(k) for k in ("completed", "failed")})
