@@ -36,6 +36,7 @@ PREFILL, DECODE = "prefill", "decode"
 RPC_TIMEOUT_S = 5.0
 REGISTER_BACKOFF_FIRST_S = 0.5
 REGISTER_BACKOFF_MAX_S = 10.0
+UNREACHABLE_LOG_S = 10.0
 UNANSWERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 """Codes that mean the Conductor did not answer (worth retrying), as opposed to answering with a refusal."""
 
@@ -146,17 +147,33 @@ class ConductorLink:
 
     # ---- the thread ------------------------------------------------------------------------------------------
     def _run(self) -> None:
+        away_since = None  # when the Conductor stopped answering (logged once, then every UNREACHABLE_LOG_S)
+        said_at = 0.0
         while not self._stop.is_set():
             self._wake.wait(self.interval_s)
             self._wake.clear()
             try:
                 self._flush_events()
                 self._heartbeat()
+                if away_since is not None:
+                    log.info("%s: the Conductor answers again (after %.1f s)", self.instance_id,
+                             time.monotonic() - away_since)
+                    away_since = None
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     self._reregister()
+                    if away_since is not None:
+                        log.info("%s: registered again with the Conductor (away %.1f s)", self.instance_id,
+                                 time.monotonic() - away_since)
+                        away_since = None
                 elif not self._stop.is_set():
-                    log.warning("%s: Conductor unreachable (%s); retrying", self.instance_id, e.code())
+                    now = time.monotonic()
+                    if away_since is None or now - said_at >= UNREACHABLE_LOG_S:
+                        away_since = away_since or now
+                        said_at = now
+                        log.warning("%s: the Conductor at %s does not answer (%s) for %.0f s; serving on and "
+                                    "retrying every %.1f s", self.instance_id, self.conductor_address, e.code().name,
+                                    now - away_since, self.interval_s)
 
     def _reregister(self) -> None:
         while not self._events.empty():  # the full block list below supersedes them
