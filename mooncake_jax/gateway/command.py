@@ -34,8 +34,9 @@ def add_arguments(p) -> None:
     roles.add_security_arguments(p)
 
 
-def cluster_model(conductor: str, token: str | None, timeout_s: float, stop) -> str:
-    """The model the Conductor's instances registered (waiting up to ``timeout_s`` for the first)."""
+def cluster_model(conductor: str, token: str | None, timeout_s: float, stop, model: str | None = None):
+    """(model, prefix-index block size) of the Conductor's cluster: the model its instances registered (waiting up
+    to ``timeout_s`` for the first unless ``model`` is given); block size 0 while no prefill instance fixed it."""
     from ..instance.backend import conductor_messages, conductor_services
     from ..proto.auth import open_channel
 
@@ -45,8 +46,9 @@ def cluster_model(conductor: str, token: str | None, timeout_s: float, stop) -> 
         stub = conductor_services.ConductorStub(channel)
         while True:
             listing = stub.ListInstances(conductor_messages.ListInstancesRequest(), timeout=5)
-            if listing.model:
-                return listing.model
+            if model or listing.model:
+                prefill = any(i.role == conductor_messages.PREFILL for i in listing.instances)
+                return model or listing.model, listing.block_size if prefill else 0
             if time.monotonic() >= deadline or stop.is_set():
                 raise roles.Unreachable(f"the Conductor at {conductor} lists no instance after {timeout_s:.0f} s, "
                                         f"so the model to serve is unknown: start an instance or give --model")
@@ -76,7 +78,7 @@ def run(args) -> int:
     stop = roles.stop_event()
     try:
         roles.wait_for_conductor(args.conductor, args.conductor_wait_s, "gateway", stop)
-        model = args.model or cluster_model(args.conductor, token, args.conductor_wait_s, stop)
+        model, block_size = cluster_model(args.conductor, token, args.conductor_wait_s, stop, args.model)
     except roles.Unreachable as e:
         return roles.fail("gateway", e, roles.EXIT_UNREACHABLE)
     except grpc.RpcError as e:
@@ -89,7 +91,10 @@ def run(args) -> int:
 
     backend = None
     try:
-        backend = ClusterBackend(args.conductor, get_config(model), model_name=model, auth_token=token)
+        config = get_config(model)
+        if block_size and block_size != config.block_size:  # the prefill instances' pages (their block keys)
+            config = config.replace(block_size=block_size)
+        backend = ClusterBackend(args.conductor, config, model_name=model, auth_token=token)
         gateway = GatewayServer(backend, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                                 auth_token=token, tokenizer=args.tokenizer, chat_template=args.chat_template,
                                 drain_grace_s=args.drain_grace_s, cors_origins=tuple(args.cors_origin)).start()
