@@ -57,7 +57,7 @@ def start_to_serving(argv: list[str], timeout_s: float = 600) -> float:
 def main() -> None:
     p = arg_parser(__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny")
-    p.add_argument("--roles", default="prefill,decode")
+    p.add_argument("--roles", default="prefill", help="comma-separated roles to measure (prefill, decode)")
     args = p.parse_args()
     from mooncake_jax.conductor.api import PolicyConfig
     from mooncake_jax.conductor.service import serve
