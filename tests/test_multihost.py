@@ -286,3 +286,14 @@ def test_a_conductor_restart_mid_load_in_one_process_loses_no_instance_and_hangs
                 assert keys and all(state.index.tier(k, slot) is not None for k in keys)
                 assert state.index.blocks_of(slot) == len(keys)
         print("in-process restart:", {k: kinds.count(k) for k in ("completed", "failed")})
+        # a gateway started now (or restarted) knows only the Conductor's address, and serves at once
+        from mooncake_jax.gateway.backend import GenerateRequest, TokenOut
+        from mooncake_jax.instance.backend import ClusterBackend
+        from mooncake_jax.model.config import get_config
+
+        fresh = ClusterBackend(cluster.conductor.address, get_config("tiny"), model_name="tiny")
+        try:
+            items = list(fresh.generate(GenerateRequest(prompt=list(prompts[0]), max_tokens=3), None))
+            assert [i.token for i in items if isinstance(i, TokenOut)] == expected[0]
+        finally:
+            fresh.close()
