@@ -113,7 +113,7 @@ class InstanceConfig:
     instance_id: str = ""
     host: str = "127.0.0.1"
     port: int = 0
-    advertise: str = ""  # HOST[:PORT] the others reach it at, when not host:port (NAT, containers); no port: the bound one
+    advertise: str = ""  # HOST[:PORT] the others reach it at when not host:port (NAT, containers); no port: the bound one
     conductor_wait_s: float = 60.0  # a Conductor that does not answer is retried this long, then the start fails
     # this process only
     profile_json: str | None = dataclasses.field(default=None, repr=False, metadata=_LOCAL)
@@ -135,7 +135,8 @@ class InstanceConfig:
         if self.advertise and (self.advertise.startswith(":") or any(c.isspace() for c in self.advertise)):
             raise ValueError(f"advertise must be HOST or HOST:PORT, got {self.advertise!r}")
         if not (isinstance(self.conductor_wait_s, (int, float)) and self.conductor_wait_s >= 0):
-            raise ValueError(f"conductor_wait_s must be a non-negative number of seconds, got {self.conductor_wait_s!r}")
+            raise ValueError(f"conductor_wait_s must be a non-negative number of seconds, "
+                             f"got {self.conductor_wait_s!r}")
         if self.bucket_factor < 2:
             raise ValueError(f"bucket_factor must be >= 2, got {self.bucket_factor!r}")
         if self.dtype is not None and self.dtype not in KV_DTYPES:
