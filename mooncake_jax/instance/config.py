@@ -113,7 +113,7 @@ class InstanceConfig:
     instance_id: str = ""
     host: str = "127.0.0.1"
     port: int = 0
-    advertise: str = ""  # HOST[:PORT] the others reach it at when not host:port (NAT, containers); no port: the bound one
+    advertise: str = ""  # HOST[:PORT] others reach it at if not host:port (NAT, containers); no port: the bound one
     conductor_wait_s: float = 60.0  # a Conductor that does not answer is retried this long, then the start fails
     # this process only
     profile_json: str | None = dataclasses.field(default=None, repr=False, metadata=_LOCAL)
