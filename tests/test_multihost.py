@@ -154,10 +154,13 @@ def test_roles_on_separate_hosts_serve_and_survive_a_conductor_restart(tmp_path,
     try:
         roles["conductor"] = Role(conductor_argv, tmp_path / "conductor.log")
         starting = {}
+        # prefill-1 listens on every address of its host and registers the one the others reach it at
+        listen = {name: ["--listen", f"{ip[name]}:0"] for name in ("prefill-0", "decode-0")}
+        listen["prefill-1"] = ["--listen", "0.0.0.0:0", "--advertise", ip["prefill-1"]]
         for name in ("prefill-0", "prefill-1", "decode-0"):
             commands[name] = hosts.command(name, [
                 *py, "instance", "--role", name.split("-")[0], "--instance-id", name, "--conductor",
-                conductor_address, "--listen", f"{ip[name]}:0", "--profile-file", str(tmp_path / "profile.json"),
+                conductor_address, *listen[name], "--profile-file", str(tmp_path / "profile.json"),
                 "--no-warmup", "--compile-cache", "none", *auth])
             starting[name] = threading.Thread(target=lambda n=name: roles.__setitem__(
                 n, Role(commands[n], tmp_path / f"{n}.log")))

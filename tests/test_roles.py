@@ -322,3 +322,25 @@ def test_tls_grpc_and_http(tls_files):
     finally:
         gateway.stop(0)
         conductor.stop(0)
+
+
+def test_conductor_command_serves_tls_only(tmp_path):
+    cert, key = self_signed(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.cli", "conductor", "--listen", "127.0.0.1:0",
+                             "--tls-cert", str(cert), "--tls-key", str(key)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        address = json.loads(proc.stdout.readline())["address"]
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        with grpc.secure_channel(address, credentials) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        with grpc.insecure_channel(address) as plain:
+            with pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        proc.terminate()
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
