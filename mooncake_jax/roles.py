@@ -82,6 +82,13 @@ def fail(role: str, error: Exception, status: int) -> int:
     return status
 
 
+def end_on_signals() -> None:
+    """While a role starts, SIGTERM and SIGINT end the process at once (it is registered nowhere yet, and a start
+    can spend minutes compiling): no traceback, no half-started server."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def stop_event() -> threading.Event:
     """An event set by SIGTERM or SIGINT (call from the main thread)."""
     stop = threading.Event()

@@ -8,6 +8,7 @@ It keeps no list of instances: for every request it asks the Conductor, which an
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from .. import roles
@@ -75,10 +76,11 @@ def run(args) -> int:
             check_tokenizer_source(args.model, args.tokenizer)
     except ValueError as e:
         return roles.fail("gateway", e, roles.EXIT_BAD_INPUT)
-    stop = roles.stop_event()
+    roles.end_on_signals()
+    never = threading.Event()
     try:
-        roles.wait_for_conductor(args.conductor, args.conductor_wait_s, "gateway", stop)
-        model, block_size = cluster_model(args.conductor, token, args.conductor_wait_s, stop, args.model)
+        roles.wait_for_conductor(args.conductor, args.conductor_wait_s, "gateway")
+        model, block_size = cluster_model(args.conductor, token, args.conductor_wait_s, never, args.model)
     except roles.Unreachable as e:
         return roles.fail("gateway", e, roles.EXIT_UNREACHABLE)
     except grpc.RpcError as e:
@@ -102,6 +104,7 @@ def run(args) -> int:
         if backend is not None:
             backend.close()
         return roles.fail("gateway", e, roles.EXIT_BAD_INPUT)
+    stop = roles.stop_event()
     settle_serving_process()
     log.info("gateway of %s serving gRPC on %s:%d and HTTP on %s:%d (Conductor %s)", model, args.host,
              gateway.grpc_port, args.host, gateway.http_port, args.conductor)

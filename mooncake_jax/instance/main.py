@@ -18,7 +18,6 @@ import argparse
 import gc
 import json
 import logging
-import signal
 import sys
 import threading
 from pathlib import Path
@@ -148,8 +147,7 @@ def run(args) -> int:
         return roles.fail("instance", e, roles.EXIT_BAD_INPUT)
     if args.compile_cache != "none":
         enable_compilation_cache(args.compile_cache or None)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # while starting, a signal ends the process at once: nothing of
-        signal.signal(sig, signal.SIG_DFL)       # it is registered anywhere until the very end of the start
+    roles.end_on_signals()
     try:  # before minutes of loading and compiling: is there a Conductor to serve?
         roles.wait_for_conductor(config.conductor_address, config.conductor_wait_s, config.instance_id)
     except roles.Unreachable as e:
