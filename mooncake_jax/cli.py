@@ -17,6 +17,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("mooncake_jax.conductor.profile", "measure the local engine and write a cost-model profile JSON"),
     "generate": ("mooncake_jax.model.cli", "generate tokens with the local engine (no cluster)"),
     "chat": ("mooncake_jax.model.chat_cli", "chat with the local engine through the model's chat template"),
+    "conductor": ("mooncake_jax.conductor.command", "run the Conductor alone (instances and gateways join it)"),
+    "instance": ("mooncake_jax.instance.main", "run one prefill or decode instance that joins a Conductor"),
+    "gateway": ("mooncake_jax.gateway.command", "run the gRPC + HTTP gateway of a Conductor's cluster"),
 }
 
 

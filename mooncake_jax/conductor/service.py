@@ -12,7 +12,9 @@ re-send its block list; a restarted Conductor rebuilds its whole index the same 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
 import threading
 import time
@@ -33,6 +35,7 @@ from mooncake_jax.conductor.state import ClusterState, RequestInFlight
 from mooncake_jax.kv_layout import KVLayout, exchange_problem
 from mooncake_jax.proto import load, server_options
 from mooncake_jax.proto.auth import interceptors
+from mooncake_jax.proto.tls import add_port
 from mooncake_jax.proto.guards import DecodeGuard
 
 messages, services = load("conductor")
@@ -67,7 +70,10 @@ class ConductorService(services.ConductorServicer):
     """RPC handlers over one cluster state; ``clock`` is the policy clock (monotonic seconds)."""
 
     def __init__(self, config: PolicyConfig | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 5.0):
+                 heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 5.0,
+                 adopt_block_size: bool = False):
+        """``adopt_block_size``: take the prefix index's block size from the first prefill instance that registers
+        (a Conductor started alone knows no model) instead of ``config.block_size``."""
         if not 0 < heartbeat_interval_s < heartbeat_timeout_s:
             raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
         self.state = ClusterState(config)
@@ -78,6 +84,10 @@ class ConductorService(services.ConductorServicer):
         self.lock = threading.Lock()
         self.kv_layout: KVLayout | None = None  # the first registered instance's: every other must exchange KV
         self.prefill_kv_layout: KVLayout | None = None  # the first prefill instance's: the others share its blocks
+        self.adopt_block_size = config is None or adopt_block_size
+        self.model = ""  # the first registered instance's model (what a gateway started alone serves)
+        self.event_seq: dict[str, int] = {}  # instance id -> number of its last KV event batch applied
+        self.resyncs = 0  # KV event gaps detected (each made its instance re-send its block list)
 
     def _check_layout(self, request, role: Role) -> None:
         """Refuse, at registration, an instance whose KV cannot become the cluster's (another model), or a prefill
@@ -86,6 +96,12 @@ class ConductorService(services.ConductorServicer):
         if not request.kv_layout:
             return
         layout = KVLayout.from_json(request.kv_layout)
+        if role == Role.PREFILL and self.adopt_block_size:
+            with self.lock:
+                if self.prefill_kv_layout is None and layout.block_size != self.state.config.block_size:
+                    config = dataclasses.replace(self.state.config, block_size=layout.block_size)
+                    self.state.config = self.policy.config = config
+                    log.info("prefix index block size %d (from %s)", layout.block_size, request.instance_id)
         if role == Role.PREFILL and layout.block_size != self.state.config.block_size:
             raise ValueError(f"instance {request.instance_id}: prefill block_size {layout.block_size} differs from "
                              f"the cluster's {self.state.config.block_size} (the prefix index's block size); "
@@ -123,6 +139,8 @@ class ConductorService(services.ConductorServicer):
             self.state.add_instance(request.instance_id, role, costs, self.clock(), request.address, capacity,
                                     hardware=request.hardware or None)
             self.state.kv_reset(request.instance_id, request.dram_block_keys, request.ssd_block_keys)
+            self.event_seq[request.instance_id] = request.event_seq
+            self.model = self.model or _model_of(request)
         log.info("registered %s instance %s at %s (%s)", role.name.lower(), request.instance_id, request.address,
                  request.hardware or costs.hardware or costs.name)
         config = self.state.config
@@ -134,6 +152,7 @@ class ConductorService(services.ConductorServicer):
     def Deregister(self, request, context):
         with self.lock:
             self.state.remove_instance(request.instance_id)
+            self.event_seq.pop(request.instance_id, None)
         return messages.Ack()
 
     @_rpc
@@ -153,13 +172,33 @@ class ConductorService(services.ConductorServicer):
 
     @_rpc
     def PublishKvEvents(self, request_iterator, context):
-        applied = 0
+        applied, resync = 0, False
         for batch in request_iterator:
             with self.lock:
+                if not self._in_sequence(batch):
+                    resync = True
+                    continue
                 for event in batch.events:
                     self._apply_kv_event(batch.instance_id, event)
                     applied += 1
-        return messages.KvEventsReply(applied=applied)
+        return messages.KvEventsReply(applied=applied, resync=resync)
+
+    def _in_sequence(self, batch) -> bool:
+        """Whether ``batch`` is to be applied (under the lock): unnumbered, the next of its instance's numbers, or a
+        whole block list (RESET first). A skipped number means a batch was lost: the index would drift silently,
+        so the batch is refused and the instance asked for its whole block list."""
+        if not batch.seq:
+            return True
+        last = self.event_seq.get(batch.instance_id)
+        if last is None:
+            self.state.instances.slot(batch.instance_id)  # unknown instance: NOT_FOUND (it registers again)
+        if batch.events and batch.events[0].kind == messages.KvEvent.RESET or batch.seq == (last or 0) + 1:
+            self.event_seq[batch.instance_id] = batch.seq
+            return True
+        self.resyncs += 1
+        log.warning("instance %s: KV event batch %d after %s (a batch was lost); asking for its block list",
+                    batch.instance_id, batch.seq, last)
+        return False
 
     def _apply_kv_event(self, instance_id: str, event) -> None:
         tier = Tier.SSD if event.tier == messages.SSD else Tier.DRAM
@@ -224,7 +263,8 @@ class ConductorService(services.ConductorServicer):
             state, now = self.state, self.clock()
             table = state.instances
             batch, _ = state.ledger.per_slot(state.ledger.committed(now, state.decode_time_s, now), table.capacity)
-            reply = messages.InstanceList(indexed_blocks=len(state.index), decode_time_s=state.decode_time_s)
+            reply = messages.InstanceList(indexed_blocks=len(state.index), decode_time_s=state.decode_time_s,
+                                          model=self.model, block_size=state.config.block_size)
             for instance_id, slot in sorted(table.slot_of.items()):
                 reply.instances.add(
                     instance_id=instance_id, role=int(table.role[slot]), address=table.addresses[slot],
@@ -232,6 +272,16 @@ class ConductorService(services.ConductorServicer):
                     decoding=int(batch[slot]), seconds_since_heartbeat=now - table.last_seen[slot],
                     hardware=table.hardware[slot])
         return reply
+
+
+def _model_of(request) -> str:
+    """The model an instance's registration names (its config's), "" when it names none."""
+    if request.config_json:
+        try:
+            return str(json.loads(request.config_json).get("model") or "")
+        except (json.JSONDecodeError, AttributeError):
+            return ""
+    return ""
 
 
 def _costs(request):
@@ -256,7 +306,7 @@ class ConductorServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME],
                                             self._server)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        self.port = add_port(self._server, f"{host}:{port}")
         if not self.port:
             raise OSError(f"cannot listen on {host}:{port}")
         self.address = f"{host}:{self.port}"

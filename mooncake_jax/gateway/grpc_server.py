@@ -26,6 +26,7 @@ from mooncake_jax.gateway.stream import Summary
 from mooncake_jax.gateway.validate import Params
 from mooncake_jax.proto import load, server_options
 from mooncake_jax.proto.auth import interceptors
+from mooncake_jax.proto.tls import add_port
 from mooncake_jax.proto.guards import DecodeGuard
 
 messages, services = load("gateway")
@@ -135,7 +136,7 @@ class GrpcFrontEnd:
         reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME],
                                             self._server)
         bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.port = self._server.add_insecure_port(bind)
+        self.port = add_port(self._server, bind)
         if not self.port:
             raise OSError(f"gRPC cannot listen on {bind}")
 

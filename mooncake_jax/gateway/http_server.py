@@ -57,6 +57,7 @@ from mooncake_jax.gateway.core import GatewayCore, retry_hint_s
 from mooncake_jax.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mooncake_jax.gateway.stream import Summary
 from mooncake_jax.proto.auth import bearer_ok
+from mooncake_jax.proto import tls
 
 log = logging.getLogger(__name__)
 
@@ -576,7 +577,7 @@ class HttpFrontEnd:
         config = uvicorn.Config(_capped(app, lambda: len(self._server.server_state.connections), max_connections),
                                 http=_protocol(idle_timeout_s, header_timeout_s), lifespan="off", log_config=None,
                                 access_log=False, server_header=False, timeout_keep_alive=max(1, int(idle_timeout_s)),
-                                timeout_graceful_shutdown=None, backlog=2048)
+                                timeout_graceful_shutdown=None, backlog=2048, **tls.http_ssl_files())
         self._server = uvicorn.Server(config)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._serve, name="gw-http", daemon=True)

@@ -41,6 +41,9 @@ RETRIES_BEFORE_FIRST_TOKEN = 1
 the Conductor has dropped the dead instance by then, so the retry lands on a live one."""
 
 PROBE_TIMEOUT_S = 1.0
+SCHEDULE_TIMEOUT_S = 10.0
+"""Deadline of one Schedule call: a decision takes milliseconds, so a Conductor silent this long is down (a request
+in flight while it restarts fails with UNAVAILABLE instead of waiting the whole request deadline)."""
 MISSING_ROLE = {"no_prefill_instance": "prefill", "no_decode_instance": "decode"}
 """Schedule's reasons that mean "nothing to serve with", not overload: 503, naming the role."""
 
@@ -183,7 +186,7 @@ class ClusterBackend:
         try:
             decision = self._conductor.Schedule(conductor_messages.ScheduleRequest(
                 request_id=request.request_id, block_keys=keys, input_tokens=len(request.prompt),
-                output_tokens=request.max_tokens), timeout=self.timeout_s)
+                output_tokens=request.max_tokens), timeout=min(self.timeout_s, SCHEDULE_TIMEOUT_S))
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.ALREADY_EXISTS:
                 raise DuplicateRequest(e.details()) from None

@@ -85,7 +85,8 @@ class ChildInstance:
         self.log_file = open(log_path, "ab") if log_path else subprocess.DEVNULL
         if auth_token:
             args = [*args, "--auth-token-stdin"]
-        self.proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.instance.main", *args],
+        # the same role command an operator runs (``mooncake-jax instance``), tied to this process by its stdin
+        self.proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.cli", "instance", "--exit-with-stdin", *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file)
         if auth_token:  # not on the command line, where every user of the machine could read it
             self.proc.stdin.write(auth_token.encode() + b"\n")

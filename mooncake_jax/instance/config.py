@@ -120,6 +120,8 @@ class InstanceConfig:
     num_processes: int = 1
     process_id: int = 0
     coordinator_timeout_s: float = 120.0  # the group must form within this, or every process exits with an error
+    advertise: str = ""  # HOST[:PORT] others reach it at if not host:port (NAT, containers); no port: the bound one
+    conductor_wait_s: float = 60.0  # a Conductor that does not answer is retried this long, then the start fails
     # this process only
     profile_json: str | None = dataclasses.field(default=None, repr=False, metadata=_LOCAL)
     auth_token: str | None = dataclasses.field(default=None, repr=False, metadata=_LOCAL)
@@ -137,6 +139,11 @@ class InstanceConfig:
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         _positive("pool dram_blocks", self.pool.dram_blocks)
+        if self.advertise and (self.advertise.startswith(":") or any(c.isspace() for c in self.advertise)):
+            raise ValueError(f"advertise must be HOST or HOST:PORT, got {self.advertise!r}")
+        if not (isinstance(self.conductor_wait_s, (int, float)) and self.conductor_wait_s >= 0):
+            raise ValueError(f"conductor_wait_s must be a non-negative number of seconds, "
+                             f"got {self.conductor_wait_s!r}")
         if self.bucket_factor < 2:
             raise ValueError(f"bucket_factor must be >= 2, got {self.bucket_factor!r}")
         if self.data_plane not in DATA_PLANES:

@@ -1,11 +1,15 @@
-"""One instance as its own process: ``python -m mooncake_jax.instance.main --role prefill --conductor HOST:PORT``.
+"""One instance as its own process: ``mooncake-jax instance --role prefill --conductor HOST:PORT --listen HOST:PORT``.
 
 Its configuration is an ``InstanceConfig`` (``config.py``): given whole as ``--config JSON`` (what a cluster passes
 its children), field by field as flags, or both (flags win). Its SLOs come from the Conductor at registration.
 
-When ready it prints one JSON line on stdout (``{"ready": true, "instance_id", "address", "profile_json"}``) and
-serves until SIGTERM/SIGINT, or until its standard input closes: the parent that started it holds the other end,
-so an instance never outlives the cluster that started it (no orphans, even if the parent is killed).
+When ready it prints one JSON line on stdout (``{"ready": true, "instance_id", "address", "port", "profile_json"}``)
+and serves until SIGTERM/SIGINT. It is not tied to its standard input (it runs under a process manager or in a
+container), except with ``--exit-with-stdin``, which ``serve`` gives its children: the parent holds the other end,
+so such an instance never outlives the cluster that started it (no orphans, even if the parent is killed).
+
+A Conductor that does not answer is retried with a backoff for ``--conductor-wait-s`` (default 60 s), each try
+logged, before the model is even loaded; then the process exits with status 3 (a process manager restarts it).
 
 An instance over several processes (hosts): start one process per ``--process-id 0..N-1``, each with the same
 flags and ``--coordinator HOST:PORT --num-processes N`` (``distributed.py``). Process 0 serves and prints the ready
@@ -18,16 +22,19 @@ import argparse
 import gc
 import json
 import logging
-import signal
 import sys
 import threading
 from pathlib import Path
 
+from .. import roles
 from ..model.compile_cache import enable_compilation_cache
+from ..roles import add_security_arguments, parse_address
 from .conductor_link import DECODE, PREFILL
 from .config import InstanceConfig
 from .devices import reserve_cpu_devices
-from .server import InstanceServer
+from .server import InstanceServer, RegistrationError
+
+log = logging.getLogger("mooncake_jax.instance")
 
 
 FLAGS = {  # flag -> InstanceConfig field (defaults: the config's own; ``--config`` gives them all at once)
@@ -42,12 +49,18 @@ _INT_FIELDS = {"port", "seed", "block_size", "tensor_parallel", "pipeline_stages
                "num_pages", "num_processes", "process_id"}
 
 
-def parse_args(argv=None) -> InstanceConfig:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p) -> None:
     p.add_argument("--config", default=None, help="the whole InstanceConfig as JSON (what a cluster passes)")
     for flag, name in FLAGS.items():
         p.add_argument(flag, dest=name, default=None, type=int if name in _INT_FIELDS else str,
                        choices=[PREFILL, DECODE] if name == "role" else None)
+    p.add_argument("--listen", default=None, metavar="HOST:PORT",
+                   help="address to serve on (port 0: a free one; the same as --host and --port)")
+    p.add_argument("--advertise", default=None, metavar="HOST[:PORT]",
+                   help="address the Conductor, the gateway and the other instances reach this one at, when not "
+                        "the listen address (NAT, containers); without a port: the one bound")
+    p.add_argument("--conductor-wait-s", type=float, default=None,
+                   help="retry a Conductor that does not answer this long before giving up (default 60)")
     p.add_argument("--pool-dram-blocks", type=int, default=None)
     p.add_argument("--pool-ssd-path", default=None)
     p.add_argument("--layerwise", action="store_true", default=None)
@@ -55,14 +68,30 @@ def parse_args(argv=None) -> InstanceConfig:
     p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start")
     p.add_argument("--auth-token-stdin", action="store_true",
                    help="read the cluster's shared token from the first line of standard input")
+    p.add_argument("--exit-with-stdin", action="store_true",
+                   help="stop when standard input closes (a launcher's children: they never outlive it)")
     p.add_argument("--compile-cache", default="", help="persistent XLA cache folder ('none' to disable; "
                                                           "default: the user's cache directory)")
-    a = p.parse_args(argv)
+    add_security_arguments(p)
+
+
+def config_from_args(a, auth_token: str | None) -> InstanceConfig:
+    """The InstanceConfig the flags describe; ValueError saying which flag is wrong."""
     try:
         fields = json.loads(a.config) if a.config else {}
     except json.JSONDecodeError as e:
-        p.error(f"--config is not JSON: {e}")
+        raise ValueError(f"--config is not JSON: {e}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--config must be a JSON object, got {type(fields).__name__}")
     fields.update({name: getattr(a, name) for name in FLAGS.values() if getattr(a, name) is not None})
+    if a.listen is not None:
+        if a.host is not None or a.port is not None:
+            raise ValueError("give --listen or --host/--port, not both")
+        fields["host"], fields["port"] = parse_address(a.listen, "--listen")
+    if a.advertise is not None:
+        fields["advertise"] = a.advertise
+    if a.conductor_wait_s is not None:
+        fields["conductor_wait_s"] = a.conductor_wait_s
     pool = dict(fields.get("pool") or {})
     if a.pool_dram_blocks is not None:
         pool["dram_blocks"] = a.pool_dram_blocks
@@ -74,16 +103,24 @@ def parse_args(argv=None) -> InstanceConfig:
     if a.no_warmup:
         fields["warmup"] = False
     if "role" not in fields or "conductor_address" not in fields:
-        p.error("an instance needs --role and --conductor (or both in --config)")
+        raise ValueError("an instance needs --role and --conductor (or both in --config)")
+    parse_address(fields["conductor_address"], "--conductor")
     try:
-        config = InstanceConfig.from_dict(
-            fields, auth_token=sys.stdin.readline().strip() or None if a.auth_token_stdin else None,
-            profile_json=a.profile_file.read_text() if a.profile_file else None)
+        profile_json = a.profile_file.read_text() if a.profile_file else None
+    except OSError as e:
+        raise ValueError(f"--profile-file: {e}") from None
+    return InstanceConfig.from_dict(fields, auth_token=auth_token, profile_json=profile_json)
+
+
+def parse_args(argv=None) -> InstanceConfig:
+    """The InstanceConfig of a command line (exits with a usage error when it is wrong)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    a = p.parse_args(argv)
+    try:
+        return config_from_args(a, sys.stdin.readline().strip() or None if a.auth_token_stdin else None)
     except ValueError as e:
         p.error(str(e))
-    if a.compile_cache != "none":
-        enable_compilation_cache(a.compile_cache or None)
-    return config
 
 
 SWITCH_INTERVAL_S = 0.0005
@@ -102,53 +139,82 @@ def settle_serving_process() -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
-def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
-    config = parse_args(argv)
+def _stop_followers(config: InstanceConfig, server: InstanceServer | None) -> None:
+    """Release the other processes of a multi-process instance (they wait for process 0's operations)."""
+    if config.num_processes > 1 and server is not None:
+        from .distributed import stop_followers
+
+        stop_followers(server.engine.runner.channel)
+
+
+def run(args) -> int:
+    """``mooncake-jax instance``: one prefill or decode instance until SIGTERM/SIGINT (or, with
+    ``--exit-with-stdin``, until standard input closes). Nothing is left running when it cannot start."""
+    if args.auth_token_stdin:
+        args.auth_token_from_stdin = sys.stdin.readline().strip() or None
+    try:
+        token = roles.setup(args, "instance")
+        config = config_from_args(args, token)
+        roles.check_exposed(config.host, token, "the instance")
+        if config.num_processes > 1:  # refuse a shape the model cannot take before any process waits for others
+            from ..model.config import get_config
+
+            config.validate_for(get_config(config.model))
+    except ValueError as e:
+        return roles.fail("instance", e, roles.EXIT_BAD_INPUT)
+    if args.compile_cache != "none":
+        enable_compilation_cache(args.compile_cache or None)
+    roles.end_on_signals()
+    if config.process_id == 0:  # before minutes of loading and compiling: is there a Conductor to serve?
+        try:
+            roles.wait_for_conductor(config.conductor_address, config.conductor_wait_s, config.instance_id)
+        except roles.Unreachable as e:
+            return roles.fail("instance", e, roles.EXIT_UNREACHABLE)
     if config.num_processes > 1:  # one instance over several processes: join them before JAX starts
-        from ..model.config import get_config
         from .distributed import join_group, run_follower
 
-        try:  # refuse a shape the model cannot take before any process waits for the others
-            config.validate_for(get_config(config.model))
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
         reserve_cpu_devices(config.device_count // config.num_processes)
         join_group(config.coordinator, config.num_processes, config.process_id, config.coordinator_timeout_s)
         if config.process_id != 0:
             return run_follower(config)
     if config.devices:  # on the CPU platform, have the device ids this instance owns (before JAX starts)
         reserve_cpu_devices(max(config.devices) + 1)
-    server = InstanceServer(config)
+    server = None
     try:
+        server = InstanceServer(config)
         server.start()
+    except RegistrationError as e:
+        _stop_followers(config, server)
+        return roles.fail("instance", e, roles.EXIT_UNREACHABLE)
+    except (ValueError, OSError) as e:
+        _stop_followers(config, server)
+        return roles.fail("instance", e, roles.EXIT_BAD_INPUT)
     except BaseException:
-        if config.num_processes > 1:  # the followers would wait for process 0's operations until JAX's heartbeat
-            from .distributed import stop_followers
-
-            stop_followers(server.engine.runner.channel)
+        _stop_followers(config, server)
         raise
+    stop = roles.stop_event()
+    if args.exit_with_stdin:
+        def lifeline():
+            sys.stdin.read()  # returns at EOF: the parent is gone or wants us to stop
+            stop.set()
+
+        threading.Thread(target=lifeline, daemon=True).start()
     settle_serving_process()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-
-    def lifeline():
-        sys.stdin.read()  # returns at EOF: the parent is gone or wants us to stop
-        stop.set()
-
-    threading.Thread(target=lifeline, daemon=True).start()
-    print(json.dumps({"ready": True, "instance_id": config.instance_id, "address": server.address,
-                      "profile_json": server.profile_json}), flush=True)
+    log.info("%s instance %s serving on %s:%d, registered as %s", config.role, config.instance_id, config.host,
+             server.port, server.address)
+    roles.announce(instance_id=config.instance_id, address=server.address, port=server.port,
+                   profile_json=server.profile_json)
     stop.wait()
+    log.info("%s stopping", config.instance_id)
     server.stop()
-    if config.num_processes > 1:
-        from .distributed import stop_followers
-
-        stop_followers(server.engine.runner.channel)
+    _stop_followers(config, server)
     return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from ..model.engine import Engine
 from ..model.llama import Llama
 from ..proto import server_options
 from ..proto.auth import interceptors
+from ..proto.tls import add_port
 from ..proto.guards import DecodeGuard, WorkGate
 from ..transfer import BlockPool, BlockSpec
 from ..transfer.messenger import MessengerClient
@@ -57,6 +58,17 @@ def build_engine(config: InstanceConfig, model: Llama) -> Engine:
         layout = MeshLayout(model.cfg, spec, devices) if spec.devices > 1 or devices is not None else None
     return Engine(model, num_pages=config.num_pages, max_batch=config.max_batch,
                   prefill_chunk_size=config.prefill_chunk_size, layout=layout, bucket_factor=config.bucket_factor)
+
+
+def advertised_address(advertise: str, host: str, port: int) -> str:
+    """The address this instance registers: ``advertise`` (HOST:PORT, or HOST with the bound ``port``) when given,
+    else where it listens."""
+    if not advertise:
+        return f"{host}:{port}"
+    head, sep, tail = advertise.rpartition(":")
+    if sep and tail.isdigit() and not advertise.endswith("]"):
+        return advertise
+    return f"{advertise}:{port}"
 
 
 class RegistrationError(RuntimeError):
@@ -99,10 +111,10 @@ class InstanceServer:
         self.messenger_meter = add_messenger(self._server, self.pool)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        self.port = add_port(self._server, f"{config.host}:{config.port}")
         if not self.port:
             raise ValueError(f"cannot listen on {config.host}:{config.port}")
-        self.address = f"{config.host}:{self.port}"
+        self.address = advertised_address(config.advertise, config.host, self.port)
         self._clients: dict[str, MessengerClient] = {}
         self._clients_lock = threading.Lock()
         self.costs = None
@@ -163,7 +175,7 @@ class InstanceServer:
             config_json=self.config.to_json(), kv_layout=self.kv_layout.to_json(), hardware=self.config.hardware,
             model=self.config.model)
         try:
-            self.link.start()
+            self.link.start(register_timeout_s=self.config.conductor_wait_s)
         except grpc.RpcError as e:  # refused (say, KV of another model) or unreachable: take everything down
             self.stop()
             raise RegistrationError(f"{self.instance_id}: the Conductor at {self.config.conductor_address} did not "

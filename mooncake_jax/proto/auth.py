@@ -13,7 +13,7 @@ import ipaddress
 
 import grpc
 
-from . import channel_options
+from . import channel_options, tls
 
 OPEN_SERVICES = ("grpc.health.v1.Health",)
 LOOPBACK_NAMES = ("localhost",)
@@ -95,9 +95,15 @@ class _AddToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercep
         return continuation(self._details(details), requests)
 
 
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
+"""A peer that went away (a restarting Conductor or instance) is tried again at least every 2 s, not after gRPC's
+default backoff of up to 2 minutes: calls fail fast while it is away (UNAVAILABLE) and succeed soon after it is back."""
+
+
 def open_channel(address: str, token: str | None = None) -> grpc.Channel:
-    """A channel to ``address`` with the project's message limits, carrying ``token`` on every call if given."""
-    channel = grpc.insecure_channel(address, options=channel_options())
+    """A channel to ``address`` with the project's message limits (TLS when this process has it: ``tls.py``),
+    carrying ``token`` on every call if given."""
+    channel = tls.channel(address, channel_options() + RECONNECT_OPTIONS)
     return grpc.intercept_channel(channel, _AddToken(token)) if token else channel
 
 

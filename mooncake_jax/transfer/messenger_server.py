@@ -17,6 +17,7 @@ import grpc
 from mooncake_jax.blocks import BlockKey
 from mooncake_jax.proto import GRPC_MAX_MESSAGE_BYTES, server_options
 from mooncake_jax.proto.auth import interceptors
+from mooncake_jax.proto.tls import add_port
 from mooncake_jax.transfer.counters import Meter, TransferCounters
 from mooncake_jax.transfer.device_plane import PULL_BYTES, device_plane
 from mooncake_jax.transfer.frame import CorruptBlockError
@@ -224,7 +225,7 @@ class MessengerServer:
                                    interceptors=interceptors(auth_token))
         self._meter = add_messenger(self._server, pool)
         try:
-            self.port = self._server.add_insecure_port(f"{host}:{port}")
+            self.port = add_port(self._server, f"{host}:{port}")
         except RuntimeError as err:
             raise ValueError(f"cannot listen on {host}:{port}: {err}") from err
         if not self.port:
