@@ -38,7 +38,7 @@ def test_one_serializer_for_command_line_json_and_registration():
 
 
 def test_data_plane_survives_every_serialization_and_bad_values_are_named():
-    c = InstanceConfig("decode", data_plane="jax")
+    c = InstanceConfig("decode", conductor_address="127.0.0.1:1", data_plane="jax")
     assert InstanceConfig.from_json(c.to_json()).data_plane == "jax"
     assert parse_args(c.to_args()).data_plane == "jax"
     assert InstanceConfig("decode").data_plane == "grpc"
