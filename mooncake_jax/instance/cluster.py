@@ -46,27 +46,21 @@ log = logging.getLogger(__name__)
 PREFILL_NICENESS = 5
 """How much lower a local cluster's prefill processes run than its decode processes when all share one host's cores:
 a decode step stalled behind a prefill is a token gap every running request sees (TBT), while a prefill is
-throughput work whose delay the Conductor already counts as queue time. On Linux they run as SCHED_IDLE instead
-(a decode thread that wakes preempts them at once; measured on the demo, 2 cores: decode-side token interval p99
-17 -> 8-9 ms, client TBT p99 0.025-0.033 -> 0.012-0.018 s, TTFT unchanged); where that is not available, this many
-nice levels lower. Nothing changes where the roles have their own machines, as in the paper's deployment."""
+throughput work whose delay the Conductor already counts as queue time. Nothing changes where the roles have their
+own machines, as in the paper's deployment. Not SCHED_IDLE: measured, it cut the demo's TBT p99 further (0.025 ->
+0.013-0.022 s) but on a host loaded by other work it starved prefill processes until they missed their heartbeats
+and were drained from the Conductor (load 13, seven times in one run)."""
 
 
 def lower_priority(pid: int, niceness: int) -> None:
-    """Run process ``pid`` as background work: each of its threads (Linux lists them in /proc; elsewhere only the
-    main one) and the threads they create from now on, as SCHED_IDLE where the OS has it, else ``niceness`` levels
-    below this process; a warning, never an error, where neither is permitted. Called once the instance is ready:
-    its start-up (calibration, warm-up) runs at full priority, or a loaded host could starve it past its timeout."""
+    """Run process ``pid`` ``niceness`` levels below this process: each of its threads (Linux lists them in /proc;
+    elsewhere only the main one) and the threads they create from now on; a warning, never an error, where that is
+    not permitted. Called once the instance is ready: its start-up (calibration, warm-up) runs at full priority."""
     try:
         threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         threads = [pid]
     for tid in threads:
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            continue
-        except (AttributeError, OSError):
-            pass
         try:
             os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, 0) + niceness)
         except ProcessLookupError:  # a thread that ended meanwhile
