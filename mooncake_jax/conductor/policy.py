@@ -171,7 +171,7 @@ class Policy:
         the request's KV under the admission view (``early`` / ``predictive`` only)."""
         cfg, table, ledger = self.config, snapshot.instances, snapshot.ledger
         kv, capacity, coef = request.kv_tokens, table.kv_capacity_tokens, table.decode_coef
-        decode_s = snapshot.decode_time_s
+        decode_s = snapshot.decode_time_per_slot
         routed, seen = adm.decode_views(cfg.admission, ledger, now, end, decode_s)
         batch, context = ledger.per_slot(routed, table.capacity)
         load = decode_step_seconds(coef, batch + 1, context + kv)  # what spreads a burst: all routed load
@@ -197,7 +197,7 @@ class Policy:
 
     def _retry_after(self, snapshot: Snapshot, slot: int | None, now: float) -> float:
         """Until the next predicted decode completion (on ``slot``, or anywhere), at least the configured floor."""
-        finish = snapshot.ledger.next_finish(slot, now, snapshot.decode_time_s)
+        finish = snapshot.ledger.next_finish(slot, now, snapshot.decode_time_per_slot)
         wait = 0.0 if finish is None else finish - now
         return max(self.config.min_retry_after_s, wait)
 

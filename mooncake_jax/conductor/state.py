@@ -42,12 +42,19 @@ class ClusterState:
 
     @property
     def decode_time_s(self) -> float:
-        """t_d: the configured uniform decode time, or the moving average of reported ones."""
+        """t_d: the configured uniform decode time, or the moving average of reported ones, cluster-wide."""
         fixed = self.config.decode_time_s
         return self._tracked_decode_s if fixed is None else fixed
 
+    def decode_time_of(self, instance_id: str) -> float:
+        """A decode instance's own t_d (the configured one when fixed): the moving average of the decode times
+        its finished requests reported, starting from the cluster-wide figure when it registered."""
+        fixed = self.config.decode_time_s
+        return float(self.instances.decode_time_s[self.instances.slot(instance_id)]) if fixed is None else fixed
+
     def snapshot(self) -> Snapshot:
-        return Snapshot(self.instances, self.index, self.ledger, self.decode_time_s)
+        per_slot = self.instances.decode_time_s if self.config.decode_time_s is None else None
+        return Snapshot(self.instances, self.index, self.ledger, self.decode_time_s, per_slot)
 
     def schedule(self, policy, request: Request, now: float, store_blocks: bool = True) -> Decision:
         """Decide for ``request`` and, if accepted, apply the decision at once."""
@@ -93,7 +100,9 @@ class ClusterState:
         role = Role[role.upper()] if isinstance(role, str) else Role(role)
         if instance_id in self.instances.slot_of:
             self.remove_instance(instance_id)
-        return self.instances.add(instance_id, role, costs, now, address, kv_capacity_tokens, hardware)
+        slot = self.instances.add(instance_id, role, costs, now, address, kv_capacity_tokens, hardware)
+        self.instances.decode_time_s[slot] = self._tracked_decode_s  # until its own requests report theirs
+        return slot
 
     def set_link(self, sender: str, receiver: str, bytes_per_s: float, both_ways: bool = True) -> None:
         """Give a pair of instances its own link bandwidth (default: the slower NIC of the two); it holds across
@@ -182,15 +191,18 @@ class ClusterState:
         return self.ledger.set_start(request_id, now, started=True)
 
     def finished(self, request_id: str, now: float) -> bool:
-        """The request completed; its decode duration feeds the tracked t_d."""
+        """The request completed; its decode duration feeds the tracked t_d, the cluster's and its decode
+        instance's own."""
         entry = self.ledger.get(request_id)
         self._prefill_of.pop(request_id, None)
         if entry is None:
             return False
         self.ledger.remove(request_id)
         if entry[3] and now >= entry[1]:
-            weight = self.config.decode_time_smoothing
-            self._tracked_decode_s += weight * ((now - entry[1]) - self._tracked_decode_s)
+            weight, duration = self.config.decode_time_smoothing, now - entry[1]
+            self._tracked_decode_s += weight * (duration - self._tracked_decode_s)
+            per_slot = self.instances.decode_time_s
+            per_slot[entry[0]] += weight * (duration - per_slot[entry[0]])
         return True
 
     def dropped(self, request_id: str) -> bool:
