@@ -52,6 +52,18 @@ def test_profile_carries_the_chunk_buckets():
     assert costs_from_profile(profile).prefill.computed_tokens(300) == 300
 
 
+def test_profile_of_times_that_do_not_grow_with_flops_uses_the_free_fit():
+    """A loaded host's calibration can time a long prompt below a short one: no FLOP rate fits, the polynomial does
+    (the start-up of an instance used to fail on it)."""
+    from mooncake_jax.conductor.profile import build_profile
+
+    flat = [(16, 0, 0.02), (64, 0, 0.01), (256, 0, 0.01), (512, 0, 0.005)]
+    profile = build_profile("p", "tiny", flat, [(1, 64, 0.003), (4, 256, 0.004), (16, 2048, 0.008)],
+                            kv_bytes_per_token=1, nic_bytes_per_s=1e9, kv_capacity_tokens=10**5, layers=4,
+                            d_model=128)
+    assert profile["prefill"]["use"] == "poly" and "fast25" not in profile["prefill"]["fits"]
+
+
 def test_release_timing_by_hand():
     assert LAYERWISE.push_start(2.0, 5.0) == 2.0 and LAYERWISE.first_token_at(5.0, 6.0) == 5.0
     assert REAL_INSTANCES.push_start(2.0, 5.0) == 5.0 and REAL_INSTANCES.first_token_at(5.0, 6.0) == 6.0

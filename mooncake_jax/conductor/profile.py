@@ -47,7 +47,10 @@ def build_profile(name: str, model: str, prefill_points, decode_points, *, kv_by
     decode_points = [[float(v) for v in p] for p in decode_points]
     fits = {"poly": fit_prefill_poly(prefill_points)}
     if layers and d_model:
-        fits["fast25"] = fit_prefill_fast25(prefill_points, layers, d_model, peak_flops_per_s=peak_flops_per_s)
+        try:
+            fits["fast25"] = fit_prefill_fast25(prefill_points, layers, d_model, peak_flops_per_s=peak_flops_per_s)
+        except ValueError:  # times that do not grow with FLOPs (a tiny model, a loaded host): the free form fits
+            pass
     use = min(fits, key=lambda form: fits[form].mean_rel_err)
     profile = {
         "format": FORMAT, "name": name, "model": model, "hardware": str(hardware),
