@@ -123,7 +123,8 @@ def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: f
 
     trace = Trace([TraceRequest(at, len(prompt), max_tokens, keys) for at, prompt, max_tokens, keys in items],
                   "conversation-slice", ENGINE_BLOCK)
-    profiled = costs.replace(prefill=PrefillCost([c * overheads["prefill_scale"] for c in costs.prefill.coef]),
+    profiled = costs.replace(prefill=PrefillCost([c * overheads["prefill_scale"] for c in costs.prefill.coef],
+                                                 costs.prefill.chunk_buckets),
                              decode=DecodeCost([c * overheads["decode_scale"] for c in costs.decode.coef]))
     return simulate(trace, prefill=prefill, decode=decode, policy="kvcache-centric", admission="none",
                     speed=speed, hardware=profiled, cache_tokens=cache_tokens, release_timing=REAL_INSTANCES,

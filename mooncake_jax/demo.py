@@ -8,6 +8,11 @@ TTFT and TBT percentiles, SLO attainment, prefix cache hits and KV bytes moved.
 Trace lengths are scaled to the tiny model: a trace block of 512 tokens becomes an engine block of 16 tokens
 (``scale`` 32), and each block id becomes 16 token ids drawn from a generator seeded by the id, so the trace's
 shared prefixes are real shared prefixes in the engine.
+
+``--hetero`` runs the same job on unlike instances under the same Conductor (``HETERO``): layer-wise bfloat16
+prefill instances with 2-way tensor parallelism and 16-token pages, a float32 decode instance with 4-way tensor
+parallelism and 32-token pages (the decode side converts the KV it pulls), each on its own fake CPU devices (8 for
+the default 2 + 1). Its summary adds ``instances``: each instance's role, shape, dtype, block size and devices.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ from .slo import tbt_of_times
 
 TRACE_BLOCK, ENGINE_BLOCK = 512, 16
 
+HETERO = dict(prefill_shape="tensor=2", prefill_dtype="bfloat16", prefill_block_size=ENGINE_BLOCK, layerwise=True,
+              decode_shape="tensor=4", decode_dtype="float32", decode_block_size=2 * ENGINE_BLOCK)
+"""``demo --hetero``'s per-role shapes (``Cluster.local`` options): unlike in tensor parallelism, dtype and page
+size, so every request's KV is re-laid out between its prefill and decode instance."""
+
 
 def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=100, help="first N requests of the trace")
@@ -38,6 +48,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tbt-slo-s", type=float, default=0.25)
     p.add_argument("--admission", default="predictive", choices=["none", "baseline", "early", "predictive"])
     p.add_argument("--in-process", action="store_true", help="instances as threads instead of processes")
+    p.add_argument("--hetero", action="store_true",
+                   help="unlike instances: bfloat16 tensor=2 layer-wise prefill (16-token pages), float32 tensor=4 "
+                        "decode (32-token pages), each on its own fake CPU devices")
     p.add_argument("--json", type=Path, default=None, help="also write the results table as JSON")
 
 
@@ -122,6 +135,18 @@ def summarize(results: list[dict], ttft_slo: float, tbt_slo: float, wall_s: floa
     }
 
 
+def describe_instances(configs, model_config) -> list[dict]:
+    """Each instance's shape as the summary reports it (dtype and block size resolved to the model's own where the
+    config leaves them to it)."""
+    from .instance.config import format_devices
+
+    return [{"instance_id": c.instance_id, "role": c.role, "shape": c.shape, "tensor_parallel": c.tensor_parallel,
+             "pipeline_stages": c.pipeline_stages, "dtype": c.dtype or model_config.dtype,
+             "block_size": c.block_size or model_config.block_size, "layerwise": c.layerwise if c.role == "prefill"
+             else False, "devices": format_devices(c.devices) or None}
+            for c in configs]
+
+
 def print_table(summary: dict) -> None:
     rows = [("requests", summary["requests"]), ("completed", summary["completed"]),
             ("rejected early / late", f"{summary['rejected_early']} / {summary['rejected_late']}"),
@@ -136,6 +161,9 @@ def print_table(summary: dict) -> None:
             ("KV bytes moved between instances", f"{summary['transfer_bytes']:,}"),
             ("output tokens / s", summary["output_tokens_per_s"]),
             ("wall time (s)", summary["wall_s"])]
+    for inst in summary.get("instances", []):
+        rows.append((f"instance {inst['instance_id']}", f"{inst['shape']} {inst['dtype']} block {inst['block_size']}"
+                                                        f" devices {inst['devices']}"))
     width = max(len(name) for name, _ in rows)
     print()
     for name, value in rows:
@@ -155,12 +183,23 @@ def run(args) -> int:
         return 2
     cfg = PRESETS["tiny"]
     items = workload(args.requests, cfg.vocab_size, cfg.max_seq_len)
-    print(f"starting the cluster: tiny model, {args.prefill} prefill + {args.decode} decode instances ...",
+    shapes = HETERO if getattr(args, "hetero", False) else {}
+    if shapes and args.in_process:  # this process holds every instance: it needs their devices (CPU: fake ones)
+        from .instance.devices import reserve_cpu_devices
+
+        reserve_cpu_devices(2 * args.prefill + 4 * args.decode)
+    print(f"starting the cluster: tiny model, {args.prefill} prefill + {args.decode} decode instances"
+          f"{' (unlike: ' + ', '.join(f'{k}={v}' for k, v in shapes.items()) + ')' if shapes else ''} ...",
           flush=True)
     log_dir = tempfile.mkdtemp(prefix="mooncake-demo-")
-    with Cluster.local("tiny", prefill=args.prefill, decode=args.decode, processes=not args.in_process,
-                       admission=args.admission, ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s,
-                       log_dir=log_dir) as cluster:
+    try:
+        cluster = Cluster.local("tiny", prefill=args.prefill, decode=args.decode, processes=not args.in_process,
+                                admission=args.admission, ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s,
+                                log_dir=log_dir, **shapes)
+    except ValueError as e:  # a shape the devices or the model cannot take: said before anything runs
+        print(f"mooncake-jax demo: {e}", file=sys.stderr)
+        return 2
+    with cluster:
         gateway = cluster.serve_gateway(grpc_port=None, http_port=0)
         settle_serving_process()
         url = f"http://127.0.0.1:{gateway.http_port}/v1/completions"
@@ -183,6 +222,8 @@ def run(args) -> int:
         bar.close()
         wall = time.perf_counter() - start
         summary = summarize(results, args.ttft_slo_s, args.tbt_slo_s, wall, cluster.stats())
+        if shapes:
+            summary["instances"] = describe_instances(cluster.configs, cfg)
     print_table(summary)
     for r in [r for r in results if r["status"] == "failed"][:5]:
         print(f"  failed: {r.get('code', '')} {r.get('error', '')}")

@@ -26,6 +26,44 @@ def test_cached_prefix_rule():
     assert prefill_work_s(SLOW_LINK.prefill, 1024, 4096) == pytest.approx(1.001)
 
 
+def test_prefill_work_counts_the_padded_chunks_the_engine_computes():
+    """Buckets 16/64/256/512 (the instances' default: chunk 512, factor 4): 300 new tokens are computed as 512, 65
+    as 256, 1,100 as 512 + 512 + 256 (two whole chunks and a padded tail); 1 ms per computed token."""
+    padded = PrefillCost((1.0, 0.001, 0.0, 0.0), chunk_buckets=(16, 64, 256, 512))
+    assert [padded.computed_tokens(x) for x in (1, 16, 17, 65, 256, 300, 512, 1100)] == [
+        16, 16, 64, 256, 256, 512, 512, 1280]
+    assert prefill_work_s(padded, 300, 0) == pytest.approx(1.512)
+    assert prefill_work_s(padded, 1000, 512) == pytest.approx(1.512)  # 488 new tokens -> 512
+    assert prefill_work_s(padded, 1024, 4096) == pytest.approx(1.016)  # the last token alone: one 16-token chunk
+    assert prefill_work_s(SLOW_LINK.prefill, 300, 0) == pytest.approx(1.3)  # no buckets: exactly the new tokens
+    with pytest.raises(ValueError, match="ascending"):
+        PrefillCost((1.0, 0.0, 0.0, 0.0), chunk_buckets=(64, 16))
+
+
+def test_profile_carries_the_chunk_buckets():
+    from mooncake_jax.conductor.profile import build_profile, costs_from_profile
+
+    points = [(16, 0, 0.01), (64, 0, 0.012), (256, 0, 0.02), (512, 0, 0.04), (384, 128, 0.03)]
+    profile = build_profile("p", "tiny", points, [(1, 64, 0.003), (4, 256, 0.004), (16, 2048, 0.008)],
+                            kv_bytes_per_token=1, nic_bytes_per_s=1e9, kv_capacity_tokens=10**5,
+                            chunk_buckets=(16, 64, 256, 512))
+    assert costs_from_profile(profile).prefill.chunk_buckets == (16, 64, 256, 512)
+    del profile["prefill"]["chunk_buckets"]  # a profile written before: computes exactly the new tokens
+    assert costs_from_profile(profile).prefill.computed_tokens(300) == 300
+
+
+def test_profile_of_times_that_do_not_grow_with_flops_uses_the_free_fit():
+    """A loaded host's calibration can time a long prompt below a short one: no FLOP rate fits, the polynomial does
+    (the start-up of an instance used to fail on it)."""
+    from mooncake_jax.conductor.profile import build_profile
+
+    flat = [(16, 0, 0.02), (64, 0, 0.01), (256, 0, 0.01), (512, 0, 0.005)]
+    profile = build_profile("p", "tiny", flat, [(1, 64, 0.003), (4, 256, 0.004), (16, 2048, 0.008)],
+                            kv_bytes_per_token=1, nic_bytes_per_s=1e9, kv_capacity_tokens=10**5, layers=4,
+                            d_model=128)
+    assert profile["prefill"]["use"] == "poly" and "fast25" not in profile["prefill"]["fits"]
+
+
 def test_release_timing_by_hand():
     assert LAYERWISE.push_start(2.0, 5.0) == 2.0 and LAYERWISE.first_token_at(5.0, 6.0) == 5.0
     assert REAL_INSTANCES.push_start(2.0, 5.0) == 5.0 and REAL_INSTANCES.first_token_at(5.0, 6.0) == 6.0

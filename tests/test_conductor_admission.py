@@ -195,6 +195,43 @@ def test_decode_time_tracked_as_moving_average_and_used_by_prediction():
     assert policy.decide(req("early"), state.snapshot(), 11.0).reason == RejectReason.TBT_SLO
 
 
+def test_each_decode_hardware_kind_has_its_own_decode_time():
+    """Decode instance F (kind "fast") turns its requests over in 4 s, S (kind "slow") in 36 s; both start from
+    t_d = 20 s, smoothing 0.5: F 20 -> 12, S 20 -> 28. Three requests then decode on each since t=1: under F's own
+    t_d they are gone at 1 + 12 = 13, under S's at 1 + 28 = 29, so at t=12.5 (prefill ends 13.5) only F can take a
+    new request within the TBT SLO; under one cluster-wide t_d (20 -> 12 -> 24) both would still be full (until
+    25). A second instance of kind "fast" shares F's figure, also when it registers later."""
+    state, policy = cluster(prefill=("P0", "P1", "P2", "P3"), decode=(), costs=FLAT, admission="predictive",
+                            tbt_slo_s=0.035, decode_time_init_s=20.0, decode_time_smoothing=0.5)
+    state.add_instance("F", "decode", FLAT, 0.0, hardware="fast")
+    state.add_instance("S", "decode", FLAT, 0.0, hardware="slow")
+    for name, (instance, seconds) in {"f": ("F", 4.0), "s": ("S", 36.0)}.items():
+        state.ledger.add(name, state.instances.slot(instance), 1.0, 20, started=True)  # decoding there since 1
+        assert state.finished(name, 1.0 + seconds)
+    assert state.decode_time_of("F") == pytest.approx(12.0) and state.decode_time_of("S") == pytest.approx(28.0)
+    assert state.decode_time_s == pytest.approx(24.0)  # the cluster-wide figure: 20 -> 12 -> 24
+    state.add_instance("F2", "decode", FLAT, 0.0, hardware="fast")
+    assert state.decode_time_of("F2") == pytest.approx(12.0)
+    for instance in ("F", "F2", "S"):
+        for i in range(3):
+            state.ledger.add(f"{instance}{i}", state.instances.slot(instance), 1.0, 20, started=True)
+    d = policy.decide(req("new"), state.snapshot(), 12.5)
+    assert d.accepted and d.decode in ("F", "F2") and d.predicted_tbt_s == pytest.approx(0.01)
+    assert policy.decide(req("new"), state.snapshot(), 11.0).reason == RejectReason.TBT_SLO  # F full until 13
+
+
+def test_one_kind_of_decode_instance_tracks_the_cluster_wide_decode_time():
+    """Instances of one kind pool their samples: the same figure as the cluster-wide one, on every instance."""
+    state, policy = cluster(prefill=("P0",), decode=("D0", "D1", "D2"), costs=FLAT, admission="predictive",
+                            tbt_slo_s=0.035, decode_time_init_s=20.0, decode_time_smoothing=0.5)
+    for i, (instance, seconds) in enumerate((("D0", 4.0), ("D1", 8.0), ("D0", 30.0))):
+        state.ledger.add(f"r{i}", state.instances.slot(instance), 0.0, 20, started=True)
+        state.finished(f"r{i}", seconds)
+    # 20 -> 12 -> 10 -> 20
+    assert [state.decode_time_of(d) for d in ("D0", "D1", "D2")] == [pytest.approx(20.0)] * 3
+    assert state.decode_time_s == pytest.approx(20.0)
+
+
 def test_reports_correct_the_predictions():
     state, policy = timeline("predictive")
     d = state.schedule(policy, req("a"), 0.0)

@@ -265,3 +265,42 @@ def test_conductor_hands_out_slos_and_refuses_unexchangeable_kv_at_registration(
     finally:
         channel.close()
         server.stop(0)
+
+
+# ---- demo --hetero ------------------------------------------------------------------------------------------------
+def test_demo_hetero_cluster_is_unlike_and_fits_eight_devices():
+    """``demo --hetero``'s shapes as the cluster checks them: every instance on its own devices, prefill and decode
+    unlike in tensor parallelism, dtype and page size; the summary's ``instances`` names each one's shape."""
+    from mooncake_jax.demo import HETERO, describe_instances
+    from mooncake_jax.model.config import get_config
+
+    per_role = {role: {k[len(role) + 1:]: v for k, v in HETERO.items() if k.startswith(role + "_")}
+                for role in ("prefill", "decode")}
+    options = {k: v for k, v in HETERO.items() if not k.startswith(("prefill_", "decode_"))}
+    configs = check_cluster("tiny", role_configs("tiny", 2, 1, options=options, per_role=per_role), 8)
+    described = {d["instance_id"]: d for d in describe_instances(configs, get_config("tiny"))}
+    assert described["prefill-0"] == {"instance_id": "prefill-0", "role": "prefill", "shape": "tensor=2,stage=1",
+                                      "tensor_parallel": 2, "pipeline_stages": 1, "dtype": "bfloat16",
+                                      "block_size": 16, "layerwise": True, "devices": "0-1"}
+    assert described["prefill-1"]["devices"] == "2-3"
+    assert described["decode-0"] == {"instance_id": "decode-0", "role": "decode", "shape": "tensor=4,stage=1",
+                                     "tensor_parallel": 4, "pipeline_stages": 1, "dtype": "float32",
+                                     "block_size": 32, "layerwise": False, "devices": "4-7"}
+
+
+@pytest.mark.slow  # three unlike engines to compile and measure: minutes on 2 shared cores (-m slow)
+def test_demo_hetero_summary(tmp_path):
+    import argparse
+
+    from mooncake_jax import demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--hetero", "--in-process", "--requests", "3", "--speed", "4",
+                              "--json", str(tmp_path / "demo.json")])
+    assert demo.run(args) == 0
+    summary = json.loads((tmp_path / "demo.json").read_text())
+    assert summary["completed"] == 3 and summary["failed"] == 0
+    assert {"slo_attainment", "tbt_p99_s", "ttft_p50_s", "transfer_bytes"} <= set(summary)
+    assert {(i["role"], i["tensor_parallel"], i["dtype"], i["block_size"]) for i in summary["instances"]} == {
+        ("prefill", 2, "bfloat16", 16), ("decode", 4, "float32", 32)}

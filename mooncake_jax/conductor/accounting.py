@@ -7,7 +7,9 @@ Conductor's predictions drift from what the instances report. So the rules live 
 
 - **Work of a prefill**: ``prefill_work_s(cost, n_tokens, cached_tokens)``: the prompt's leading cached tokens
   (engine page cache, pool, fetched blocks) are not computed, but the last prompt token always is (it yields the
-  first output token), so at most ``n_tokens - 1`` are reused.
+  first output token), so at most ``n_tokens - 1`` are reused; the new tokens count as the engine computes them,
+  each chunk padded to the length its program was compiled for (``PrefillCost.chunk_buckets``: a 300-token
+  prompt costs what 512 tokens cost on an engine with 16/64/256/512-token buckets).
 - **Queue**: the predicted work of every request accepted by the instance and not yet finished, the running one
   included at its full prediction (``queued_s``; the Conductor drains it at ``now + queued_s``).
 - **KV push and first-token release** (``ReleaseTiming``): the KV goes to the decode instance after the prefill
@@ -31,8 +33,11 @@ def reused_tokens(n_tokens: int, cached_tokens: int) -> int:
 
 
 def prefill_work_s(prefill_cost, n_tokens: int, cached_tokens: int) -> float:
-    """Predicted seconds of one prefill (``prefill_cost``: a ``PrefillCost``) over its cached prefix."""
-    return float(prefill_cost.seconds(n_tokens, reused_tokens(n_tokens, cached_tokens)))
+    """Predicted seconds of one prefill (``prefill_cost``: a ``PrefillCost``) over its cached prefix, counting
+    the new tokens as the engine computes them (each chunk padded to its compiled length, ``chunk_buckets``)."""
+    reused = reused_tokens(n_tokens, cached_tokens)
+    computed = prefill_cost.computed_tokens(int(n_tokens) - reused)
+    return float(prefill_cost.seconds(reused + computed, reused))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ no decode instance passes both.
 - ``predictive``: the same checks under the load predicted for the moment this request's prefill ends:
   requests whose prefill ends before then are added, requests that will have spent the uniform decode time t_d
   by then are removed (``DecodeLedger.at``; a request observed decoding past t_d stays until it is reported
-  finished).
+  finished). t_d is each decode instance's own (the moving average of its requests' reported decode times): a
+  faster decode instance, or a lighter one, turns its requests over sooner.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ CHECKS_DECODE_HERE = (Admission.EARLY, Admission.PREDICTIVE)
 
 
 def decode_views(admission: Admission, ledger: DecodeLedger, now: float, prefill_end_at: float,
-                 decode_s: float) -> tuple[np.ndarray, np.ndarray]:
+                 decode_s) -> tuple[np.ndarray, np.ndarray]:
     """Two masks over the ledger for a request whose prefill ends at ``prefill_end_at``: the routed load that
     decode selection spreads over (every request not predicted finished by then), and the load ``admission``
     judges: ``early`` the current load, the others the load predicted at ``prefill_end_at`` (for ``none`` and

@@ -138,13 +138,20 @@ class Snapshot:
 
     ``instances``: per-slot columns (queue drain times, cost coefficients, capacities). ``index``: which slots
     hold which blocks. ``ledger``: requests routed to decode instances and when each starts decoding.
-    ``decode_time_s``: the uniform decode time t_d in force.
+    ``decode_time_s``: the uniform decode time t_d in force, cluster-wide; ``decode_times``: each decode
+    instance's own (per slot; None: the cluster-wide one for all), what the decode load predictions use.
     """
 
     instances: InstanceTable
     index: BlockIndex
     ledger: DecodeLedger
     decode_time_s: float
+    decode_times: np.ndarray | None = None
+
+    @property
+    def decode_time_per_slot(self) -> np.ndarray | float:
+        """t_d for the ledger's load views: per decode slot where tracked, else the cluster-wide figure."""
+        return self.decode_time_s if self.decode_times is None else self.decode_times
 
 
 @dataclasses.dataclass(frozen=True)

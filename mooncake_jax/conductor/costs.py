@@ -45,7 +45,7 @@ def prefill_seconds_in_prefix(coef, n_tokens) -> np.ndarray:
     candidate prefix into one small matrix product and a few array operations (the policy's hot path).
     """
     n = float(n_tokens)
-    basis = np.array((1.0, n, n * n, 0.0, 0.0, -1.0, -2.0 * n, n, 0.0, 0.0, 1.0, -1.0)).reshape(3, 4)
+    basis = np.array(((1.0, n, n * n, 0.0), (0.0, -1.0, -2.0 * n, n), (0.0, 0.0, 1.0, -1.0)))
     return np.dot(basis, coef)
 
 
@@ -93,12 +93,31 @@ def _as_coef(values: Sequence[float], size: int, what: str) -> tuple[float, ...]
 
 @dataclasses.dataclass(frozen=True)
 class PrefillCost:
-    """Prefill time model: seconds = c0 + c1*x + c2*x^2 + c3*x*p (x new tokens, p cached prefix tokens)."""
+    """Prefill time model: seconds = c0 + c1*x + c2*x^2 + c3*x*p (x new tokens, p cached prefix tokens).
+
+    ``chunk_buckets``: the lengths the engine pads each prefill chunk to (ascending, the last one the chunk size;
+    empty when it computes exactly the new tokens). An engine that compiles one program per bucket computes 512
+    tokens for a 300-token prompt: the work of a prefill (``accounting.prefill_work_s``) counts those.
+    """
 
     coef: tuple[float, float, float, float]
+    chunk_buckets: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "coef", _as_coef(self.coef, 4, "PrefillCost"))
+        buckets = tuple(int(b) for b in self.chunk_buckets)
+        if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"PrefillCost chunk_buckets must be ascending positive token counts, got "
+                             f"{self.chunk_buckets!r}")
+        object.__setattr__(self, "chunk_buckets", buckets)
+
+    def computed_tokens(self, new_tokens: int) -> int:
+        """New tokens as the engine computes them: whole chunks, then the last one padded to its bucket."""
+        if not self.chunk_buckets:
+            return new_tokens
+        chunk = self.chunk_buckets[-1]
+        full, rest = divmod(int(new_tokens), chunk)
+        return full * chunk + (next(b for b in self.chunk_buckets if b >= rest) if rest else 0)
 
     @classmethod
     def fast25(cls, layers: int, d_model: int, flops_per_s: float, overhead_s: float = 0.0,

@@ -41,6 +41,8 @@ class InstanceTable:
     - ``prefill_coef`` (4 x capacity), ``decode_coef`` (3 x capacity): cost model coefficients per slot.
     - ``kv_bytes_per_token``, ``nic_bytes_per_s``, ``kv_capacity_tokens``: sizes and bandwidths per slot.
     - ``last_seen``: clock time of the instance's last heartbeat.
+    - ``decode_time_s``: a decode instance's own uniform decode time t_d (how long its requests decode: faster
+      hardware, or a smaller batch, finishes them sooner), tracked by the cluster state.
     - ``link_bytes_per_s`` (capacity x capacity): bandwidth of each sender (row) -> receiver (column) link; the
       slower NIC of the pair unless ``set_link`` gave the pair its own figure (same host, same rack, ...).
 
@@ -147,9 +149,12 @@ class InstanceTable:
         return self._barriers[role]
 
     def _refresh_masks(self) -> None:
-        self._masks = {role: self.role == int(role) for role in (Role.PREFILL, Role.DECODE)}
-        self._barriers = {role: np.where(mask, 0.0, np.inf) for role, mask in self._masks.items()}
-        self._counts = {role: int(np.count_nonzero(mask)) for role, mask in self._masks.items()}
+        # lists indexed by the role's value, not dicts keyed by the enum: an Enum hashes in Python code (its
+        # name), which cost a microsecond per lookup on the policy's hot path
+        roles = (Role.FREE, Role.PREFILL, Role.DECODE)
+        self._masks = [self.role == int(role) for role in roles]
+        self._barriers = [np.where(mask, 0.0, np.inf) for mask in self._masks]
+        self._counts = [int(np.count_nonzero(mask)) for mask in self._masks]
 
     def _grow(self, extra: int) -> None:
         for name, (rows, fill, dtype) in _COLUMNS.items():
@@ -172,6 +177,7 @@ _COLUMNS = {  # column: (rows, or None for one value per slot; fill value of a f
     "queue_free_at": (None, 0.0, float),
     "send_free_at": (None, 0.0, float),
     "last_seen": (None, 0.0, float),
+    "decode_time_s": (None, 1.0, float),
     "prefill_coef": (4, 0.0, float),
     "decode_coef": (3, 0.0, float),
     "kv_bytes_per_token": (None, 1.0, float),

@@ -111,24 +111,29 @@ class DecodeLedger:
         """Current load: requests whose decode has begun by ``now`` (as reported, or predicted) and not finished."""
         return self._start[: self._used] <= now
 
-    def window(self, now: float, decode_s: float) -> tuple[np.ndarray, np.ndarray]:
-        """(begin, end) of every entry's predicted decode, seen at ``now`` (see the module docstring)."""
+    def window(self, now: float, decode_s) -> tuple[np.ndarray, np.ndarray]:
+        """(begin, end) of every entry's predicted decode, seen at ``now`` (see the module docstring).
+        ``decode_s``: t_d, one for all, or one per decode slot (an array indexed by slot: each entry takes its
+        instance's)."""
         start, started = self._start[: self._used], self._started[: self._used]
+        if isinstance(decode_s, np.ndarray):  # free entries (slot -1) take some slot's: every view drops them
+            decode_s = decode_s[self._slot[: self._used]]
         begin = np.where(started, start, np.maximum(start, now))
         end = begin + decode_s
-        return begin, np.where(started & (end <= now), np.inf, end)
+        np.putmask(end, started & (end <= now), np.inf)  # in place: a third of np.where's cost here
+        return begin, end
 
-    def at(self, when: float, decode_s: float, now: float) -> np.ndarray:
+    def at(self, when: float, decode_s, now: float) -> np.ndarray:
         """Predicted load at ``when`` (>= ``now``): begun by then and not yet through their decode time."""
         begin, end = self.window(now, decode_s)
         return (begin <= when) & (end > when)
 
-    def committed(self, when: float, decode_s: float, now: float) -> np.ndarray:
+    def committed(self, when: float, decode_s, now: float) -> np.ndarray:
         """Requests that will share a batch with one arriving at ``when``: all not finished by then, including
         those still in prefill (a routed request counts at once, so a burst spreads over instances)."""
         return self.window(now, decode_s)[1] > when
 
-    def committed_and_at(self, when: float, decode_s: float, now: float) -> tuple[np.ndarray, np.ndarray]:
+    def committed_and_at(self, when: float, decode_s, now: float) -> tuple[np.ndarray, np.ndarray]:
         """``committed(when, ...)`` and ``at(when, ...)`` from one pass over the windows."""
         begin, end = self.window(now, decode_s)
         committed = end > when
@@ -146,7 +151,7 @@ class DecodeLedger:
         mine = mask & (self._slot[: self._used] == slot)
         return int(np.count_nonzero(mine)), float(self._tokens[: self._used][mine].sum())
 
-    def next_finish(self, slot: int | None, now: float, decode_s: float) -> float | None:
+    def next_finish(self, slot: int | None, now: float, decode_s) -> float | None:
         """Earliest predicted decode end after ``now`` on ``slot`` (any slot when None), or None."""
         ends = self.window(now, decode_s)[1]
         slots = self._slot[: self._used]

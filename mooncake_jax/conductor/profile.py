@@ -35,24 +35,30 @@ FORMAT = "mooncake-jax-profile/1"
 def build_profile(name: str, model: str, prefill_points, decode_points, *, kv_bytes_per_token: float,
                   nic_bytes_per_s: float, kv_capacity_tokens: int, cost_per_hour: float = 0.0,
                   layers: int | None = None, d_model: int | None = None,
-                  peak_flops_per_s: float | None = None, hardware: str = "measured") -> dict:
+                  peak_flops_per_s: float | None = None, hardware: str = "measured",
+                  chunk_buckets=()) -> dict:
     """Fit the measured points and return the profile JSON object.
 
     Both prefill forms are fitted when the model's ``layers`` and ``d_model`` are known; the one with the lower
-    mean relative error is used.
+    mean relative error is used. ``chunk_buckets``: the chunk lengths the measured engine pads a prefill to
+    (``PrefillCost.chunk_buckets``); measure the grid at those lengths, where padding costs nothing.
     """
     prefill_points = [[float(v) for v in p] for p in prefill_points]
     decode_points = [[float(v) for v in p] for p in decode_points]
     fits = {"poly": fit_prefill_poly(prefill_points)}
     if layers and d_model:
-        fits["fast25"] = fit_prefill_fast25(prefill_points, layers, d_model, peak_flops_per_s=peak_flops_per_s)
+        try:
+            fits["fast25"] = fit_prefill_fast25(prefill_points, layers, d_model, peak_flops_per_s=peak_flops_per_s)
+        except ValueError:  # times that do not grow with FLOPs (a tiny model, a loaded host): the free form fits
+            pass
     use = min(fits, key=lambda form: fits[form].mean_rel_err)
     profile = {
         "format": FORMAT, "name": name, "model": model, "hardware": str(hardware),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "kv_bytes_per_token": float(kv_bytes_per_token), "nic_bytes_per_s": float(nic_bytes_per_s),
         "kv_capacity_tokens": int(kv_capacity_tokens), "cost_per_hour": float(cost_per_hour),
-        "prefill": {"points": prefill_points, "fits": {k: f.to_dict() for k, f in fits.items()}, "use": use},
+        "prefill": {"points": prefill_points, "fits": {k: f.to_dict() for k, f in fits.items()}, "use": use,
+                    "chunk_buckets": [int(b) for b in chunk_buckets]},
         "decode": {"points": decode_points, "fit": fit_decode(decode_points).to_dict()},
     }
     costs_from_profile(profile)  # refuse to write a profile that cannot be read back
@@ -72,7 +78,7 @@ def costs_from_profile(profile: dict | str) -> InstanceCosts:
         prefill = profile["prefill"]
         return InstanceCosts(
             name=str(profile.get("name", "profile")),
-            prefill=PrefillCost(prefill["fits"][prefill["use"]]["coef"]),
+            prefill=PrefillCost(prefill["fits"][prefill["use"]]["coef"], tuple(prefill.get("chunk_buckets", ()))),
             decode=DecodeCost(profile["decode"]["fit"]["coef"]),
             kv_bytes_per_token=float(profile["kv_bytes_per_token"]),
             nic_bytes_per_s=float(profile["nic_bytes_per_s"]),

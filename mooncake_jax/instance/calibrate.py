@@ -13,10 +13,12 @@ import json
 import numpy as np
 
 from ..conductor.profile import build_profile
-from ..model.engine import Engine
+from ..model.engine import Engine, buckets
 from ..model.measure import decode_step_seconds, prefill_seconds
 
-PREFILL_GRID = ((16, 0), (64, 0), (128, 64), (256, 0), (256, 128), (512, 0), (512, 256))
+PREFILL_GRID = ((16, 0), (64, 0), (128, 64), (256, 0), (384, 128), (512, 0), (512, 256))
+"""(prompt, cached prefix) tokens measured: every new-token count a chunk length the engine compiles (16, 64, 256,
+512 with its default buckets), where padding costs nothing, so the fit is of the work the engine really does."""
 DECODE_GRID = ((1, 64), (4, 64), (8, 256), (16, 128), (16, 512))
 LOOPBACK_BYTES_PER_S = 0.5e9  # gRPC on loopback moves about this much KV per second on a 2-core machine
 
@@ -51,5 +53,6 @@ def calibrate(engine: Engine, name: str, model: str, kv_capacity_tokens: int, re
         decode_points.append((batch, batch * context, seconds))
     profile = build_profile(name, model, prefill_points, decode_points,
                             kv_bytes_per_token=cfg.kv_bytes_per_token(), nic_bytes_per_s=LOOPBACK_BYTES_PER_S,
-                            kv_capacity_tokens=kv_capacity_tokens, layers=cfg.n_layers, d_model=cfg.d_model)
+                            kv_capacity_tokens=kv_capacity_tokens, layers=cfg.n_layers, d_model=cfg.d_model,
+                            chunk_buckets=buckets(engine.prefill_chunk_size, 16, engine.bucket_factor))
     return json.dumps(profile)
