@@ -31,23 +31,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, cpu_model, write_json  # noqa: E402
+from common import arg_parser, cpu_model, start_serve, write_json  # noqa: E402
 
 
-def start_serve(log_dir: Path, timeout_s: float = 900.0) -> tuple[subprocess.Popen, int]:
-    log = open(log_dir / "serve.log", "a")
-    proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.cli", "serve", "--model", "tiny", "--prefill", "2",
-                             "--decode", "1", "--log-dir", str(log_dir), "--drain-grace-s", "5"],
-                            stdout=subprocess.PIPE, stderr=log, text=True)
-    line: dict = {}
-    reader = threading.Thread(target=lambda: line.update(text=proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if not line.get("text", "").startswith("READY"):
-        proc.kill()
-        raise RuntimeError(f"serve did not become ready: {line}; see {log_dir}")
-    ports = dict(part.split("=") for part in line["text"].split()[1:])
-    return proc, int(ports["http"])
+def start_chaos_serve(log_dir: Path, timeout_s: float = 900.0) -> tuple[subprocess.Popen, int]:
+    try:
+        return start_serve(["--prefill", "2", "--decode", "1", "--log-dir", str(log_dir), "--drain-grace-s", "5"],
+                           timeout_s, stderr=open(log_dir / "serve.log", "a"))
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}; see {log_dir}") from None
 
 
 def children(pid: int) -> dict[str, int]:
@@ -150,7 +142,7 @@ def main() -> None:
     args = p.parse_args()
     rng = random.Random(args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="mooncake-chaos-"))
-    proc, port = start_serve(log_dir)
+    proc, port = start_chaos_serve(log_dir)
     load = Load(args.clients, args.hang_s, args.seed)
     load.port = port
     load.start()
@@ -166,7 +158,7 @@ def main() -> None:
                 proc.kill()
                 proc.wait()
                 time.sleep(1.0)  # the instances exit with it (their stdin closes)
-                proc, load.port = start_serve(log_dir)
+                proc, load.port = start_chaos_serve(log_dir)
             else:
                 pid = children(proc.pid).get(victim)
                 if pid is None:

@@ -10,6 +10,9 @@ import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -78,3 +81,18 @@ def write_json(results: dict, path: Path | None) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
+
+
+def start_serve(extra: list[str], timeout_s: float = 900.0, stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, int]:
+    """``mooncake-jax serve --model tiny *extra`` as a child; (process, HTTP port) once it prints READY."""
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.cli", "serve", "--model", "tiny", *extra],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True)
+    line: dict = {}
+    reader = threading.Thread(target=lambda: line.update(text=proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not line.get("text", "").startswith("READY"):
+        proc.kill()
+        raise RuntimeError(f"serve did not become ready: {line}")
+    ports = dict(part.split("=") for part in line["text"].split()[1:])
+    return proc, int(ports["http"])

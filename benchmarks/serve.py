@@ -32,21 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, machine_info, write_json  # noqa: E402
-
-
-def start(extra: list[str], timeout_s: float = 900.0) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.cli", "serve", "--model", "tiny", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    line: dict = {}
-    reader = threading.Thread(target=lambda: line.update(text=proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if not line.get("text", "").startswith("READY"):
-        proc.kill()
-        raise RuntimeError(f"serve did not become ready: {line}")
-    ports = dict(part.split("=") for part in line["text"].split()[1:])
-    return proc, int(ports["http"])
+from common import arg_parser, machine_info, start_serve, write_json  # noqa: E402
 
 
 def peak_memory_mb(pid: int) -> dict[str, float]:
@@ -215,7 +201,7 @@ def idle_mode(args, prompts: list[dict], res: dict) -> None:
     idle = 200 if args.idle is None else args.idle
     extra = ["--coupled"] if args.coupled else ["--prefill", "2", "--decode", "1"]
     print(f"idle mode ({' '.join(extra)}): starting", flush=True)
-    proc, port = start(extra)
+    proc, port = start_serve(extra)
     try:
         sampler = ProcessSampler(proc.pid)
         baseline = dict(threads=0, rss=0.0)
@@ -270,7 +256,7 @@ def main() -> None:
         return
     for name, extra in (("disaggregated_2p1d", ["--prefill", "2", "--decode", "1"]), ("coupled", ["--coupled"])):
         print(f"{name}: starting", flush=True)
-        proc, port = start(extra)
+        proc, port = start_serve(extra)
         try:
             print(f"{name}: {args.clients} clients for {args.duration:.0f} s", flush=True)
             figures = load_test(port, prompts, args.clients, args.duration)

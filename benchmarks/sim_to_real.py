@@ -40,24 +40,16 @@ from mooncake_jax.conductor.costs import DecodeCost, PrefillCost  # noqa: E402
 from mooncake_jax.conductor.profile import costs_from_profile  # noqa: E402
 from mooncake_jax.slo import tbt_of_times  # noqa: E402
 
-TRACE_BLOCK, ENGINE_BLOCK = 512, 16
+from mooncake_jax.demo import ENGINE_BLOCK  # noqa: E402
 PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 768), 16, 2
 
 
 def trace_slice(n: int, vocab_size: int, max_context: int):
-    """The first ``n`` trace requests as (arrival s, prompt token ids, max tokens, engine-block ids)."""
-    from mooncake_jax.sim.trace import load_trace, synthesize_prompt
+    """The first ``n`` trace requests as the demo replays them: (arrival s, prompt token ids, max tokens,
+    engine-block ids)."""
+    from mooncake_jax.demo import workload
 
-    scale = TRACE_BLOCK // ENGINE_BLOCK
-    trace = load_trace("conversation", first=n)
-    t0 = trace.requests[0].timestamp_s
-    out = []
-    for r in trace.requests:
-        max_tokens = max(1, round(r.output_length / scale))
-        prompt = synthesize_prompt(r.hash_ids, r.input_length, ENGINE_BLOCK, vocab_size, scale=scale)
-        prompt = prompt[: max_context - max_tokens]
-        out.append((r.timestamp_s - t0, prompt, max_tokens, tuple(r.hash_ids[: -(-len(prompt) // ENGINE_BLOCK)])))
-    return out
+    return [(w["at"], w["prompt"], w["max_tokens"], w["blocks"]) for w in workload(n, vocab_size, max_context)]
 
 
 def token_times(cluster, prompt, max_tokens: int) -> list[float]:

@@ -66,7 +66,8 @@ def workload(n: int, vocab_size: int, max_context: int) -> list[dict]:
         max_tokens = max(1, round(r.output_length / scale))
         prompt = synthesize_prompt(r.hash_ids, r.input_length, ENGINE_BLOCK, vocab_size, scale=scale)
         prompt = prompt[: max_context - max_tokens]
-        out.append({"at": r.timestamp_s - t0, "prompt": prompt, "max_tokens": max_tokens})
+        out.append({"at": r.timestamp_s - t0, "prompt": prompt, "max_tokens": max_tokens,
+                    "blocks": tuple(r.hash_ids[: -(-len(prompt) // ENGINE_BLOCK)])})  # the trace's ids of its blocks
     return out
 
 
