@@ -162,6 +162,7 @@ def test_pallas_splits_kv_heads_over_the_tensor_axis(ctx_lens, t):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (XLA_FLAGS in conftest.py)")
+@pytest.mark.slow  # a whole model in interpret mode twice: ~30 s (suite budget)
 def test_pallas_tensor_parallel_model_equals_single_device(pallas_llm):
     prompt = np.random.default_rng(2).integers(0, 512, 21).tolist()
     tp = mj.LLM("tiny", attention="pallas", tensor_parallel=2, prefill_chunk_size=32)

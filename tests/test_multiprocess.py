@@ -82,6 +82,7 @@ def check_equal_to_one_process(got, expected, prompts, global_devices, local_dev
             assert got[f"tokens{i}"].tolist() == llm_tokens[i]
 
 
+@pytest.mark.slow  # two JAX processes over gloo: ~30 s on 2 cores (suite budget)
 def test_two_processes_of_one_device_equal_one_process(tmp_path):
     """The default, smaller variant: stage=2 over 2 processes x 1 CPU device, one 2-chunk prompt whose prefill
     samples the first token (one program to compile per process), against the float64 reference."""

@@ -111,6 +111,7 @@ def test_bad_http_input_gets_400_and_the_server_keeps_serving(served, expected):
         assert json.loads(r.read())["choices"][0]["token_ids"] == expected
 
 
+@pytest.mark.slow  # waits for a restart (suite budget); test_chaos covers the 503 in-process
 def test_health_turns_503_when_the_decode_instance_dies_and_serve_restarts_it(served, expected):
     """Last but one (it kills the decode instance): a request gets 503 naming it (not 429), /health and the gRPC
     health service say what is missing, and serve restarts the instance (the reason in its log)."""
