@@ -155,17 +155,11 @@ class MessengerClient:
         elif wanted:
             request = messages.FetchRequest(keys=wanted, spec_fingerprint=self.pool.spec.fingerprint)
             call = self._fetch_raw(request, timeout=timeout_s or self.timeout_s)
-            assembler = RecordAssembler(self.pool.spec)
             try:
-                for raw in call:
-                    piece = parse_piece(raw)
-                    if piece.key not in expected:
-                        raise TransferError(f"peer sent block {piece.key:#018x}, which was not asked for")
-                    record = assembler.add(piece, raw)
-                    if record is not None:
-                        self.pool.put_record(piece.key, record)
-                        stored.append(piece.key)
-                        received += assembler.frame_bytes
+                for key, record, frame_bytes in _records_of(call, self.pool.spec, expected):
+                    self.pool.put_record(key, record)
+                    stored.append(key)
+                    received += frame_bytes
             except grpc.RpcError as err:
                 self._failed(received, len(stored), started)
                 raise self._error("fetch", err, stored) from err
@@ -205,16 +199,10 @@ class MessengerClient:
         received, got = 0, {}
         call = self._fetch_raw(messages.FetchRequest(keys=list(dict.fromkeys(keys)), spec_fingerprint=spec.fingerprint),
                                timeout=timeout_s or self.timeout_s)
-        assembler = RecordAssembler(spec)
         try:
-            for raw in call:
-                piece = parse_piece(raw)
-                if piece.key not in wanted:
-                    raise TransferError(f"peer sent block {piece.key:#018x}, which was not asked for")
-                record = assembler.add(piece, raw)
-                if record is not None:
-                    got[piece.key] = decode_record(spec, piece.key, bytes(record))
-                    received += assembler.frame_bytes
+            for key, record, frame_bytes in _records_of(call, spec, wanted):
+                got[key] = decode_record(spec, key, bytes(record))
+                received += frame_bytes
         except grpc.RpcError as err:
             self._failed(received, len(got), started)
             raise self._error("fetch", err) from err
@@ -374,3 +362,16 @@ class MessengerClient:
             keys = list(struct.unpack(f"<{len(listed) // 8}Q", listed))
             return BlocksNotFoundError(message, keys, code, stored)
         return TransferError(message, code, stored)
+
+
+def _records_of(call, spec: BlockSpec, asked):
+    """(key, record, frame bytes) of each whole block record a Fetch stream of ``spec`` blocks delivers;
+    TransferError for a block that was not ``asked`` for."""
+    assembler = RecordAssembler(spec)
+    for raw in call:
+        piece = parse_piece(raw)
+        if piece.key not in asked:
+            raise TransferError(f"peer sent block {piece.key:#018x}, which was not asked for")
+        record = assembler.add(piece, raw)
+        if record is not None:
+            yield piece.key, record, assembler.frame_bytes
