@@ -132,3 +132,43 @@ def test_mesh_must_cover_the_devices_given(single):
 def test_layer_hooks_are_refused(engine):
     with pytest.raises(ValueError, match="layer hooks"):
         engine.runner.run([], hooks=object())
+
+
+def test_stacked_prefill_shapes_by_hand(single):
+    """A 64-token context, 16-token chunks and blocks: n chunks stack into 2 or 4 slots with the last chunk's
+    context table (its start, bucketed to 1, 2 or 4 pages); prompt logprobs reuse no prefix."""
+    import dataclasses
+
+    from mooncake_jax.model.llama import init_model
+
+    cfg = dataclasses.replace(single.config, max_seq_len=64)
+    engine = Engine(init_model(cfg, 0), layout=SpmdLayout(cfg, MeshSpec(2, 1), devices=jax.devices()[:2]),
+                    prefill_chunk_size=CHUNK, max_batch=1)
+    # n=2: last chunk starts at 16, 32 or 48 (0, 1 or 2 cached blocks) -> 1, 2, 3->4 pages; n=3: 32, 48; n=4: 48
+    assert engine.stacked_prefill_shapes(False) == [(2, 1), (2, 2), (2, 4), (4, 2), (4, 4)]
+    assert engine.stacked_prefill_shapes(True) == [(2, 1), (4, 2), (4, 4)]
+    assert Engine(single.model, prefill_chunk_size=CHUNK).stacked_prefill_shapes(False) == []  # chunk by chunk
+
+
+@pytest.mark.slow  # ~20 SPMD programs to compile: ~2 min on a loaded 2-core host
+def test_warmup_compiles_every_prefill_shape_a_request_hits(single):
+    """After warm-up, prompts of 2, 3 and 4 chunks, a cached prefix and prompt logprobs compile nothing more."""
+    import dataclasses
+
+    from mooncake_jax.model.llama import init_model
+    from mooncake_jax.sharding.spmd import spmd_forward
+
+    cfg = dataclasses.replace(single.config, max_seq_len=64)
+    engine = Engine(init_model(cfg, 0), layout=SpmdLayout(cfg, MeshSpec(2, 1), devices=jax.devices()[:2]),
+                    prefill_chunk_size=CHUNK, max_batch=1)
+    engine.warmup(prefill=True, decode=False, blocks=False)
+    compiled = spmd_forward._cache_size()
+    a, b, c = random_prompts([17, 35, 63], seed=21)
+    for prompt, params in [(a, SamplingParams(max_new_tokens=1)), (b, SamplingParams(max_new_tokens=1)),
+                           (c, SamplingParams(max_new_tokens=1)), (c[:32] + a, SamplingParams(max_new_tokens=1)),
+                           (b, SamplingParams(max_new_tokens=1, prompt_logprobs=1))]:
+        seq = engine.new_sequence(prompt, params)
+        engine.admit(seq)
+        engine.prefill(seq)
+        engine.release(seq)
+    assert spmd_forward._cache_size() == compiled

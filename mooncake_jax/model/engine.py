@@ -359,8 +359,45 @@ class Engine:
             if progress is not None:
                 progress(i + 1, len(programs))
         extra = len(chunks) + 1 if prefill and prompt_logprobs else 0  # _prompt_rows per chunk size, _sample_rows
+        stacked = self._warm_stacked_prefills(prompt_logprobs) if prefill else 0
         moves = self._warm_block_moves() if blocks else 0
-        return len(programs) + extra + moves
+        return len(programs) + extra + stacked + moves
+
+    def stacked_prefill_shapes(self, every_position: bool) -> list[tuple[int, int]]:
+        """(chunk slots, context pages) of every multi-chunk prefill program a runner that runs a whole prefill as
+        one program (``runner.chunk_slots``: ``sharding.spmd``) can be asked for; [] for a runner that runs each
+        chunk as its own program (the single-chunk shapes cover it).
+
+        A prefill of n > 1 chunks stacks them to ``chunk_slots(n)`` slots, each as wide as a full chunk, with the
+        context table of its last chunk, which starts (n - 1) chunks after the cached prefix (whole blocks; none
+        with ``every_position``, which prompt log-probabilities need). Every prompt length up to the context and
+        every cached prefix is enumerated, so the set is exact, not a guess."""
+        slots_of = getattr(self.runner, "chunk_slots", None)
+        if slots_of is None:
+            return []
+        chunk, bs, limit = self.prefill_chunk_size, self.block_size, self.cfg.max_seq_len
+        shapes = set()
+        for n in range(2, num_blocks(limit, chunk) + 1):
+            first_last_start = (n - 1) * chunk  # the last chunk's start with no cached prefix
+            last_starts = [first_last_start] if every_position else range(first_last_start, limit, bs)
+            for start in last_starts:
+                shapes.add((slots_of(n), bucket(num_blocks(start, bs), self.max_pages_per_seq)))
+        return sorted(shapes)
+
+    def _warm_stacked_prefills(self, prompt_logprobs: bool) -> int:
+        """Compile the multi-chunk prefill programs of ``stacked_prefill_shapes`` (scratch page only; the request
+        sampling path ``ANY``): with them, no prompt longer than one chunk waits for XLA."""
+        width = buckets(self.prefill_chunk_size, 16, self.bucket_factor)[-1]  # the first chunk is always whole
+        done = 0
+        for every in (False, True) if prompt_logprobs else (False,):
+            for n_slots, pages in self.stacked_prefill_shapes(every):
+                index = None if every else np.array([width - 1], np.int32)
+                step = self._step(np.zeros((1, width), np.int32), np.arange(width, dtype=np.int32)[None],
+                                  np.zeros((1, pages), np.int32), np.zeros(1, np.int32),
+                                  np.full((1, width), self._scratch_slot, np.int32), index, [], 1, mode=ANY)
+                self.runner.run([step] * n_slots)
+                done += 1
+        return done
 
     def _warm_block_moves(self) -> int:
         """Compile the block moves for every padded page count a request can need (scratch page only)."""

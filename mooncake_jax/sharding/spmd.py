@@ -17,6 +17,10 @@ prefill is one jitted program over all devices (of every process, under ``jax.di
 
 Decode runs the same program with one "chunk" of B sequences (T = 1): the stages run in turn.
 
+A prefill of n chunks runs the program of ``chunk_slots(n)`` chunk slots and its last chunk's context table: the
+engine's warm-up compiles every such shape a request can hit (``Engine.stacked_prefill_shapes``), so a prompt
+longer than one chunk never waits for XLA in a serving instance.
+
 Layers need to split evenly over the stages (a stacked ``stage`` axis has one size); the attention implementation
 is the portable ``xla`` one (a Pallas kernel inside the manual ``stage`` region is not wired here).
 
@@ -80,8 +84,10 @@ class SpmdLayout:
         if cfg.n_heads % spec.tensor:
             raise ValueError(f"tensor={spec.tensor} does not divide the {cfg.n_heads} attention heads of "
                              f"{cfg.name}; choose a divisor of {cfg.n_heads}")
-        if cfg.attention != "xla":
-            raise ValueError(f"SPMD pipeline supports attention='xla' only, got {cfg.attention!r}")
+        if cfg.attention != "xla":  # a Pallas kernel inside the manual ``stage`` region is not wired
+            raise ValueError(f"the SPMD pipeline (a multi-process instance) runs attention='xla' only, got "
+                             f"attention={cfg.attention!r}; use attention='xla', or one process to run the Pallas "
+                             f"kernels")
         self.spec, self.channel = spec, channel
         self.mesh = global_mesh(spec, devices)
         per = cfg.n_layers // spec.stage
@@ -293,6 +299,10 @@ class SpmdRunner:
         self.channel = channel
         self._kv = self.programs.allocate_kv(num_pages, kv_dtype or model.cfg.param_dtype)
         self.dispatch_log = None  # PipelineRunner's schedule log: one program here, nothing to log
+
+    chunk_slots = staticmethod(chunk_slots)
+    """How many chunk slots the program of an n-chunk prefill has: the engine's warm-up compiles each multi-chunk
+    shape a request can hit (``Engine.stacked_prefill_shapes``)."""
 
     # ---- what process 0 calls (the engine's interface) --------------------------------------------------------
     def run(self, steps, hooks=None, pages=None) -> list:
