@@ -29,7 +29,7 @@ def listing(conductor: str, token: str) -> dict:
     with open_channel(conductor, token) as channel:
         reply = services.ConductorStub(channel).ListInstances(messages.ListInstancesRequest(), timeout=10)
     return {"instances": sorted(i.instance_id for i in reply.instances), "indexed_blocks": reply.indexed_blocks,
-            "model": reply.model}
+            "model": reply.model, "blocks": {i.instance_id: i.blocks for i in reply.instances}}
 
 
 def run(address: str, seconds: float, concurrency: int, timeout_s: float = 60.0, token: str = "") -> dict:

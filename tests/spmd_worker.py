@@ -26,7 +26,8 @@ def main() -> int:
 
     config = InstanceConfig.from_json(a.config)
     reserve_cpu_devices(config.device_count // config.num_processes)
-    join_group(config.coordinator, config.num_processes, config.process_id, config.coordinator_timeout_s)
+    join_group(config.coordinator, config.num_processes, config.process_id, config.coordinator_timeout_s,
+               config.collectives_host)
     if config.process_id != 0:
         return run_follower(config)
 

@@ -90,11 +90,12 @@ class Hosts:
 class Role:
     """A role process: its ready line (JSON) read from stdout, its stderr kept in a log file."""
 
-    def __init__(self, argv: list[str], log_path: Path, ready_timeout_s: float = 400):
+    def __init__(self, argv: list[str], log_path: Path, ready_timeout_s: float = 400, ready: bool = True):
         self.argv, self.log_path = argv, log_path
         self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL)
-        self.info = self._ready(ready_timeout_s)
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # as on a host of its own: its own devices
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL, env=env)
+        self.info = self._ready(ready_timeout_s) if ready else {}  # a follower process prints no ready line
 
     def _ready(self, timeout_s: float) -> dict:
         line: list[bytes] = []
@@ -110,6 +111,13 @@ class Role:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    def exited(self, timeout_s: float) -> bool:
+        try:
+            self.proc.wait(timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:
@@ -138,7 +146,9 @@ def conductor_listing(hosts: Hosts, address: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("netns", [True, False], ids=["netns", "loopback"])
 def test_roles_on_separate_hosts_serve_and_survive_a_conductor_restart(tmp_path, netns):
-    hosts = Hosts(["conductor", "prefill-0", "prefill-1", "decode-0", "gateway", "client"], netns)
+    # prefill-1 is one instance of two processes (jax.distributed, gloo): process 0 on host prefill-1 serves, process
+    # 1 on host prefill-1b follows it; stage=2 over the two (a ppermute between hosts), tensor=2 inside each
+    hosts = Hosts(["conductor", "prefill-0", "prefill-1", "prefill-1b", "decode-0", "gateway", "client"], netns)
     if netns and not hosts.netns:
         pytest.skip("network namespaces need root and iproute2 (the loopback variant runs instead)")
     roles: dict[str, Role] = {}
@@ -157,17 +167,23 @@ def test_roles_on_separate_hosts_serve_and_survive_a_conductor_restart(tmp_path,
         # prefill-1 listens on every address of its host and registers the one the others reach it at
         listen = {name: ["--listen", f"{ip[name]}:0"] for name in ("prefill-0", "decode-0")}
         listen["prefill-1"] = ["--listen", "0.0.0.0:0", "--advertise", ip["prefill-1"]]
-        for name in ("prefill-0", "prefill-1", "decode-0"):
+        listen["prefill-1b"] = ["--listen", f"{ip['prefill-1b']}:0"]  # where its collectives listen
+        coordinator = f"{ip['prefill-1']}:{50061 if hosts.netns else _free_port(ip['prefill-1'])}"
+        group = {"prefill-1": ["--coordinator", coordinator, "--num-processes", "2", "--process-id", "0"],
+                 "prefill-1b": ["--coordinator", coordinator, "--num-processes", "2", "--process-id", "1"]}
+        for name in ("prefill-0", "prefill-1", "prefill-1b", "decode-0"):
+            instance_id = name.rstrip("b")
+            shape = ["--pipeline-stages", "2", "--tensor-parallel", "2"] if name in group else []
             commands[name] = hosts.command(name, [
-                *py, "instance", "--role", name.split("-")[0], "--instance-id", name, "--conductor",
-                conductor_address, *listen[name], "--profile-file", str(tmp_path / "profile.json"),
-                "--no-warmup", "--compile-cache", "none", *auth])
+                *py, "instance", "--role", name.split("-")[0], "--instance-id", instance_id, "--conductor",
+                conductor_address, *listen[name], *group.get(name, []), *shape,
+                "--profile-file", str(tmp_path / "profile.json"), "--no-warmup", "--compile-cache", "none", *auth])
             starting[name] = threading.Thread(target=lambda n=name: roles.__setitem__(
-                n, Role(commands[n], tmp_path / f"{n}.log")))
+                n, Role(commands[n], tmp_path / f"{n}.log", ready=n != "prefill-1b")))
             starting[name].start()
         for thread in starting.values():
             thread.join()
-        assert {"prefill-0", "prefill-1", "decode-0"} <= set(roles), "an instance did not start"
+        assert {"prefill-0", "prefill-1", "prefill-1b", "decode-0"} <= set(roles), "an instance did not start"
         for name in ("prefill-0", "prefill-1", "decode-0"):
             assert roles[name].info["address"].startswith(ip[name] + ":")  # registered where the others reach it
         commands["gateway"] = hosts.command("gateway", [*py, "gateway", "--conductor", conductor_address,
@@ -192,6 +208,7 @@ def test_roles_on_separate_hosts_serve_and_survive_a_conductor_restart(tmp_path,
                 break
         listing = conductor_listing(hosts, conductor_address)
         assert listing["instances"] == ["decode-0", "prefill-0", "prefill-1"]
+        assert listing["blocks"]["prefill-1"] > 0, listing  # the multi-process instance prefilled and stored
 
         running, started = load(30, 3), time.monotonic()
         time.sleep(8)
@@ -203,7 +220,8 @@ def test_roles_on_separate_hosts_serve_and_survive_a_conductor_restart(tmp_path,
         counts = json.loads(running.communicate(timeout=400)[0])
         (tmp_path / "counts.json").write_text(json.dumps(counts))
         print("multi-host", "netns" if hosts.netns else "127.0.0.x", {k: counts[k] for k in
-                                                                     ("completed", "failed", "hung", "statuses")})
+                                                                     ("completed", "failed", "hung", "statuses")},
+              f"killed at {killed_at - started:.1f} s, restarted at {restarted_at - started:.1f} s")
         assert counts["hung"] == 0, counts
         assert set(counts["statuses"]) <= {"200", "503"}, counts  # a failure is UNAVAILABLE, nothing else
         after = [t for t in counts["completed_at"] if t > restarted_at - started + 3]
@@ -212,17 +230,24 @@ def test_roles_on_separate_hosts_serve_and_survive_a_conductor_restart(tmp_path,
         deadline = time.monotonic() + 30
         while True:  # every instance registered again, and the prefill instances re-sent their blocks
             listing = conductor_listing(hosts, conductor_address)
-            if len(listing["instances"]) == 3 and listing["indexed_blocks"] > 0 or time.monotonic() > deadline:
+            if len(listing["instances"]) == 3 and listing["blocks"].get("prefill-1") \
+                    and listing["blocks"].get("prefill-0") or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
         assert listing["instances"] == ["decode-0", "prefill-0", "prefill-1"]
         assert listing["indexed_blocks"] > 0 and listing["model"] == "tiny"
+        assert listing["blocks"]["prefill-1"] > 0, listing  # process 0 of prefill-1 re-registered its blocks
         (tmp_path / "commands.json").write_text(json.dumps(commands, indent=1))
     finally:
-        codes = {name: roles[name].stop() for name in ("gateway", "prefill-0", "prefill-1", "decode-0", "conductor")
-                 if name in roles}
+        codes, follower_left = {}, None
+        for name in ("gateway", "prefill-0", "prefill-1", "prefill-1b", "decode-0", "conductor"):
+            if name == "prefill-1b" and name in roles:  # process 0's stop releases it: it leaves by itself
+                follower_left = roles[name].exited(60)
+            if name in roles:
+                codes[name] = roles[name].stop()
         hosts.close()
     assert all(code == 0 for code in codes.values()), codes  # each stopped cleanly on SIGTERM
+    assert follower_left, "process 1 of prefill-1 did not leave when process 0 stopped"
 
 
 def test_a_conductor_restart_mid_load_in_one_process_loses_no_instance_and_hangs_no_request():

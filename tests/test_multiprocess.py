@@ -135,11 +135,25 @@ def test_group_that_never_forms_exits_with_a_clear_error(tmp_path):
     (dict(coordinator_timeout_s=0), "coordinator_timeout_s must be a positive number"),
     (dict(layerwise=True), "layer-wise prefill .* is not available"),
     (dict(devices="0-1"), "devices 0-1 cannot be given"),
+    (dict(coordinator="10.1.2.3:1234"), "would take its collectives on 127.0.0.1, a loopback address, but its "
+                                              "coordinator 10.1.2.3:1234 is on another host"),
 ])
 def test_bad_process_group_configs(changes, message):
     fields = config(0, 1234, 2, 1).to_dict() | changes
     with pytest.raises(ValueError, match=message):
         InstanceConfig.from_dict(fields)
+
+
+def test_each_process_takes_its_collectives_on_the_address_it_is_reached_at():
+    """gloo listens where the other hosts reach this process: its advertised host, else its listen host; a wildcard
+    leaves it to the machine's hostname."""
+    remote = dict(coordinator="10.1.2.3:1234")
+    assert config(1, 1, 2, 1).collectives_host == "127.0.0.1"
+    assert config(1, 1, 2, 1).replace(host="10.1.2.4", **remote).collectives_host == "10.1.2.4"
+    assert config(0, 1, 2, 1).replace(host="0.0.0.0", advertise="10.1.2.3:7000", **remote).collectives_host \
+        == "10.1.2.3"
+    assert config(0, 1, 2, 1).replace(host="0.0.0.0", advertise="10.1.2.3", **remote).collectives_host == "10.1.2.3"
+    assert config(1, 1, 2, 1).replace(host="0.0.0.0", **remote).collectives_host is None
 
 
 def test_process_group_fields_travel_in_the_one_serializer():

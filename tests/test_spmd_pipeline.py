@@ -124,6 +124,14 @@ def test_bad_shapes(single, stage, tensor, message):
         SpmdLayout(single.config, MeshSpec(stage, tensor))
 
 
+def test_pallas_attention_is_refused_with_what_to_do(single):
+    import dataclasses
+
+    with pytest.raises(ValueError, match="runs attention='xla' only, got attention='pallas'; use attention='xla', "
+                                         "or one process"):
+        SpmdLayout(dataclasses.replace(single.config, attention="pallas"), MeshSpec(2, 4))
+
+
 def test_mesh_must_cover_the_devices_given(single):
     with pytest.raises(ValueError, match="needs 8 devices"):
         SpmdLayout(single.config, MeshSpec(2, 4), devices=jax.devices()[:4])

@@ -14,6 +14,7 @@ ranges are checked across a cluster's instances in ``devices.py``.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import uuid
 from typing import Any
@@ -84,6 +85,15 @@ class PoolConfig:
 
 
 _LOCAL = {"local": True}  # fields that stay in this process: never on a command line, in JSON or registration
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it names a reachable host
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,11 +193,25 @@ class InstanceConfig:
         if self.device_count % n:
             raise ValueError(f"shape {self.shape} ({self.device_count} devices) cannot be split evenly over "
                              f"{n} processes")
+        mine = self.collectives_host
+        if mine is not None and _is_loopback(mine) and not _is_loopback(host):
+            raise ValueError(f"process {i} of {n} would take its collectives on {mine}, a loopback address, but "
+                             f"its coordinator {self.coordinator} is on another host: give this process --listen "
+                             f"or --advertise with an address the other processes reach it at")
 
     # ---- derived ----------------------------------------------------------------------------------------------
     @property
     def device_count(self) -> int:
         return self.tensor_parallel * self.pipeline_stages
+
+    @property
+    def collectives_host(self) -> str | None:
+        """The address this process of a multi-process instance takes its group's collectives (gloo on CPU) on:
+        the host it is advertised at, else the one it listens on; None for a wildcard (then the machine's hostname,
+        which often resolves to a loopback address the other hosts cannot reach)."""
+        host = self.advertise.rpartition(":")[0] if ":" in self.advertise else self.advertise
+        host = (host or self.host).strip("[]")
+        return None if host in ("", "0.0.0.0", "::") else host
 
     @property
     def shape(self) -> str:

@@ -33,11 +33,34 @@ HEARTBEAT_TIMEOUT_S = 30
 never wait long for a process 0 that is gone (JAX's default is 100 s)."""
 
 
-def join_group(coordinator: str, num_processes: int, process_id: int, timeout_s: float) -> None:
+def _collectives_on(host: str) -> None:
+    """Have the CPU backend's gloo collectives listen on ``host`` (this process's address in the group).
+
+    JAX (0.10) builds them with no host, so gloo listens on whatever the machine's hostname resolves to: often a
+    loopback address (``127.0.1.1`` on Debian-likes, ``127.0.0.1`` here), which the group's processes on other
+    hosts then fail to reach, in a hang rather than an error. JAX has no public option for it: the CPU backend's
+    factory is registered again, the same one plus the host (before any backend starts)."""
+    try:
+        from jax._src import distributed, xla_bridge
+        from jax._src.lib import _jax
+
+        def make_cpu_client():
+            collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
+                                                         hostname=host)
+            return xla_bridge.make_cpu_client(collectives)
+
+        xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+    except (ImportError, AttributeError, TypeError) as e:  # another JAX: its own default (the hostname)
+        log.warning("cannot set the collectives' address to %s on this JAX (%s): gloo uses the hostname's", host, e)
+
+
+def join_group(coordinator: str, num_processes: int, process_id: int, timeout_s: float,
+               collectives_host: str | None = None) -> None:
     """Join the instance's process group (blocking until all ``num_processes`` have joined).
 
     Exits the process with status ``GROUP_FAILED_EXIT`` and a clear log line if the group has not formed after
-    ``timeout_s`` seconds. Must run before anything touches a JAX backend.
+    ``timeout_s`` seconds. Must run before anything touches a JAX backend. ``collectives_host``: the address the
+    other processes reach this one's collectives at (None: the machine's hostname).
     """
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id {process_id} is out of range for num_processes={num_processes}; "
@@ -62,6 +85,8 @@ def join_group(coordinator: str, num_processes: int, process_id: int, timeout_s:
         jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
                                    initialization_timeout=int(timeout_s) + 60,
                                    heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+        if collectives_host is not None:
+            _collectives_on(collectives_host)
         jax.devices()  # the global device list: every process has joined once this returns
     finally:
         watchdog.cancel()

@@ -174,7 +174,8 @@ def run(args) -> int:
         from .distributed import join_group, run_follower
 
         reserve_cpu_devices(config.device_count // config.num_processes)
-        join_group(config.coordinator, config.num_processes, config.process_id, config.coordinator_timeout_s)
+        join_group(config.coordinator, config.num_processes, config.process_id, config.coordinator_timeout_s,
+                   config.collectives_host)
         if config.process_id != 0:
             return run_follower(config)
     if config.devices:  # on the CPU platform, have the device ids this instance owns (before JAX starts)
