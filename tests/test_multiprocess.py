@@ -108,6 +108,7 @@ def test_two_processes_of_four_devices_equal_one_process(tmp_path):
     check_equal_to_one_process(got, expected, prompts, 8, 4)
 
 
+@pytest.mark.slow  # the default suite runs the role command's variant below (same join_group, ~15 s each)
 def test_group_that_never_forms_exits_with_a_clear_error(tmp_path):
     port = free_port()
     t0 = time.monotonic()
@@ -172,6 +173,20 @@ def test_instance_command_refuses_a_process_id_out_of_range(capsys):
     assert "process_id 5 is out of range for num_processes=2" in capsys.readouterr().err
 
 
+def test_instance_command_takes_the_group_timeout(capsys):
+    from mooncake_jax.instance.main import parse_args
+
+    config = parse_args(["--role", "prefill", "--conductor", "127.0.0.1:1", "--coordinator", "127.0.0.1:2",
+                         "--num-processes", "2", "--process-id", "1", "--pipeline-stages", "2",
+                         "--coordinator-timeout-s", "7.5"])
+    assert config.coordinator_timeout_s == 7.5
+    with pytest.raises(SystemExit):
+        parse_args(["--role", "prefill", "--conductor", "127.0.0.1:1", "--coordinator", "127.0.0.1:2",
+                    "--num-processes", "2", "--process-id", "1", "--pipeline-stages", "2",
+                    "--coordinator-timeout-s", "0"])
+    assert "coordinator_timeout_s must be a positive number, got 0.0" in capsys.readouterr().err
+
+
 def test_instance_command_refuses_a_shape_the_model_cannot_split_before_joining(capsys):
     """stage=3 cannot stack the tiny model's 4 layers into equal stages: refused before waiting for any process."""
     from mooncake_jax.instance.main import main
@@ -179,3 +194,20 @@ def test_instance_command_refuses_a_shape_the_model_cannot_split_before_joining(
     assert main(["--role", "prefill", "--conductor", "127.0.0.1:1", "--coordinator", "127.0.0.1:2",
                  "--num-processes", "3", "--process-id", "0", "--pipeline-stages", "3"]) == 2
     assert "stage=3 does not divide tiny's 4 layers; allowed: [1, 2, 4]" in capsys.readouterr().err
+
+
+def test_instance_command_follower_whose_group_never_forms_exits_clearly(tmp_path):
+    """The role command a user types for process 1, with no process 0 anywhere: a stated timeout, status 3, a line
+    naming the coordinator; nothing else was started (a follower neither listens nor registers)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "mooncake_jax.cli", "instance", "--role", "prefill", "--conductor",
+                           "127.0.0.1:1", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                           "--process-id", "1", "--pipeline-stages", "2", "--coordinator-timeout-s", "2"],
+                          env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert f"process 1 of 2: the process group at coordinator 127.0.0.1:{port} did not form within 2 s" in proc.stderr
+    assert proc.stdout == ""  # no ready line
+    assert time.monotonic() - t0 < 60

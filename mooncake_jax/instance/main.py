@@ -43,7 +43,7 @@ FLAGS = {  # flag -> InstanceConfig field (defaults: the config's own; ``--confi
     "--tensor-parallel": "tensor_parallel", "--pipeline-stages": "pipeline_stages", "--devices": "devices",
     "--prefill-chunk-size": "prefill_chunk_size", "--max-batch": "max_batch", "--num-pages": "num_pages",
     "--hardware": "hardware", "--coordinator": "coordinator", "--num-processes": "num_processes",
-    "--process-id": "process_id",
+    "--process-id": "process_id", "--coordinator-timeout-s": "coordinator_timeout_s",
 }
 _INT_FIELDS = {"port", "seed", "block_size", "tensor_parallel", "pipeline_stages", "prefill_chunk_size", "max_batch",
                "num_pages", "num_processes", "process_id"}
@@ -52,7 +52,8 @@ _INT_FIELDS = {"port", "seed", "block_size", "tensor_parallel", "pipeline_stages
 def add_arguments(p) -> None:
     p.add_argument("--config", default=None, help="the whole InstanceConfig as JSON (what a cluster passes)")
     for flag, name in FLAGS.items():
-        p.add_argument(flag, dest=name, default=None, type=int if name in _INT_FIELDS else str,
+        p.add_argument(flag, dest=name, default=None,
+                       type=int if name in _INT_FIELDS else float if name == "coordinator_timeout_s" else str,
                        choices=[PREFILL, DECODE] if name == "role" else None)
     p.add_argument("--listen", default=None, metavar="HOST:PORT",
                    help="address to serve on (port 0: a free one; the same as --host and --port)")
