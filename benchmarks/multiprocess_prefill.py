@@ -1,9 +1,12 @@
-"""Prefill step time of a multi-process instance (2 processes x 4 CPU devices, jax.distributed + gloo) against a
-single process over the same 8 devices, both running the same SPMD pipeline program (stage=2, tensor=4), and the
-single process's per-stage-dispatch pipeline (``PipelineRunner``) beside them.
+"""Prefill step time of a multi-process instance (2 processes x 4 CPU devices, jax.distributed + gloo; ``--tensor``
+sets the devices per process) against a single process over the same 8 devices, both running the same SPMD
+pipeline program (stage=2, tensor=4), and the single process's per-stage-dispatch pipeline (``PipelineRunner``)
+beside them.
 
-The difference between the first two is what spanning processes costs: the step inputs broadcast from process 0
-(``StepChannel``) and the stage-to-stage ``ppermute`` through gloo instead of in-process copies. The physical limit
+The difference between the first two is what spanning processes costs: the step inputs sent from process 0
+(``StepChannel``) and the program's collectives through gloo (the stage-to-stage ``ppermute``, the logits' gather,
+and the tensor all-reduces, which gloo carries too once the backend has it) instead of in-process copies. The physical
+limit
 set beside them is this CPU's float32 matmul peak, measured in the same run (the prefill's 2 x params x tokens
 FLOPs over its time, as a fraction of that peak). CPU model and load average are written beside every figure: the
 machine is shared, and both variants share its cores.
@@ -43,18 +46,18 @@ def worker(a) -> None:
 
     spmd = a.worker != "pipeline"
     multi = a.worker not in ("single", "pipeline")
-    fields = dict(role="prefill", model=a.model, pipeline_stages=2, tensor_parallel=4, prefill_chunk_size=a.chunk,
-                  max_batch=1, num_pages=1 + 2 * (a.tokens // 16 + 1))
+    fields = dict(role="prefill", model=a.model, pipeline_stages=2, tensor_parallel=a.tensor,
+                  prefill_chunk_size=a.chunk, max_batch=1, num_pages=1 + 2 * (a.tokens // 16 + 1))
     if multi:
         cfg = InstanceConfig(**fields, coordinator=a.coordinator, num_processes=2, process_id=int(a.worker))
-        reserve_cpu_devices(4)
+        reserve_cpu_devices(a.tensor)
         join_group(cfg.coordinator, 2, cfg.process_id, cfg.coordinator_timeout_s)
         if cfg.process_id != 0:
             run_follower(cfg)
             return
     else:
         cfg = InstanceConfig(**fields)
-        reserve_cpu_devices(8)
+        reserve_cpu_devices(2 * a.tensor)
     import jax
 
     from mooncake_jax.llm import build_model
@@ -69,12 +72,12 @@ def worker(a) -> None:
     if spmd and not multi:
         from mooncake_jax.sharding.spmd import SpmdLayout
 
-        engine = Engine(model, layout=SpmdLayout(model.cfg, MeshSpec(2, 4)), prefill_chunk_size=a.chunk,
+        engine = Engine(model, layout=SpmdLayout(model.cfg, MeshSpec(2, a.tensor)), prefill_chunk_size=a.chunk,
                         max_batch=1, num_pages=cfg.num_pages, prefix_caching=False)
     elif spmd:
         engine = build_engine(cfg, model)
     else:
-        engine = Engine(model, layout=MeshLayout(model.cfg, MeshSpec(2, 4)), prefill_chunk_size=a.chunk,
+        engine = Engine(model, layout=MeshLayout(model.cfg, MeshSpec(2, a.tensor)), prefill_chunk_size=a.chunk,
                         max_batch=1, num_pages=cfg.num_pages, prefix_caching=False)
     prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, a.tokens).tolist()
     sending = []  # seconds process 0 spends handing each prefill's inputs to the other process (StepChannel)
@@ -109,8 +112,8 @@ def launch(args: list[str], a) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return subprocess.Popen([sys.executable, __file__, "--model", a.model, "--tokens", str(a.tokens), "--chunk",
-                             str(a.chunk), "--repeats", str(a.repeats), *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             str(a.chunk), "--repeats", str(a.repeats), "--tensor", str(a.tensor), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def result_of(procs: list[subprocess.Popen], timeout: float) -> dict:
@@ -133,6 +136,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=512, help="prompt length")
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk size (512 / 128: 4 chunks)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--tensor", type=int, default=4, help="tensor-parallel devices per stage (= per process)")
     p.add_argument("--worker", default=None,
                    help="internal: run one measuring process (single, pipeline, or a process id of the group)")
     p.add_argument("--coordinator", default="")
@@ -141,7 +145,7 @@ def main() -> None:
         worker(a)
         return
     results = {"cpu_model": cpu_model(), "load_avg_1m_before": os.getloadavg()[0], "model": a.model,
-               "prompt_tokens": a.tokens, "chunk": a.chunk, "shape": "stage=2,tensor=4", "repeats": a.repeats}
+               "prompt_tokens": a.tokens, "chunk": a.chunk, "shape": f"stage=2,tensor={a.tensor}", "repeats": a.repeats}
     results["matmul_peak_gflops"] = round(matmul_peak_gflops(), 1)
     budget = 400
     single = result_of([launch(["--worker", "single"], a)], budget)
