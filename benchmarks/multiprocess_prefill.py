@@ -4,12 +4,10 @@ pipeline program (stage=2, tensor=4), and the single process's per-stage-dispatc
 beside them.
 
 The difference between the first two is what spanning processes costs: the step inputs sent from process 0
-(``StepChannel``) and the program's collectives through gloo (the stage-to-stage ``ppermute``, the logits' gather,
-and the tensor all-reduces, which gloo carries too once the backend has it) instead of in-process copies. The physical
-limit
-set beside them is this CPU's float32 matmul peak, measured in the same run (the prefill's 2 x params x tokens
-FLOPs over its time, as a fraction of that peak). CPU model and load average are written beside every figure: the
-machine is shared, and both variants share its cores.
+(``StepChannel``) and the program's collectives through gloo (the stage-to-stage ``ppermute``, the logits' gather)
+instead of in-process copies. The physical limit set beside them is this CPU's float32 matmul peak, measured in the
+same run (the prefill's 2 x params x tokens FLOPs over its time, as a fraction of that peak). CPU model and load
+average are written beside every figure: the machine is shared, and both variants share its cores.
 
     python benchmarks/multiprocess_prefill.py --json results/multiprocess_prefill.json
 """
