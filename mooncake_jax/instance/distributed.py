@@ -10,8 +10,10 @@ Every process of the instance runs ``instance.main`` with the same configuration
 2. Every process builds the same model and engine over the one global (stage, tensor) mesh
    (``sharding.spmd.SpmdLayout``). Process 0 is the control plane: gRPC server, scheduler, Conductor link. The
    others run ``follow``: they execute each device operation process 0 sends through the ``StepChannel``, until
-   process 0 sends ``STOP`` (when it stops, or fails to start) or dies (then JAX's heartbeat ends them too, within
-   ``HEARTBEAT_TIMEOUT_S``).
+   process 0 sends ``STOP`` (when it stops, or fails to start) or dies: then JAX's coordination agent ends them at
+   once (measured: it aborts the process, with its own log line, when the service in process 0 goes away); should
+   it not, their wait for the next operation fails and they exit with ``LOST_LEADER_EXIT``, and a process that
+   stops answering JAX's heartbeat ends the others within ``HEARTBEAT_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ log = logging.getLogger(__name__)
 
 GROUP_FAILED_EXIT = 3
 """Exit status of a process whose group did not form in time."""
+
+LOST_LEADER_EXIT = 4
+"""Exit status of a follower whose process 0 went away without stopping it (it died)."""
 
 HEARTBEAT_TIMEOUT_S = 30
 """A process of the group that stops answering JAX's heartbeat for this long (it died) ends the others: followers
@@ -126,7 +131,14 @@ def run_follower(config) -> int:
     runner = engine.runner
     print(f"process {config.process_id} of {config.num_processes} of {config.role} instance following "
           f"{config.coordinator}", file=sys.stderr, flush=True)
-    done = follow(runner, runner.channel)
+    try:
+        done = follow(runner, runner.channel)
+    except Exception as e:  # the coordination service (in process 0) is gone: process 0 died
+        message = (f"process {config.process_id} of {config.num_processes}: lost process 0 at {config.coordinator} "
+                   f"({type(e).__name__}: {e}); exiting")
+        log.error(message)
+        print(message, file=sys.stderr, flush=True)
+        os._exit(LOST_LEADER_EXIT)  # holds no server or registration; JAX's exit hooks would wait for the dead
     log.info("process %d: process 0 stopped the instance after %d operations", config.process_id, done)
     jax.distributed.shutdown()
     return 0
