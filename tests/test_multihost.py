@@ -195,14 +195,16 @@ def test_roles_on_separate_hosts_serve_and_survive_a_conductor_restart(tmp_path,
         gateway = f"{ip['gateway']}:{roles['gateway'].info['http_port']}"
         client = hosts.command("client", [sys.executable, str(HERE / "load_client.py"), gateway])
 
-        def load(seconds: float, concurrency: int) -> subprocess.Popen:
-            return subprocess.Popen([*client, str(seconds), str(concurrency), "60", TOKEN], stdout=subprocess.PIPE,
-                                    text=True)
+        def load(seconds: float, concurrency: int, timeout_s: float = 60) -> subprocess.Popen:
+            return subprocess.Popen([*client, str(seconds), str(concurrency), str(timeout_s), TOKEN],
+                                    stdout=subprocess.PIPE, text=True)
 
         # the instances compile their step shapes (first sight, prefix hit, batch sizes 1-3) on first use, seconds
-        # each on a loaded host: warm up until a run serves at full speed, so the measured run measures serving
+        # each on a loaded host (a minute or more for the first request through the two-process instance at load
+        # 15): warm up, with a client timeout that covers compiling, until a run serves at full speed, so the
+        # measured run measures serving
         for _ in range(10):
-            warm = json.loads(load(5, 3).communicate(timeout=400)[0])
+            warm = json.loads(load(5, 3, timeout_s=300).communicate(timeout=700)[0])
             assert warm["hung"] == 0 and warm["failed"] == 0, warm
             if warm["completed"] >= 15:
                 break
