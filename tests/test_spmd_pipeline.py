@@ -142,20 +142,22 @@ def test_layer_hooks_are_refused(engine):
         engine.runner.run([], hooks=object())
 
 
-def test_stacked_prefill_shapes_by_hand(single):
+def test_stacked_prefill_shapes_by_hand():
     """A 64-token context, 16-token chunks and blocks: n chunks stack into 2 or 4 slots with the last chunk's
-    context table (its start, bucketed to 1, 2 or 4 pages); prompt logprobs reuse no prefix."""
-    import dataclasses
+    context table (its start, bucketed to 1, 2 or 4 pages); prompt logprobs reuse no prefix. (The engine's own
+    enumeration over the SPMD runner's own chunk-slot rule, on a stand-in engine: nothing to compile.)"""
+    from types import SimpleNamespace
 
-    from mooncake_jax.model.llama import init_model
+    from mooncake_jax.sharding.pipeline import PipelineRunner
+    from mooncake_jax.sharding.spmd import SpmdRunner
 
-    cfg = dataclasses.replace(single.config, max_seq_len=64)
-    engine = Engine(init_model(cfg, 0), layout=SpmdLayout(cfg, MeshSpec(2, 1), devices=jax.devices()[:2]),
-                    prefill_chunk_size=CHUNK, max_batch=1)
+    engine = SimpleNamespace(runner=SpmdRunner, prefill_chunk_size=16, block_size=16,
+                             cfg=SimpleNamespace(max_seq_len=64), max_pages_per_seq=4)
     # n=2: last chunk starts at 16, 32 or 48 (0, 1 or 2 cached blocks) -> 1, 2, 3->4 pages; n=3: 32, 48; n=4: 48
-    assert engine.stacked_prefill_shapes(False) == [(2, 1), (2, 2), (2, 4), (4, 2), (4, 4)]
-    assert engine.stacked_prefill_shapes(True) == [(2, 1), (4, 2), (4, 4)]
-    assert Engine(single.model, prefill_chunk_size=CHUNK).stacked_prefill_shapes(False) == []  # chunk by chunk
+    assert Engine.stacked_prefill_shapes(engine, False) == [(2, 1), (2, 2), (2, 4), (4, 2), (4, 4)]
+    assert Engine.stacked_prefill_shapes(engine, True) == [(2, 1), (4, 2), (4, 4)]
+    engine.runner = PipelineRunner  # runs chunk by chunk: the single-chunk shapes cover it
+    assert Engine.stacked_prefill_shapes(engine, False) == []
 
 
 @pytest.mark.slow  # ~20 SPMD programs to compile: ~2 min on a loaded 2-core host
