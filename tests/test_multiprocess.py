@@ -155,6 +155,8 @@ def test_each_process_takes_its_collectives_on_the_address_it_is_reached_at():
         == "10.1.2.3"
     assert config(0, 1, 2, 1).replace(host="0.0.0.0", advertise="10.1.2.3", **remote).collectives_host == "10.1.2.3"
     assert config(1, 1, 2, 1).replace(host="0.0.0.0", **remote).collectives_host is None
+    assert config(1, 1, 2, 1).replace(host="::", advertise="[fd00::2]:7000", **remote).collectives_host == "fd00::2"
+    assert config(1, 1, 2, 1).replace(host="::", advertise="fd00::2", **remote).collectives_host == "fd00::2"
 
 
 def test_process_group_fields_travel_in_the_one_serializer():

@@ -209,7 +209,13 @@ class InstanceConfig:
         """The address this process of a multi-process instance takes its group's collectives (gloo on CPU) on:
         the host it is advertised at, else the one it listens on; None for a wildcard (then the machine's hostname,
         which often resolves to a loopback address the other hosts cannot reach)."""
-        host = self.advertise.rpartition(":")[0] if ":" in self.advertise else self.advertise
+        advertise = self.advertise
+        if advertise.startswith("["):  # [IPv6]:PORT or [IPv6]
+            host = advertise[1:advertise.find("]")]
+        elif advertise.count(":") == 1:  # HOST:PORT
+            host = advertise.rpartition(":")[0]
+        else:  # HOST, or a bare IPv6 address
+            host = advertise
         host = (host or self.host).strip("[]")
         return None if host in ("", "0.0.0.0", "::") else host
 
