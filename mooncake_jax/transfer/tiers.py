@@ -2,7 +2,7 @@
 
 The index (a set of keys, kept exact by this class) answers ``contains`` and prefix lookups without I/O; the store
 holds the records. DRAM is a ``SlotStore`` (records in reusable slots of preallocated host memory, ``slots.py``);
-SSD is a ``FileStore`` (records in the one-slot chunks of a zarr3 TensorStore array on disk, written behind
+SSD is a ``FileStore`` (records in the shards of two zarr3 TensorStore arrays on disk, written behind
 the caller, ``files.py``), rescanned on open so it survives a restart. A tier never evicts by itself: the pool decides, because eviction from
 DRAM means demotion to SSD.
 """
@@ -130,7 +130,8 @@ class Tier:
             raise TierWriteError(self.name, key, err, [key for key, _ in failed]) from err
 
     def delete(self, key: BlockKey) -> None:
-        self.settle()
+        if getattr(self.store, "settle_before_delete", True):  # a DRAM slot is reused: no copy may be in flight
+            self.settle()
         self._present.discard(key)
         self.policy.removed(key)
         self.store.delete(key)
