@@ -91,9 +91,11 @@ class Tier:
             self.counters.bytes_read += out.size + len(found[0])
         return found
 
-    def prefetch(self, keys: Sequence[BlockKey]) -> None:
-        """Start bringing in the records of the ``keys`` this tier holds (a batch read is coming)."""
-        self.store.prefetch([key for key in keys if key in self._present])
+    def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray]) -> None:
+        """Start bringing in the records of the ``keys`` this tier holds (a batch read is coming), their data
+        into ``outs`` (flat uint8, one per key), where ``read_into`` will be asked to copy them."""
+        held = [i for i, key in enumerate(keys) if key in self._present]
+        self.store.prefetch([keys[i] for i in held], [outs[i] for i in held])
 
     def write_block(self, key: BlockKey, data: np.ndarray) -> None:
         """Start storing the block whose bytes are ``data`` (flat uint8) under a key not yet in the tier."""
