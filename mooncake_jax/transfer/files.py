@@ -95,6 +95,12 @@ def slots_per_shard(record_size: int) -> int:
     return max(1, min(MAX_SHARD_SLOTS, SHARD_BYTES // record_size))
 
 
+def _failed_future(err: Exception) -> ts.Future:
+    promise, future = ts.Promise.new()
+    promise.set_exception(err)
+    return future
+
+
 def _shard_key(shard: int) -> bytes:
     return b"c.%d.0" % shard
 
@@ -155,7 +161,8 @@ class FileStore:
         self._open_shard: int | None = None  # the shard the writes of this call fill
         self._transaction: ts.Transaction | None = None
         self._staged: list[BlockKey] = []
-        self._open_views: tuple[ts.TensorStore, ts.TensorStore] | None = None
+        self._open_data: ts.TensorStore | None = None  # the data array in the open shard's transaction
+        self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)  # its heads, written at seal
         self._pending: deque[tuple[list[BlockKey], int, ts.Future]] = deque()
         self._failed: list[tuple[BlockKey, Exception]] = []
         self._heads: dict[BlockKey, ts.Future] = {}  # heads being read ahead of ``read_into``
@@ -342,8 +349,8 @@ class FileStore:
         if self._open_shard is None:
             shard, self._next_shard = self._next_shard, self._next_shard + 1
             self._open_shard, self._transaction = shard, ts.Transaction()
-            self._open_views = (self._heads_array.with_transaction(self._transaction),
-                                self._data_array.with_transaction(self._transaction))
+            self._open_data = self._data_array.with_transaction(self._transaction)
+            self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)
             self._live[shard] = self._filled[shard] = 0
         shard = self._open_shard
         slot = shard * self.shard_slots + self._filled[shard]
@@ -352,22 +359,29 @@ class FileStore:
         return slot
 
     def _write_slot(self, slot: int, head: np.ndarray, data: np.ndarray) -> None:
-        """Stage a record into the open shard's transaction: the data referenced (a whole chunk), then the head
-        copied (a slot whose head is not on disk holds no record, so a failure between the two leaves none)."""
-        heads, blocks = self._open_views
-        blocks[slot].write(data, can_reference_source_data_indefinitely=True).result()
-        heads[slot].write(head).result()
+        """Stage a record into the open shard's transaction: the data referenced (a whole chunk); the head is kept
+        for the shard's one heads write at seal (a slot whose head is not on disk holds no record)."""
+        self._open_data[slot].write(data, can_reference_source_data_indefinitely=True).result()
+        self._open_heads[slot % self.shard_slots] = head
 
     def _seal(self) -> None:
         """Start committing the open shard: TensorStore writes its two shard files behind the caller."""
         if self._open_shard is None:
             return
         shard, transaction, keys = self._open_shard, self._transaction, self._staged
-        self._open_shard = self._transaction = self._open_views = None
+        self._open_shard = self._transaction = self._open_data = None
         self._staged = []
         if not self._live[shard]:
             transaction.abort()
             self._delete_shard(shard)
+            return
+        first, filled = shard * self.shard_slots, self._filled[shard]
+        try:
+            self._heads_array.with_transaction(transaction)[first : first + filled].write(
+                self._open_heads[:filled]).result()
+        except Exception as err:  # the shard's records are not stored: reported by settle
+            transaction.abort()
+            self._in_flight(keys, shard, _failed_future(err))
             return
         self._in_flight(keys, shard, transaction.commit_async())
 
@@ -403,8 +417,8 @@ class FileStore:
         shard = slot // self.shard_slots
         self._live[shard] -= 1
         self._dead += 1
-        if shard == self._open_shard:  # staged, not committed: its head is removed in the same transaction
-            self._open_views[0][slot].write(_NO_HEAD).result()
+        if shard == self._open_shard:  # staged, not committed: its head is not written
+            self._open_heads[slot % self.shard_slots] = 0
             return
         if any(pending == shard for _, pending, _ in self._pending):
             self._finish_all()  # its shard is being written: remove after, not beside, that write
