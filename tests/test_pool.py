@@ -607,6 +607,18 @@ def test_copy_with_checksum_copies_and_hashes_like_one_shot(size):
     assert np.array_equal(dst, src) and (high << 64 | low) == xxhash.xxh3_128_intdigest(src.tobytes())
 
 
+def assert_migrated_once(tmp_path, caplog, layout):
+    """Blocks 1 and 2 of an older ``layout`` move into the arrays on open (a damaged third is dropped), with one
+    log line; the old files are gone and a second open finds the same blocks without moving anything again."""
+    with caplog.at_level("WARNING"), BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == [1, 2] and same_bits(pool.get(2), block_of(2))
+    assert sum(f"moved 2 blocks from {layout}" in r.getMessage() and "dropped 1" in r.getMessage()
+               for r in caplog.records) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*ARRAY_DIRS, "spec.json"])
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == [1, 2] and same_bits(pool.get(1), block_of(1))
+
+
 def test_blocks_in_the_chunk_per_slot_layout_move_into_the_shards(tmp_path, caplog):
     """An SSD directory of the layout before shards (``records.zarr``: one zarr3 chunk file per slot holding the
     whole record) is migrated on open, once, with one log line; a damaged record is dropped."""
@@ -619,13 +631,7 @@ def test_blocks_in_the_chunk_per_slot_layout_move_into_the_shards(tmp_path, capl
         (tmp_path / LEGACY_ARRAY_DIR / "c" / str(slot)).mkdir(parents=True)
         (tmp_path / LEGACY_ARRAY_DIR / "c" / str(slot) / "0").write_bytes(record)
     (tmp_path / LEGACY_ARRAY_DIR / "zarr.json").write_text("{}")
-    with caplog.at_level("WARNING"), BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
-        assert sorted(pool.keys()) == [1, 2] and same_bits(pool.get(2), block_of(2))
-    assert sum("moved 2 blocks from one chunk file per slot" in r.getMessage() and "dropped 1" in r.getMessage()
-               for r in caplog.records) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*ARRAY_DIRS, "spec.json"])
-    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
-        assert sorted(pool.keys()) == [1, 2] and same_bits(pool.get(1), block_of(1))
+    assert_migrated_once(tmp_path, caplog, "one chunk file per slot")
 
 
 def test_blocks_in_the_slot_file_layout_move_into_the_array(tmp_path, caplog):
@@ -639,13 +645,7 @@ def test_blocks_in_the_slot_file_layout_move_into_the_array(tmp_path, caplog):
     bad[DATA_OFFSET + 5] ^= 1
     slots = [encode(SPEC, 1, block_of(1)), bytes(record_bytes(SPEC)), bytes(bad), encode(SPEC, 2, block_of(2))]
     (tmp_path / LEGACY_SLOTS_FILE).write_bytes(b"".join(r.ljust(stride, b"\0") for r in slots))
-    with caplog.at_level("WARNING"), BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
-        assert sorted(pool.keys()) == [1, 2] and same_bits(pool.get(2), block_of(2))
-    assert sum("moved 2 blocks from the slot file" in r.getMessage() and "dropped 1" in r.getMessage()
-               for r in caplog.records) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*ARRAY_DIRS, "spec.json"])
-    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
-        assert sorted(pool.keys()) == [1, 2] and same_bits(pool.get(1), block_of(1))
+    assert_migrated_once(tmp_path, caplog, "the slot file")
 
 
 def test_blocks_in_the_file_per_block_layout_move_into_the_array(tmp_path, caplog):
