@@ -11,7 +11,7 @@ import pytest
 
 from mooncake_jax.proto import channel_options
 from mooncake_jax.transfer import BlockPool, BlockSpec, EventKind
-from mooncake_jax.transfer.files import record_arrays
+from mooncake_jax.transfer.files import ARRAY_DIR
 from mooncake_jax.transfer.frame import PREFIX_BYTES, frame_bytes, record_bytes, record_prefix
 from mooncake_jax.transfer.peer import PeerProcess
 from mooncake_jax.transfer.pieces import PIECE_BYTES, encode_piece, parse_piece
@@ -254,13 +254,12 @@ def test_bad_pushed_frames_are_refused(serve, bad, code, message, whole):
 
 def test_a_block_corrupt_at_the_sender_is_not_found_never_sent(serve, tmp_path):
     sender = filled_pool([1, 2, 3], dram_blocks=0, ssd_path=tmp_path)
-    sender.close()  # its writes are done; damage the end of block 2's data in the SSD tier's data array
-    heads, data = record_arrays(tmp_path, SPEC)
-    slot = next(i for i, head in enumerate(heads[:8].read().result())
-                if head.tobytes().startswith(record_prefix(SPEC, 2)))
-    damaged = data[slot].read().result()
-    damaged[-10] ^= 1
-    data[slot].write(damaged).result()
+    sender.close()  # its writes are done; damage the end of block 2's data in its chunk of the SSD tier's array
+    path = next(p for p in (tmp_path / ARRAY_DIR / "c").glob("*/0")
+                if p.read_bytes().startswith(record_prefix(SPEC, 2)))
+    damaged = bytearray(path.read_bytes())
+    damaged[record_bytes(SPEC) - 10] ^= 1
+    path.write_bytes(bytes(damaged))
     sender = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path)
     server = serve(sender)
     receiver = BlockPool(SPEC)
@@ -409,29 +408,3 @@ def test_read_ahead_keeps_order_raises_where_the_error_was_and_stops_early():
     with ReadAhead(record_of, range(100, 200), depth=2) as records:
         assert next(iter(records)) == (100, 1000)
     assert len(read) <= 4  # the reader stopped: at most depth ahead of the consumer (plus the one in hand)
-
-
-def test_received_records_are_stored_in_batches_and_a_bad_one_stops_the_batch_where_it_is():
-    from mooncake_jax.transfer import CorruptBlockError
-    from mooncake_jax.transfer.frame import DATA_OFFSET, encode
-    from mooncake_jax.transfer.store_batch import StoreBatch
-
-    pool = BlockPool(SPEC)
-    pool.put(2, block_of(2))  # already held: counted as stored, not as new
-    batch = StoreBatch(pool, size=4)
-    for key in (1, 2, 3):
-        batch.add(key, encode(SPEC, key, block_of(key)))
-    assert len(pool) == 1 and batch.stored == []  # held, not yet stored
-    batch.add(4, encode(SPEC, 4, block_of(4)))  # the fourth fills the batch
-    assert batch.stored == [1, 2, 3, 4] and batch.new == 3
-    assert_exact(pool, [1, 2, 3, 4])
-    bad = bytearray(encode(SPEC, 6, block_of(6)))
-    bad[DATA_OFFSET + 3] ^= 1
-    batch.add(5, encode(SPEC, 5, block_of(5)))
-    batch.add(6, bytes(bad))
-    batch.add(7, encode(SPEC, 7, block_of(7)))
-    with pytest.raises(CorruptBlockError, match="checksum mismatch"):
-        batch.flush()
-    assert batch.stored == [1, 2, 3, 4, 5] and 6 not in pool and 7 not in pool  # in order, up to the bad one
-    batch.add(8, bytearray(encode(SPEC, 8, block_of(8))))  # a reused assembly buffer is stored at once
-    assert batch.stored[-1] == 8 and 8 in pool

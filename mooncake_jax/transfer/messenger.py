@@ -40,7 +40,6 @@ from mooncake_jax.transfer.messenger_wire import (
 from mooncake_jax.transfer.pieces import PIECE_BYTES, RecordAssembler, parse_piece, record_pieces
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
 from mooncake_jax.transfer.readahead import ReadAhead
-from mooncake_jax.transfer.store_batch import StoreBatch
 
 __all__ = [
     "BlocksNotFoundError",
@@ -140,8 +139,7 @@ class MessengerClient:
     def fetch(self, keys: Iterable[BlockKey], *, timeout_s: float | None = None) -> TransferResult:
         """Copy the blocks of ``keys`` that this pool lacks from the peer into it.
 
-        Blocks are stored as they arrive whole and verified, a few at a time (``StoreBatch``), and all that
-        arrived before a failure are stored before it is raised; they are not pinned, so a caller that
+        Each block is stored as soon as it has arrived whole and verified; they are not pinned, so a caller that
         needs them to stay until it uses them holds ``pool.pin(keys)`` around the fetch and the use. Raises
         BlocksNotFoundError (nothing sent) if the peer lacks any, TransferError on any other failure.
         """
@@ -157,22 +155,18 @@ class MessengerClient:
         elif wanted:
             request = messages.FetchRequest(keys=wanted, spec_fingerprint=self.pool.spec.fingerprint)
             call = self._fetch_raw(request, timeout=timeout_s or self.timeout_s)
-            batch = StoreBatch(self.pool)
-            stored = batch.stored
             try:
-                try:
-                    for key, record, _ in _records_of(call, self.pool.spec, expected):
-                        batch.add(key, record)
-                finally:  # the blocks that arrived whole before any failure are stored
-                    batch.flush()
+                for key, record, frame_bytes in _records_of(call, self.pool.spec, expected):
+                    self.pool.put_record(key, record)
+                    stored.append(key)
+                    received += frame_bytes
             except grpc.RpcError as err:
-                self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
+                self._failed(received, len(stored), started)
                 raise self._error("fetch", err, stored) from err
             except (TransferError, ValueError, PoolFullError) as err:
                 call.cancel()
-                self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
+                self._failed(received, len(stored), started)
                 raise TransferError(f"fetch from {self.address}: {err}", stored=stored) from err
-            received = len(stored) * self.pool.frame_bytes
             if len(stored) != len(wanted):
                 self._failed(received, len(stored), started)
                 message = f"fetch from {self.address}: peer sent {len(stored)} of {len(wanted)} blocks"

@@ -31,7 +31,6 @@ from mooncake_jax.transfer.messenger_wire import (
 from mooncake_jax.transfer.pieces import PIECE_BYTES, RecordAssembler, encode_piece, parse_piece, record_pieces
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
 from mooncake_jax.transfer.readahead import ReadAhead
-from mooncake_jax.transfer.store_batch import StoreBatch
 
 _MAX_PROBE_BYTES = 1 << 36
 
@@ -80,39 +79,37 @@ class _Servicer:
 
     def Push(self, request_iterator, context):
         assembler = RecordAssembler(self.pool.spec)
-        batch = StoreBatch(self.pool)
+        stored = already = 0
         started = time.perf_counter()
         first = True
-        try:
+        for raw in request_iterator:
             try:
-                for raw in request_iterator:
-                    piece = parse_piece(raw)
-                    if first:
-                        self._check_spec(piece.spec_fingerprint, context)
-                        first = False
-                    record = assembler.add(piece, raw)
-                    if record is not None:
-                        batch.add(piece.key, record)
-            finally:  # the blocks that arrived whole before any failure are stored
-                batch.flush()
-        except CorruptBlockError as err:
-            context.abort(grpc.StatusCode.DATA_LOSS, f"{err}; {len(batch.stored)} earlier block(s) were stored")
-        except ValueError as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{err}; {len(batch.stored)} earlier block(s) were stored")
-        except PoolFullError as err:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
-        finally:
-            self.meter.add(blocks_received=len(batch.stored), bytes_received=len(batch.stored) * self.pool.frame_bytes)
+                piece = parse_piece(raw)
+                if first:
+                    self._check_spec(piece.spec_fingerprint, context)
+                    first = False
+                record = assembler.add(piece, raw)
+                if record is None:
+                    continue
+                if self.pool.put_record(piece.key, record):
+                    stored += 1
+                else:
+                    already += 1
+            except CorruptBlockError as err:
+                context.abort(grpc.StatusCode.DATA_LOSS, f"{err}; {stored} earlier block(s) were stored")
+            except ValueError as err:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err}; {stored} earlier block(s) were stored")
+            except PoolFullError as err:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            self.meter.add(blocks_received=1, bytes_received=self.pool.frame_bytes)
         if assembler.pending_key is not None:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"stream ended inside block {assembler.pending_key:#018x}, which was dropped; "
-                f"{len(batch.stored)} earlier block(s) were stored",
+                f"{stored} earlier block(s) were stored",
             )
-        already = len(batch.stored) - batch.new
         self.meter.add(transfers=1, blocks_skipped=already, busy_s=time.perf_counter() - started)
-        return messages.PushReply(stored=batch.new, already_present=already)
+        return messages.PushReply(stored=stored, already_present=already)
 
     def OfferPull(self, request, context):
         """Offer the records of the keys on the device plane (at most ``PULL_BYTES`` of them)."""

@@ -180,28 +180,6 @@ class BlockPool:
         The pool keeps a copy, so the caller may reuse ``record``. A record that fails verification raises
         ``CorruptBlockError`` (a ValueError) and stores nothing.
         """
-        return self.put_records([(key, record)]) == 1
-
-    def put_records(self, records: Sequence[tuple[BlockKey, bytes | bytearray | memoryview]]) -> int:
-        """Store several received records (``(key, record)`` pairs, as ``put_record``) in one operation: their
-        copies into the tiers run side by side and are waited for once, which a peer streaming many small blocks
-        would otherwise pay per block. Returns how many were new. They are stored in order; the first that fails
-        verification raises ``CorruptBlockError``, the ones before it stay stored, none after it is."""
-        stored = 0
-        with self._operation():
-            for key, record in records:
-                key, head, data, expected = self._checked_record(key, record)
-                if self._touch(key):
-                    check_digest(key, expected, checksum(data))
-                    continue
-                # verified while it is copied in: a record that fails leaves nothing behind
-                self._insert(0, key, lambda tier, key=key, head=head, data=data, expected=expected:
-                             tier.write_checked(key, head, data, expected))
-                stored += 1
-        return stored
-
-    def _checked_record(self, key: BlockKey, record: bytes | bytearray | memoryview):
-        """``(key, head, data, promised checksum)`` of a received record whose size and head are sound."""
         key = check_key(key)
         if not isinstance(record, (bytes, bytearray, memoryview)):
             raise ValueError(f"record must be bytes, got {type(record).__name__}")
@@ -213,7 +191,14 @@ class BlockPool:
             raise CorruptBlockError(f"block {key:#018x}: record is {len(record)} bytes, expected {self.record_bytes}")
         head = memoryview(record)[:DATA_OFFSET]
         expected = check_head(self.spec, key, head)
-        return key, head, np.frombuffer(record, np.uint8, offset=DATA_OFFSET), expected
+        data = np.frombuffer(record, np.uint8, offset=DATA_OFFSET)
+        with self._operation():
+            if self._touch(key):
+                check_digest(key, expected, checksum(data))
+                return False
+            # verified while it is copied in: a record that fails leaves nothing behind
+            self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected))
+            return True
 
     def remove(self, key: BlockKey) -> bool:
         """Delete ``key`` from every tier; False if absent. Removing a pinned block is a ValueError."""
