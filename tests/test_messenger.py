@@ -12,7 +12,7 @@ import pytest
 from mooncake_jax.proto import channel_options
 from mooncake_jax.transfer import BlockPool, BlockSpec, EventKind
 from mooncake_jax.transfer.files import record_arrays
-from mooncake_jax.transfer.frame import PREFIX_BYTES, frame_bytes, record_bytes, record_prefix
+from mooncake_jax.transfer.frame import PREFIX_BYTES, frame_bytes, record_prefix
 from mooncake_jax.transfer.peer import PeerProcess
 from mooncake_jax.transfer.pieces import PIECE_BYTES, encode_piece, parse_piece
 from mooncake_jax.transfer.messenger import (

@@ -8,7 +8,8 @@ import pytest
 
 from mooncake_jax.blocks import block_keys
 from mooncake_jax.transfer import BlockEvent, BlockPool, BlockSpec, EventKind, EvictionPolicy, PoolFullError
-from mooncake_jax.transfer.files import ARRAY_DIRS, DATA_DIR, LEGACY_ARRAY_DIR, LEGACY_SLOTS_FILE, record_arrays, slots_per_shard
+from mooncake_jax.transfer.files import (ARRAY_DIRS, DATA_DIR, LEGACY_ARRAY_DIR, LEGACY_SLOTS_FILE, record_arrays,
+                                         slots_per_shard)
 from mooncake_jax.transfer.frame import DATA_OFFSET, PREFIX_BYTES, record_bytes, record_prefix
 
 SPEC = BlockSpec((2, 2, 4, 2, 8), np.float32)  # (layers, K/V, block_size, kv_heads, head_dim)

@@ -2,9 +2,9 @@
 
 The index (a set of keys, kept exact by this class) answers ``contains`` and prefix lookups without I/O; the store
 holds the records. DRAM is a ``SlotStore`` (records in reusable slots of preallocated host memory, ``slots.py``);
-SSD is a ``FileStore`` (records in the shards of two zarr3 TensorStore arrays on disk, written behind
-the caller, ``files.py``), rescanned on open so it survives a restart. A tier never evicts by itself: the pool decides, because eviction from
-DRAM means demotion to SSD.
+SSD is a ``FileStore`` (records in the shards of two zarr3 TensorStore arrays on disk, written behind the caller,
+``files.py``), rescanned on open so it survives a restart. A tier never evicts by itself: the pool decides,
+because eviction from DRAM means demotion to SSD.
 """
 
 from __future__ import annotations
