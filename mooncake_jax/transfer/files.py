@@ -95,6 +95,10 @@ def slots_per_shard(record_size: int) -> int:
     return max(1, min(MAX_SHARD_SLOTS, SHARD_BYTES // record_size))
 
 
+def _address(buffer: np.ndarray) -> int:
+    return buffer.__array_interface__["data"][0]
+
+
 def _failed_future(err: Exception) -> ts.Future:
     promise, future = ts.Promise.new()
     promise.set_exception(err)
@@ -492,12 +496,29 @@ class FileStore:
         ``outs`` (flat uint8, one per key, where ``read_into`` will ask for them), all at once on TensorStore's
         I/O threads, so the fixed cost of a TensorStore read is paid once per batch, not once per block."""
         self._drop_reads()  # what an earlier batch left unread
+        run: list[tuple[BlockKey, int, np.ndarray]] = []  # consecutive slots landing in adjacent buffers
         for i, key in enumerate(keys):
             slot = self._slot_of.get(key)
-            if slot is not None and key not in self._heads:
-                self._heads[key] = self._read_head(slot)
-                if outs is not None:
-                    self._copies[key] = (outs[i], as_store(outs[i]).write(self._data_array[slot]))
+            if slot is None or key in self._heads:
+                continue
+            self._heads[key] = self._read_head(slot)
+            if outs is None:
+                continue
+            if run and not (slot == run[-1][1] + 1 and _address(outs[i]) == _address(run[-1][2]) + outs[i].size):
+                self._copy_run(run)
+                run = []
+            run.append((key, slot, outs[i]))
+        if run:
+            self._copy_run(run)
+
+    def _copy_run(self, run: list[tuple[BlockKey, int, np.ndarray]]) -> None:
+        """Start one TensorStore copy of consecutive slots into the adjacent buffers they go to (a batch written
+        by one call and read back in the same order is one read, not one per block)."""
+        first, width = run[0][2], run[0][2].size
+        target = np.lib.stride_tricks.as_strided(first, shape=(len(run), width), strides=(width, 1))
+        copy = as_store(target).write(self._data_array[run[0][1] : run[0][1] + len(run)])
+        for key, _, out in run:
+            self._copies[key] = (out, copy)
 
     def _drop_reads(self) -> None:
         self._heads.clear()
@@ -511,7 +532,7 @@ class FileStore:
         if started is None:
             return None
         target, copy = started
-        if target.__array_interface__["data"] == out.__array_interface__["data"] and target.size == out.size:
+        if _address(target) == _address(out) and target.size == out.size:
             return copy
         with contextlib.suppress(Exception):
             copy.result()
@@ -525,7 +546,13 @@ class FileStore:
         if slot is None:
             return None
         head_read = self._heads.pop(key, None) or self._read_head(slot)
-        copy = self._started_copy(key, out) or as_store(out).write(self._data_array[slot])
+        copy = self._started_copy(key, out)
+        if copy is not None:
+            try:
+                copy.result()
+            except Exception:  # a run with a damaged record in it: read this one alone
+                copy = None
+        copy = copy or as_store(out).write(self._data_array[slot])
         try:
             head = head_read.result().tobytes()
             copy.result()
