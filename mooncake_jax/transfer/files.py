@@ -169,7 +169,8 @@ class FileStore:
         self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)  # its heads, written at seal
         self._pending: deque[tuple[list[BlockKey], int, ts.Future]] = deque()
         self._failed: list[tuple[BlockKey, Exception]] = []
-        self._heads: dict[BlockKey, ts.Future] = {}  # heads being read ahead of ``read_into``
+        self._heads: dict[BlockKey, tuple[ts.Future, int]] = {}  # heads read ahead of ``read_into`` (a
+        # run's read and the row of this key's head in it)
         self._copies: dict[BlockKey, tuple[np.ndarray, ts.Future]] = {}  # data being copied ahead of it
         self.corrupt_at_open = 0
         self.moved_by_compaction = 0  # records moved into fresh shards (``_compact``)
@@ -494,29 +495,36 @@ class FileStore:
     def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None) -> None:
         """Start reading these records (a batch read is coming): their heads, and their data straight into
         ``outs`` (flat uint8, one per key, where ``read_into`` will ask for them), all at once on TensorStore's
-        I/O threads, so the fixed cost of a TensorStore read is paid once per batch, not once per block."""
+        I/O threads. Keys in consecutive slots (a batch written by one call, read back in order) whose buffers
+        are adjacent are read as one run: one heads read and one data copy, not one each per block, so the fixed
+        cost of a TensorStore read is paid once per run."""
         self._drop_reads()  # what an earlier batch left unread
-        run: list[tuple[BlockKey, int, np.ndarray]] = []  # consecutive slots landing in adjacent buffers
+        run: list[tuple[BlockKey, int, np.ndarray | None]] = []
         for i, key in enumerate(keys):
             slot = self._slot_of.get(key)
-            if slot is None or key in self._heads:
+            if slot is None or key in self._heads or (run and slot <= run[-1][1] and key in {k for k, _, _ in run}):
                 continue
-            self._heads[key] = self._read_head(slot)
-            if outs is None:
-                continue
-            if run and not (slot == run[-1][1] + 1 and _address(outs[i]) == _address(run[-1][2]) + outs[i].size):
-                self._copy_run(run)
+            out = None if outs is None else outs[i]
+            if run and not (slot == run[-1][1] + 1 and (out is None or _address(out) == _address(run[-1][2])
+                                                        + out.size)):
+                self._read_run(run)
                 run = []
-            run.append((key, slot, outs[i]))
+            run.append((key, slot, out))
         if run:
-            self._copy_run(run)
+            self._read_run(run)
 
-    def _copy_run(self, run: list[tuple[BlockKey, int, np.ndarray]]) -> None:
-        """Start one TensorStore copy of consecutive slots into the adjacent buffers they go to (a batch written
-        by one call and read back in the same order is one read, not one per block)."""
-        first, width = run[0][2], run[0][2].size
-        target = np.lib.stride_tricks.as_strided(first, shape=(len(run), width), strides=(width, 1))
-        copy = as_store(target).write(self._data_array[run[0][1] : run[0][1] + len(run)])
+    def _read_run(self, run: list[tuple[BlockKey, int, np.ndarray | None]]) -> None:
+        """Start reading the heads of a run of consecutive slots, and copying their data into their (adjacent)
+        buffers, each with one TensorStore read."""
+        first = run[0][1]
+        heads = self._heads_array[first : first + len(run)].read()
+        for row, (key, _, _) in enumerate(run):
+            self._heads[key] = (heads, row)
+        if run[0][2] is None:
+            return
+        width = run[0][2].size
+        target = np.lib.stride_tricks.as_strided(run[0][2], shape=(len(run), width), strides=(width, 1))
+        copy = as_store(target).write(self._data_array[first : first + len(run)])
         for key, _, out in run:
             self._copies[key] = (out, copy)
 
@@ -545,7 +553,7 @@ class FileStore:
         slot = self._slot_of.get(key)
         if slot is None:
             return None
-        head_read = self._heads.pop(key, None) or self._read_head(slot)
+        head_read, row = self._heads.pop(key, None) or (self._read_head(slot), None)
         copy = self._started_copy(key, out)
         if copy is not None:
             try:
@@ -554,7 +562,8 @@ class FileStore:
                 copy = None
         copy = copy or as_store(out).write(self._data_array[slot])
         try:
-            head = head_read.result().tobytes()
+            heads = head_read.result()
+            head = (heads if row is None else heads[row]).tobytes()
             copy.result()
         except Exception:  # a shard file of the wrong size, or unreadable: a damaged record
             return b"", (0, 0)
