@@ -19,8 +19,10 @@ are all gone is deleted; and when dead slots outnumber the live blocks, the live
 are moved into fresh ones (compaction), so the disk holds at most about twice the live records.
 
 A read copies the slot's data from the array straight into the caller's staging buffer (a TensorStore view of it)
-while the head is read, hashed as it lands; a batch read starts all its heads and copies at once (``prefetch``), so
-TensorStore's fixed cost per read (a few hundred microseconds of thread hand-offs here) overlaps. The data array
+while the head is read, hashed as it lands; a batch read starts all its heads and copies at once (``prefetch``), a
+run of consecutive slots going to adjacent staging buffers (a batch written by one call, read back in order) as one
+read of its heads and one copy of its data, so TensorStore's fixed cost per read (a few hundred microseconds of
+thread hand-offs here) is paid once per run; a damaged record in a run is read again alone. The data array
 reads through memory maps (``file_io_mode`` ``memmap``): the copy goes from the page cache straight into the
 staging buffer, where reading the file would first land it in a fresh buffer.
 On open every head is read and checked (a damaged head is counted corrupt and zeroed; the data is checked when the
