@@ -11,8 +11,8 @@ import pytest
 
 from mooncake_jax.proto import channel_options
 from mooncake_jax.transfer import BlockPool, BlockSpec, EventKind
-from mooncake_jax.transfer.files import ARRAY_DIR
-from mooncake_jax.transfer.frame import PREFIX_BYTES, frame_bytes, record_bytes, record_prefix
+from mooncake_jax.transfer.files import record_arrays
+from mooncake_jax.transfer.frame import PREFIX_BYTES, frame_bytes, record_prefix
 from mooncake_jax.transfer.peer import PeerProcess
 from mooncake_jax.transfer.pieces import PIECE_BYTES, encode_piece, parse_piece
 from mooncake_jax.transfer.messenger import (
@@ -254,12 +254,13 @@ def test_bad_pushed_frames_are_refused(serve, bad, code, message, whole):
 
 def test_a_block_corrupt_at_the_sender_is_not_found_never_sent(serve, tmp_path):
     sender = filled_pool([1, 2, 3], dram_blocks=0, ssd_path=tmp_path)
-    sender.close()  # its writes are done; damage the end of block 2's data in its chunk of the SSD tier's array
-    path = next(p for p in (tmp_path / ARRAY_DIR / "c").glob("*/0")
-                if p.read_bytes().startswith(record_prefix(SPEC, 2)))
-    damaged = bytearray(path.read_bytes())
-    damaged[record_bytes(SPEC) - 10] ^= 1
-    path.write_bytes(bytes(damaged))
+    sender.close()  # its writes are done; damage the end of block 2's data in the SSD tier's data array
+    heads, data = record_arrays(tmp_path, SPEC)
+    slot = next(i for i, head in enumerate(heads[:8].read().result())
+                if head.tobytes().startswith(record_prefix(SPEC, 2)))
+    damaged = data[slot].read().result()
+    damaged[-10] ^= 1
+    data[slot].write(damaged).result()
     sender = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path)
     server = serve(sender)
     receiver = BlockPool(SPEC)
@@ -307,6 +308,7 @@ def test_bad_arguments(serve):
             client.probe(1 << 40)
         assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert client.probe(3 << 20) > 0
+        assert client.probe_upload(3 << 20, piece_bytes=1 << 20) > 0  # the peer counted the 3 messages sent
     with MessengerClient(f"127.0.0.1:{free_port()}", BlockPool(SPEC), timeout_s=2) as nobody:
         with pytest.raises(TransferError) as caught:
             nobody.fetch([1])

@@ -8,7 +8,8 @@ import pytest
 
 from mooncake_jax.blocks import block_keys
 from mooncake_jax.transfer import BlockEvent, BlockPool, BlockSpec, EventKind, EvictionPolicy, PoolFullError
-from mooncake_jax.transfer.files import ARRAY_DIR, LEGACY_SLOTS_FILE
+from mooncake_jax.transfer.files import (ARRAY_DIRS, DATA_DIR, LEGACY_ARRAY_DIR, LEGACY_SLOTS_FILE, record_arrays,
+                                         slots_per_shard)
 from mooncake_jax.transfer.frame import DATA_OFFSET, PREFIX_BYTES, record_bytes, record_prefix
 
 SPEC = BlockSpec((2, 2, 4, 2, 8), np.float32)  # (layers, K/V, block_size, kv_heads, head_dim)
@@ -261,23 +262,35 @@ def cancelling_bit_flips(raw: bytes) -> bytes:
     return raw[:DATA_OFFSET] + words.tobytes() + raw[DATA_OFFSET + 64 * 8 :]
 
 
-def chunk_files(root):
-    """The SSD tier's chunk files (one per slot holding a record) in its zarr3 array."""
-    return sorted((root / ARRAY_DIR / "c").glob("*/0"))
+def shard_files(root):
+    """The SSD tier's data shard files (one per shard holding records) in its zarr3 array."""
+    return sorted((root / DATA_DIR).glob("c.*.0"))
 
 
 def slot_of(root, key, spec=SPEC):
-    """The chunk file holding ``key``'s record in the SSD tier's array (found by its wire prefix), and the record."""
-    path = next(p for p in chunk_files(root) if p.read_bytes()[:PREFIX_BYTES] == record_prefix(spec, key))
-    raw = path.read_bytes()
-    assert len(raw) == record_bytes(spec)  # a chunk is exactly one record, stored raw
-    return path, raw
+    """The slot holding ``key``'s record in the SSD tier's arrays (found by its wire prefix), and the record."""
+    heads, data = record_arrays(root, spec)
+    found = heads[:256].read().result()  # the slots of these tests' few puts
+    slot = next(i for i, head in enumerate(found) if head[:PREFIX_BYTES].tobytes() == record_prefix(spec, key))
+    raw = found[slot].tobytes() + data[slot].read().result().tobytes()
+    assert len(raw) == record_bytes(spec)  # a slot is exactly one record: head and data, stored raw
+    return slot, raw
 
 
-def rewrite_record(root, key, damage):
-    """Replace ``key``'s record in its chunk file by ``damage(record)`` (a shorter one: a file cut short)."""
-    path, record = slot_of(root, key)
-    path.write_bytes(damage(record))
+def rewrite_record(root, key, damage, spec=SPEC):
+    """Replace ``key``'s record by ``damage(record)`` through TensorStore; a shorter one is a shard file cut short
+    (the record must be the last in its shard file, whose index is at its start)."""
+    slot, record = slot_of(root, key, spec)
+    damaged = damage(record)
+    heads, data = record_arrays(root, spec)
+    if len(damaged) < len(record):
+        path = root / DATA_DIR / f"c.{slot // slots_per_shard(record_bytes(spec))}.0"
+        size = path.stat().st_size
+        with open(path, "r+b") as file:
+            file.truncate(size - (len(record) - len(damaged)))
+        return
+    heads[slot].write(np.frombuffer(damaged[:DATA_OFFSET], np.uint8)).result()
+    data[slot].write(np.frombuffer(damaged[DATA_OFFSET:], np.uint8)).result()
 
 
 @pytest.mark.parametrize(
@@ -305,6 +318,23 @@ def test_damaged_file_is_a_counted_miss_never_garbage(tmp_path, damage):
     assert events in ([], [("removed", 1, "ssd")])
     assert pool.counters()["ssd"].corrupt == 1 and pool.counters()["ssd"].misses == 1
     assert same_bits(pool.get(2), block_of(2))
+
+
+@pytest.mark.parametrize("damage", [lambda raw: flip(raw, DATA_OFFSET + 36, 0x10), lambda raw: raw[:-100]],
+                         ids=["bit", "truncated"])
+def test_a_batch_read_as_one_run_serves_the_sound_blocks_beside_a_damaged_one(tmp_path, damage):
+    """Blocks written by one call and read back in order are copied by one read of their consecutive slots; a
+    damaged one in the run (a bad checksum, or a shard file cut short so the run's read fails) is a miss alone."""
+    keys = [1, 2, 3, 4]
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many(keys, [block_of(k) for k in keys])
+    rewrite_record(tmp_path, 4, damage)
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        staging = np.zeros((4, *SPEC.shape), SPEC.dtype)
+        got = pool.get_many(keys, staging)
+        assert [g is not None for g in got] == [True, True, True, False]
+        assert all(same_bits(got[i], block_of(k)) for i, k in enumerate(keys[:3]))
+        assert pool.counters()["ssd"].corrupt == 1 and 4 not in pool
 
 
 def test_a_record_of_an_older_format_is_dropped_as_stale_not_corrupt(tmp_path, caplog):
@@ -385,11 +415,11 @@ def test_failed_write_is_an_error_and_leaves_no_trace(tmp_path, monkeypatch):
     store = pool._tiers[0].store
     write_slot, failed = store._write_slot, []
 
-    def failing(slot, parts):
+    def failing(slot, head, data):
         if slot == 1 and not failed:  # block 2's
             failed.append(slot)
             raise OSError("No space left on device")
-        return write_slot(slot, parts)
+        return write_slot(slot, head, data)
 
     monkeypatch.setattr(store, "_write_slot", failing)
     with pytest.raises(OSError, match="block 0x0000000000000002 failed: No space left"):
@@ -477,7 +507,7 @@ def test_writer_killed_mid_write_never_serves_a_torn_block(tmp_path):
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
     try:
         deadline = time.monotonic() + 30
-        while len(chunk_files(tmp_path)) < 20:
+        while len(shard_files(tmp_path)) < 21:  # one shard per single put; the last may be half written
             assert writer.poll() is None and time.monotonic() < deadline, "writer did not get going"
             time.sleep(0.02)
     finally:
@@ -515,34 +545,66 @@ def test_a_corrupt_record_from_a_peer_stores_nothing_and_frees_its_slot():
     assert pool._tiers[0].store._allocated == 2 and same_bits(pool.get(2), block_of(2))
 
 
-def test_ssd_slots_are_reused_and_a_removed_block_stays_removed(tmp_path):
+def test_a_removed_ssd_block_stays_removed_and_empty_shards_are_deleted(tmp_path):
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
-        pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])
-        assert len(chunk_files(tmp_path)) == 3
-        assert pool.remove(2) and len(chunk_files(tmp_path)) == 2
+        pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])  # one call: one shard file
+        assert len(shard_files(tmp_path)) == 1
+        pool.put(4, block_of(4))  # a later call writes a fresh shard, never rewrites the first
+        assert len(shard_files(tmp_path)) == 2
+        assert pool.remove(2) and len(shard_files(tmp_path)) == 2  # its head is zeroed, the shard stays
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
-        assert sorted(pool.keys()) == [1, 3]  # its chunk was deleted: not listed again
-        pool.put(4, block_of(4))  # into the freed slot: no new chunk beyond the three slots
-        assert [p.parent.name for p in chunk_files(tmp_path)] == ["0", "1", "2"]
+        assert sorted(pool.keys()) == [1, 3, 4]  # removed: not listed again
+        assert pool.remove(4) and len(shard_files(tmp_path)) == 1  # the last record of a shard: file deleted
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
-        assert sorted(pool.keys()) == [1, 3, 4] and all(same_bits(pool.get(k), block_of(k)) for k in (1, 3, 4))
+        assert sorted(pool.keys()) == [1, 3] and all(same_bits(pool.get(k), block_of(k)) for k in (1, 3))
+
+
+def test_ssd_churn_is_compacted_so_the_disk_holds_about_twice_the_live_blocks(tmp_path, monkeypatch):
+    """A full SSD tier where one block of each call's shard stays hot: the other three die, their shard stays
+    for the live one; compaction moves the live records of the emptiest shards so the records on disk stay
+    within twice the live ones (plus a shard), and no block is lost or damaged."""
+    from mooncake_jax.transfer import files
+
+    monkeypatch.setattr(files, "SHARD_BYTES", 4 * record_bytes(SPEC))  # four slots per shard
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path, ssd_blocks=8) as pool:
+        store = pool._tiers[0].store
+        index_bytes = 16 * store.shard_slots + 4
+        most = 0
+        for call in range(40):
+            keys = [4 * call + i for i in range(1, 5)]
+            pool.put_many(keys, [block_of(k) for k in keys])
+            for key in pool.keys():  # the first of every call stays the most recently used
+                if key % 4 == 1:
+                    assert same_bits(pool.get(key), block_of(key))
+            on_disk = sum((path.stat().st_size - index_bytes) // SPEC.nbytes for path in shard_files(tmp_path))
+            most = max(most, on_disk)
+            assert store._dead == on_disk - len(pool)  # the bookkeeping matches the files
+        assert store.moved_by_compaction > 0 and len(pool) == 8 and most <= 2 * 8 + 2 * store.shard_slots
+        assert all(same_bits(pool.get(k), block_of(k)) for k in pool.keys())
+        kept = sorted(pool.keys())
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == kept and all(same_bits(pool.get(k), block_of(k)) for k in kept)
 
 
 def test_ssd_writes_in_flight_are_bounded(tmp_path, monkeypatch):
     import threading
     import time
 
+    from mooncake_jax.transfer import files
+
+    monkeypatch.setattr(files, "SHARD_BYTES", record_bytes(SPEC))  # one slot per shard: one commit per block
     pool = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path)
     store = pool._tiers[0].store
+    assert store.shard_slots == 1
     write_slot, running, most = store._write_slot, [0], [0]
     lock = threading.Lock()
 
-    def slow(slot, parts):
+    def slow(slot, head, data):
         with lock:
             running[0] += 1
             most[0] = max(most[0], len(store._pending))
         time.sleep(0.005)
-        return write_slot(slot, parts)
+        return write_slot(slot, head, data)
 
     monkeypatch.setattr(store, "_write_slot", slow)
     keys = list(range(1, 3 * store.max_in_flight))
@@ -563,6 +625,33 @@ def test_copy_with_checksum_copies_and_hashes_like_one_shot(size):
     assert np.array_equal(dst, src) and (high << 64 | low) == xxhash.xxh3_128_intdigest(src.tobytes())
 
 
+def assert_migrated_once(tmp_path, caplog, layout):
+    """Blocks 1 and 2 of an older ``layout`` move into the arrays on open (a damaged third is dropped), with one
+    log line; the old files are gone and a second open finds the same blocks without moving anything again."""
+    with caplog.at_level("WARNING"), BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == [1, 2] and same_bits(pool.get(2), block_of(2))
+    assert sum(f"moved 2 blocks from {layout}" in r.getMessage() and "dropped 1" in r.getMessage()
+               for r in caplog.records) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*ARRAY_DIRS, "spec.json"])
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == [1, 2] and same_bits(pool.get(1), block_of(1))
+
+
+def test_blocks_in_the_chunk_per_slot_layout_move_into_the_shards(tmp_path, caplog):
+    """An SSD directory of the layout before shards (``records.zarr``: one zarr3 chunk file per slot holding the
+    whole record) is migrated on open, once, with one log line; a damaged record is dropped."""
+    from mooncake_jax.transfer.frame import encode
+
+    BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path).close()  # writes spec.json
+    bad = bytearray(encode(SPEC, 3, block_of(3)))
+    bad[DATA_OFFSET + 5] ^= 1
+    for slot, record in enumerate([encode(SPEC, 1, block_of(1)), bytes(bad), encode(SPEC, 2, block_of(2))]):
+        (tmp_path / LEGACY_ARRAY_DIR / "c" / str(slot)).mkdir(parents=True)
+        (tmp_path / LEGACY_ARRAY_DIR / "c" / str(slot) / "0").write_bytes(record)
+    (tmp_path / LEGACY_ARRAY_DIR / "zarr.json").write_text("{}")
+    assert_migrated_once(tmp_path, caplog, "one chunk file per slot")
+
+
 def test_blocks_in_the_slot_file_layout_move_into_the_array(tmp_path, caplog):
     """An SSD directory of the slot-file layout (records at page-aligned offsets of ``records.slots``, the same
     record format) is migrated on open, once, with one log line; damaged records and free slots are dropped."""
@@ -574,13 +663,7 @@ def test_blocks_in_the_slot_file_layout_move_into_the_array(tmp_path, caplog):
     bad[DATA_OFFSET + 5] ^= 1
     slots = [encode(SPEC, 1, block_of(1)), bytes(record_bytes(SPEC)), bytes(bad), encode(SPEC, 2, block_of(2))]
     (tmp_path / LEGACY_SLOTS_FILE).write_bytes(b"".join(r.ljust(stride, b"\0") for r in slots))
-    with caplog.at_level("WARNING"), BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
-        assert sorted(pool.keys()) == [1, 2] and same_bits(pool.get(2), block_of(2))
-    assert sum("moved 2 blocks from the slot file" in r.getMessage() and "dropped 1" in r.getMessage()
-               for r in caplog.records) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == [ARRAY_DIR, "spec.json"]
-    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
-        assert sorted(pool.keys()) == [1, 2] and same_bits(pool.get(1), block_of(1))
+    assert_migrated_once(tmp_path, caplog, "the slot file")
 
 
 def test_blocks_in_the_file_per_block_layout_move_into_the_array(tmp_path, caplog):
@@ -596,7 +679,7 @@ def test_blocks_in_the_file_per_block_layout_move_into_the_array(tmp_path, caplo
     with caplog.at_level("WARNING"), BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         assert sorted(pool.keys()) == [1, 0xAB00000000000003] and same_bits(pool.get(1), block_of(1))
     assert sum("moved 2 blocks" in r.getMessage() and "dropped 1" in r.getMessage() for r in caplog.records) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == [ARRAY_DIR, "spec.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*ARRAY_DIRS, "spec.json"])
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         assert same_bits(pool.get(0xAB00000000000003), block_of(0xAB00000000000003)) and len(pool) == 2
 

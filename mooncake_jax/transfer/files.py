@@ -1,36 +1,41 @@
-"""The SSD tier's storage: block records in a TensorStore array on disk (zarr3 over the file kvstore), one chunk
-per slot, written behind the caller.
+"""The SSD tier's storage: block records in two sharded TensorStore arrays on disk (zarr3 over the file kvstore),
+written as whole shards behind the caller.
 
-Every record of a pool has the same size, so the tier is one ``[slots, record_bytes]`` uint8 zarr3 array
-(``records.zarr`` in the tier's directory) whose chunk is one slot, stored raw (the ``bytes`` codec: the chunk's
-bytes are the record, the layout the DRAM tier and the wire use). A key's slot is kept in memory and freed slots
-are reused lowest first, so the number of chunk files is bounded by the most blocks ever held, not by the blocks
-ever written. The context turns off fsync (``file_io_sync``: the checksum in every record, not fsync, keeps a
-torn or lost write from being served) and TensorStore's lock files (``file_io_locking``: one pool owns its
-directory).
+Every record of a pool has the same size, so the tier is two ``[slots, width]`` uint8 zarr3 arrays: ``heads.zarr``
+(each slot's 128-byte record head: wire prefix and frame header with the checksum) and ``data.zarr`` (each slot's
+block bytes). Both are sharded alike (``sharding_indexed``: a shard file holds ``slots_per_shard`` slots, up to
+8 MiB of records; one raw inner chunk per slot, the shard index at the start of the file), so a shard file of
+``data.zarr`` is one large sequential write instead of one file per block.
 
-A write stages the record head and the caller's array into one chunk of a TensorStore transaction (one copy; the
-caller's buffers are free when ``put`` returns) and commits it asynchronously: TensorStore writes the chunk file
-on its I/O threads while the caller goes on; commits in flight are bounded (``max_in_flight``) and ``settle`` waits
-for all of them and reports failures. A read copies the slot's data straight from the array into the caller's
-staging buffer (a TensorStore view of it) while the head is read, hashed as it lands; a batch read first starts
-reading its records' heads (``prefetch``).
+Why the layout (see docs/benchmarks.md): TensorStore's file kvstore writes a key as a whole file, through a
+temporary file renamed over the old one; one file per block cost 0.1-0.3 of a raw sequential write. Here the
+slots are filled log-structured: the writes of one pool call go to fresh slots of fresh shards, staged in one
+TensorStore transaction per shard (the block is referenced, not copied: the caller's arrays stay untouched until
+``settle``) and committed behind the caller, so a shard file is written once, whole, with one ``writev``. The data
+array writes in place without the rename (``file_io_locking`` ``non_atomic``): a data shard is never rewritten, and
+a torn write is caught by the checksum in the head, as fsync is not used either (``file_io_sync`` off). Slots are
+never reused: a removed block zeroes its head (a rewrite of the small heads shard, atomic); a shard whose records
+are all gone is deleted; and when dead slots outnumber the live blocks, the live records of the emptiest shards
+are moved into fresh ones (compaction), so the disk holds at most about twice the live records.
 
-Why it is slower than the slot file it replaced (pwritev / preadv at page-aligned offsets of one file): the file
-kvstore writes every chunk to a new temporary file and renames it over the old one (two metadata operations per
-block), and a transactional write stages the data in a chunk buffer first; see docs/benchmarks.md.
-
-A freed slot's chunk is deleted, so a restart does not bring its block back; on open every chunk's head is read
-(a byte range of its file) and checked (a damaged head is counted corrupt and its chunk deleted; the data is
-checked when the block is read). Directories of the two layouts before this one are migrated on open with one log
-line: the slot file ``records.slots`` and one file per record (``<root>/<2 hex>/<16 hex>``).
+A read copies the slot's data from the array straight into the caller's staging buffer (a TensorStore view of it)
+while the head is read, hashed as it lands; a batch read starts all its heads and copies at once (``prefetch``), a
+run of consecutive slots going to adjacent staging buffers (a batch written by one call, read back in order) as one
+read of its heads and one copy of its data, so TensorStore's fixed cost per read (a few hundred microseconds of
+thread hand-offs here) is paid once per run; a damaged record in a run is read again alone. The data array
+reads through memory maps (``file_io_mode`` ``memmap``): the copy goes from the page cache straight into the
+staging buffer, where reading the file would first land it in a fresh buffer.
+On open every head is read and checked (a damaged head is counted corrupt and zeroed; the data is checked when the
+block is read). Directories of the three layouts before this one are migrated on open with one log line: one
+chunk file per slot (``records.zarr``), the slot file ``records.slots`` and one file per record.
 """
 
 from __future__ import annotations
 
-import heapq
+import contextlib
 import logging
 import re
+import shutil
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,15 +62,27 @@ from mooncake_jax.transfer.spec import BlockSpec
 
 log = logging.getLogger(__name__)
 
-ARRAY_DIR = "records.zarr"
+HEADS_DIR = "heads.zarr"
+DATA_DIR = "data.zarr"
+ARRAY_DIRS = (DATA_DIR, HEADS_DIR)
+LEGACY_ARRAY_DIR = "records.zarr"
+"""The layout before this one: one zarr3 chunk file per slot holding the whole record (migrated on open)."""
 LEGACY_SLOTS_FILE = "records.slots"
-"""The layout before this one: records in page-aligned slots of one file (migrated on open)."""
+"""The layout before that: records in page-aligned slots of one file (migrated on open)."""
 MAX_SLOTS = 1 << 40
-"""The array's extent along slots: chunks exist only where records are, so this costs nothing."""
-_CHUNK_KEY = re.compile(rb"c/(\d+)/0")
+"""The arrays' extent along slots: shards exist only where records are, so this costs nothing."""
+SHARD_BYTES = 8 << 20
+"""Records per shard file: about this many bytes (a pool call's batch of small blocks in one sequential write;
+64 MiB shards measured no better for 3 MiB blocks, and a shard is the unit that compaction rewrites)."""
+MAX_SHARD_SLOTS = 64
+_SHARD_KEY = re.compile(rb"c\.(\d+)\.0")
+_LEGACY_CHUNK_KEY = re.compile(rb"c/(\d+)/0")
 _KEY_IN_HEAD = slice(PREFIX_BYTES + 16, PREFIX_BYTES + 24)  # the key field of the frame header
 _LOW = (1 << 64) - 1
-_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "none"}})
+_DATA_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "non_atomic"},
+                            "file_io_mode": {"mode": "memmap"}})
+_HEADS_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "none"}})
+_NO_HEAD = np.zeros(DATA_OFFSET, np.uint8)  # the fill value: writing it removes the head's chunk
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
@@ -76,81 +93,152 @@ def _flat(part: Buffer) -> np.ndarray:
     return np.frombuffer(part, np.uint8)
 
 
-def _chunk_key(slot: int) -> bytes:
-    return b"c/%d/0" % slot
+def slots_per_shard(record_size: int) -> int:
+    return max(1, min(MAX_SHARD_SLOTS, SHARD_BYTES // record_size))
+
+
+def _address(buffer: np.ndarray) -> int:
+    return buffer.__array_interface__["data"][0]
+
+
+def _failed_future(err: Exception) -> ts.Future:
+    promise, future = ts.Promise.new()
+    promise.set_exception(err)
+    return future
+
+
+def _shard_key(shard: int) -> bytes:
+    return b"c.%d.0" % shard
+
+
+def open_array(path: Path, width: int, shard_slots: int, context: ts.Context) -> ts.TensorStore:
+    """The ``[MAX_SLOTS, width]`` uint8 array at ``path`` (created if absent), ``shard_slots`` slots per shard
+    file, one raw inner chunk per slot."""
+    return ts.open({
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(path)},
+        "metadata": {
+            "shape": [MAX_SLOTS, width],
+            "data_type": "uint8",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [shard_slots, width]}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+            "codecs": [{"name": "sharding_indexed", "configuration": {
+                "chunk_shape": [1, width],
+                "codecs": [{"name": "bytes"}],
+                "index_codecs": [{"name": "bytes"}, {"name": "crc32c"}],
+                "index_location": "start",
+            }}],
+            "fill_value": 0,
+        },
+    }, create=True, open=True, context=context).result()
+
+
+def record_arrays(root: Path, spec: BlockSpec) -> tuple[ts.TensorStore, ts.TensorStore]:
+    """The ``(heads, data)`` arrays of the SSD tier in ``root`` for blocks of ``spec``."""
+    shard_slots = slots_per_shard(record_bytes(spec))
+    return (open_array(root / HEADS_DIR, DATA_OFFSET, shard_slots, _HEADS_CONTEXT),
+            open_array(root / DATA_DIR, spec.nbytes, shard_slots, _DATA_CONTEXT))
 
 
 class FileStore:
-    """Records of one ``BlockSpec`` in the chunks of the zarr3 array ``root/records.zarr``.
+    """Records of one ``BlockSpec`` in the sharded zarr3 arrays ``root/heads.zarr`` and ``root/data.zarr``.
 
-    On open, ``present`` lists the keys found (lowest slot first) and ``corrupt_at_open`` counts chunks whose head
-    was damaged (deleted).
+    On open, ``present`` lists the keys found (lowest slot first) and ``corrupt_at_open`` counts heads that were
+    damaged (zeroed).
     """
+
+    settle_before_delete = False
+    """A delete need not wait for the writes in flight (``Tier.delete``): slots are never reused, and removing a
+    record still being written is ordered after its write here, so a call's puts that each evict a block still
+    go out as one shard."""
 
     def __init__(self, root: Path, spec: BlockSpec, *, max_in_flight: int = 8) -> None:
         self.root = root
         self.spec = spec
         self.record_bytes = record_bytes(spec)
-        self.max_in_flight = max_in_flight
-        self.path = root / ARRAY_DIR
-        self._array = ts.open({
-            "driver": "zarr3",
-            "kvstore": {"driver": "file", "path": str(self.path)},
-            "metadata": {
-                "shape": [MAX_SLOTS, self.record_bytes],
-                "data_type": "uint8",
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, self.record_bytes]}},
-                "codecs": [{"name": "bytes"}],
-                "fill_value": 0,
-            },
-        }, create=True, open=True, context=_CONTEXT).result()
-        self._kvstore = self._array.kvstore
+        self.max_in_flight = max_in_flight  # shard commits and head removals in flight
+        self.shard_slots = slots_per_shard(self.record_bytes)
+        self._heads_array, self._data_array = record_arrays(root, spec)
         self._slot_of: dict[BlockKey, int] = {}
-        self._free: list[int] = []  # a heap: the lowest free slot is reused first
-        self._end = 0  # one past the highest slot ever used
-        self._pending: deque[tuple[BlockKey, ts.Future]] = deque()
+        self._live: dict[int, int] = {}  # shard -> live records in it
+        self._filled: dict[int, int] = {}  # shard -> slots ever written in it
+        self._dead = 0  # slots written whose record is gone, in shards still on disk
+        self._next_shard = 0
+        self._open_shard: int | None = None  # the shard the writes of this call fill
+        self._transaction: ts.Transaction | None = None
+        self._staged: list[BlockKey] = []
+        self._open_data: ts.TensorStore | None = None  # the data array in the open shard's transaction
+        self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)  # its heads, written at seal
+        self._pending: deque[tuple[list[BlockKey], int, ts.Future]] = deque()
         self._failed: list[tuple[BlockKey, Exception]] = []
-        self._heads: dict[BlockKey, ts.Future] = {}  # heads being read ahead of ``read_into``
+        self._heads: dict[BlockKey, tuple[ts.Future, int]] = {}  # heads read ahead of ``read_into`` (a
+        # run's read and the row of this key's head in it)
+        self._copies: dict[BlockKey, tuple[np.ndarray, ts.Future]] = {}  # data being copied ahead of it
         self.corrupt_at_open = 0
+        self.moved_by_compaction = 0  # records moved into fresh shards (``_compact``)
         self.present = self._scan()
+        self.present += self._migrate_chunk_per_slot()
         self.present += self._migrate_slot_file()
         self.present += self._migrate_block_files()
 
     # ---- opening -----------------------------------------------------------------------------------------
 
-    def _read_head(self, slot: int) -> ts.Future:
-        return self._kvstore.read(_chunk_key(slot), byte_range=slice(0, DATA_OFFSET))
+    def _shards_in(self, array: ts.TensorStore) -> list[int]:
+        keys = array.kvstore.list().result()
+        return sorted(int(m.group(1)) for m in map(_SHARD_KEY.fullmatch, keys) if m)
 
     def _scan(self) -> list[BlockKey]:
-        """Index the chunks already in the array by the key in each head; delete the damaged ones."""
-        slots = sorted(int(m.group(1)) for m in map(_CHUNK_KEY.fullmatch, self._kvstore.list().result()) if m)
-        self._end = slots[-1] + 1 if slots else 0
-        heads = [self._read_head(slot) for slot in slots]
-        present, used = [], set()
-        for slot, future in zip(slots, heads):
+        """Index the records already on disk by the key in each head; zero the damaged heads."""
+        head_shards = self._shards_in(self._heads_array)
+        data_shards = self._shards_in(self._data_array)
+        self._next_shard = max(head_shards + data_shards, default=-1) + 1
+        size = self.shard_slots
+        reads = [self._heads_array[shard * size : (shard + 1) * size].read() for shard in head_shards]
+        present = []
+        for shard, future in zip(head_shards, reads):
             try:
-                head = future.result().value
-            except Exception as err:  # unreadable: as damaged as a wrong head
-                head = b""
-                log.warning("ssd tier: reading slot %d of %s failed: %s", slot, self.path, err)
-            key = int.from_bytes(head[_KEY_IN_HEAD], "little") if len(head) == DATA_OFFSET else 0
-            try:
-                check_head(self.spec, key, head)
-                if key in self._slot_of:
-                    raise CorruptBlockError(f"block {key:#018x}: a second copy in slot {slot}")
-            except StaleFormatError:
-                pass  # listed: reading it drops it as stale, with one log line for its version
-            except CorruptBlockError as err:
-                log.warning("ssd tier: slot %d of %s: %s; deleted", slot, self.path, err)
+                heads = future.result()
+            except Exception as err:  # an unreadable heads shard: its records are lost
+                log.warning("ssd tier: heads of shard %d of %s unreadable (%s); its records dropped", shard,
+                            self.root, err)
                 self.corrupt_at_open += 1
-                self._clear(slot)
+                self._delete_shard(shard)
                 continue
-            self._slot_of[key] = slot
-            used.add(slot)
-            present.append(key)
-        self._free = [slot for slot in range(self._end) if slot not in used]
-        heapq.heapify(self._free)
+            self._live[shard] = 0
+            for index in np.flatnonzero(heads.any(axis=1)):
+                slot, head = shard * size + int(index), heads[index].tobytes()
+                key = int.from_bytes(head[_KEY_IN_HEAD], "little")
+                try:
+                    check_head(self.spec, key, head)
+                    if key in self._slot_of:
+                        raise CorruptBlockError(f"block {key:#018x}: a second copy in slot {slot}")
+                except StaleFormatError:
+                    pass  # listed: reading it drops it as stale, with one log line for its version
+                except CorruptBlockError as err:
+                    log.warning("ssd tier: slot %d of %s: %s; removed", slot, self.root, err)
+                    self.corrupt_at_open += 1
+                    self._remove_head(slot)
+                    continue
+                self._slot_of[key] = slot
+                self._live[shard] += 1
+                present.append(key)
+            self._filled[shard] = max(self._live[shard], self._records_in_file(shard))
+            self._dead += self._filled[shard] - self._live[shard]
+            if not self._live[shard]:
+                self._delete_shard(shard)
+        for shard in set(data_shards) - set(self._live):  # data whose heads never reached the disk
+            self._delete_shard(shard)
+        self._finish_all()
         return present
+
+    def _records_in_file(self, shard: int) -> int:
+        """How many records the data shard file holds (inner chunks after its index), by its size."""
+        path = self.root / DATA_DIR / _shard_key(shard).decode()
+        index_bytes = 16 * self.shard_slots + 4  # an (offset, length) pair per slot and a crc32c
+        try:
+            return max(0, path.stat().st_size - index_bytes) // self.spec.nbytes
+        except OSError:
+            return 0
 
     def _migrate(self, found: list[tuple[Path, list[tuple[int | None, bytes | None]]]], layout: str) -> list[BlockKey]:
         """Store the verified records of an older layout, drop the rest, delete the old files; one log line."""
@@ -166,14 +254,32 @@ class FileStore:
                         moved.append(key)
                 except (ValueError, OSError):  # damaged or stale: a miss either way
                     dropped += 1
-            path.unlink(missing_ok=True)
         failed = {key for key, _ in self.settle()}
+        for path, _ in found:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
         dropped += len(failed)
         moved = [key for key in moved if key not in failed]
         if moved or dropped:
             log.warning("ssd tier: moved %d blocks from %s into %s, dropped %d that failed their checks",
-                        len(moved), layout, self.path, dropped)
+                        len(moved), layout, self.root, dropped)
         return moved
+
+    def _migrate_chunk_per_slot(self) -> list[BlockKey]:
+        """Records of ``records.zarr`` (one unsharded chunk file per slot holding the whole record)."""
+        path = self.root / LEGACY_ARRAY_DIR
+        if not path.is_dir():
+            return []
+        kvstore = ts.KvStore.open({"driver": "file", "path": str(path) + "/"}).result()
+        records = []
+        for name in sorted(kvstore.list().result()):
+            if _LEGACY_CHUNK_KEY.fullmatch(name):
+                record = kvstore.read(name).result().value
+                key = int.from_bytes(record[_KEY_IN_HEAD], "little") if len(record) >= DATA_OFFSET else None
+                records.append((key, record))
+        return self._migrate([(path, records)], "one chunk file per slot")
 
     def _migrate_slot_file(self) -> list[BlockKey]:
         """Records of the slot file (``records.slots``: page-aligned slots of one file, the same record format)."""
@@ -208,18 +314,8 @@ class FileStore:
 
     # ---- writes ------------------------------------------------------------------------------------------
 
-    def _take_slot(self, key: BlockKey) -> int:
-        slot = self._slot_of.get(key)
-        if slot is None:
-            if self._free:
-                slot = heapq.heappop(self._free)
-            else:
-                slot, self._end = self._end, self._end + 1
-            self._slot_of[key] = slot
-        return slot
-
     def put_block(self, key: BlockKey, data: np.ndarray) -> None:
-        """Store the block whose bytes are ``data`` (flat uint8)."""
+        """Store the block whose bytes are ``data`` (flat uint8, untouched until ``settle``)."""
         self.put(key, (record_head(self.spec, key, checksum(data)), data), owned=True)
 
     def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
@@ -229,102 +325,253 @@ class FileStore:
         self.put(key, (head, data), owned=True)
 
     def put(self, key: BlockKey, parts: Sequence[Buffer], owned: bool) -> None:
-        """Store a record given as consecutive parts. They are copied into TensorStore's chunk buffer before this
-        returns, so ``owned`` (the parts stay untouched until ``settle``) does not matter here."""
+        """Store a record given as consecutive parts into a fresh slot. ``owned``: the parts stay untouched until
+        ``settle`` (TensorStore writes the data from them); else the data is copied first."""
         flats = [_flat(part) for part in parts]
         if sum(flat.size for flat in flats) != self.record_bytes:
             raise ValueError(f"record of {sum(flat.size for flat in flats)} bytes, expected {self.record_bytes}")
-        while len(self._pending) >= self.max_in_flight:
-            self._finish_oldest()
+        if flats[0].size == DATA_OFFSET and len(flats) == 2:
+            head, data = flats
+        else:
+            record = np.concatenate(flats) if len(flats) > 1 else flats[0]
+            head, data = record[:DATA_OFFSET], record[DATA_OFFSET:]
+        if not owned:
+            data = data.copy()
         self._heads.pop(key, None)
-        slot = self._take_slot(key)
+        if key in self._slot_of:  # a record is never rewritten in place: the new one takes a fresh slot
+            self._release(self._slot_of.pop(key))
+        slot = self._take_slot()
+        self._slot_of[key] = slot
+        self._staged.append(key)
         try:
-            self._pending.append((key, self._write_slot(slot, flats)))
+            self._write_slot(slot, head, data)
         except Exception as err:  # failed before it was under way: reported by settle like one that failed after
             self._failed.append((key, err))
             self.delete(key)
+        if len(self._staged) == self.shard_slots:
+            self._seal()
 
-    def _write_slot(self, slot: int, parts: list[np.ndarray]) -> ts.Future:
-        """Stage ``parts`` (consecutive, filling the slot) into the slot's chunk and start committing it."""
-        transaction = ts.Transaction()
-        chunk = self._array.with_transaction(transaction)[slot]
-        at = 0
-        for part in parts:
-            chunk[at : at + part.size].translate_to[0].write(part).result()
-            at += part.size
-        return transaction.commit_async()
+    def _take_slot(self) -> int:
+        """The next slot of the open shard (a fresh shard if none is open)."""
+        if self._open_shard is None:
+            shard, self._next_shard = self._next_shard, self._next_shard + 1
+            self._open_shard, self._transaction = shard, ts.Transaction()
+            self._open_data = self._data_array.with_transaction(self._transaction)
+            self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)
+            self._live[shard] = self._filled[shard] = 0
+        shard = self._open_shard
+        slot = shard * self.shard_slots + self._filled[shard]
+        self._filled[shard] += 1
+        self._live[shard] += 1
+        return slot
+
+    def _write_slot(self, slot: int, head: np.ndarray, data: np.ndarray) -> None:
+        """Stage a record into the open shard's transaction: the data referenced (a whole chunk); the head is kept
+        for the shard's one heads write at seal (a slot whose head is not on disk holds no record)."""
+        self._open_data[slot].write(data, can_reference_source_data_indefinitely=True).result()
+        self._open_heads[slot % self.shard_slots] = head
+
+    def _seal(self) -> None:
+        """Start committing the open shard: TensorStore writes its two shard files behind the caller."""
+        if self._open_shard is None:
+            return
+        shard, transaction, keys = self._open_shard, self._transaction, self._staged
+        self._open_shard = self._transaction = self._open_data = None
+        self._staged = []
+        if not self._live[shard]:
+            transaction.abort()
+            self._delete_shard(shard)
+            return
+        first, filled = shard * self.shard_slots, self._filled[shard]
+        try:
+            self._heads_array.with_transaction(transaction)[first : first + filled].write(
+                self._open_heads[:filled]).result()
+        except Exception as err:  # the shard's records are not stored: reported by settle
+            transaction.abort()
+            self._in_flight(keys, shard, _failed_future(err))
+            return
+        self._in_flight(keys, shard, transaction.commit_async())
+
+    def _in_flight(self, keys: list[BlockKey], shard: int, future: ts.Future) -> None:
+        while len(self._pending) >= self.max_in_flight:
+            self._finish_oldest()
+        self._pending.append((keys, shard, future))
 
     def _finish_oldest(self) -> None:
-        key, future = self._pending.popleft()
+        keys, shard, future = self._pending.popleft()
         try:
             future.result()
         except Exception as err:
-            self._failed.append((key, err))
-            self.delete(key)
+            for key in keys:
+                if self._slot_of.get(key, -1) // self.shard_slots == shard:
+                    self._failed.append((key, err))
+                    self.delete(key)
 
     def _finish_all(self) -> None:
         while self._pending:
             self._finish_oldest()
 
     def settle(self) -> list[tuple[BlockKey, Exception]]:
-        """Wait for every write in flight; the ``(key, error)`` of those that failed since the last settle."""
+        """Commit the open shard and wait for every write in flight; the ``(key, error)`` of those that failed
+        since the last settle."""
+        self._seal()
         self._finish_all()
         failed, self._failed = self._failed, []
         return failed
 
-    def _clear(self, slot: int) -> None:
-        """Delete the chunk of a slot that holds no block any more, and make the slot free."""
-        key = _chunk_key(slot)
-        try:
-            self._kvstore.delete_range(ts.KvStore.KeyRange(key, key + b"\0")).result()
-        except Exception as err:  # the slot is reused all the same; at worst a restart lists a removed block
-            log.warning("ssd tier: deleting slot %d of %s failed: %s", slot, self.path, err)
-        heapq.heappush(self._free, slot)
+    def _release(self, slot: int) -> None:
+        """Forget the record in ``slot``: zero its head, or delete its shard if no record is left there."""
+        shard = slot // self.shard_slots
+        self._live[shard] -= 1
+        self._dead += 1
+        if shard == self._open_shard:  # staged, not committed: its head is not written
+            self._open_heads[slot % self.shard_slots] = 0
+            return
+        if any(pending == shard for _, pending, _ in self._pending):
+            self._finish_all()  # its shard is being written: remove after, not beside, that write
+        if self._live[shard]:
+            self._remove_head(slot)
+        else:
+            self._delete_shard(shard)
+
+    def _remove_head(self, slot: int) -> None:
+        self._in_flight([], -1, self._heads_array[slot].write(_NO_HEAD))
+
+    def _delete_shard(self, shard: int) -> None:
+        """Delete both shard files of ``shard`` (none of its records is live)."""
+        self._finish_all()  # a head removal in flight would write the heads shard again after the delete
+        self._dead -= self._filled.pop(shard, 0) - self._live.pop(shard, 0)
+        for array in (self._heads_array, self._data_array):
+            try:
+                key = _shard_key(shard)
+                array.kvstore.delete_range(ts.KvStore.KeyRange(key, key + b"\0")).result()
+            except Exception as err:  # at worst a restart finds records that were removed
+                log.warning("ssd tier: deleting shard %d of %s failed: %s", shard, self.root, err)
 
     def delete(self, key: BlockKey) -> None:
         self._heads.pop(key, None)
+        self._started_copy(key, np.empty(0, np.uint8))  # waited for, not used
         slot = self._slot_of.pop(key, None)
         if slot is not None:
-            self._clear(slot)
+            self._release(slot)
+            self._compact()
+
+    def _compact(self) -> None:
+        """When the dead records on disk outnumber the live ones (and a shard's worth), move the live records of
+        the emptiest shards into fresh ones, so their files can be deleted."""
+        if self._dead <= max(len(self._slot_of), self.shard_slots):
+            return
+        self._seal()
+        self._finish_all()  # failures stay for the next settle
+        by_shard: dict[int, list[BlockKey]] = {}
+        for key, slot in self._slot_of.items():
+            by_shard.setdefault(slot // self.shard_slots, []).append(key)
+        for shard in sorted(by_shard, key=lambda s: len(by_shard[s])):
+            if self._dead <= len(self._slot_of) // 2 or len(by_shard[shard]) > self.shard_slots // 2:
+                break
+            for key in by_shard[shard]:  # the last one moved deletes the shard's files
+                record = self.record(key)
+                if record is not None and len(record) == self.record_bytes:
+                    self.put(key, (record,), owned=True)
+                    self.moved_by_compaction += 1
+                else:
+                    self.delete(key)
+        self._seal()
 
     # ---- reads -------------------------------------------------------------------------------------------
 
+    def _read_head(self, slot: int) -> ts.Future:
+        return self._heads_array[slot].read()
+
     def record(self, key: BlockKey) -> bytes | None:
-        """The stored record (unverified; short if the chunk file was cut), or None if the key has no slot."""
+        """The stored record (unverified), or None if the key has no slot or its shard cannot be read."""
         slot = self._slot_of.get(key)
         if slot is None:
             return None
+        head, data = self._read_head(slot), self._data_array[slot].read()
         try:
-            found = self._kvstore.read(_chunk_key(slot)).result()
+            return head.result().tobytes() + data.result().tobytes()
         except Exception:
             return None
-        return found.value
 
-    def prefetch(self, keys: Sequence[BlockKey]) -> None:
-        """Start reading the heads of these records (a batch read is coming): they are read on TensorStore's I/O
-        threads while this thread copies and verifies the blocks before them (the data has no destination yet)."""
-        self._heads.clear()  # what an earlier batch left unread
-        for key in keys:
+    def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None) -> None:
+        """Start reading these records (a batch read is coming): their heads, and their data straight into
+        ``outs`` (flat uint8, one per key, where ``read_into`` will ask for them), all at once on TensorStore's
+        I/O threads. Keys in consecutive slots (a batch written by one call, read back in order) whose buffers
+        are adjacent are read as one run: one heads read and one data copy, not one each per block, so the fixed
+        cost of a TensorStore read is paid once per run."""
+        self._drop_reads()  # what an earlier batch left unread
+        run: list[tuple[BlockKey, int, np.ndarray | None]] = []
+        for i, key in enumerate(keys):
             slot = self._slot_of.get(key)
-            if slot is not None:
-                self._heads[key] = self._read_head(slot)
+            if slot is None or key in self._heads or (run and slot <= run[-1][1] and key in {k for k, _, _ in run}):
+                continue
+            out = None if outs is None else outs[i]
+            if run and not (slot == run[-1][1] + 1 and (out is None or _address(out) == _address(run[-1][2])
+                                                        + out.size)):
+                self._read_run(run)
+                run = []
+            run.append((key, slot, out))
+        if run:
+            self._read_run(run)
+
+    def _read_run(self, run: list[tuple[BlockKey, int, np.ndarray | None]]) -> None:
+        """Start reading the heads of a run of consecutive slots, and copying their data into their (adjacent)
+        buffers, each with one TensorStore read."""
+        first = run[0][1]
+        heads = self._heads_array[first : first + len(run)].read()
+        for row, (key, _, _) in enumerate(run):
+            self._heads[key] = (heads, row)
+        if run[0][2] is None:
+            return
+        width = run[0][2].size
+        target = np.lib.stride_tricks.as_strided(run[0][2], shape=(len(run), width), strides=(width, 1))
+        copy = as_store(target).write(self._data_array[first : first + len(run)])
+        for key, _, out in run:
+            self._copies[key] = (out, copy)
+
+    def _drop_reads(self) -> None:
+        self._heads.clear()
+        for _, copy in self._copies.values():  # none may land in a buffer after it is handed back
+            with contextlib.suppress(Exception):
+                copy.result()
+        self._copies.clear()
+
+    def _started_copy(self, key: BlockKey, out: np.ndarray) -> ts.Future | None:
+        started = self._copies.pop(key, None)
+        if started is None:
+            return None
+        target, copy = started
+        if _address(target) == _address(out) and target.size == out.size:
+            return copy
+        with contextlib.suppress(Exception):
+            copy.result()
+        return None
 
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes, tuple[int, int]] | None:
-        """Copy the record's data from the array straight into ``out`` (flat uint8) while its head is read; the
-        head and the checksum of what landed (a chunk file cut short reads as a head that fails its checks)."""
+        """Copy the record's data from the array straight into ``out`` (flat uint8; already under way if
+        ``prefetch`` was given it) while its head is read; the head and the checksum of what landed (a shard file
+        cut short reads as an error: a damaged record)."""
         slot = self._slot_of.get(key)
         if slot is None:
             return None
-        head_read = self._heads.pop(key, None) or self._read_head(slot)
-        copy = as_store(out).write(self._array[slot, DATA_OFFSET:].translate_to[0])
+        head_read, row = self._heads.pop(key, None) or (self._read_head(slot), None)
+        copy = self._started_copy(key, out)
+        if copy is not None:
+            try:
+                copy.result()
+            except Exception:  # a run with a damaged record in it: read this one alone
+                copy = None
+        copy = copy or as_store(out).write(self._data_array[slot])
         try:
-            head = head_read.result().value
+            heads = head_read.result()
+            head = (heads if row is None else heads[row]).tobytes()
             copy.result()
-        except Exception:  # a chunk file of the wrong size, or unreadable: a damaged record
+        except Exception:  # a shard file of the wrong size, or unreadable: a damaged record
             return b"", (0, 0)
         digest = xxhash.xxh3_128_intdigest(out)
         return head, (digest >> 64, digest & _LOW)
 
     def close(self) -> None:
-        self._finish_all()
-        self._heads.clear()
+        self.settle()
+        self._drop_reads()

@@ -37,7 +37,7 @@ from mooncake_jax.transfer.messenger_wire import (
     messages,
     services,
 )
-from mooncake_jax.transfer.pieces import PIECE_BYTES, RecordAssembler, parse_piece, record_pieces
+from mooncake_jax.transfer.pieces import PIECE_BYTES, RecordAssembler, encode_piece, parse_piece, record_pieces
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
 from mooncake_jax.transfer.readahead import ReadAhead
 
@@ -121,6 +121,9 @@ class MessengerClient:
         )
         self._push_raw = self._channel.stream_unary(
             f"/{SERVICE}/Push", request_serializer=None, response_deserializer=messages.PushReply.FromString
+        )
+        self._probe_upload_raw = self._channel.stream_unary(
+            f"/{SERVICE}/ProbeUpload", request_serializer=None, response_deserializer=messages.PushReply.FromString
         )
 
     @property
@@ -340,6 +343,23 @@ class MessengerClient:
         except grpc.RpcError as err:
             raise self._error("probe", err) from err
         return received / (time.perf_counter() - started)
+
+    def probe_upload(self, total_bytes: int, *, piece_bytes: int = PIECE_BYTES,
+                     timeout_s: float | None = None) -> float:
+        """Bytes per second of a bare stream of ``total_bytes`` to the peer, in messages of ``piece_bytes`` (one
+        prebuilt message sent again and again, read and dropped there): the same method kind as ``push``, so its
+        fair reference. TransferError if the peer counted another number of messages."""
+        whole = encode_piece(0, 0, total_bytes, bytes(piece_bytes))
+        n_messages = -(-total_bytes // piece_bytes)
+        started = time.perf_counter()
+        try:
+            reply = self._probe_upload_raw(iter([whole] * n_messages), timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as err:
+            raise self._error("probe upload to", err) from err
+        seconds = time.perf_counter() - started
+        if reply.stored != n_messages:
+            raise TransferError(f"probe upload to {self.address}: peer counted {reply.stored} of {n_messages} messages")
+        return n_messages * piece_bytes / seconds
 
     def close(self) -> None:
         self._channel.close()

@@ -180,6 +180,13 @@ class _Servicer:
                 return
             yield whole if total - offset >= piece_bytes else encode_piece(0, offset, total, bytes(total - offset))
 
+    def ProbeUpload(self, request_iterator, context):
+        """The push direction's bare stream: raw messages read and dropped; replies how many arrived (``stored``)."""
+        received = 0
+        for _ in request_iterator:
+            received += 1
+        return messages.PushReply(stored=received)
+
 
 def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
     """The service's handlers; streamed BlockPieces travel as raw bytes, encoded and parsed by ``pieces.py``."""
@@ -196,6 +203,9 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
             "Fetch": grpc.unary_stream_rpc_method_handler(servicer.Fetch, messages.FetchRequest.FromString, as_is),
             "Push": grpc.stream_unary_rpc_method_handler(servicer.Push, as_is, messages.PushReply.SerializeToString),
             "Probe": grpc.unary_stream_rpc_method_handler(servicer.Probe, messages.ProbeRequest.FromString, as_is),
+            "ProbeUpload": grpc.stream_unary_rpc_method_handler(
+                servicer.ProbeUpload, as_is, messages.PushReply.SerializeToString
+            ),
             "OfferPull": grpc.unary_unary_rpc_method_handler(
                 servicer.OfferPull, messages.FetchRequest.FromString, messages.PullOffer.SerializeToString
             ),

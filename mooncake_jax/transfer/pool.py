@@ -236,18 +236,16 @@ class BlockPool:
             if not out.flags.writeable:
                 raise ValueError("out must be writable")
         blocks: list[np.ndarray | None] = []
+        targets = list(out) if out is not None else [np.empty(self.spec.shape, self.spec.dtype) for _ in keys]
         with self._operation():
             for level, tier in enumerate(self._tiers):  # disk tiers read ahead of the copies
-                tier.prefetch([key for key in keys if not any(key in upper for upper in self._tiers[:level])])
-            for i, key in enumerate(keys):
-                if out is not None:
-                    block = out[i]
-                    blocks.append(block if self._read_into(key, data_bytes(block)) else None)
-                else:
-                    block = np.empty(self.spec.shape, self.spec.dtype)
-                    found = self._read_into(key, data_bytes(block))
+                below = [i for i, key in enumerate(keys) if not any(key in upper for upper in self._tiers[:level])]
+                tier.prefetch([keys[i] for i in below], [data_bytes(targets[i]) for i in below])
+            for key, block in zip(keys, targets):
+                found = self._read_into(key, data_bytes(block))
+                if out is None:
                     block.flags.writeable = False
-                    blocks.append(block if found else None)
+                blocks.append(block if found else None)
         return blocks
 
     def get_record(self, key: BlockKey, promote: bool = True) -> bytes | None:

@@ -156,7 +156,7 @@ class SlotStore:
         self._pending.append((key, copy))
         return memoryview(slot.memory[:DATA_OFFSET]), digest
 
-    def prefetch(self, keys: Sequence[BlockKey]) -> None:
+    def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None) -> None:
         """Nothing to do: the records are in memory."""
 
     def delete(self, key: BlockKey) -> None:

@@ -2,9 +2,9 @@
 
 The index (a set of keys, kept exact by this class) answers ``contains`` and prefix lookups without I/O; the store
 holds the records. DRAM is a ``SlotStore`` (records in reusable slots of preallocated host memory, ``slots.py``);
-SSD is a ``FileStore`` (records in the one-slot chunks of a zarr3 TensorStore array on disk, written behind
-the caller, ``files.py``), rescanned on open so it survives a restart. A tier never evicts by itself: the pool decides, because eviction from
-DRAM means demotion to SSD.
+SSD is a ``FileStore`` (records in the shards of two zarr3 TensorStore arrays on disk, written behind the caller,
+``files.py``), rescanned on open so it survives a restart. A tier never evicts by itself: the pool decides,
+because eviction from DRAM means demotion to SSD.
 """
 
 from __future__ import annotations
@@ -91,9 +91,11 @@ class Tier:
             self.counters.bytes_read += out.size + len(found[0])
         return found
 
-    def prefetch(self, keys: Sequence[BlockKey]) -> None:
-        """Start bringing in the records of the ``keys`` this tier holds (a batch read is coming)."""
-        self.store.prefetch([key for key in keys if key in self._present])
+    def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray]) -> None:
+        """Start bringing in the records of the ``keys`` this tier holds (a batch read is coming), their data
+        into ``outs`` (flat uint8, one per key), where ``read_into`` will be asked to copy them."""
+        held = [i for i, key in enumerate(keys) if key in self._present]
+        self.store.prefetch([keys[i] for i in held], [outs[i] for i in held])
 
     def write_block(self, key: BlockKey, data: np.ndarray) -> None:
         """Start storing the block whose bytes are ``data`` (flat uint8) under a key not yet in the tier."""
@@ -130,7 +132,8 @@ class Tier:
             raise TierWriteError(self.name, key, err, [key for key, _ in failed]) from err
 
     def delete(self, key: BlockKey) -> None:
-        self.settle()
+        if getattr(self.store, "settle_before_delete", True):  # a DRAM slot is reused: no copy may be in flight
+            self.settle()
         self._present.discard(key)
         self.policy.removed(key)
         self.store.delete(key)
