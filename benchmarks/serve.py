@@ -366,7 +366,9 @@ def main() -> None:
     from mooncake_jax.model.config import PRESETS
 
     cfg = PRESETS["tiny"]
-    prompts = workload(args.requests, cfg.vocab_size, cfg.max_seq_len)
+    # overload mode asks --max-tokens of every prompt: leave them room in the context window
+    room = args.max_tokens if args.mode == "overload" else 0
+    prompts = workload(args.requests, cfg.vocab_size, cfg.max_seq_len - room)
     res = dict(machine_info(), clients=args.clients, duration_s=args.duration,
                mean_prompt_tokens=round(float(np.mean([len(x["prompt"]) for x in prompts])), 1),
                mean_max_tokens=round(float(np.mean([x["max_tokens"] for x in prompts])), 1))

@@ -262,3 +262,42 @@ def test_removing_an_instance_forgets_its_requests():
     assert state.remove_instance("D") == ["b"]
     assert len(state.ledger) == 0
     assert state.expire(100.0, timeout_s=5.0) == ["P1", "P2", "P3"]  # silent since t=0
+
+
+def test_a_decode_instance_with_every_batch_slot_taken_is_refused_before_prefill():
+    # D has 2 batch slots (its registration's max_batch) and room for 10**6 tokens; two sequences decode on it
+    # since t=0, predicted to end at 5 (t_d = 5). At t=1 (prefill ends at 2) early and predictive see both
+    # slots taken: refused before any prefill work, retry after the first predicted finish (5 - 1 = 4 s).
+    # At t=4.5 (prefill ends at 5.5) predictive sees both done; early (the load now) still refuses.
+    # Without max_batch the same load is accepted; none and baseline leave it to the decode instance.
+    decisions = {}
+    for admission in POLICIES:
+        for max_batch in (2, None):
+            state, policy = cluster(prefill=("P0",), decode=(), costs=FLAT, admission=admission, tbt_slo_s=1.0,
+                                    decode_time_s=5.0)
+            state.add_instance("D", "decode", FLAT, 0.0, max_batch=max_batch)
+            state.heartbeat("D", 0.0, active={"a": 20, "b": 20})
+            decisions[admission, max_batch] = [policy.decide(req("new"), state.snapshot(), t) for t in (1.0, 4.5)]
+    for admission in ("early", "predictive"):
+        soon = decisions[admission, 2][0]
+        assert soon.reason == RejectReason.DECODE_CAPACITY and soon.retry_after_s == pytest.approx(4.0)
+    assert decisions["predictive", 2][1].accepted and decisions["predictive", 2][1].decode == "D"
+    assert decisions["early", 2][1].reason == RejectReason.DECODE_CAPACITY
+    assert all(d.accepted for key, pair in decisions.items() if key[1] is None or key[0] in ("none", "baseline")
+               for d in pair)
+
+
+def test_the_conductor_reads_a_decode_instances_batch_slots_from_its_registered_config():
+    from types import SimpleNamespace
+
+    from mooncake_jax.conductor.service import _max_batch_of
+
+    def registration(config_json):
+        return SimpleNamespace(config_json=config_json)
+
+    assert _max_batch_of(registration('{"role": "decode", "max_batch": 32}')) == 32
+    for unknown in ("", "not json", "[1]", '{"max_batch": 0}', '{"max_batch": "many"}', '{"max_batch": true}'):
+        assert _max_batch_of(registration(unknown)) is None, unknown
+    state, _ = cluster(prefill=(), decode=())
+    with pytest.raises(ValueError, match="max_batch must be at least 1"):
+        state.add_instance("D", "decode", FLAT, 0.0, max_batch=0)

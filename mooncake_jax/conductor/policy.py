@@ -177,7 +177,9 @@ class Policy:
         load = decode_step_seconds(coef, batch + 1, context + kv)  # what spreads a burst: all routed load
         if cfg.admission in adm.CHECKS_DECODE_HERE:
             seen_batch, seen_context = ledger.per_slot(seen, table.capacity)
-            fits = candidates & (seen_context + kv <= capacity)
+            # room for its KV, and a batch slot: a decode instance with every slot taken refuses it after its
+            # prefill (late, the prefill wasted); refused here it costs nothing and the client is told at once
+            fits = candidates & (seen_context + kv <= capacity) & (seen_batch < table.max_batch)
             if not np.count_nonzero(fits):
                 return None, 0.0
             seen_tbt = decode_step_seconds(coef, seen_batch + 1, seen_context + kv)

@@ -137,7 +137,7 @@ class ConductorService(services.ConductorServicer):
         self._check_layout(request, role)
         with self.lock:
             self.state.add_instance(request.instance_id, role, costs, self.clock(), request.address, capacity,
-                                    hardware=request.hardware or None)
+                                    hardware=request.hardware or None, max_batch=_max_batch_of(request))
             self.state.kv_reset(request.instance_id, request.dram_block_keys, request.ssd_block_keys)
             self.event_seq[request.instance_id] = request.event_seq
             self.model = self.model or _model_of(request)
@@ -282,6 +282,18 @@ def _model_of(request) -> str:
         except (json.JSONDecodeError, AttributeError):
             return ""
     return ""
+
+
+def _max_batch_of(request) -> int | None:
+    """The batch slots an instance's registration names (its config's ``max_batch``), None when it names none."""
+    if request.config_json:
+        try:
+            value = json.loads(request.config_json).get("max_batch")
+        except (json.JSONDecodeError, AttributeError):
+            return None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
 
 
 def _costs(request):

@@ -103,13 +103,15 @@ class ClusterState:
     # ---------------------------------------------------------------------------------------- membership
 
     def add_instance(self, instance_id: str, role: Role | str, costs: InstanceCosts, now: float, address: str = "",
-                     kv_capacity_tokens: int | None = None, hardware: str | None = None) -> int:
+                     kv_capacity_tokens: int | None = None, hardware: str | None = None,
+                     max_batch: int | None = None) -> int:
         """Register an instance with its own cost model (a re-registration replaces the old one and its blocks);
-        returns its slot. ``hardware`` names its kind (default: what ``costs`` names)."""
+        returns its slot. ``hardware`` names its kind (default: what ``costs`` names); ``max_batch``: a decode
+        instance's batch slots (None: unbounded)."""
         role = Role[role.upper()] if isinstance(role, str) else Role(role)
         if instance_id in self.instances.slot_of:
             self.remove_instance(instance_id)
-        slot = self.instances.add(instance_id, role, costs, now, address, kv_capacity_tokens, hardware)
+        slot = self.instances.add(instance_id, role, costs, now, address, kv_capacity_tokens, hardware, max_batch)
         kind = self.instances.hardware[slot]
         self._slots_of_kind.setdefault(kind, set()).add(slot)
         # a new kind starts from the cluster-wide figure, until its own requests report theirs
