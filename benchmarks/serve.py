@@ -305,7 +305,7 @@ def overload_mode(args, prompts: list[dict], res: dict) -> None:
         for t in threads:
             t.join()
         stats = {}
-        counters = tuple(f"mooncake_backend_cluster_rejected_{when}_total" for when in ("early", "late"))
+        counters = ("mooncake_backend_cluster_",)
         try:  # the cluster's own counters of where it rejected
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
             conn.request("GET", "/metrics")
@@ -340,7 +340,28 @@ def overload_mode(args, prompts: list[dict], res: dict) -> None:
         failed=sum(r["status"] == "failed" for r in results), lost=sum(r["status"] == "lost" for r in results),
         failed_codes=sorted({str(r.get("code")) for r in results if r["status"] == "failed"}),
         lost_errors=sorted({r.get("error", "") for r in results if r["status"] == "lost"})[:5],
-        load_average=list(os.getloadavg()))
+        load_average=list(os.getloadavg()), **ttft_parts(stats))
+
+
+def ttft_parts(stats: dict) -> dict:
+    """Mean TTFT of the admitted requests as the cluster's router saw it, beside the Conductor's prediction, and
+    its parts: prefill queue and compute (the prefill instance's own clock), the rest of the prefill call (pool
+    I/O, KV push, RPC), and the wait for the decode instance's acceptance."""
+    def total(name):
+        return stats.get(f"mooncake_backend_cluster_{name}_total", 0.0)
+
+    n = total("first_tokens")
+    if not n:
+        return {}
+    mean = {k: total(k) / n for k in ("ttft_predicted_seconds", "ttft_seconds", "ttft_prefill_reply_seconds",
+                                      "ttft_prefill_queue_seconds", "ttft_prefill_seconds")}
+    return {"router_first_tokens": int(n), "predicted_ttft_mean_s": round(mean["ttft_predicted_seconds"], 4),
+            "router_ttft_mean_s": round(mean["ttft_seconds"], 4),
+            "prefill_queue_mean_s": round(mean["ttft_prefill_queue_seconds"], 4),
+            "prefill_compute_mean_s": round(mean["ttft_prefill_seconds"], 4),
+            "prefill_call_other_mean_s": round(mean["ttft_prefill_reply_seconds"] - mean["ttft_prefill_queue_seconds"]
+                                               - mean["ttft_prefill_seconds"], 4),
+            "decode_accept_mean_s": round(mean["ttft_seconds"] - mean["ttft_prefill_reply_seconds"], 4)}
 
 
 def main() -> None:
