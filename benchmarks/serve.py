@@ -253,9 +253,10 @@ def overload_request(port: int, item: dict, max_tokens: int, timeout_s: float) -
         resp = conn.getresponse()
         head_s = time.perf_counter() - t0
         if resp.status != 200:
-            resp.read()
+            text = resp.read().decode(errors="replace")
             return {"status": "rejected" if resp.status == 429 else "failed", "code": resp.status,
-                    "answer_s": head_s, "retry_after": resp.getheader("Retry-After")}
+                    "answer_s": head_s, "retry_after": resp.getheader("Retry-After"),
+                    "late": "overloaded (" not in text}  # the Conductor's refusals say "overloaded (reason)"
         first_s, done = None, False
         for raw in resp:
             line = raw.strip()
@@ -331,6 +332,8 @@ def overload_mode(args, prompts: list[dict], res: dict) -> None:
         requests=len(results), completed=sum(r["status"] == "completed" for r in results),
         overload_rejected=round(len(rejected) / max(1, len(results)), 4), rejected=len(rejected),
         reject_s_p50=pct(answers, 50), reject_s_p99=pct(answers, 99), reject_s_max=pct(answers, 100),
+        reject_early_s_p99=pct(np.array([r["answer_s"] for r in rejected if not r["late"]]), 99),
+        reject_late_s_p99=pct(np.array([r["answer_s"] for r in rejected if r["late"]]), 99),
         retry_after_missing=sum(r["retry_after"] is None for r in rejected),
         admitted=int(admitted.size), admitted_ttft_p50_s=pct(admitted, 50), admitted_ttft_p99_s=pct(admitted, 99),
         admitted_ttft_max_s=pct(admitted, 100),

@@ -167,7 +167,8 @@ class ConductorService(services.ConductorServicer):
                 request.instance_id, self.clock(),
                 queued_s=request.queued_s if request.HasField("queued_s") else None,
                 send_backlog_s=request.send_backlog_s if request.HasField("send_backlog_s") else None,
-                active=active)
+                active=active,
+                prefill_slowdown=request.prefill_slowdown if request.HasField("prefill_slowdown") else None)
         return messages.Ack()
 
     @_rpc

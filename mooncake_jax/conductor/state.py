@@ -154,10 +154,13 @@ class ClusterState:
     # ------------------------------------------------------------------------------------------- reports
 
     def heartbeat(self, instance_id: str, now: float, queued_s: float | None = None,
-                  send_backlog_s: float | None = None, active: Mapping[str, int] | None = None) -> None:
+                  send_backlog_s: float | None = None, active: Mapping[str, int] | None = None,
+                  prefill_slowdown: float | None = None) -> None:
         """An instance's periodic load report; each given figure replaces the Conductor's running estimate.
 
         ``queued_s``: predicted seconds of prefill work queued (its queue drains at now + queued_s).
+        ``prefill_slowdown``: how much longer than its cost model a prefill instance's recent requests took
+        (a host loaded by other work, a lower priority); its predicted prefill times are scaled by it.
         ``send_backlog_s``: seconds of outgoing transfers queued. ``active``: a decode instance's running
         batch, request id -> KV tokens: entries it no longer runs are dropped, unknown ones added.
         """
@@ -166,6 +169,10 @@ class ClusterState:
         for name, value in (("queued_s", queued_s), ("send_backlog_s", send_backlog_s)):
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
+        if prefill_slowdown is not None:
+            if not (math.isfinite(prefill_slowdown) and prefill_slowdown > 0):
+                raise ValueError(f"prefill_slowdown must be a finite positive number, got {prefill_slowdown!r}")
+            table.prefill_slowdown[slot] = prefill_slowdown
         table.last_seen[slot] = now
         if queued_s is not None:
             table.queue_free_at[slot] = now + queued_s

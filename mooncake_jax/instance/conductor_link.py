@@ -188,6 +188,8 @@ class ConductorLink:
         request = messages.HeartbeatRequest(instance_id=self.instance_id)
         if "queued_s" in load:
             request.queued_s = load["queued_s"]
+        if "prefill_slowdown" in load:
+            request.prefill_slowdown = load["prefill_slowdown"]
         if "active" in load:
             request.reports_batch = True
             for request_id, kv_tokens in load["active"].items():

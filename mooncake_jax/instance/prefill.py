@@ -14,13 +14,17 @@ Order of work for one request (engine work on the engine loop through its schedu
 4. report PREFILL_DONE to the Conductor and return the first token.
 
 A fetch that fails is not fatal: the blocks are recomputed instead. The queue of predicted prefill seconds is what
-the heartbeat reports as ``queued_s``.
+the heartbeat reports as ``queued_s``, scaled by the instance's measured slowdown (``SlowdownMeter``: how much
+longer than the cost model its recent requests took, the wait in the queue aside), which the heartbeat reports too
+so the Conductor scales its predictions for this instance alike.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import threading
 import time
 
 import numpy as np
@@ -39,22 +43,49 @@ log = logging.getLogger(__name__)
 FETCH_WAIT_S = 2.0
 
 
+class SlowdownMeter:
+    """Measured over predicted seconds of this instance's recent requests: the median of those that ended within
+    the last ``window_s`` (at most ``samples`` of them), 1 when there are none. The cost model was measured once, at
+    start-up; on a host other work loads (or at a lower priority) the same prefill takes several times longer, and
+    a Conductor predicting from the model alone admits requests that then miss the TTFT SLO. The median ignores a
+    few outliers (a program compiled on first use); the window lets an instance nobody sends work to any more (it
+    looked slow) return to its model's figures instead of staying shunned."""
+
+    def __init__(self, window_s: float = 30.0, samples: int = 32, clock=time.monotonic):
+        self.window_s, self._clock = window_s, clock
+        self._ratios: collections.deque[tuple[float, float]] = collections.deque(maxlen=samples)
+        self._lock = threading.Lock()
+
+    def record(self, measured_s: float, predicted_s: float) -> None:
+        if predicted_s > 0 and measured_s >= 0:
+            with self._lock:
+                self._ratios.append((self._clock(), min(100.0, max(0.01, measured_s / predicted_s))))
+
+    def slowdown(self) -> float:
+        since = self._clock() - self.window_s
+        with self._lock:
+            recent = [ratio for at, ratio in self._ratios if at >= since]
+        return float(np.median(recent)) if recent else 1.0
+
+
 class PrefillService(InstanceService):
     def __init__(self, instance):
         super().__init__(instance, ("prefill_requests", "prefill_prompt_tokens", "prefill_cached_tokens",
                                     "prefill_fetched_blocks", "prefill_pushed_blocks", "prefill_fetch_failures"))
         self._queued_s = 0.0
+        self.slowdown = SlowdownMeter()
         self._peer_same_spec: dict[str, bool] = {}
         self._layerwise = _layerwise(instance.engine) if instance.config.layerwise else None
 
     def load(self) -> dict:
+        slowdown = self.slowdown.slowdown()
         with self._lock:
-            return {"queued_s": self._queued_s}
+            return {"queued_s": self._queued_s * slowdown, "prefill_slowdown": slowdown}
 
     def stats(self) -> dict[str, float]:
         with self._lock:
             queued = self._queued_s
-        return self.counts() | {"prefill_queued_s": queued}
+        return self.counts() | {"prefill_queued_s": queued, "prefill_slowdown": self.slowdown.slowdown()}
 
     @rpc
     def Prefill(self, request, context):
@@ -93,6 +124,8 @@ class PrefillService(InstanceService):
         if inst.link is not None:
             inst.link.report(request.request_id, "PREFILL_DONE")
         t_end = time.perf_counter()
+        # its own time in this instance, the wait in the queue aside, against what the cost model predicted
+        self.slowdown.record((t_fetched - t0) + (t_end - started.get("t", queued_at)), predicted)
         return messages.PrefillReply(
             first_token=seq.output[0], cached_tokens=seq.cached_tokens, kv_keys=keys,
             queue_s=started.get("t", queued_at) - queued_at, prefill_s=t_prefilled - started.get("t", queued_at),
