@@ -226,3 +226,29 @@ def test_a_killed_conductor_process_comes_back_on_its_address_and_the_cluster_se
         assert c.conductor_supervisor.restarts == {"conductor": 1}
         assert c.run(p, max_new_tokens=3)[0] == expected
     assert c.conductor.proc.poll() is not None  # closed with the cluster: no orphan
+
+
+def test_a_prefill_instance_refuses_a_request_it_can_no_longer_serve_within_the_ttft_slo():
+    """The check of last resort (instance/prefill.py): work predicted by the cost model, scaled by the measured
+    slowdown, against what is left of the SLO (10% kept for the decode side) -> RESOURCE_EXHAUSTED (a 429)."""
+    from types import SimpleNamespace
+
+    from mooncake_jax.instance.prefill import PrefillService, SlowdownMeter
+    from mooncake_jax.instance.rpc import InstanceService, LateRejection
+
+    instance = SimpleNamespace(ttft_slo_s=2.0, config=SimpleNamespace(instance_id="prefill-0"))
+    service = PrefillService.__new__(PrefillService)  # only the check: no engine behind it
+    InstanceService.__init__(service, instance, ("prefill_refused_ttft",))
+    service.slowdown = SlowdownMeter()
+    now = time.perf_counter()
+    service._check_deadline(now, 1.0, "on arrival")  # 1.0 s of work, 1.8 s left
+    service.slowdown.record(0.2, 0.1)  # it runs 2x slower than its model: 2.0 s > 1.8 s
+    with pytest.raises(LateRejection, match=r"prefill-0 cannot meet the TTFT SLO of 2 s \(on arrival: 2.00 s of "
+                                            r"work, 1\.\d\d s left\)"):
+        service._check_deadline(now, 1.0, "on arrival")
+    service._check_deadline(now - 1.5, 0.1, "out of the queue")  # waited 1.5 s: 0.2 s of work in 0.3 s left
+    with pytest.raises(LateRejection, match="out of the queue: 0.40 s of work, 0.30 s left"):
+        service._check_deadline(now - 1.5, 0.2, "out of the queue")
+    assert service.counts()["prefill_refused_ttft_total"] == 2
+    instance.ttft_slo_s = None  # not registered yet: no SLO to hold it to
+    service._check_deadline(now - 100, 5.0, "on arrival")

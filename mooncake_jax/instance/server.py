@@ -129,6 +129,11 @@ class InstanceServer:
         self.service.add_to_server(self._server)
 
     @property
+    def ttft_slo_s(self) -> float | None:
+        """The cluster's TTFT SLO, as the Conductor handed it out at registration (None before)."""
+        return self.link.ttft_slo_s if self.link is not None else None
+
+    @property
     def tbt_slo_s(self) -> float | None:
         """The cluster's TBT SLO, as the Conductor handed it out at registration (None before)."""
         return self.link.tbt_slo_s if self.link is not None else None
