@@ -208,8 +208,10 @@ class Cluster:
         config = PolicyConfig(strategy=policy, admission=admission, block_size=cluster_block_size(model, configs),
                               ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
                               kvcache_balancing_threshold=kvcache_balancing_threshold, seed=seed)
+        if conductor_process is None:
+            conductor_process = processes
         log_dir = run_log_dir(log_dir) if processes or conductor_process else None
-        if processes if conductor_process is None else conductor_process:
+        if conductor_process:
             launcher = ConductorLauncher(config, host, heartbeat_interval_s, heartbeat_timeout_s, lambda args:
                                          ChildInstance(args, log_dir / "conductor.log", timeout_s=120.0,
                                                        auth_token=auth_token, command="conductor"))
