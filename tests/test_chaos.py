@@ -162,7 +162,8 @@ def test_conductor_process_flags_carry_its_policy_and_refuse_what_they_cannot():
 
 def test_the_supervised_conductor_process_comes_back_on_its_address_with_the_block_lists(tmp_path):
     """No model (fast): the Conductor process a local cluster runs, SIGKILLed, is restarted by its supervisor on the
-    port it first bound, and an instance's link registers again there with its block list."""
+    port it first bound, and an instance's link registers again there with its block list. The shared token reaches
+    it on its standard input (not its command line), and calls without it are refused."""
     from mooncake_jax.conductor.api import PolicyConfig
     from mooncake_jax.instance.backend import conductor_messages, conductor_services
     from mooncake_jax.instance.cluster import ChildInstance
@@ -171,13 +172,15 @@ def test_the_supervised_conductor_process_comes_back_on_its_address_with_the_blo
     from mooncake_jax.proto.auth import open_channel
 
     launcher = ConductorLauncher(PolicyConfig(block_size=16), "127.0.0.1", 0.2, 5.0, lambda args: ChildInstance(
-        args, tmp_path / "conductor.log", timeout_s=60, command="conductor"))
+        args, tmp_path / "conductor.log", timeout_s=60, auth_token="s3cret", command="conductor"))
     children = {"conductor": launcher.start()}
     first = children["conductor"]
     supervisor = Supervisor(children, lambda _: launcher.start(), poll_s=0.05, what="Conductor").start()
+    assert b"s3cret" not in open(f"/proc/{first.proc.pid}/cmdline", "rb").read()
     link = ConductorLink(first.address, "prefill-a", "prefill", "10.0.0.1:1", "", 1000, load=lambda: {},
-                         block_lists=lambda: ([7, 8, 9], []), hardware="8xA800", model="llama2-70b").start()
-    channel = open_channel(first.address)
+                         block_lists=lambda: ([7, 8, 9], []), hardware="8xA800", model="llama2-70b",
+                         auth_token="s3cret").start()
+    channel = open_channel(first.address, "s3cret")
     listing = conductor_services.ConductorStub(channel).ListInstances
 
     def indexed():
@@ -189,6 +192,10 @@ def test_the_supervised_conductor_process_comes_back_on_its_address_with_the_blo
 
     try:
         assert indexed() == (["prefill-a"], 3)
+        with open_channel(first.address) as plain, pytest.raises(grpc.RpcError) as err:
+            conductor_services.ConductorStub(plain).ListInstances(conductor_messages.ListInstancesRequest(),
+                                                                  timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         first.kill()
         assert indexed() is None  # nobody there while it restarts
         assert wait_until(lambda: indexed() == (["prefill-a"], 3), 30)  # back, and the link registered again
