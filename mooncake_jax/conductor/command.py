@@ -3,8 +3,8 @@
 It holds no state worth saving: instances register with it (and again, with their block lists, when it restarts:
 they learn of the restart from NOT_FOUND on their next heartbeat), and the gateway asks it for every request. So
 it is restarted like any stateless service, on the same address (``serve`` runs it as a supervised child process:
-``instance/conductor_process.py``). The prefix index's block size is the first
-prefill instance's unless ``--block-size`` fixes it.
+``instance/conductor_process.py``). The prefix index's block size is the first prefill instance's unless
+``--block-size`` fixes it.
 """
 
 from __future__ import annotations
