@@ -259,3 +259,21 @@ def test_a_prefill_instance_refuses_a_request_it_can_no_longer_serve_within_the_
     assert service.counts()["prefill_refused_ttft_total"] == 2
     instance.ttft_slo_s = None  # not registered yet: no SLO to hold it to
     service._check_deadline(now - 100, 5.0, "on arrival")
+
+
+def test_only_a_cluster_that_admits_lets_its_prefill_instances_refuse_on_the_ttft_slo():
+    """Admission ``none`` (pure scheduling studies) accepts everything: the Conductor says so at registration and
+    the prefill instance's last-resort check then has no SLO to refuse on."""
+    from types import SimpleNamespace
+
+    from mooncake_jax.conductor.api import PolicyConfig
+    from mooncake_jax.conductor.service import ConductorService, messages
+    from mooncake_jax.instance.server import InstanceServer
+
+    for admission, admits in (("none", False), ("baseline", True), ("predictive", True)):
+        service = ConductorService(PolicyConfig(block_size=16, admission=admission, ttft_slo_s=2.0))
+        reply = service.Register(messages.RegisterRequest(instance_id="p0", role=messages.PREFILL, address="p0:1",
+                                                          hardware="8xA800", model="llama2-70b"), None)
+        assert reply.admits is admits and reply.ttft_slo_s == 2.0
+        link = SimpleNamespace(ttft_slo_s=reply.ttft_slo_s, admits=reply.admits)
+        assert InstanceServer.ttft_slo_s.fget(SimpleNamespace(link=link)) == (2.0 if admits else None)

@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mooncake_jax.conductor.api import Decision, PolicyConfig, Request
+from mooncake_jax.conductor.api import Admission, Decision, PolicyConfig, Request
 from mooncake_jax.conductor.hardware import instance_costs
 from mooncake_jax.conductor.index import Tier
 from mooncake_jax.conductor.instances import Role, UnknownInstance
@@ -146,7 +146,8 @@ class ConductorService(services.ConductorServicer):
         config = self.state.config
         return messages.RegisterReply(heartbeat_interval_s=self.heartbeat_interval_s,
                                       heartbeat_timeout_s=self.heartbeat_timeout_s, ttft_slo_s=config.ttft_slo_s,
-                                      tbt_slo_s=config.tbt_slo_s, block_size=config.block_size)
+                                      tbt_slo_s=config.tbt_slo_s, block_size=config.block_size,
+                                      admits=config.admission != Admission.NONE)
 
     @_rpc
     def Deregister(self, request, context):

@@ -22,7 +22,8 @@ A request that can no longer meet the cluster's TTFT SLO here (``TTFT_SHARE_AFTE
 is refused with RESOURCE_EXHAUSTED (a 429 for its client, within the SLO) instead of being prefilled into a late
 first token: on arrival, when its predicted wait and work, both scaled by the measured slowdown, exceed what is left
 of the SLO, and again when it leaves the queue. The Conductor's prediction should make this rare; it is the check
-of last resort for a burst that came before the slowdown was measured.
+of last resort for a burst that came before the slowdown was measured. Under admission ``none`` (the Conductor
+says so at registration) nothing is refused.
 """
 
 from __future__ import annotations
