@@ -18,10 +18,23 @@ end), ``requests_per_s``, ``ttft_p90_s``, ``tbt_p90_s``, ``gateway_threads_max``
 ``failed``, ``lost``. The issue's full size:
 
     python benchmarks/serve.py --mode idle --idle 1000 --clients 64 --duration 60 --json results/serve_idle.json
+
+``--mode overload`` drives ``serve`` (2 prefill + 1 decode) past what it can serve within a small TTFT SLO
+(``--ttft-slo`` seconds, default 2, given to serve's ``--ttft-slo-s``): ``--clients`` streaming clients (default
+96) each ask ``--max-tokens`` tokens (default 512) of a trace prompt, back to back, for ``--duration`` seconds
+(default 60); a client answered 429 waits its Retry-After before its next request, as a well-behaved client does.
+Flat keys: ``overload_rejected`` (fraction of requests answered 429), ``reject_s_p50`` / ``reject_s_p99`` (time
+to the 429), ``retry_after_missing`` (429s without the header), ``admitted_ttft_p50_s`` / ``admitted_ttft_p99_s``
+and ``admitted_within_slo`` (TTFT of the requests that got a first token), ``ttft_slo_s``, ``rejected_early`` /
+``rejected_late`` (the cluster's counters: before prefill, or by the decode instance after it), ``failed``,
+``lost``, ``cpu_model``, ``load_average``.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -46,7 +59,8 @@ def peak_memory_mb(pid: int) -> dict[str, float]:
         except OSError:
             continue
         kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM"))
-        name = "serve" if p == pid else cmd.split("--instance-id ")[-1].split()[0]
+        name = ("serve" if p == pid else cmd.split("--instance-id ")[-1].split()[0] if "--instance-id " in cmd
+                else "conductor")
         out[name] = round(kib / 1024, 1)
     return out
 
@@ -227,31 +241,167 @@ def idle_mode(args, prompts: list[dict], res: dict) -> None:
     print(res, flush=True)
 
 
+def overload_request(port: int, item: dict, max_tokens: int, timeout_s: float) -> dict:
+    """One streaming completion: its status, when the answer's head came (the 429's time), its Retry-After, and
+    when its first token came."""
+    body = json.dumps({"model": "tiny", "prompt": item["prompt"], "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    t0 = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        head_s = time.perf_counter() - t0
+        if resp.status != 200:
+            text = resp.read().decode(errors="replace")
+            return {"status": "rejected" if resp.status == 429 else "failed", "code": resp.status,
+                    "answer_s": head_s, "retry_after": resp.getheader("Retry-After"),
+                    "late": "overloaded (" not in text}  # the Conductor's refusals say "overloaded (reason)"
+        first_s, done = None, False
+        for raw in resp:
+            line = raw.strip()
+            if line == b"data: [DONE]":
+                done = True
+            elif line.startswith(b"data: "):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:  # ended with a status after it was admitted
+                    return {"status": "failed", "code": chunk["error"].get("code"), "first_s": first_s}
+                if first_s is None and chunk.get("choices"):
+                    first_s = time.perf_counter() - t0
+        return {"status": "completed" if done else "lost", "first_s": first_s}
+    except TimeoutError:
+        return {"status": "lost", "error": "no answer in time"}
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        return {"status": "lost", "error": repr(e)}
+    finally:
+        conn.close()
+
+
+def overload_mode(args, prompts: list[dict], res: dict) -> None:
+    slo = args.ttft_slo
+    extra = ["--prefill", "2", "--decode", "1", "--ttft-slo-s", str(slo)]
+    print(f"overload mode ({' '.join(extra)}): starting", flush=True)
+    proc, port = start_serve(extra)
+    results, lock = [], threading.Lock()
+    try:
+        deadline = time.perf_counter() + args.duration
+
+        def client(c: int) -> None:
+            i = c
+            while time.perf_counter() < deadline:
+                r = overload_request(port, prompts[i % len(prompts)], args.max_tokens, timeout_s=120)
+                with lock:
+                    results.append(r)
+                i += args.clients
+                if r["status"] == "rejected":
+                    try:
+                        time.sleep(min(float(r["retry_after"]), max(0.0, deadline - time.perf_counter())))
+                    except (TypeError, ValueError):
+                        time.sleep(1.0)
+
+        print(f"{args.clients} clients asking {args.max_tokens} tokens for {args.duration:.0f} s", flush=True)
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = {}
+        counters = ("mooncake_backend_cluster_",)
+        try:  # the cluster's own counters of where it rejected
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("GET", "/metrics")
+            for line in conn.getresponse().read().decode().splitlines():
+                if line.startswith(counters):
+                    name, value = line.split()[:2]
+                    stats[name] = float(value)
+            conn.close()
+        except OSError:
+            pass
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    rejected = [r for r in results if r["status"] == "rejected"]
+    admitted = np.array([r["first_s"] for r in results if r.get("first_s") is not None])
+    answers = np.array([r["answer_s"] for r in rejected])
+
+    def pct(a, q):
+        return round(float(np.percentile(a, q)), 4) if a.size else None
+
+    res.update(
+        mode="overload", server="disaggregated_2p1d", ttft_slo_s=slo, max_tokens=args.max_tokens,
+        requests=len(results), completed=sum(r["status"] == "completed" for r in results),
+        overload_rejected=round(len(rejected) / max(1, len(results)), 4), rejected=len(rejected),
+        reject_s_p50=pct(answers, 50), reject_s_p99=pct(answers, 99), reject_s_max=pct(answers, 100),
+        reject_early_s_p99=pct(np.array([r["answer_s"] for r in rejected if not r["late"]]), 99),
+        reject_late_s_p99=pct(np.array([r["answer_s"] for r in rejected if r["late"]]), 99),
+        retry_after_missing=sum(r["retry_after"] is None for r in rejected),
+        admitted=int(admitted.size), admitted_ttft_p50_s=pct(admitted, 50), admitted_ttft_p99_s=pct(admitted, 99),
+        admitted_ttft_max_s=pct(admitted, 100),
+        admitted_within_slo=round(float(np.mean(admitted <= slo)), 4) if admitted.size else None,
+        rejected_early=int(stats.get("mooncake_backend_cluster_rejected_early_total", -1)),
+        rejected_late=int(stats.get("mooncake_backend_cluster_rejected_late_total", -1)),
+        failed=sum(r["status"] == "failed" for r in results), lost=sum(r["status"] == "lost" for r in results),
+        failed_codes=sorted({str(r.get("code")) for r in results if r["status"] == "failed"}),
+        lost_errors=sorted({r.get("error", "") for r in results if r["status"] == "lost"})[:5],
+        load_average=list(os.getloadavg()), **ttft_parts(stats))
+
+
+def ttft_parts(stats: dict) -> dict:
+    """Mean TTFT of the admitted requests as the cluster's router saw it, beside the Conductor's prediction, and
+    its parts: prefill queue and compute (the prefill instance's own clock), the rest of the prefill call (pool
+    I/O, KV push, RPC), and the wait for the decode instance's acceptance."""
+    def total(name):
+        return stats.get(f"mooncake_backend_cluster_{name}_total", 0.0)
+
+    n = total("first_tokens")
+    if not n:
+        return {}
+    mean = {k: total(k) / n for k in ("ttft_predicted_seconds", "ttft_seconds", "ttft_prefill_reply_seconds",
+                                      "ttft_prefill_queue_seconds", "ttft_prefill_seconds")}
+    return {"router_first_tokens": int(n), "predicted_ttft_mean_s": round(mean["ttft_predicted_seconds"], 4),
+            "router_ttft_mean_s": round(mean["ttft_seconds"], 4),
+            "prefill_queue_mean_s": round(mean["ttft_prefill_queue_seconds"], 4),
+            "prefill_compute_mean_s": round(mean["ttft_prefill_seconds"], 4),
+            "prefill_call_other_mean_s": round(mean["ttft_prefill_reply_seconds"] - mean["ttft_prefill_queue_seconds"]
+                                               - mean["ttft_prefill_seconds"], 4),
+            "decode_accept_mean_s": round(mean["ttft_seconds"] - mean["ttft_prefill_reply_seconds"], 4)}
+
+
 def main() -> None:
     p = arg_parser(__doc__)
-    p.add_argument("--mode", choices=["compare", "idle"], default="compare",
-                   help="compare: disaggregated vs coupled; idle: the gateway under idle connections")
-    p.add_argument("--clients", type=int, default=None, help="streaming clients (compare: 64, idle: 16)")
+    p.add_argument("--mode", choices=["compare", "idle", "overload"], default="compare",
+                   help="compare: disaggregated vs coupled; idle: the gateway under idle connections; overload: "
+                        "429s and admitted TTFT past capacity")
+    p.add_argument("--clients", type=int, default=None,
+                   help="streaming clients (compare: 64, idle: 16, overload: 96)")
     p.add_argument("--duration", type=float, default=None, help="seconds of load (compare: 60, idle: 20)")
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="overload mode: serve's TTFT SLO (s)")
+    p.add_argument("--max-tokens", type=int, default=512, help="overload mode: tokens each request asks")
     p.add_argument("--requests", type=int, default=400, help="distinct trace requests to cycle through")
     p.add_argument("--idle", type=int, default=None, help="idle mode: keep-alive connections held (200)")
     p.add_argument("--idle-ping", type=float, default=20.0, help="idle mode: seconds between uses of each one")
     p.add_argument("--coupled", action="store_true", help="idle mode: serve --coupled instead of 2p1d")
     args = p.parse_args()
     idle_mode_on = args.mode == "idle"
-    args.clients = args.clients or (16 if idle_mode_on else 64)
+    args.clients = args.clients or {"idle": 16, "overload": 96}.get(args.mode, 64)
     args.duration = args.duration or (20.0 if idle_mode_on else 60.0)
 
     from mooncake_jax.demo import workload
     from mooncake_jax.model.config import PRESETS
 
     cfg = PRESETS["tiny"]
-    prompts = workload(args.requests, cfg.vocab_size, cfg.max_seq_len)
+    # overload mode asks --max-tokens of every prompt: leave them room in the context window
+    room = args.max_tokens if args.mode == "overload" else 0
+    prompts = workload(args.requests, cfg.vocab_size, cfg.max_seq_len - room)
     res = dict(machine_info(), clients=args.clients, duration_s=args.duration,
                mean_prompt_tokens=round(float(np.mean([len(x["prompt"]) for x in prompts])), 1),
                mean_max_tokens=round(float(np.mean([x["max_tokens"] for x in prompts])), 1))
     if idle_mode_on:
         idle_mode(args, prompts, res)
+        write_json(res, args.json)
+        return
+    if args.mode == "overload":
+        overload_mode(args, prompts, res)
         write_json(res, args.json)
         return
     for name, extra in (("disaggregated_2p1d", ["--prefill", "2", "--decode", "1"]), ("coupled", ["--coupled"])):

@@ -53,6 +53,33 @@ def add_security_arguments(p) -> None:
                    help="PEM CA bundle the other roles' certificates chain to (default: --tls-cert itself)")
 
 
+def add_child_arguments(p) -> None:
+    """The flags a launcher (``serve``) gives the role processes it starts and supervises."""
+    p.add_argument("--auth-token-stdin", action="store_true",
+                   help="read the cluster's shared token from the first line of standard input")
+    p.add_argument("--exit-with-stdin", action="store_true",
+                   help="stop when standard input closes (a launcher's children: they never outlive it)")
+
+
+def read_stdin_token(args) -> None:
+    """With ``--auth-token-stdin``, the token from the first line of standard input (``setup`` returns it)."""
+    if args.auth_token_stdin:
+        args.auth_token_from_stdin = sys.stdin.readline().strip() or None
+
+
+def exit_with_stdin(args, stop: threading.Event) -> None:
+    """With ``--exit-with-stdin``, set ``stop`` once standard input closes (the launcher is gone or wants this
+    process to stop)."""
+    if not args.exit_with_stdin:
+        return
+
+    def lifeline():
+        sys.stdin.read()  # returns at EOF
+        stop.set()
+
+    threading.Thread(target=lifeline, daemon=True, name="stdin-lifeline").start()
+
+
 def setup(args, role: str) -> str | None:
     """Logging to stderr, TLS for the process, and the shared token (returned). ValueError saying what is wrong."""
     from .gateway.auth import resolve_token

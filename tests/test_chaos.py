@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import grpc
 import pytest
 from test_cluster import FAST, PROFILE, wait_until
 
@@ -136,3 +137,143 @@ def test_an_instance_that_cannot_start_says_why(tmp_path):
         ChildInstance(["--role", "prefill", "--conductor", "127.0.0.1:1", "--max-batch", "many"],
                       tmp_path / "prefill-0.log", timeout_s=120)
     assert "exited with status 2" in str(err.value) and "invalid int value: 'many'" in str(err.value)
+
+
+def test_conductor_process_flags_carry_its_policy_and_refuse_what_they_cannot():
+    """The flags built for the Conductor process give the conductor command's parser the same PolicyConfig."""
+    import argparse
+
+    from mooncake_jax.conductor import command
+    from mooncake_jax.conductor.api import PolicyConfig
+    from mooncake_jax.instance.conductor_process import conductor_args
+
+    config = PolicyConfig(strategy="load-balance", admission="early", block_size=32, kvcache_balancing_threshold=1.5,
+                          ttft_slo_s=2.25, tbt_slo_s=0.3, seed=7)
+    p = argparse.ArgumentParser()
+    command.add_arguments(p)
+    a = p.parse_args(conductor_args(config, "::1", 4321, 0.2, 3.0))
+    assert a.listen == "[::1]:4321" and (a.heartbeat_interval_s, a.heartbeat_timeout_s) == (0.2, 3.0)
+    assert PolicyConfig(strategy=a.policy, admission=a.admission, block_size=a.block_size, seed=a.seed,
+                        kvcache_balancing_threshold=a.kvcache_balancing_threshold, ttft_slo_s=a.ttft_slo_s,
+                        tbt_slo_s=a.tbt_slo_s) == config
+    with pytest.raises(ValueError, match=r"takes no \['decode_time_s'\]"):
+        conductor_args(PolicyConfig(decode_time_s=2.0), "127.0.0.1", 0, 0.5, 3.0)
+
+
+def test_the_supervised_conductor_process_comes_back_on_its_address_with_the_block_lists(tmp_path):
+    """No model (fast): the Conductor process a local cluster runs, SIGKILLed, is restarted by its supervisor on the
+    port it first bound, and an instance's link registers again there with its block list. The shared token reaches
+    it on its standard input (not its command line), and calls without it are refused."""
+    from mooncake_jax.conductor.api import PolicyConfig
+    from mooncake_jax.instance.backend import conductor_messages, conductor_services
+    from mooncake_jax.instance.cluster import ChildInstance
+    from mooncake_jax.instance.conductor_link import ConductorLink
+    from mooncake_jax.instance.conductor_process import ConductorLauncher
+    from mooncake_jax.proto.auth import open_channel
+
+    launcher = ConductorLauncher(PolicyConfig(block_size=16), "127.0.0.1", 0.2, 5.0, lambda args: ChildInstance(
+        args, tmp_path / "conductor.log", timeout_s=60, auth_token="s3cret", command="conductor"))
+    children = {"conductor": launcher.start()}
+    first = children["conductor"]
+    supervisor = Supervisor(children, lambda _: launcher.start(), poll_s=0.05, what="Conductor").start()
+    assert b"s3cret" not in open(f"/proc/{first.proc.pid}/cmdline", "rb").read()
+    link = ConductorLink(first.address, "prefill-a", "prefill", "10.0.0.1:1", "", 1000, load=lambda: {},
+                         block_lists=lambda: ([7, 8, 9], []), hardware="8xA800", model="llama2-70b",
+                         auth_token="s3cret").start()
+    channel = open_channel(first.address, "s3cret")
+    listing = conductor_services.ConductorStub(channel).ListInstances
+
+    def indexed():
+        try:
+            reply = listing(conductor_messages.ListInstancesRequest(), timeout=2)
+        except grpc.RpcError:
+            return None
+        return [i.instance_id for i in reply.instances], reply.indexed_blocks
+
+    try:
+        assert indexed() == (["prefill-a"], 3)
+        with open_channel(first.address) as plain, pytest.raises(grpc.RpcError) as err:
+            conductor_services.ConductorStub(plain).ListInstances(conductor_messages.ListInstancesRequest(),
+                                                                  timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        first.kill()
+        assert indexed() is None  # nobody there while it restarts
+        assert wait_until(lambda: indexed() == (["prefill-a"], 3), 30)  # back, and the link registered again
+        again = children["conductor"]
+        assert again is not first and again.address == first.address and supervisor.restarts == {"conductor": 1}
+        assert "Conductor serving on" in (tmp_path / "conductor.log").read_text()
+    finally:
+        link.stop(deregister=False)
+        channel.close()
+        supervisor.stop()
+        for child in children.values():
+            child.stop()
+    assert children["conductor"].proc.returncode is not None
+
+
+@pytest.mark.slow
+def test_a_killed_conductor_process_comes_back_on_its_address_and_the_cluster_serves_again():
+    """Instances in this process (fast), the Conductor in its own, supervised: SIGKILLed, requests fail with a
+    status while it is away (never hang), it is restarted on the same port, the instances re-register, and the
+    same gateway backend serves the same tokens again."""
+    with mj.Cluster.local("tiny", prefill=1, decode=1, profile_json=PROFILE, conductor_process=True,
+                          heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0, **FAST) as c:
+        p = prompts([10], seed=31)[0]  # under one block: no prefix cached, so no other prefill shape to compile
+        expected = c.run(p, max_new_tokens=3)[0]
+        first = c.conductor
+        address, pid = first.address, first.proc.pid
+        assert not hasattr(first, "service")  # a process, not an object of this one
+        first.kill()
+        t = time.monotonic()
+        with pytest.raises(Unavailable, match="Conductor"):  # restarting takes >= 0.5 s of backoff
+            c.run(p, max_new_tokens=3)
+        assert time.monotonic() - t < 15
+        assert wait_until(lambda: c.conductor is not first and c.backend.health() is None, 60)
+        assert c.conductor.address == address and c.conductor.proc.pid != pid
+        assert c.conductor_supervisor.restarts == {"conductor": 1}
+        assert c.run(p, max_new_tokens=3)[0] == expected
+    assert c.conductor.proc.poll() is not None  # closed with the cluster: no orphan
+
+
+def test_a_prefill_instance_refuses_a_request_it_can_no_longer_serve_within_the_ttft_slo():
+    """The check of last resort (instance/prefill.py): work predicted by the cost model, scaled by the measured
+    slowdown, against what is left of the SLO (10% kept for the decode side) -> RESOURCE_EXHAUSTED (a 429)."""
+    from types import SimpleNamespace
+
+    from mooncake_jax.instance.prefill import PrefillService, SlowdownMeter
+    from mooncake_jax.instance.rpc import InstanceService, LateRejection
+
+    instance = SimpleNamespace(ttft_slo_s=2.0, config=SimpleNamespace(instance_id="prefill-0"))
+    service = PrefillService.__new__(PrefillService)  # only the check: no engine behind it
+    InstanceService.__init__(service, instance, ("prefill_refused_ttft",))
+    service.slowdown = SlowdownMeter()
+    now = time.perf_counter()
+    service._check_deadline(now, 1.0, "on arrival")  # 1.0 s of work, 1.8 s left
+    service.slowdown.record(0.2, 0.1)  # it runs 2x slower than its model: 2.0 s > 1.8 s
+    with pytest.raises(LateRejection, match=r"prefill-0 cannot meet the TTFT SLO of 2 s \(on arrival: 2.00 s of "
+                                            r"work, 1\.\d\d s left\)"):
+        service._check_deadline(now, 1.0, "on arrival")
+    service._check_deadline(now - 1.5, 0.1, "out of the queue")  # waited 1.5 s: 0.2 s of work in 0.3 s left
+    with pytest.raises(LateRejection, match="out of the queue: 0.40 s of work, 0.30 s left"):
+        service._check_deadline(now - 1.5, 0.2, "out of the queue")
+    assert service.counts()["prefill_refused_ttft_total"] == 2
+    instance.ttft_slo_s = None  # not registered yet: no SLO to hold it to
+    service._check_deadline(now - 100, 5.0, "on arrival")
+
+
+def test_only_a_cluster_that_admits_lets_its_prefill_instances_refuse_on_the_ttft_slo():
+    """Admission ``none`` (pure scheduling studies) accepts everything: the Conductor says so at registration and
+    the prefill instance's last-resort check then has no SLO to refuse on."""
+    from types import SimpleNamespace
+
+    from mooncake_jax.conductor.api import PolicyConfig
+    from mooncake_jax.conductor.service import ConductorService, messages
+    from mooncake_jax.instance.server import InstanceServer
+
+    for admission, admits in (("none", False), ("baseline", True), ("predictive", True)):
+        service = ConductorService(PolicyConfig(block_size=16, admission=admission, ttft_slo_s=2.0))
+        reply = service.Register(messages.RegisterRequest(instance_id="p0", role=messages.PREFILL, address="p0:1",
+                                                          hardware="8xA800", model="llama2-70b"), None)
+        assert reply.admits is admits and reply.ttft_slo_s == 2.0
+        link = SimpleNamespace(ttft_slo_s=reply.ttft_slo_s, admits=reply.admits)
+        assert InstanceServer.ttft_slo_s.fget(SimpleNamespace(link=link)) == (2.0 if admits else None)

@@ -262,3 +262,83 @@ def test_removing_an_instance_forgets_its_requests():
     assert state.remove_instance("D") == ["b"]
     assert len(state.ledger) == 0
     assert state.expire(100.0, timeout_s=5.0) == ["P1", "P2", "P3"]  # silent since t=0
+
+
+def test_a_decode_instance_with_every_batch_slot_taken_is_refused_before_prefill():
+    # D has 2 batch slots (its registration's max_batch) and room for 10**6 tokens; two sequences decode on it
+    # since t=0, predicted to end at 5 (t_d = 5). At t=1 (prefill ends at 2) early and predictive see both
+    # slots taken: refused before any prefill work, retry after the first predicted finish (5 - 1 = 4 s).
+    # At t=4.5 (prefill ends at 5.5) predictive sees both done; early (the load now) still refuses.
+    # Without max_batch the same load is accepted; none and baseline leave it to the decode instance.
+    decisions = {}
+    for admission in POLICIES:
+        for max_batch in (2, None):
+            state, policy = cluster(prefill=("P0",), decode=(), costs=FLAT, admission=admission, tbt_slo_s=1.0,
+                                    decode_time_s=5.0)
+            state.add_instance("D", "decode", FLAT, 0.0, max_batch=max_batch)
+            state.heartbeat("D", 0.0, active={"a": 20, "b": 20})
+            decisions[admission, max_batch] = [policy.decide(req("new"), state.snapshot(), t) for t in (1.0, 4.5)]
+    for admission in ("early", "predictive"):
+        soon = decisions[admission, 2][0]
+        assert soon.reason == RejectReason.DECODE_CAPACITY and soon.retry_after_s == pytest.approx(4.0)
+    assert decisions["predictive", 2][1].accepted and decisions["predictive", 2][1].decode == "D"
+    assert decisions["early", 2][1].reason == RejectReason.DECODE_CAPACITY
+    assert all(d.accepted for key, pair in decisions.items() if key[1] is None or key[0] in ("none", "baseline")
+               for d in pair)
+
+
+def test_the_conductor_reads_a_decode_instances_batch_slots_from_its_registered_config():
+    from types import SimpleNamespace
+
+    from mooncake_jax.conductor.service import _max_batch_of
+
+    def registration(config_json):
+        return SimpleNamespace(config_json=config_json)
+
+    assert _max_batch_of(registration('{"role": "decode", "max_batch": 32}')) == 32
+    for unknown in ("", "not json", "[1]", '{"max_batch": 0}', '{"max_batch": "many"}', '{"max_batch": true}'):
+        assert _max_batch_of(registration(unknown)) is None, unknown
+    state, _ = cluster(prefill=(), decode=())
+    with pytest.raises(ValueError, match="max_batch must be at least 1"):
+        state.add_instance("D", "decode", FLAT, 0.0, max_batch=0)
+
+
+def test_a_prefill_instance_that_reports_it_runs_slower_than_its_model_gets_predictions_scaled():
+    # FLAT: every prefill predicted at 1 s. SLO 1.5 s: accepted while P0 runs at its model's speed; once its
+    # heartbeat says its recent prefills took 2x the model, the same request is predicted at 2 s and refused,
+    # retry after the 0.5 s it is over; a queue reported in real seconds adds to it.
+    state, policy = cluster(prefill=("P0",), decode=("D",), costs=FLAT, admission="predictive", ttft_slo_s=1.5,
+                            tbt_slo_s=1.0, decode_time_s=5.0)
+    d = policy.decide(req("a"), state.snapshot(), 1.0)
+    assert d.accepted and d.predicted_ttft_s == pytest.approx(1.0)
+    state.heartbeat("P0", 1.0, queued_s=0.0, prefill_slowdown=2.0)
+    d = policy.decide(req("a"), state.snapshot(), 1.0)
+    assert d.reason == RejectReason.TTFT_SLO and d.predicted_ttft_s == pytest.approx(2.0)
+    assert d.retry_after_s == pytest.approx(0.5)
+    state.heartbeat("P0", 1.0, queued_s=0.25, prefill_slowdown=0.5)  # faster than its model: 0.25 + 0.5
+    assert policy.decide(req("a"), state.snapshot(), 1.0).predicted_ttft_s == pytest.approx(0.75)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="prefill_slowdown must be a finite positive number"):
+            state.heartbeat("P0", 1.0, prefill_slowdown=bad)
+    state.remove_instance("P0")  # registered again: back to its model until it reports
+    state.add_instance("P0", "prefill", FLAT, 2.0)
+    assert policy.decide(req("a"), state.snapshot(), 2.0).predicted_ttft_s == pytest.approx(1.0)
+
+
+def test_slowdown_meter_is_the_recent_median_and_forgets():
+    from mooncake_jax.instance.prefill import SlowdownMeter
+
+    now = [0.0]
+    meter = SlowdownMeter(window_s=30.0, samples=5, clock=lambda: now[0])
+    assert meter.slowdown() == 1.0  # nothing measured: the model's figures
+    for measured in (0.2, 0.3, 0.25, 9.0):  # one outlier (a program compiled on first use) among 2x-3x
+        meter.record(measured, 0.1)
+    meter.record(1.0, 0.0)  # nothing predicted: no ratio
+    assert meter.slowdown() == pytest.approx(2.75)  # median of 2, 3, 2.5, 90
+    now[0] = 29.0
+    meter.record(0.05, 0.1)
+    assert meter.slowdown() == pytest.approx(2.5)
+    now[0] = 31.0  # the first four are older than the window
+    assert meter.slowdown() == pytest.approx(0.5)
+    now[0] = 60.0
+    assert meter.slowdown() == 1.0

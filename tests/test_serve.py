@@ -155,7 +155,7 @@ def test_sigterm_drains_and_stops_everything(served):
     exits 0 with no traceback in its log and no instance left behind."""
     proc, _, http = served
     instances = children_of(proc.pid)
-    assert len(instances) == 2  # one prefill, one decode process
+    assert len(instances) == 3  # one prefill, one decode and the Conductor process
     response = post(http, {"model": SERVED_AS, "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True,
                            "stream": True})
     lines = [response.readline().decode().strip()]

@@ -1,9 +1,9 @@
 """Admission: which decode load a request is checked against, when it is rejected, and the decode side's check.
 
 The four policies differ only in *what decode load the checks see* and *where they happen*. Two checks judge
-decode load, each on every decode instance: KV capacity (the request's KV must fit beside the load) and TBT
-(the step time with the request added must stay within the SLO). A request is rejected on decode load only when
-no decode instance passes both.
+decode load, each on every decode instance: capacity (the request's KV must fit beside the load, and a batch slot
+must be free where the instance registered its ``max_batch``) and TBT (the step time with the request added must
+stay within the SLO). A request is rejected on decode load only when no decode instance passes both.
 
 - ``none``: no check.
 - ``baseline``: TTFT checked here; KV capacity and TBT checked by the decode instance when the KV arrives

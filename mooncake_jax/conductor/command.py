@@ -2,8 +2,9 @@
 
 It holds no state worth saving: instances register with it (and again, with their block lists, when it restarts:
 they learn of the restart from NOT_FOUND on their next heartbeat), and the gateway asks it for every request. So
-it is restarted like any stateless service, on the same address. The prefix index's block size is the first
-prefill instance's unless ``--block-size`` fixes it.
+it is restarted like any stateless service, on the same address (``serve`` runs it as a supervised child process:
+``instance/conductor_process.py``). The prefix index's block size is the first prefill instance's unless
+``--block-size`` fixes it.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ def add_arguments(p) -> None:
                    help="an instance silent this long is drained and its blocks purged")
     p.add_argument("--seed", type=int, default=0)
     roles.add_security_arguments(p)
+    roles.add_child_arguments(p)
 
 
 def run(args) -> int:
     from .api import PolicyConfig
     from .service import serve
 
+    roles.read_stdin_token(args)
     try:
         token = roles.setup(args, "conductor")
         host, port = roles.parse_address(args.listen, "--listen")
@@ -49,6 +52,7 @@ def run(args) -> int:
     except (ValueError, OSError) as e:
         return roles.fail("conductor", e, roles.EXIT_BAD_INPUT)
     log.info("Conductor serving on %s (policy %s, admission %s)", server.address, args.policy, args.admission)
+    roles.exit_with_stdin(args, stop)
     roles.announce(role="conductor", address=server.address, port=server.port)
     stop.wait()
     log.info("Conductor stopping")

@@ -40,6 +40,10 @@ class InstanceTable:
     - ``send_free_at``: clock time at which the transfers it is sending are predicted to be done.
     - ``prefill_coef`` (4 x capacity), ``decode_coef`` (3 x capacity): cost model coefficients per slot.
     - ``kv_bytes_per_token``, ``nic_bytes_per_s``, ``kv_capacity_tokens``: sizes and bandwidths per slot.
+    - ``prefill_slowdown``: measured over predicted seconds of a prefill instance's recent requests (1 until it
+      reports one); the policy scales the instance's predicted prefill times by it.
+    - ``max_batch``: how many sequences a decode instance runs at once (its scheduler refuses one more), +inf when
+      its registration does not say.
     - ``last_seen``: clock time of the instance's last heartbeat.
     - ``decode_time_s``: a decode instance's own uniform decode time t_d (how long its requests decode: faster
       hardware, or a smaller batch, finishes them sooner), tracked by the cluster state.
@@ -64,9 +68,9 @@ class InstanceTable:
         return len(self.slot_of)
 
     def add(self, instance_id: str, role: Role, costs: InstanceCosts, now: float, address: str = "",
-            kv_capacity_tokens: int | None = None, hardware: str | None = None) -> int:
+            kv_capacity_tokens: int | None = None, hardware: str | None = None, max_batch: int | None = None) -> int:
         """Register an instance in a free slot (the lowest one) and return the slot; ``hardware`` names its kind
-        (default: the one its costs name)."""
+        (default: the one its costs name); ``max_batch``: its batch slots (None: unbounded)."""
         if not instance_id:
             raise ValueError("instance id must be a non-empty string")
         if instance_id in self.slot_of:
@@ -91,6 +95,10 @@ class InstanceTable:
         if capacity < 0:
             raise ValueError(f"kv_capacity_tokens must be non-negative, got {capacity}")
         self.kv_capacity_tokens[slot] = capacity
+        self.prefill_slowdown[slot] = 1.0
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.max_batch[slot] = np.inf if max_batch is None else max_batch
         self._refresh_links(slot)
         self._refresh_masks()
         return slot
@@ -183,4 +191,6 @@ _COLUMNS = {  # column: (rows, or None for one value per slot; fill value of a f
     "kv_bytes_per_token": (None, 1.0, float),
     "nic_bytes_per_s": (None, 1.0, float),
     "kv_capacity_tokens": (None, 0.0, float),
+    "max_batch": (None, np.inf, float),
+    "prefill_slowdown": (None, 1.0, float),
 }

@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mooncake_jax.conductor.api import Decision, PolicyConfig, Request
+from mooncake_jax.conductor.api import Admission, Decision, PolicyConfig, Request
 from mooncake_jax.conductor.hardware import instance_costs
 from mooncake_jax.conductor.index import Tier
 from mooncake_jax.conductor.instances import Role, UnknownInstance
@@ -137,7 +137,7 @@ class ConductorService(services.ConductorServicer):
         self._check_layout(request, role)
         with self.lock:
             self.state.add_instance(request.instance_id, role, costs, self.clock(), request.address, capacity,
-                                    hardware=request.hardware or None)
+                                    hardware=request.hardware or None, max_batch=_max_batch_of(request))
             self.state.kv_reset(request.instance_id, request.dram_block_keys, request.ssd_block_keys)
             self.event_seq[request.instance_id] = request.event_seq
             self.model = self.model or _model_of(request)
@@ -146,7 +146,8 @@ class ConductorService(services.ConductorServicer):
         config = self.state.config
         return messages.RegisterReply(heartbeat_interval_s=self.heartbeat_interval_s,
                                       heartbeat_timeout_s=self.heartbeat_timeout_s, ttft_slo_s=config.ttft_slo_s,
-                                      tbt_slo_s=config.tbt_slo_s, block_size=config.block_size)
+                                      tbt_slo_s=config.tbt_slo_s, block_size=config.block_size,
+                                      admits=config.admission != Admission.NONE)
 
     @_rpc
     def Deregister(self, request, context):
@@ -167,7 +168,8 @@ class ConductorService(services.ConductorServicer):
                 request.instance_id, self.clock(),
                 queued_s=request.queued_s if request.HasField("queued_s") else None,
                 send_backlog_s=request.send_backlog_s if request.HasField("send_backlog_s") else None,
-                active=active)
+                active=active,
+                prefill_slowdown=request.prefill_slowdown if request.HasField("prefill_slowdown") else None)
         return messages.Ack()
 
     @_rpc
@@ -282,6 +284,18 @@ def _model_of(request) -> str:
         except (json.JSONDecodeError, AttributeError):
             return ""
     return ""
+
+
+def _max_batch_of(request) -> int | None:
+    """The batch slots an instance's registration names (its config's ``max_batch``), None when it names none."""
+    if request.config_json:
+        try:
+            value = json.loads(request.config_json).get("max_batch")
+        except (json.JSONDecodeError, AttributeError):
+            return None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
 
 
 def _costs(request):

@@ -103,13 +103,15 @@ class ClusterState:
     # ---------------------------------------------------------------------------------------- membership
 
     def add_instance(self, instance_id: str, role: Role | str, costs: InstanceCosts, now: float, address: str = "",
-                     kv_capacity_tokens: int | None = None, hardware: str | None = None) -> int:
+                     kv_capacity_tokens: int | None = None, hardware: str | None = None,
+                     max_batch: int | None = None) -> int:
         """Register an instance with its own cost model (a re-registration replaces the old one and its blocks);
-        returns its slot. ``hardware`` names its kind (default: what ``costs`` names)."""
+        returns its slot. ``hardware`` names its kind (default: what ``costs`` names); ``max_batch``: a decode
+        instance's batch slots (None: unbounded)."""
         role = Role[role.upper()] if isinstance(role, str) else Role(role)
         if instance_id in self.instances.slot_of:
             self.remove_instance(instance_id)
-        slot = self.instances.add(instance_id, role, costs, now, address, kv_capacity_tokens, hardware)
+        slot = self.instances.add(instance_id, role, costs, now, address, kv_capacity_tokens, hardware, max_batch)
         kind = self.instances.hardware[slot]
         self._slots_of_kind.setdefault(kind, set()).add(slot)
         # a new kind starts from the cluster-wide figure, until its own requests report theirs
@@ -152,10 +154,13 @@ class ClusterState:
     # ------------------------------------------------------------------------------------------- reports
 
     def heartbeat(self, instance_id: str, now: float, queued_s: float | None = None,
-                  send_backlog_s: float | None = None, active: Mapping[str, int] | None = None) -> None:
+                  send_backlog_s: float | None = None, active: Mapping[str, int] | None = None,
+                  prefill_slowdown: float | None = None) -> None:
         """An instance's periodic load report; each given figure replaces the Conductor's running estimate.
 
         ``queued_s``: predicted seconds of prefill work queued (its queue drains at now + queued_s).
+        ``prefill_slowdown``: how much longer than its cost model a prefill instance's recent requests took
+        (a host loaded by other work, a lower priority); its predicted prefill times are scaled by it.
         ``send_backlog_s``: seconds of outgoing transfers queued. ``active``: a decode instance's running
         batch, request id -> KV tokens: entries it no longer runs are dropped, unknown ones added.
         """
@@ -164,6 +169,10 @@ class ClusterState:
         for name, value in (("queued_s", queued_s), ("send_backlog_s", send_backlog_s)):
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
+        if prefill_slowdown is not None:
+            if not (math.isfinite(prefill_slowdown) and prefill_slowdown > 0):
+                raise ValueError(f"prefill_slowdown must be a finite positive number, got {prefill_slowdown!r}")
+            table.prefill_slowdown[slot] = prefill_slowdown
         table.last_seen[slot] = now
         if queued_s is not None:
             table.queue_free_at[slot] = now + queued_s

@@ -82,7 +82,12 @@ class ClusterBackend:
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._counts = {"requests": 0, "rejected_early": 0, "rejected_late": 0, "failed": 0, "cached_tokens": 0,
-                        "prompt_tokens": 0, "transfer_plans": 0, "retried": 0}
+                        "prompt_tokens": 0, "transfer_plans": 0, "retried": 0,
+                        # the Conductor's predicted TTFT of each admitted request beside the one it got (queue,
+                        # prefill, KV push and decode admission), and its parts: where an SLO miss comes from
+                        "first_tokens": 0, "ttft_predicted_seconds": 0.0, "ttft_seconds": 0.0,
+                        "ttft_prefill_reply_seconds": 0.0, "ttft_prefill_queue_seconds": 0.0,
+                        "ttft_prefill_seconds": 0.0}
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
@@ -214,6 +219,9 @@ class ClusterBackend:
             raise self._failure(e, prefill_at, [prefill_at, decode_at]) from None
         first_at = time.perf_counter() - t0
         self._count(cached_tokens=prefill.cached_tokens)
+        ttft_parts = dict(first_tokens=1, ttft_predicted_seconds=decision.predicted_ttft_s,
+                          ttft_prefill_reply_seconds=first_at, ttft_prefill_queue_seconds=prefill.queue_s,
+                          ttft_prefill_seconds=prefill.prefill_s)
         times = [first_at]
         first_logprob = logprob_entry(prefill.first_logprob) if params.logprobs is not None else None
         prompt_logprobs = ([logprob_entry(m) for m in prefill.prompt_logprobs]
@@ -221,6 +229,7 @@ class ClusterBackend:
         first_out = TokenOut(prefill.first_token, 0, first_at, first_logprob, prompt_logprobs)
         if prefill.finished:
             self._report_dropped(request.request_id)  # no decode: the Conductor's ledger lets it go
+            self._count(ttft_seconds=first_at, **ttft_parts)
             yield first_out
             yield self._finished("stop" if params.max_new_tokens > 1 else "length", request, 1, prefill, times)
             return
@@ -243,6 +252,7 @@ class ClusterBackend:
                                    1.0, REJECT_LATE) from None
                 self._report_dropped(request.request_id)
                 raise self._failure(e, decode_at, [decode_at]) from None
+            self._count(ttft_seconds=time.perf_counter() - t0, **ttft_parts)  # once the decode side accepted
             yield first_out
             count = 1
             reason = FINISH_ABORT

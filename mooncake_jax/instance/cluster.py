@@ -34,6 +34,7 @@ from ..model.compile_cache import enable_compilation_cache
 from ..model.config import get_config
 from .backend import ClusterBackend
 from .conductor_link import DECODE, PREFILL
+from .conductor_process import ConductorLauncher
 from .cluster_spec import check_cluster, cluster_block_size, file_configs, role_configs
 from .config import InstanceConfig
 from .devices import reserve_cpu_devices
@@ -71,22 +72,24 @@ def lower_priority(pid: int, niceness: int) -> None:
 
 
 class ChildInstance:
-    """An instance process (``instance/main.py``), tied to this process through its standard input."""
+    """An instance process (``instance/main.py``), or with ``command="conductor"`` the Conductor's, tied to this
+    process through its standard input."""
 
     def __init__(self, args: list[str], log_path: Path | None, timeout_s: float = 600.0,
-                 auth_token: str | None = None, niceness: int = 0):
+                 auth_token: str | None = None, niceness: int = 0, command: str = "instance"):
+        self.command = command
         self.log_path = log_path
         self.log_file = open(log_path, "ab") if log_path else subprocess.DEVNULL
         if auth_token:
             args = [*args, "--auth-token-stdin"]
         # the same role command an operator runs (``mooncake-jax instance``), tied to this process by its stdin
-        self.proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.cli", "instance", "--exit-with-stdin", *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.cli", command, "--exit-with-stdin", *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file)
         if auth_token:  # not on the command line, where every user of the machine could read it
             self.proc.stdin.write(auth_token.encode() + b"\n")
             self.proc.stdin.flush()
         self.info = self._ready(timeout_s)
-        self.instance_id, self.address = self.info["instance_id"], self.info["address"]
+        self.instance_id, self.address = self.info.get("instance_id", command), self.info["address"]
         if niceness:
             lower_priority(self.proc.pid, niceness)
 
@@ -107,7 +110,7 @@ class ChildInstance:
                 self.log_file.flush()
             lines = tail(self.log_path)
             where = f"its log {self.log_path} ends:\n{lines}" if lines else "it wrote no log"
-            raise RuntimeError(f"instance process did not start ({exit_reason(self.proc.returncode)}); {where}")
+            raise RuntimeError(f"{self.command} process did not start ({exit_reason(self.proc.returncode)}); {where}")
         return result
 
     def kill(self) -> None:
@@ -141,6 +144,7 @@ class Cluster:
         self.gateway = None
         self.auth_token = None
         self.supervisor: Supervisor | None = None
+        self.conductor_supervisor: Supervisor | None = None  # with the Conductor in its own process
         self.log_dir: Path | None = None
         self.configs: list[InstanceConfig] = []  # every instance's config, devices assigned
         self._closed = False
@@ -168,7 +172,7 @@ class Cluster:
               kvcache_balancing_threshold: float = 1.0, profile_json: str | None = None,
               log_dir: str | Path | None = None, host: str = "127.0.0.1", warmup: bool = True,
               compile_cache: str | Path | None = "", auth_token: str | None = None,
-              supervise: bool = True, **instance_options) -> "Cluster":
+              supervise: bool = True, conductor_process: bool | None = None, **instance_options) -> "Cluster":
         """Start a Conductor with ``prefill`` + ``decode`` instances of ``model`` on this machine.
 
         Instances are alike (``instance_options``: any ``InstanceConfig`` field, e.g. ``prefill_chunk_size``,
@@ -186,7 +190,8 @@ class Cluster:
 
         With ``processes``, each instance logs to ``log_dir`` (default: a new folder per run under the system's
         temporary directory, see ``.log_dir``) and, with ``supervise``, a crashed instance process is restarted
-        (``instance/supervise.py``).
+        (``instance/supervise.py``). The Conductor runs in its own process too (``conductor_process``, default:
+        ``processes``), restarted on the same address when it dies (``conductor_process.py``).
         """
         configs = _instance_configs(model, prefill, decode, seed, warmup, instances, cluster_file, instance_options,
                                     {PREFILL: dict(shape=prefill_shape, dtype=prefill_dtype,
@@ -203,13 +208,23 @@ class Cluster:
         config = PolicyConfig(strategy=policy, admission=admission, block_size=cluster_block_size(model, configs),
                               ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
                               kvcache_balancing_threshold=kvcache_balancing_threshold, seed=seed)
-        conductor = serve_conductor(config, host=host, heartbeat_interval_s=heartbeat_interval_s,
-                                    heartbeat_timeout_s=heartbeat_timeout_s, auth_token=auth_token)
+        if conductor_process is None:
+            conductor_process = processes
+        log_dir = run_log_dir(log_dir) if processes or conductor_process else None
+        if conductor_process:
+            launcher = ConductorLauncher(config, host, heartbeat_interval_s, heartbeat_timeout_s, lambda args:
+                                         ChildInstance(args, log_dir / "conductor.log", timeout_s=120.0,
+                                                       auth_token=auth_token, command="conductor"))
+            conductor = launcher.start()
+        else:
+            launcher = None
+            conductor = serve_conductor(config, host=host, heartbeat_interval_s=heartbeat_interval_s,
+                                        heartbeat_timeout_s=heartbeat_timeout_s, auth_token=auth_token)
         configs = [c.replace(conductor_address=conductor.address, host=host) for c in configs]
         instances: dict = {}
         try:
             if processes:
-                starter = _ProcessStarter(auth_token, Path(log_dir) if log_dir else None, compile_cache)
+                starter = _ProcessStarter(auth_token, log_dir, compile_cache)
             else:
                 if compile_cache is not None:
                     enable_compilation_cache(compile_cache or None)
@@ -235,8 +250,10 @@ class Cluster:
         cluster = cls(conductor, instances, backend, model)
         cluster.auth_token = auth_token
         cluster.configs = configs
+        cluster.log_dir = log_dir
+        if launcher is not None and supervise:
+            cluster.conductor_supervisor = _supervise_conductor(cluster, launcher)
         if processes and supervise:
-            cluster.log_dir = starter.log_dir
             configs_of = {c.instance_id: c for c in configs}
             # a restart skips the warm-up: back in seconds instead of a minute of compiling on a loaded host (its
             # programs compile, or load from the persistent cache, on first use), so the cluster heals quickly
@@ -287,8 +304,9 @@ class Cluster:
         self._closed = True
         if self.gateway is not None:
             self.gateway.stop()
-        if self.supervisor is not None:
-            self.supervisor.stop()
+        for supervisor in (self.conductor_supervisor, self.supervisor):
+            if supervisor is not None:
+                supervisor.stop()
         self.backend.close()
         for inst in self.instances.values():
             inst.stop()
@@ -352,15 +370,31 @@ class _InProcessStarter:
         return instance.profile_json
 
 
+def run_log_dir(log_dir: str | Path | None) -> Path:
+    """The folder the cluster's processes log to: ``log_dir``, or a new one per run in the temporary directory
+    (kept after the run: the logs of a crash are what its operator reads next)."""
+    if log_dir is None:
+        log_dir = Path(tempfile.mkdtemp(prefix=f"mooncake-run-{time.strftime('%Y%m%d-%H%M%S')}-"))
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log.info("process logs in %s", log_dir)
+    return log_dir
+
+
+def _supervise_conductor(cluster: Cluster, launcher: ConductorLauncher) -> Supervisor:
+    """Restart the Conductor process when it dies, on its address; ``cluster.conductor`` follows the new one."""
+    def restart(_name):
+        cluster.conductor = launcher.start()
+        return cluster.conductor
+
+    return Supervisor({"conductor": cluster.conductor}, restart, what="Conductor").start()
+
+
 class _ProcessStarter:
-    def __init__(self, auth_token: str | None, log_dir: Path | None, compile_cache):
-        if log_dir is None:  # kept after the run: the logs of a crash are what its operator reads next
-            log_dir = Path(tempfile.mkdtemp(prefix=f"mooncake-run-{time.strftime('%Y%m%d-%H%M%S')}-"))
+    def __init__(self, auth_token: str | None, log_dir: Path, compile_cache):
         self.auth_token, self.log_dir = auth_token, log_dir
         self.compile_cache = "none" if compile_cache is None else str(compile_cache)
         self._profile_dir = tempfile.TemporaryDirectory(prefix="mooncake-profile-")
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log.info("instance logs in %s", log_dir)
 
     def start(self, config: InstanceConfig, profile_json: str | None) -> ChildInstance:
         args = config.to_args() + ["--compile-cache", self.compile_cache]

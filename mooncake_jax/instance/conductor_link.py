@@ -67,6 +67,7 @@ class ConductorLink:
         self._described = dict(config_json=config_json, kv_layout=kv_layout, hardware=hardware, model=model)
         self.ttft_slo_s: float | None = None  # the cluster's SLOs, as the Conductor hands them out at registration
         self.tbt_slo_s: float | None = None
+        self.admits = False  # whether the cluster admits on its SLOs at all (its admission policy is not `none`)
         self._thread = threading.Thread(target=self._run, name=f"conductor-link-{instance_id}", daemon=True)
         self.ignored_keys: set[int] = set()  # keys never announced (a request's partial tail blocks)
         self.conductor_address = conductor_address
@@ -124,6 +125,7 @@ class ConductorLink:
         self._resync = False
         self.interval_s = reply.heartbeat_interval_s
         self.ttft_slo_s, self.tbt_slo_s = reply.ttft_slo_s or None, reply.tbt_slo_s or None
+        self.admits = reply.admits
         log.info("%s registered with the Conductor (heartbeat every %.2f s)", self.instance_id, self.interval_s)
 
     # ---- events and milestones ---------------------------------------------------------------------------------
@@ -188,6 +190,8 @@ class ConductorLink:
         request = messages.HeartbeatRequest(instance_id=self.instance_id)
         if "queued_s" in load:
             request.queued_s = load["queued_s"]
+        if "prefill_slowdown" in load:
+            request.prefill_slowdown = load["prefill_slowdown"]
         if "active" in load:
             request.reports_batch = True
             for request_id, kv_tokens in load["active"].items():

@@ -23,7 +23,6 @@ import gc
 import json
 import logging
 import sys
-import threading
 from pathlib import Path
 
 from .. import roles
@@ -67,13 +66,10 @@ def add_arguments(p) -> None:
     p.add_argument("--layerwise", action="store_true", default=None)
     p.add_argument("--profile-file", type=Path, default=None, help="cost profile JSON (default: measure at start)")
     p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start")
-    p.add_argument("--auth-token-stdin", action="store_true",
-                   help="read the cluster's shared token from the first line of standard input")
-    p.add_argument("--exit-with-stdin", action="store_true",
-                   help="stop when standard input closes (a launcher's children: they never outlive it)")
     p.add_argument("--compile-cache", default="", help="persistent XLA cache folder ('none' to disable; "
                                                           "default: the user's cache directory)")
     add_security_arguments(p)
+    roles.add_child_arguments(p)
 
 
 def config_from_args(a, auth_token: str | None) -> InstanceConfig:
@@ -151,8 +147,7 @@ def _stop_followers(config: InstanceConfig, server: InstanceServer | None) -> No
 def run(args) -> int:
     """``mooncake-jax instance``: one prefill or decode instance until SIGTERM/SIGINT (or, with
     ``--exit-with-stdin``, until standard input closes). Nothing is left running when it cannot start."""
-    if args.auth_token_stdin:
-        args.auth_token_from_stdin = sys.stdin.readline().strip() or None
+    roles.read_stdin_token(args)
     try:
         token = roles.setup(args, "instance")
         config = config_from_args(args, token)
@@ -195,12 +190,7 @@ def run(args) -> int:
         _stop_followers(config, server)
         raise
     stop = roles.stop_event()
-    if args.exit_with_stdin:
-        def lifeline():
-            sys.stdin.read()  # returns at EOF: the parent is gone or wants us to stop
-            stop.set()
-
-        threading.Thread(target=lifeline, daemon=True).start()
+    roles.exit_with_stdin(args, stop)
     settle_serving_process()
     log.info("%s instance %s serving on %s:%d, registered as %s", config.role, config.instance_id, config.host,
              server.port, server.address)

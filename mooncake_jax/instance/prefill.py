@@ -14,13 +14,25 @@ Order of work for one request (engine work on the engine loop through its schedu
 4. report PREFILL_DONE to the Conductor and return the first token.
 
 A fetch that fails is not fatal: the blocks are recomputed instead. The queue of predicted prefill seconds is what
-the heartbeat reports as ``queued_s``.
+the heartbeat reports as ``queued_s``, scaled by the instance's measured slowdown (``SlowdownMeter``: how much
+longer than the cost model its recent requests took, the wait in the queue aside), which the heartbeat reports too
+so the Conductor scales its predictions for this instance alike.
+
+A request that can no longer meet the cluster's TTFT SLO here (``TTFT_SHARE_AFTER_PREFILL`` kept for what follows)
+is refused with RESOURCE_EXHAUSTED (a 429 for its client, within the SLO) instead of being prefilled into a late
+first token: on arrival, when its predicted wait and work, both scaled by the measured slowdown, exceed what is left
+of the SLO, and again when it leaves the queue. The Conductor's prediction should make this rare; it is the check
+of last resort for a burst that came before the slowdown was measured. Under admission ``none`` (the Conductor
+says so at registration) nothing is refused.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import itertools
 import logging
+import threading
 import time
 
 import numpy as np
@@ -32,29 +44,60 @@ from ..blocks import BlockKey
 from ..conductor.accounting import prefill_work_s
 from ..transfer.offload import LayerwisePrefill, request_keys
 from ..engine.runner_loop import wait
-from .rpc import InstanceService, logprob_message, messages, rpc, sampling_params, validated
+from .rpc import InstanceService, LateRejection, logprob_message, messages, rpc, sampling_params, validated
 
 log = logging.getLogger(__name__)
 
 FETCH_WAIT_S = 2.0
+TTFT_SHARE_AFTER_PREFILL = 0.1
+"""Share of the TTFT SLO a prefill instance leaves for what follows its answer (the decode instance's acceptance,
+the gateway): 0.07 s of a 0.9 s mean TTFT measured at load 10 (``benchmarks/serve.py --mode overload``)."""
+
+
+class SlowdownMeter:
+    """Measured over predicted seconds of this instance's recent requests: the median of those that ended within
+    the last ``window_s`` (at most ``samples`` of them), 1 when there are none. The cost model was measured once, at
+    start-up; on a host other work loads (or at a lower priority) the same prefill takes several times longer, and
+    a Conductor predicting from the model alone admits requests that then miss the TTFT SLO. The median ignores a
+    few outliers (a program compiled on first use); the window lets an instance nobody sends work to any more (it
+    looked slow) return to its model's figures instead of staying shunned."""
+
+    def __init__(self, window_s: float = 30.0, samples: int = 32, clock=time.monotonic):
+        self.window_s, self._clock = window_s, clock
+        self._ratios: collections.deque[tuple[float, float]] = collections.deque(maxlen=samples)
+        self._lock = threading.Lock()
+
+    def record(self, measured_s: float, predicted_s: float) -> None:
+        if predicted_s > 0 and measured_s >= 0:
+            with self._lock:
+                self._ratios.append((self._clock(), min(100.0, max(0.01, measured_s / predicted_s))))
+
+    def slowdown(self) -> float:
+        since = self._clock() - self.window_s
+        with self._lock:
+            recent = [ratio for at, ratio in self._ratios if at >= since]
+        return float(np.median(recent)) if recent else 1.0
 
 
 class PrefillService(InstanceService):
     def __init__(self, instance):
         super().__init__(instance, ("prefill_requests", "prefill_prompt_tokens", "prefill_cached_tokens",
-                                    "prefill_fetched_blocks", "prefill_pushed_blocks", "prefill_fetch_failures"))
+                                    "prefill_fetched_blocks", "prefill_pushed_blocks", "prefill_fetch_failures",
+                                    "prefill_refused_ttft"))
         self._queued_s = 0.0
+        self.slowdown = SlowdownMeter()
         self._peer_same_spec: dict[str, bool] = {}
         self._layerwise = _layerwise(instance.engine) if instance.config.layerwise else None
 
     def load(self) -> dict:
+        slowdown = self.slowdown.slowdown()
         with self._lock:
-            return {"queued_s": self._queued_s}
+            return {"queued_s": self._queued_s * slowdown, "prefill_slowdown": slowdown}
 
     def stats(self) -> dict[str, float]:
         with self._lock:
             queued = self._queued_s
-        return self.counts() | {"prefill_queued_s": queued}
+        return self.counts() | {"prefill_queued_s": queued, "prefill_slowdown": self.slowdown.slowdown()}
 
     @rpc
     def Prefill(self, request, context):
@@ -73,11 +116,15 @@ class PrefillService(InstanceService):
             cached = (staged[0] + len(staged[1])) * engine.block_size  # engine cache + staged pool blocks
             predicted = prefill_work_s(inst.costs.prefill, len(seq.prompt), cached) if inst.costs else 0.0
             with self._lock:
+                queued = self._queued_s
+            self._check_deadline(t0, queued + predicted, "on arrival, after the queue")
+            with self._lock:
                 self._queued_s += predicted
             try:
                 queued_at = time.perf_counter()
                 started = {}
-                future = inst.loop.submit(lambda eng: self._prefill_job(eng, seq, keys, staged, started))
+                check = functools.partial(self._check_deadline, t0, predicted, "out of the queue")
+                future = inst.loop.submit(lambda eng: self._prefill_job(eng, seq, keys, staged, started, check))
                 try:
                     new_keys, new_blocks = wait(future, timeout)
                 except TimeoutError:
@@ -93,6 +140,8 @@ class PrefillService(InstanceService):
         if inst.link is not None:
             inst.link.report(request.request_id, "PREFILL_DONE")
         t_end = time.perf_counter()
+        # its own time in this instance, the wait in the queue aside, against what the cost model predicted
+        self.slowdown.record((t_fetched - t0) + (t_end - started.get("t", queued_at)), predicted)
         return messages.PrefillReply(
             first_token=seq.output[0], cached_tokens=seq.cached_tokens, kv_keys=keys,
             queue_s=started.get("t", queued_at) - queued_at, prefill_s=t_prefilled - started.get("t", queued_at),
@@ -100,6 +149,19 @@ class PrefillService(InstanceService):
             first_logprob=logprob_message(seq.logprobs[0] if seq.logprobs else None),
             prompt_logprobs=[logprob_message(entry) for entry in seq.prompt_logprobs or ()],
             kv_layout=inst.kv_layout.to_json())
+
+    def _check_deadline(self, t0: float, predicted_s: float, where: str) -> None:
+        """LateRejection when ``predicted_s`` of this instance's work (cost model seconds, scaled by the measured
+        slowdown) no longer fits in what is left of the TTFT SLO for a request that arrived at ``t0``."""
+        slo = self.instance.ttft_slo_s
+        if slo is None or predicted_s <= 0:
+            return
+        need = predicted_s * self.slowdown.slowdown()
+        left = t0 + slo * (1.0 - TTFT_SHARE_AFTER_PREFILL) - time.perf_counter()
+        if need > left:
+            self._count(prefill_refused_ttft=1)
+            raise LateRejection(f"prefill instance {self.instance.config.instance_id} cannot meet the TTFT SLO of "
+                                f"{slo:g} s ({where}: {need:.2f} s of work, {max(0.0, left):.2f} s left)")
 
     def _fetch(self, source: str, keys: list[int]) -> None:
         """Run the transfer plan. The Conductor may plan blocks the source is still computing (another request's
@@ -147,11 +209,14 @@ class PrefillService(InstanceService):
             return start, [], None
         return start, usable[start: start + good], np.stack(blocks[:good])
 
-    def _prefill_job(self, engine: Engine, seq: Sequence, keys: list[BlockKey], staged, started: dict
-                     ) -> tuple[list[BlockKey], np.ndarray | None]:
-        """On the engine loop: prefill ``seq`` over its cached and staged prefix; returns the keys of the prompt's
-        blocks the pool lacks and those blocks (host), for a transfer thread to store."""
+    def _prefill_job(self, engine: Engine, seq: Sequence, keys: list[BlockKey], staged, started: dict,
+                     check=None) -> tuple[list[BlockKey], np.ndarray | None]:
+        """On the engine loop: prefill ``seq`` over its cached and staged prefix (after ``check()``, which may
+        refuse it); returns the keys of the prompt's blocks the pool lacks and those blocks (host), for a transfer
+        thread to store."""
         started["t"] = time.perf_counter()
+        if check is not None:
+            check()
         pool = self.instance.pool
         start, staged_keys, staged_blocks = staged
         try:

@@ -35,7 +35,8 @@ def validated(make):
 
 
 class LateRejection(RuntimeError):
-    """The decode instance cannot take the request now (TBT SLO or KV capacity): RESOURCE_EXHAUSTED."""
+    """An instance cannot take the request now (decode: TBT SLO or KV capacity; prefill: it can no longer meet the
+    TTFT SLO): RESOURCE_EXHAUSTED."""
 
 
 class MissingKV(RuntimeError):

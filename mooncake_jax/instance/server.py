@@ -129,6 +129,12 @@ class InstanceServer:
         self.service.add_to_server(self._server)
 
     @property
+    def ttft_slo_s(self) -> float | None:
+        """The cluster's TTFT SLO, as the Conductor handed it out at registration (None before, and where the
+        cluster admits everything: admission ``none``)."""
+        return self.link.ttft_slo_s if self.link is not None and self.link.admits else None
+
+    @property
     def tbt_slo_s(self) -> float | None:
         """The cluster's TBT SLO, as the Conductor handed it out at registration (None before)."""
         return self.link.tbt_slo_s if self.link is not None else None

@@ -1,6 +1,7 @@
-"""Keeps a local cluster's instance processes alive: a crashed one is reaped, the reason logged (exit status and
-the last lines of its log), and started again under the same instance id after a backoff that doubles while it
-keeps crashing (so a process that cannot start does not spin), as Kubernetes restarts a crashed container.
+"""Keeps a local cluster's instance processes (and its Conductor process) alive: a crashed one is reaped, the
+reason logged (exit status and the last lines of its log), and started again under the same instance id after a
+backoff that doubles while it keeps crashing (so a process that cannot start does not spin), as Kubernetes restarts
+a crashed container.
 
 The restarted process registers with the Conductor as before (same id: it replaces the dead registration), so the
 cluster heals without its operator; requests that were running on the dead process ended with a status, and new
@@ -49,10 +50,13 @@ def exit_reason(returncode: int) -> str:
 
 class Supervisor:
     """Watches ``instances`` (instance id -> ChildInstance, shared with the cluster) and restarts those whose
-    process ended, with ``restart(instance_id)`` returning the new ChildInstance (it may raise: retried later)."""
+    process ended, with ``restart(instance_id)`` returning the new ChildInstance (it may raise: retried later).
+    ``what`` names the processes in its log lines."""
 
-    def __init__(self, instances: dict, restart: Callable[[str], object], poll_s: float = 0.25):
+    def __init__(self, instances: dict, restart: Callable[[str], object], poll_s: float = 0.25,
+                 what: str = "instance"):
         self.instances = instances
+        self.what = what
         self._restart = restart
         self._poll_s = poll_s
         self._stop = threading.Event()
@@ -61,7 +65,7 @@ class Supervisor:
         self._started_at: dict[str, float] = {i: time.monotonic() for i in instances}
         self.restarts: dict[str, int] = {}
         self._restarting: set[str] = set()
-        self._thread = threading.Thread(target=self._run, name="instance-supervisor", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{what}-supervisor", daemon=True)
 
     def start(self) -> "Supervisor":
         self._thread.start()
@@ -97,7 +101,7 @@ class Supervisor:
         self._backoff[instance_id] = delay
         self._next_try[instance_id] = now + delay
         lines = tail(getattr(child, "log_path", None))
-        log.error("instance %s (pid %d) %s after %.1f s; restarting it in %.1f s%s", instance_id, child.proc.pid,
+        log.error("%s %s (pid %d) %s after %.1f s; restarting it in %.1f s%s", self.what, instance_id, child.proc.pid,
                   exit_reason(code), uptime, delay, f"; last lines of its log:\n{lines}" if lines else "")
 
     def _try_restart(self, instance_id: str, old) -> None:
@@ -115,7 +119,7 @@ class Supervisor:
             delay = min(BACKOFF_MAX_S, self._backoff.get(instance_id, BACKOFF_FIRST_S) * 2)
             self._backoff[instance_id] = delay
             self._next_try[instance_id] = now + delay
-            log.error("instance %s did not restart (%s); trying again in %.1f s", instance_id, e, delay)
+            log.error("%s %s did not restart (%s); trying again in %.1f s", self.what, instance_id, e, delay)
             return
         if self._stop.is_set():
             new.stop()
@@ -124,4 +128,4 @@ class Supervisor:
         self._next_try.pop(instance_id, None)
         self._started_at[instance_id] = time.monotonic()
         self.restarts[instance_id] = self.restarts.get(instance_id, 0) + 1
-        log.warning("instance %s restarted (pid %d, %s)", instance_id, new.proc.pid, new.address)
+        log.warning("%s %s restarted (pid %d, %s)", self.what, instance_id, new.proc.pid, new.address)
