@@ -51,6 +51,9 @@ def add_arguments(p) -> None:
     p.add_argument("--hetero", action="store_true",
                    help="unlike instances: bfloat16 tensor=2 layer-wise prefill (16-token pages), float32 tensor=4 "
                         "decode (32-token pages), each on its own fake CPU devices")
+    p.add_argument("--decode-cpus", default=None,
+                   help="host cores of the decode instances' own, e.g. 1 (the rest keep off them; default: none, "
+                        "every process on every core)")
     p.add_argument("--json", type=Path, default=None, help="also write the results table as JSON")
 
 
@@ -196,7 +199,7 @@ def run(args) -> int:
     try:
         cluster = Cluster.local("tiny", prefill=args.prefill, decode=args.decode, processes=not args.in_process,
                                 admission=args.admission, ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s,
-                                log_dir=log_dir, **shapes)
+                                log_dir=log_dir, decode_cpus=args.decode_cpus, **shapes)
     except ValueError as e:  # a shape the devices or the model cannot take: said before anything runs
         print(f"mooncake-jax demo: {e}", file=sys.stderr)
         return 2

@@ -34,6 +34,7 @@ from ..model.compile_cache import enable_compilation_cache
 from ..model.config import get_config
 from .backend import ClusterBackend
 from .conductor_link import DECODE, PREFILL
+from . import cpus
 from .conductor_process import ConductorLauncher
 from .cluster_spec import check_cluster, cluster_block_size, file_configs, role_configs
 from .config import InstanceConfig
@@ -147,6 +148,7 @@ class Cluster:
         self.conductor_supervisor: Supervisor | None = None  # with the Conductor in its own process
         self.log_dir: Path | None = None
         self.configs: list[InstanceConfig] = []  # every instance's config, devices assigned
+        self.cpus_before: set[int] | None = None  # the launcher's cores before it kept off its instances' (cpus.py)
         self._closed = False
 
     def serve_gateway(self, *, host: str = "127.0.0.1", grpc_port: int | None = 0, http_port: int | None = 0,
@@ -167,7 +169,7 @@ class Cluster:
               tbt_slo_s: float = 1.0, seed: int = 0, prefill_shape: str | None = None,
               decode_shape: str | None = None, prefill_dtype: str | None = None, decode_dtype: str | None = None,
               prefill_block_size: int | None = None, decode_block_size: int | None = None,
-              instances: list | None = None, cluster_file: str | Path | None = None,
+              prefill_cpus: str | None = None, decode_cpus: str | None = None, instances: list | None = None, cluster_file: str | Path | None = None,
               heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0,
               kvcache_balancing_threshold: float = 1.0, profile_json: str | None = None,
               log_dir: str | Path | None = None, host: str = "127.0.0.1", warmup: bool = True,
@@ -178,7 +180,8 @@ class Cluster:
         Instances are alike (``instance_options``: any ``InstanceConfig`` field, e.g. ``prefill_chunk_size``,
         ``max_batch``, ``num_pages``, ``dtype``, ``block_size``, ``layerwise`` (prefill only), ``pool_dram_blocks``,
         ``pool_ssd_path``), or shaped per role: ``prefill_shape="tensor=2,stage=2"``, ``decode_shape="tensor=4"``,
-        ``prefill_dtype`` / ``decode_dtype``, ``prefill_block_size`` / ``decode_block_size``; or listed one by one
+        ``prefill_dtype`` / ``decode_dtype``, ``prefill_block_size`` / ``decode_block_size``, host cores of their
+        own ``prefill_cpus`` / ``decode_cpus`` (e.g. ``decode_cpus="1"``: ``cpus.py``); or listed one by one
         (``instances``: ``InstanceConfig`` s or their dicts; ``cluster_file``: JSON, see ``cluster_spec.py``).
         Instances spanning several devices get their own (``devices``, else the next free ones); everything is
         checked before anything starts.
@@ -195,15 +198,22 @@ class Cluster:
         """
         configs = _instance_configs(model, prefill, decode, seed, warmup, instances, cluster_file, instance_options,
                                     {PREFILL: dict(shape=prefill_shape, dtype=prefill_dtype,
-                                                   block_size=prefill_block_size),
+                                                   block_size=prefill_block_size, cpus=prefill_cpus),
                                      DECODE: dict(shape=decode_shape, dtype=decode_dtype,
-                                                  block_size=decode_block_size)})
+                                                  block_size=decode_block_size, cpus=decode_cpus)})
         model = configs[0].model
         if processes:  # on the CPU platform the launcher may still ask for the devices the shapes need
             reserve_cpu_devices(sum(c.device_count for c in configs))
         import jax
 
         configs = check_cluster(model, configs, jax.device_count())
+        if any(c.cpus for c in configs):
+            if not processes:
+                raise ValueError("cpus pin instance processes to cores: they need processes=True (instances in "
+                                 "this process share its cores)")
+            cpus.check(configs)
+            cpus_before = os.sched_getaffinity(0)
+            cpus.keep_off(configs)
         cfg = get_config(model)
         config = PolicyConfig(strategy=policy, admission=admission, block_size=cluster_block_size(model, configs),
                               ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
@@ -245,12 +255,16 @@ class Cluster:
             for inst in instances.values():
                 inst.stop()
             conductor.stop()
+            if any(c.cpus for c in configs):
+                cpus.pin(tuple(sorted(cpus_before)))
             raise
         backend = ClusterBackend(conductor.address, cfg, model_name=model, auth_token=auth_token)
         cluster = cls(conductor, instances, backend, model)
         cluster.auth_token = auth_token
         cluster.configs = configs
         cluster.log_dir = log_dir
+        if any(c.cpus for c in configs):
+            cluster.cpus_before = cpus_before
         if launcher is not None and supervise:
             cluster.conductor_supervisor = _supervise_conductor(cluster, launcher)
         if processes and supervise:
@@ -311,6 +325,8 @@ class Cluster:
         for inst in self.instances.values():
             inst.stop()
         self.conductor.stop()
+        if self.cpus_before is not None:  # the launcher's cores as they were before it kept off the instances'
+            cpus.pin(tuple(sorted(self.cpus_before)))
 
     def __enter__(self) -> "Cluster":
         return self

@@ -30,8 +30,9 @@ MEASURED = ""
 """``hardware`` of an instance whose cost model is measured on its own devices (not a datasheet profile)."""
 
 
-def parse_devices(value: Any) -> tuple[int, ...] | None:
-    """``"0-3"``, ``"0,2,4-5"``, ``[0, 1]`` or None (the process's first devices) as a tuple of device ids."""
+def parse_ids(value: Any, what: str = "devices") -> tuple[int, ...] | None:
+    """``"0-3"``, ``"0,2,4-5"``, ``[0, 1]`` or None as a tuple of ids (device ids, or CPU core ids for ``cpus``);
+    ValueError naming ``what`` and the value."""
     if value is None or value == "":
         return None
     if isinstance(value, str):
@@ -41,9 +42,9 @@ def parse_devices(value: Any) -> tuple[int, ...] | None:
             try:
                 first, last = int(lo), int(hi) if sep else int(lo)
             except ValueError:
-                raise ValueError(f"devices {value!r}: {part!r} is not a device id or range like 0-3") from None
+                raise ValueError(f"{what} {value!r}: {part!r} is not an id or range like 0-3") from None
             if last < first:
-                raise ValueError(f"devices {value!r}: range {part!r} runs backwards")
+                raise ValueError(f"{what} {value!r}: range {part!r} runs backwards")
             ids.extend(range(first, last + 1))
         value = ids
     if isinstance(value, int) and not isinstance(value, bool):
@@ -51,12 +52,17 @@ def parse_devices(value: Any) -> tuple[int, ...] | None:
     try:
         ids = [int(v) for v in value if not isinstance(v, bool)]
     except (TypeError, ValueError):
-        raise ValueError(f"devices must be ids like '0-3' or [0, 1, 2, 3], got {value!r}") from None
+        raise ValueError(f"{what} must be ids like '0-3' or [0, 1, 2, 3], got {value!r}") from None
     if len(ids) != len(list(value)) or not ids or any(i < 0 for i in ids):
-        raise ValueError(f"devices must be non-negative device ids like '0-3', got {value!r}")
+        raise ValueError(f"{what} must be non-negative ids like '0-3', got {value!r}")
     if len(set(ids)) != len(ids):
-        raise ValueError(f"devices {value!r} names a device twice")
+        raise ValueError(f"{what} {value!r} names an id twice")
     return tuple(ids)
+
+
+def parse_devices(value: Any) -> tuple[int, ...] | None:
+    """``"0-3"``, ``"0,2,4-5"``, ``[0, 1]`` or None (the process's first devices) as a tuple of device ids."""
+    return parse_ids(value, "devices")
 
 
 def format_devices(ids: tuple[int, ...] | None) -> str:
@@ -108,6 +114,7 @@ class InstanceConfig:
     dtype: str | None = None  # None: the model's own
     block_size: int | None = None  # None: the model's own
     devices: tuple[int, ...] | None = None  # local device ids it owns; None: the process's first devices
+    cpus: tuple[int, ...] | None = None  # host CPU cores its processes run on (cpus.py); None: the launcher's
     pool: PoolConfig = PoolConfig()
     layerwise: bool = False
     hardware: str = MEASURED  # a built-in datasheet profile name, or MEASURED
@@ -142,6 +149,7 @@ class InstanceConfig:
         if isinstance(self.pool, dict):
             object.__setattr__(self, "pool", _build(PoolConfig, self.pool, "pool"))
         object.__setattr__(self, "devices", parse_devices(self.devices))
+        object.__setattr__(self, "cpus", parse_ids(self.cpus, "cpus"))
         for name in ("tensor_parallel", "pipeline_stages", "prefill_chunk_size", "max_batch", "transfer_workers",
                      "max_waiting"):
             _positive(name, getattr(self, name))
@@ -229,7 +237,7 @@ class InstanceConfig:
     def engine_key(self) -> tuple:
         """What decides the engine's speed (instances equal in it can share one measured profile)."""
         return (self.model, self.tensor_parallel, self.pipeline_stages, self.prefill_chunk_size, self.dtype,
-                self.block_size, self.max_batch, self.num_pages, self.hardware)
+                self.block_size, self.max_batch, self.num_pages, self.hardware, len(self.cpus or ()))
 
     def validate_for(self, cfg) -> None:
         """ValueError, naming the value and what is allowed, if this instance's shape does not fit model ``cfg``
@@ -268,7 +276,7 @@ class InstanceConfig:
             value = getattr(self, f.name)
             if f.name == "pool":
                 value = dataclasses.asdict(value)
-            elif f.name == "devices":
+            elif f.name in ("devices", "cpus"):
                 value = format_devices(value) or None
             out[f.name] = value
         return out

@@ -29,6 +29,7 @@ from .. import roles
 from ..model.compile_cache import enable_compilation_cache
 from ..roles import add_security_arguments, parse_address
 from .conductor_link import DECODE, PREFILL
+from . import cpus
 from .config import InstanceConfig
 from .devices import reserve_cpu_devices
 from .server import InstanceServer, RegistrationError
@@ -40,6 +41,7 @@ FLAGS = {  # flag -> InstanceConfig field (defaults: the config's own; ``--confi
     "--role": "role", "--conductor": "conductor_address", "--model": "model", "--instance-id": "instance_id",
     "--host": "host", "--port": "port", "--seed": "seed", "--dtype": "dtype", "--block-size": "block_size",
     "--tensor-parallel": "tensor_parallel", "--pipeline-stages": "pipeline_stages", "--devices": "devices",
+    "--cpus": "cpus",
     "--prefill-chunk-size": "prefill_chunk_size", "--max-batch": "max_batch", "--num-pages": "num_pages",
     "--hardware": "hardware", "--coordinator": "coordinator", "--num-processes": "num_processes",
     "--process-id": "process_id", "--coordinator-timeout-s": "coordinator_timeout_s",
@@ -152,6 +154,7 @@ def run(args) -> int:
         token = roles.setup(args, "instance")
         config = config_from_args(args, token)
         roles.check_exposed(config.host, token, "the instance")
+        cpus.pin(config.cpus)  # before JAX starts: XLA sizes its thread pool to the cores this process may use
         if config.num_processes > 1:  # refuse a shape the model cannot take before any process waits for others
             from ..model.config import get_config
 

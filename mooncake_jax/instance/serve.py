@@ -43,6 +43,8 @@ def add_arguments(p) -> None:
                        help=f"{role} instances' shape, e.g. tensor=2,stage=2 (each gets its own devices)")
         p.add_argument(f"--{role}-dtype", default=None, help=f"{role} instances' dtype (float32, bfloat16)")
         p.add_argument(f"--{role}-block-size", type=int, default=None, help=f"{role} instances' KV page size")
+        p.add_argument(f"--{role}-cpus", default=None,
+                       help=f"host cores of the {role} instances' own, e.g. 1 or 2-3 (the rest keep off them)")
     p.add_argument("--cluster-file", default=None,
                    help="JSON listing the instances with their configs (instead of --prefill/--decode and shapes)")
     p.add_argument("--in-process", action="store_true", help="run the instances as threads of this process")
@@ -118,7 +120,7 @@ def _cluster(args):
                   "--max-batch": args.max_batch is not None,
                   "--layerwise": args.layerwise,
                   **{f"--{r}-{w}": getattr(args, f"{r}_{w.replace('-', '_')}") is not None
-                     for r in ("prefill", "decode") for w in ("shape", "dtype", "block-size")}}
+                     for r in ("prefill", "decode") for w in ("shape", "dtype", "block-size", "cpus")}}
         if any(shaped.values()):
             given = [flag for flag, set_ in shaped.items() if set_]
             raise ValueError(f"--cluster-file lists every instance's config; drop {given}")
@@ -127,7 +129,7 @@ def _cluster(args):
         roles = dict(prefill=args.prefill, decode=args.decode, prefill_chunk_size=args.prefill_chunk_size,
                      max_batch=args.max_batch, layerwise=args.layerwise,
                      **{f"{r}_{w}": getattr(args, f"{r}_{w}") for r in ("prefill", "decode")
-                        for w in ("shape", "dtype", "block_size")})
+                        for w in ("shape", "dtype", "block_size", "cpus")})
     return Cluster.local(args.model, processes=not args.in_process, policy=args.policy, admission=args.admission,
                          ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s, cluster_file=args.cluster_file,
                          log_dir=args.log_dir, host=args.host, warmup=not args.no_warmup, auth_token=args.auth_token,
