@@ -6,13 +6,14 @@
 2. Probe the serving path end to end, before and independently of the replay: lone requests of fresh prompts (not
    in the trace) give the per-request overhead beyond the profile's prefill time (RPCs, scheduling, pool I/O) and
    how fast this shared machine runs prefill and decode right now against the start-up profile (the machine's
-   other load changes by the minute; the profile's shape is kept, its scale is measured again).
+   other load changes by the minute; the profile's shape is kept, its scale is measured again), and the decode
+   instance's time to take a request into its batch (the first token gap's excess over the steady ones).
 3. Replay the first ``--requests`` of the conversation trace at their recorded arrival times (scaled to the tiny
    model as ``mooncake-jax demo`` does: a 512-token trace block becomes one 16-token engine block) through the real
    cluster, recording every token's time at the client.
 4. Simulate the same slice (same prompts' lengths and block ids, same instance counts, policy and cache size) on
-   the profile scaled by the probe, plus the probed per-request overhead, with the real instances' accounting
-   (``REAL_INSTANCES``: KV pushed after the prefill, first token released after the push).
+   the profile scaled by the probe, plus the probed per-request overhead and decode join time, with the real
+   instances' accounting (``REAL_INSTANCES``: KV pushed after the prefill, first token released after the push).
 5. Report TTFT and TBT p50 / p90 of both side by side with their relative errors (goal <= 25%).
 
     python benchmarks/sim_to_real.py --json /tmp/sim_to_real.json
@@ -62,29 +63,37 @@ def token_times(cluster, prompt, max_tokens: int) -> list[float]:
 def probe(cluster, costs, vocab_size: int) -> dict:
     """The serving path measured end to end, right before the replay, by lone requests of fresh prompts (not in
     the trace): the start-up profile gives how times grow with tokens and batch; the probe gives how fast this
-    shared machine runs them now (``prefill_scale``, ``decode_scale``) and the fixed cost of a request beyond
-    its prefill (``request_overhead_s``: RPCs, scheduling, pool I/O).
+    shared machine runs them now (``prefill_scale``, ``decode_scale``), the fixed cost of a request beyond its
+    prefill (``request_overhead_s``: RPCs, scheduling, pool I/O) and the decode instance's time to take a request
+    in (``decode_join_s``: its RPC, staging the KV from its pool, loading it into pages).
 
-    Prefill: TTFT = overhead + scale * predicted prefill, fitted over a few prompt lengths. Decode: each probe's
-    TBT (mean of its longest 10% token gaps, the statistic compared later) over the predicted step at batch 1.
+    Prefill: TTFT = overhead + scale * predicted prefill, fitted over a few prompt lengths. Decode, from each
+    probe's token gaps: the steady step is the median of the gaps after the first (``decode_scale``: over the
+    profile's step at batch 1); the first gap is the join plus one step, so its excess over the steady step is
+    ``decode_join_s``. (The TBT statistic of a lone 16-token request, the mean of its longest 10% of gaps, is
+    mostly its first gap: scaling every step by it charged the join to every token.)
     """
     rng = np.random.default_rng(12345)
     token_times(cluster, rng.integers(0, vocab_size, 32).tolist(), 4)  # warms connections and queues
-    predicted, measured, decode_ratio = [], [], []
+    predicted, measured, decode_ratio, join = [], [], [], []
     for _ in range(PROBES):
         for n in PROBE_PROMPT_TOKENS:
             prompt = rng.integers(0, vocab_size, n).tolist()
             times = token_times(cluster, prompt, PROBE_OUTPUT_TOKENS)
             predicted.append(prefill_work_s(costs.prefill, n, 0))
             measured.append(times[0])
-            step = np.mean([float(costs.decode.step_seconds(1, n + k)) for k in range(1, len(times))])
-            decode_ratio.append(tbt_of_times(times) / step)
+            gaps = np.diff(times)
+            steady = float(np.median(gaps[1:]))
+            step = np.mean([float(costs.decode.step_seconds(1, n + k)) for k in range(2, len(times))])
+            decode_ratio.append(steady / step)
+            join.append(float(gaps[0]) - steady)
     a = np.stack([np.ones(len(predicted)), predicted], axis=1)
     (overhead, scale), *_ = np.linalg.lstsq(a, np.array(measured), rcond=None)
     if scale <= 0:  # no growth with length measured: all overhead
         overhead, scale = float(np.median(np.array(measured) - np.array(predicted))), 1.0
     return {"request_overhead_s": max(0.0, float(overhead)), "prefill_scale": float(scale),
-            "decode_scale": max(1e-3, float(np.median(decode_ratio)))}
+            "decode_scale": max(1e-3, float(np.median(decode_ratio))),
+            "decode_join_s": max(0.0, float(np.median(join)))}
 
 
 def replay(cluster, items, speed: float) -> list[list[float] | None]:
@@ -120,7 +129,8 @@ def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: f
                              decode=DecodeCost([c * overheads["decode_scale"] for c in costs.decode.coef]))
     return simulate(trace, prefill=prefill, decode=decode, policy="kvcache-centric", admission="none",
                     speed=speed, hardware=profiled, cache_tokens=cache_tokens, release_timing=REAL_INSTANCES,
-                    request_overhead_s=overheads["request_overhead_s"], **slo)
+                    request_overhead_s=overheads["request_overhead_s"],
+                    decode_join_s=overheads.get("decode_join_s", 0.0), **slo)
 
 
 def percentiles(values) -> dict:

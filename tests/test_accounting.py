@@ -73,6 +73,8 @@ def test_release_timing_by_hand():
         ReleaseTiming("layerwise", "never")
     with pytest.raises(ValueError, match="request_overhead_s"):
         SimConfig(request_overhead_s=-1.0)
+    with pytest.raises(ValueError, match="decode_join_s"):
+        SimConfig(decode_join_s=float("nan"))
 
 
 def test_simulator_follows_the_release_timing():
@@ -86,6 +88,13 @@ def test_simulator_follows_the_release_timing():
     overhead = simulate(ONE, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
                         request_overhead_s=0.25).requests[0]
     assert overhead.ttft_s == pytest.approx(3.25)
+    # the decode instance takes 0.5 s to take the request in: its first token gap (the largest of its 10, so its
+    # TBT) is the join plus one step, the first token itself unchanged
+    joined = simulate(ONE, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                      decode_join_s=0.5).requests[0]
+    assert joined.ttft_s == pytest.approx(3.0)
+    assert joined.finished_at == pytest.approx(3.0 + 0.5 + 10 * 0.01)
+    assert joined.tbt_s == pytest.approx(0.5 + 0.01)
 
 
 def test_conductor_predicts_prefill_work_by_the_same_rule():

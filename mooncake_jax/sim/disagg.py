@@ -13,7 +13,8 @@ Per request, what a real cluster does, on the virtual clock:
 4. Prefill end: first token (or, released after the push, when the KV has arrived); the prompt's blocks enter
    the instance's cache (evictions and stores are reported as KV events); ``prefill_done`` is reported, with the
    instance's queued work (a heartbeat).
-5. KV arrival at decode: the decode side's own check (``decode_accepts``) may reject it *late*, wasting the
+5. KV arrival at decode (plus ``SimConfig.decode_join_s``, the decode instance's own time to take the request
+   in: its RPC, staging the KV from its pool into pages): the decode side's own check (``decode_accepts``) may reject it *late*, wasting the
    prefill; otherwise it joins the continuous batch at the next iteration boundary (``batch.ContinuousBatch``)
    and ``decode_started`` / ``finished`` are reported, which feeds the Conductor's tracked decode time.
 
@@ -193,7 +194,9 @@ class DisaggregatedSim(ClusterSim):
             req.status, req.finished_at = COMPLETED, req.first_token_at
             self.state.finished(req.request_id, now)
         else:
-            self.events.at(req.kv_ready_at, self._kv_arrived, self.by_id[req.decode_id], req)
+            # the decode instance takes the request into its batch decode_join_s after its KV is there
+            self.events.at(req.kv_ready_at + self.config.decode_join_s, self._kv_arrived,
+                           self.by_id[req.decode_id], req)
         self._try_start(p)
 
     # --------------------------------------------------------------------------------------------- decode
