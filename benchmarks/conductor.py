@@ -142,6 +142,56 @@ def measure(trace: list[dict], n_instances: int, target_blocks: int, warm: int, 
     }
 
 
+def phases(trace: list[dict], n_instances: int, target_blocks: int, warm: int, sample: int = 300) -> dict:
+    """Where a decision's time goes, in microseconds of this thread's CPU time per request (what other processes'
+    load inflates least). ``Policy.decide`` is pure, so on the state reached after warming and filling, each of
+    ``sample`` requests is decided repeatedly (least of 3 repeats of 20) and so are its parts: the prefix match
+    over the block index, the prefill choice (TTFT of every prefill instance; the match included, subtracted
+    below), the decode choice (decode ledger views, TBT of every decode instance, admission's view); what is left
+    of ``decide`` is checks and building the decision. Then the decision is applied once (queue, sender backlog,
+    ledger entry, the request's blocks expected on its prefill instance), timed alone."""
+    import timeit
+
+    from mooncake_jax.conductor.instances import Role
+
+    config = PolicyConfig(strategy="kvcache-centric", admission="predictive", block_size=TRACE_BLOCK,
+                          ttft_slo_s=30.0, tbt_slo_s=0.1)
+    replay = Replay(n_instances, config)
+    for i in range(warm):
+        now = trace[i]["timestamp"] / 1000
+        replay.report_until(now)
+        replay.schedule(as_request(i, trace[i]), now)
+    replay.fill_index(target_blocks)
+    state, policy = replay.state, replay.policy
+    clock = time.thread_time
+
+    def cpu_us(call) -> float:
+        return min(timeit.repeat(call, number=20, repeat=3, timer=clock)) / 20 * 1e6
+
+    totals = dict.fromkeys(("match", "prefill", "decode", "decide", "apply"), 0.0)
+    for i in range(warm, warm + sample):
+        now, request = trace[i]["timestamp"] / 1000, as_request(i, trace[i])
+        replay.report_until(now)
+        snapshot = state.snapshot()
+        prefill_ok = snapshot.instances.candidates(Role.PREFILL)
+        decode_ok = snapshot.instances.candidates(Role.DECODE)
+        end = now + policy._choose_prefill(request, snapshot, now, prefill_ok).ttft_s
+        totals["match"] += cpu_us(lambda: state.index.match_levels(request.block_keys))
+        totals["prefill"] += cpu_us(lambda: policy._choose_prefill(request, snapshot, now, prefill_ok))
+        totals["decode"] += cpu_us(lambda: policy._choose_decode(request, snapshot, now, end, decode_ok))
+        totals["decide"] += cpu_us(lambda: policy.decide(request, snapshot, now))
+        decision = policy.decide(request, snapshot, now)
+        c0 = time.thread_time_ns()
+        state.apply(request, decision, now, fresh=True)
+        totals["apply"] += (time.thread_time_ns() - c0) / 1e3
+    mean = {name: value / sample for name, value in totals.items()}
+    return {"phase_match_us": mean["match"], "phase_prefill_ttft_us": mean["prefill"] - mean["match"],
+            "phase_decode_us": mean["decode"],
+            "phase_decide_rest_us": mean["decide"] - mean["prefill"] - mean["decode"],
+            "phase_apply_us": mean["apply"], "phase_total_us": mean["decide"] + mean["apply"],
+            "phase_sample_requests": sample}
+
+
 def numpy_op_us(slots: int = 128) -> float:
     """Fixed cost of one small numpy operation on this machine, now (the unit a decision is made of: the policy
     evaluates every instance in a fixed number of array operations over ``slots`` columns)."""
@@ -166,6 +216,8 @@ def main() -> None:
                         help="block index sizes, comma-separated (the headline figure needs 1e6)")
     parser.add_argument("--runs", type=int, default=3,
                         help="runs per configuration; the least disturbed (lowest p99) is reported")
+    parser.add_argument("--no-phases", dest="phases", action="store_false",
+                        help="skip the per-phase breakdown of a decision (64 + 64 instances, the largest index)")
     args = parser.parse_args()
     trace = load_trace()
     if args.warm + args.timed > len(trace):
@@ -187,6 +239,11 @@ def main() -> None:
                   f"p99 {figures['p99_decision_ms']:.3f} ms, accepted {figures['accepted_fraction']:.1%}, "
                   f"with a transfer {figures['transfer_fraction']:.1%}",
                   flush=True)
+    if args.phases and 64 in args.instances:
+        figures = phases(trace, 64, max(args.blocks), args.warm)
+        results.update({f"{name}_p64": value for name, value in figures.items()})
+        print("where a decision's time goes (64 + 64 instances, CPU us): "
+              + ", ".join(f"{name[6:-3]} {value:.1f}" for name, value in figures.items() if name.endswith("_us")))
     results["load_average_at_end"] = os.getloadavg()[0]
     results["numpy_op_us"] = numpy_op_us()
     if "decisions_per_s_p64_b1e6" in results:

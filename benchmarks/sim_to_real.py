@@ -3,11 +3,12 @@
 1. Start a real local cluster (tiny model; instance processes, Conductor, the gateway's backend) with no admission
    control. Its first instance measures the engine (``instance/calibrate.py``, the cost profile every instance
    registers with); that profile is what the simulator gets.
-2. Probe the serving path end to end, before and independently of the replay: lone requests of fresh prompts (not
-   in the trace) give the per-request overhead beyond the profile's prefill time (RPCs, scheduling, pool I/O) and
-   how fast this shared machine runs prefill and decode right now against the start-up profile (the machine's
-   other load changes by the minute; the profile's shape is kept, its scale is measured again), and the decode
-   instance's time to take a request into its batch (the first token gap's excess over the steady ones).
+2. Probe the serving path end to end, before and independently of the replay: concurrent pairs of requests of
+   fresh prompts (not in the trace; the replay's bursts keep both prefill instances busy at once) give the
+   per-request overhead beyond the profile's prefill time (RPCs, scheduling, pool I/O), how fast this shared
+   machine runs prefill and decode right now against the start-up profile (the machine's other load changes by
+   the minute; the profile's shape is kept, its scale is measured again), and the decode instance's time to take
+   a request into its batch (the first token gap's excess over the steady ones).
 3. Replay the first ``--requests`` of the conversation trace at their recorded arrival times (scaled to the tiny
    model as ``mooncake-jax demo`` does: a 512-token trace block becomes one 16-token engine block) through the real
    cluster, recording every token's time at the client.
@@ -61,32 +62,39 @@ def token_times(cluster, prompt, max_tokens: int) -> list[float]:
 
 
 def probe(cluster, costs, vocab_size: int) -> dict:
-    """The serving path measured end to end, right before the replay, by lone requests of fresh prompts (not in
-    the trace): the start-up profile gives how times grow with tokens and batch; the probe gives how fast this
-    shared machine runs them now (``prefill_scale``, ``decode_scale``), the fixed cost of a request beyond its
-    prefill (``request_overhead_s``: RPCs, scheduling, pool I/O) and the decode instance's time to take a request
-    in (``decode_join_s``: its RPC, staging the KV from its pool, loading it into pages).
+    """The serving path measured end to end, right before the replay, by requests of fresh prompts (not in the
+    trace), sent in concurrent pairs: the start-up profile gives how times grow with tokens and batch; the probe
+    gives how fast this shared machine runs them now (``prefill_scale``, ``decode_scale``), the fixed cost of a
+    request beyond its prefill (``request_overhead_s``: RPCs, scheduling, pool I/O) and the decode instance's
+    time to take a request in (``decode_join_s``: its RPC, staging the KV from its pool, loading it into pages).
+
+    Why pairs: the trace's requests arrive in bursts, so in the replay the two prefill instances mostly compute at
+    the same time, and decode steps a batch, all on the host's two cores; a lone probe request has the cores to
+    itself (on a quiet host its prefill ran about twice as fast as the replay's). A pair puts the instances in
+    the replay's regime: the Conductor sends the two to the two prefill instances, then both decode together.
 
     Prefill: TTFT = overhead + scale * predicted prefill, fitted over a few prompt lengths. Decode, from each
     probe's token gaps: the steady step is the median of the gaps after the first (``decode_scale``: over the
-    profile's step at batch 1); the first gap is the join plus one step, so its excess over the steady step is
-    ``decode_join_s``. (The TBT statistic of a lone 16-token request, the mean of its longest 10% of gaps, is
+    profile's step for the pair's batch); the first gap is the join plus one step, so its excess over the steady
+    step is ``decode_join_s``. (The TBT statistic of a 16-token request, the mean of its longest 10% of gaps, is
     mostly its first gap: scaling every step by it charged the join to every token.)
     """
     rng = np.random.default_rng(12345)
     token_times(cluster, rng.integers(0, vocab_size, 32).tolist(), 4)  # warms connections and queues
     predicted, measured, decode_ratio, join = [], [], [], []
-    for _ in range(PROBES):
-        for n in PROBE_PROMPT_TOKENS:
-            prompt = rng.integers(0, vocab_size, n).tolist()
-            times = token_times(cluster, prompt, PROBE_OUTPUT_TOKENS)
-            predicted.append(prefill_work_s(costs.prefill, n, 0))
-            measured.append(times[0])
-            gaps = np.diff(times)
-            steady = float(np.median(gaps[1:]))
-            step = np.mean([float(costs.decode.step_seconds(1, n + k)) for k in range(2, len(times))])
-            decode_ratio.append(steady / step)
-            join.append(float(gaps[0]) - steady)
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(PROBES):
+            for n in PROBE_PROMPT_TOKENS:
+                prompts = [rng.integers(0, vocab_size, n).tolist() for _ in range(2)]
+                pair = list(pool.map(lambda prompt: token_times(cluster, prompt, PROBE_OUTPUT_TOKENS), prompts))
+                for times in pair:
+                    predicted.append(prefill_work_s(costs.prefill, n, 0))
+                    measured.append(times[0])
+                    gaps = np.diff(times)
+                    steady = float(np.median(gaps[1:]))
+                    step = np.mean([float(costs.decode.step_seconds(2, 2 * (n + k))) for k in range(2, len(times))])
+                    decode_ratio.append(steady / step)
+                    join.append(float(gaps[0]) - steady)
     a = np.stack([np.ones(len(predicted)), predicted], axis=1)
     (overhead, scale), *_ = np.linalg.lstsq(a, np.array(measured), rcond=None)
     if scale <= 0:  # no growth with length measured: all overhead

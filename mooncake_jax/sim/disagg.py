@@ -14,9 +14,10 @@ Per request, what a real cluster does, on the virtual clock:
    the instance's cache (evictions and stores are reported as KV events); ``prefill_done`` is reported, with the
    instance's queued work (a heartbeat).
 5. KV arrival at decode (plus ``SimConfig.decode_join_s``, the decode instance's own time to take the request
-   in: its RPC, staging the KV from its pool into pages): the decode side's own check (``decode_accepts``) may reject it *late*, wasting the
-   prefill; otherwise it joins the continuous batch at the next iteration boundary (``batch.ContinuousBatch``)
-   and ``decode_started`` / ``finished`` are reported, which feeds the Conductor's tracked decode time.
+   in: its RPC, staging the KV from its pool into pages): the decode side's own check (``decode_accepts``) may
+   reject it *late*, wasting the prefill; otherwise it joins the continuous batch at the next iteration boundary
+   (``batch.ContinuousBatch``) and ``decode_started`` / ``finished`` are reported, which feeds the Conductor's
+   tracked decode time.
 
 With ``admission="none"`` nothing is rejected: a request whose KV does not fit waits for room (FIFO).
 """
