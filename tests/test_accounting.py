@@ -97,6 +97,22 @@ def test_simulator_follows_the_release_timing():
     assert joined.tbt_s == pytest.approx(0.5 + 0.01)
 
 
+def test_a_join_stalls_the_running_batch_by_the_measured_stall():
+    """Two 1,000-token requests on one prefill + one decode instance, pushed after the prefill: A's first token at
+    3 s (prefill 2 s, push 1 s), B's at 5 s (queued behind A). Each takes 0.5 s to join the batch, the last 0.2 s of
+    it loading pages on the engine loop: A decodes 200 steps of 10 ms from 3.5 s, and B's join at 5.5 s stalls it
+    0.2 s (one gap of 0.21 s among its longest 20, with its first gap of 0.51 s)."""
+    two = Trace([TraceRequest(0.0, 1000, 201, (1, 2)), TraceRequest(0.0, 1000, 11, (3, 4))])
+    a, b = simulate(two, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                    decode_join_s=0.5, decode_join_stall_s=0.2).requests
+    assert a.ttft_s == pytest.approx(3.0) and b.ttft_s == pytest.approx(5.0)
+    assert a.finished_at == pytest.approx(3.5 + 200 * 0.01 + 0.2)
+    assert a.tbt_s == pytest.approx((0.51 + 0.21 + 18 * 0.01) / 20)
+    assert b.finished_at - 5.0 == pytest.approx(0.5 + 10 * 0.01, abs=0.011)  # its join, at most a step's wait
+    with pytest.raises(ValueError, match="decode_join_stall_s"):
+        SimConfig(decode_join_s=0.1, decode_join_stall_s=0.2)
+
+
 def test_conductor_predicts_prefill_work_by_the_same_rule():
     from mooncake_jax.conductor import ClusterState, Policy, PolicyConfig, Request
 

@@ -49,7 +49,8 @@ class SimConfig:
     model (RPCs, scheduling: measured on a real cluster, 0 for datasheet studies); ``decode_join_s`` is the time a
     decode instance takes from a request's KV arriving to the request joining its batch (the decode RPC, staging
     the KV from its pool, loading it into pages: measured on a real cluster as the first token gap's excess over
-    a steady one, 0 for datasheet studies).
+    a steady one, 0 for datasheet studies), of which ``decode_join_stall_s`` runs on the instance's engine loop
+    and stalls the requests already decoding (loading the KV into pages; at most ``decode_join_s``).
     """
 
     prefill: int = 8
@@ -76,6 +77,7 @@ class SimConfig:
     release_timing: ReleaseTiming = LAYERWISE
     request_overhead_s: float = 0.0
     decode_join_s: float = 0.0
+    decode_join_stall_s: float = 0.0
 
     def __post_init__(self):
         for name in ("prefill", "decode", "chunk_tokens", "prefill_batch_tokens"):
@@ -109,6 +111,9 @@ class SimConfig:
             raise ValueError(f"request_overhead_s must be a non-negative number, got {self.request_overhead_s!r}")
         if not (math.isfinite(self.decode_join_s) and self.decode_join_s >= 0):
             raise ValueError(f"decode_join_s must be a non-negative number, got {self.decode_join_s!r}")
+        if not (math.isfinite(self.decode_join_stall_s) and 0 <= self.decode_join_stall_s <= self.decode_join_s):
+            raise ValueError(f"decode_join_stall_s must be a number between 0 and decode_join_s "
+                             f"({self.decode_join_s!r}), got {self.decode_join_stall_s!r}")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {list(EVICTIONS)}")
         for name in ("prefill_hardware", "decode_hardware"):

@@ -14,10 +14,10 @@ Per request, what a real cluster does, on the virtual clock:
    the instance's cache (evictions and stores are reported as KV events); ``prefill_done`` is reported, with the
    instance's queued work (a heartbeat).
 5. KV arrival at decode (plus ``SimConfig.decode_join_s``, the decode instance's own time to take the request
-   in: its RPC, staging the KV from its pool into pages): the decode side's own check (``decode_accepts``) may
-   reject it *late*, wasting the prefill; otherwise it joins the continuous batch at the next iteration boundary
-   (``batch.ContinuousBatch``) and ``decode_started`` / ``finished`` are reported, which feeds the Conductor's
-   tracked decode time.
+   in: its RPC, staging the KV from its pool, loading it into pages, the last of which stalls its running batch,
+   ``decode_join_stall_s``): the decode side's own check (``decode_accepts``) may reject it *late*, wasting the
+   prefill; otherwise it joins the continuous batch at the next iteration boundary (``batch.ContinuousBatch``)
+   and ``decode_started`` / ``finished`` are reported, which feeds the Conductor's tracked decode time.
 
 With ``admission="none"`` nothing is rejected: a request whose KV does not fit waits for room (FIFO).
 """
@@ -195,8 +195,10 @@ class DisaggregatedSim(ClusterSim):
             req.status, req.finished_at = COMPLETED, req.first_token_at
             self.state.finished(req.request_id, now)
         else:
-            # the decode instance takes the request into its batch decode_join_s after its KV is there
-            self.events.at(req.kv_ready_at + self.config.decode_join_s, self._kv_arrived,
+            # the decode instance takes the request into its batch decode_join_s after its KV is there, the last
+            # decode_join_stall_s of it on its engine loop (``_join``)
+            cfg = self.config
+            self.events.at(req.kv_ready_at + cfg.decode_join_s - cfg.decode_join_stall_s, self._kv_arrived,
                            self.by_id[req.decode_id], req)
         self._try_start(p)
 
@@ -223,6 +225,8 @@ class DisaggregatedSim(ClusterSim):
 
     def _join(self, d: DecodeNode, req: SimRequest) -> None:
         b = d.batch
+        if self.config.decode_join_stall_s:  # the KV loaded into pages on the engine loop: the batch waits
+            b.stall(self.config.decode_join_stall_s)
         b.join(req, req.input_tokens, req.input_tokens + req.output_tokens, req.output_tokens - 1,
                req.first_token_at)
         self.state.decode_started(req.request_id, b.time)
