@@ -72,11 +72,13 @@ class BlockIndex:
         fetches them); those it holds already are left as they are."""
         bit = 1 << slot
         holders = self._holders
-        own = self._keys_of.setdefault(slot, set())
-        new = [key for key in keys if key not in own]
-        for key in new:
-            holders[key] = holders.get(key, 0) | bit
-        own.update(new)  # set and dict updates in one call each: the Conductor's hot path
+        new = []
+        for key in keys:  # the holder mask says whether the slot has it (as its key set does): one lookup a key
+            held = holders.get(key, 0)
+            if not held & bit:
+                holders[key] = held | bit
+                new.append(key)
+        self._keys_of.setdefault(slot, set()).update(new)  # set and dict updates in one call each: the hot path
         self._ready.setdefault(slot, {}).update(dict.fromkeys(new, ready_at))
 
     def remove(self, slot: int, keys: Iterable[int]) -> None:

@@ -182,10 +182,11 @@ class Policy:
         load = decode_step_seconds(coef, batch + 1, context + kv)  # what spreads a burst: all routed load
         if cfg.admission in adm.CHECKS_DECODE_HERE:
             seen_batch, seen_context = ledger.per_slot(seen, table.capacity)
-            fits = candidates & (seen_context + kv <= capacity)
+            seen_context += kv  # with this request
+            fits = candidates & (seen_context <= capacity)
             if not np.count_nonzero(fits):
                 return None, 0.0
-            seen_tbt = decode_step_seconds(coef, seen_batch + 1, seen_context + kv)
+            seen_tbt = decode_step_seconds(coef, seen_batch + 1, seen_context)
             ok = fits & (seen_tbt <= cfg.tbt_slo_s)
             if np.count_nonzero(ok):
                 slot = _argmin_among(load, ok)
