@@ -10,14 +10,13 @@ that the decisions predicted to have started or finished decoding are reported, 
 a live cluster would. The machine is shared, so each configuration runs ``--runs`` times and the least
 disturbed run (lowest p99) is reported, with the CPU-time rate and p99 that preemption does not inflate.
 
-Where a decision's time goes (64 + 64 instances, 1e6 blocks, AMD EPYC, cProfile / line_profiler): choosing the
-prefill instance ~55% (prefix match over the block index ~7 us; then about thirty numpy operations over the slot
-columns: queue, the per-instance cost polynomial, fetch-or-recompute, per-pair transfer time, argmin), choosing
-the decode instance ~30% (decode ledger windows and per-slot bincounts for the routed and the admission views,
-two step-time evaluations), applying the decision ~15% (recording the request's blocks as expected on the chosen
-instance: a Python dict update per new block). At 128 columns every numpy call costs its fixed ~0.5-2 us, not its
-length, so the decision is a fixed number of such calls (``decision_in_numpy_ops`` says how many, in units of the
-``numpy_op_us`` measured in the same run).
+Where a decision's time goes: ``phases`` (the ``phase_*`` keys) times its parts in this thread's CPU time. At
+64 + 64 instances and 1e6 blocks (AMD EPYC, docs/benchmarks.md): the prefix match ~1 us repeated, ~10 us more in
+sequence (cache misses in the 1e6-key index), every prefill instance's TTFT ~23 us, the decode choice ~23 us
+(ledger windows, per-slot bincounts for the routed and the admission views, two step-time evaluations), the rest
+of ``decide`` ~8 us, applying it ~15 us (~16 new blocks recorded as expected in the index). At 128 columns every
+numpy call costs its fixed ~0.35-2 us, not its length, so the decision is a fixed number of such calls
+(``decision_in_numpy_ops`` says how many, in units of the ``numpy_op_us`` measured in the same run).
 Goal: >= 10,000 decisions/s and p99 <= 1 ms at 64 instances and 1e6 blocks.
 
     python benchmarks/conductor.py --json /tmp/conductor.json
