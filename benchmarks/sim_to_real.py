@@ -8,8 +8,9 @@
    per-request overhead beyond the profile's prefill time (RPCs, scheduling, pool I/O), how fast this shared
    machine runs prefill and decode right now against the start-up profile (the machine's other load changes by
    the minute; the profile's shape is kept, its scale is measured again), and the decode instance's time to take
-   a request into its batch (the first token gap's excess over the steady ones), and how much of that stalls the
-   requests already decoding (a long request's token gap at a short one's join).
+   a request into its batch (the first token gap's excess over the steady ones), how much of that stalls the
+   requests already decoding (a long request's token gap at a short one's join), and how much slower decode steps
+   run while a prefill computes on the same cores.
 3. Replay the first ``--requests`` of the conversation trace at their recorded arrival times (scaled to the tiny
    model as ``mooncake-jax demo`` does: a 512-token trace block becomes one 16-token engine block) through the real
    cluster, recording every token's time at the client.
@@ -45,7 +46,7 @@ from mooncake_jax.slo import tbt_of_times  # noqa: E402
 
 from mooncake_jax.demo import ENGINE_BLOCK  # noqa: E402
 PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 768), 16, 2
-STALL_PROBE_TOKENS, STALL_PROBE_JOINS = 160, 3
+STALL_PROBE_TOKENS, STALL_PROBE_JOINS = 400, 3
 
 
 def trace_slice(n: int, vocab_size: int, max_context: int):
@@ -106,22 +107,26 @@ def probe(cluster, costs, vocab_size: int) -> dict:
             "decode_join_s": max(0.0, float(np.median(join)))}
 
 
-def join_stall(cluster, vocab_size: int) -> float:
-    """How long a request joining the decode batch stalls the requests already in it (``decode_join_stall_s``:
-    the part of the join that runs on the decode instance's engine loop, loading the KV into pages).
+def decode_beside(cluster, vocab_size: int) -> dict:
+    """What a decode batch suffers from the rest of the host, measured on a long request that decodes while short
+    ones, sent one after another, are prefilled and join its batch:
 
-    A long request decodes while short ones, sent one after another, join its batch: the long request's token gap
-    that ends with a short one's first decode token (the step right after its join) less its median gap is the
-    stall. The median over the joins is returned (0 when none overlapped)."""
+    - ``decode_join_stall_s``: how long a joining request stalls the requests already decoding (the part of the
+      join on the decode instance's engine loop, loading the KV into pages): the long request's token gap that
+      ends with a short one's first decode token (the step right after its join), less its median gap;
+    - ``shared_host_decode_slowdown``: how much longer its steps take while a short one is being prefilled on the
+      same cores (between the short one's submission and its first token) than while none is.
+
+    Medians over the shorts (0 and 1 when nothing overlapped)."""
+    from mooncake_jax.gateway.backend import TokenOut
+
     rng = np.random.default_rng(54321)
-    stalls = []
+    stalls, beside, apart = [], [], []
     for _ in range(PROBES):
         long_prompt = rng.integers(0, vocab_size, 32).tolist()
         decoding = threading.Event()
 
         def run_long() -> np.ndarray:
-            from mooncake_jax.gateway.backend import TokenOut
-
             start, times = time.perf_counter(), []
             for item in cluster.stream(long_prompt, max_new_tokens=STALL_PROBE_TOKENS):
                 if isinstance(item, TokenOut):
@@ -134,22 +139,34 @@ def join_stall(cluster, vocab_size: int) -> float:
         with ThreadPoolExecutor(1) as pool:
             long_future = pool.submit(run_long)
             decoding.wait(60)
-            joins = []
+            shorts = []  # (submitted, first token, first decode token), this clock
             for _ in range(STALL_PROBE_JOINS):
                 start = time.perf_counter()
-                times = token_times(cluster, rng.integers(0, vocab_size, PROBE_PROMPT_TOKENS[0]).tolist(), 4)
+                times = token_times(cluster, rng.integers(0, vocab_size, PROBE_PROMPT_TOKENS[1]).tolist(), 4)
                 if len(times) > 1:
-                    joins.append(start + times[1])
+                    shorts.append((start, start + times[0], start + times[1]))
             long_times = long_future.result()
         if len(long_times) < 3:
             continue
         gaps = np.diff(long_times)
         typical = float(np.median(gaps))
-        for at in joins:
+        joined = set()
+        for _, _, at in shorts:
             j = int(np.argmin(np.abs(long_times - at)))
             if 2 <= j < len(long_times) - 1:  # inside the long request's steady decode
                 stalls.append(float(gaps[j - 1]) - typical)
-    return max(0.0, float(np.median(stalls))) if stalls else 0.0
+                joined.update((j - 1, j))
+        for k in range(1, len(gaps)):  # the first gap is the long request's own join
+            a, b = long_times[k], long_times[k + 1]
+            if k in joined:
+                continue
+            if any(s <= a and b <= f for s, f, _ in shorts):
+                beside.append(gaps[k])
+            elif not any(a < f and b > s for s, f, _ in shorts):
+                apart.append(gaps[k])
+    slowdown = float(np.median(beside) / np.median(apart)) if beside and apart else 1.0
+    return {"decode_join_stall_s": max(0.0, float(np.median(stalls))) if stalls else 0.0,
+            "shared_host_decode_slowdown": max(1.0, slowdown)}
 
 
 def replay(cluster, items, speed: float) -> list[list[float] | None]:
@@ -187,7 +204,8 @@ def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: f
                     speed=speed, hardware=profiled, cache_tokens=cache_tokens, release_timing=REAL_INSTANCES,
                     request_overhead_s=overheads["request_overhead_s"],
                     decode_join_s=overheads.get("decode_join_s", 0.0),
-                    decode_join_stall_s=overheads.get("decode_join_stall_s", 0.0), **slo)
+                    decode_join_stall_s=overheads.get("decode_join_stall_s", 0.0),
+                    shared_host_decode_slowdown=overheads.get("shared_host_decode_slowdown", 1.0), **slo)
 
 
 def percentiles(values) -> dict:
@@ -226,7 +244,8 @@ def main() -> None:
         profile_json = getattr(first, "profile_json", None) or first.info["profile_json"]
         costs = costs_from_profile(profile_json)
         overheads = probe(cluster, costs, cfg.vocab_size)
-        overheads["decode_join_stall_s"] = min(join_stall(cluster, cfg.vocab_size), overheads["decode_join_s"])
+        overheads.update(decode_beside(cluster, cfg.vocab_size))
+        overheads["decode_join_stall_s"] = min(overheads["decode_join_stall_s"], overheads["decode_join_s"])
         print(f"profile: {costs.name}; probed overheads {overheads}", flush=True)
         t_replay = time.perf_counter()
         real = replay(cluster, items, args.speed)

@@ -113,6 +113,21 @@ def test_a_join_stalls_the_running_batch_by_the_measured_stall():
         SimConfig(decode_join_s=0.1, decode_join_stall_s=0.2)
 
 
+def test_decode_steps_slow_down_while_a_prefill_shares_the_host():
+    """A's KV is on the decode instance at 3 s (prefill 2 s, push 1 s); B arrives then and prefills for 2 s on the
+    same host. With a shared-host slowdown of 2, A's 10 ms steps take 20 ms until B's prefill ends: 100 steps by
+    5 s, the other 100 at 10 ms, done at 6 s instead of 5 s (within one step: the change waits for a boundary)."""
+    two = Trace([TraceRequest(0.0, 1000, 201, (1, 2)), TraceRequest(3.0, 1000, 2, (3, 4))])
+    alone, _ = simulate(two, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES).requests
+    shared, _ = simulate(two, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                         shared_host_decode_slowdown=2.0).requests
+    assert alone.finished_at == pytest.approx(5.0)
+    assert shared.ttft_s == pytest.approx(3.0)
+    assert shared.finished_at == pytest.approx(6.0, abs=0.011)
+    with pytest.raises(ValueError, match="shared_host_decode_slowdown"):
+        SimConfig(shared_host_decode_slowdown=0.5)
+
+
 def test_conductor_predicts_prefill_work_by_the_same_rule():
     from mooncake_jax.conductor import ClusterState, Policy, PolicyConfig, Request
 

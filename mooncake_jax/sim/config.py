@@ -51,6 +51,8 @@ class SimConfig:
     the KV from its pool, loading it into pages: measured on a real cluster as the first token gap's excess over
     a steady one, 0 for datasheet studies), of which ``decode_join_stall_s`` runs on the instance's engine loop
     and stalls the requests already decoding (loading the KV into pages; at most ``decode_join_s``).
+    ``shared_host_decode_slowdown``: the instances share one host's cores (a local cluster): while any prefill
+    instance computes, decode steps take this factor times the cost model's time (1: separate machines).
     """
 
     prefill: int = 8
@@ -78,6 +80,7 @@ class SimConfig:
     request_overhead_s: float = 0.0
     decode_join_s: float = 0.0
     decode_join_stall_s: float = 0.0
+    shared_host_decode_slowdown: float = 1.0
 
     def __post_init__(self):
         for name in ("prefill", "decode", "chunk_tokens", "prefill_batch_tokens"):
@@ -114,6 +117,9 @@ class SimConfig:
         if not (math.isfinite(self.decode_join_stall_s) and 0 <= self.decode_join_stall_s <= self.decode_join_s):
             raise ValueError(f"decode_join_stall_s must be a number between 0 and decode_join_s "
                              f"({self.decode_join_s!r}), got {self.decode_join_stall_s!r}")
+        if not (math.isfinite(self.shared_host_decode_slowdown) and self.shared_host_decode_slowdown >= 1):
+            raise ValueError(f"shared_host_decode_slowdown must be a number >= 1, got "
+                             f"{self.shared_host_decode_slowdown!r}")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {list(EVICTIONS)}")
         for name in ("prefill_hardware", "decode_hardware"):

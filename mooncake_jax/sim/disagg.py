@@ -178,6 +178,7 @@ class DisaggregatedSim(ClusterSim):
         self.state.heartbeat(p.id, now, queued_s=duration + p.queued_s,
                              send_backlog_s=max(p.out_free - now, 0.0))
         self.events.at(p.busy_until, self._prefill_end, p, req)
+        self._host_load_changed()
 
     def _prefill_end(self, p: PrefillNode, req: SimRequest) -> None:
         now = self.events.now
@@ -201,6 +202,20 @@ class DisaggregatedSim(ClusterSim):
             self.events.at(req.kv_ready_at + cfg.decode_join_s - cfg.decode_join_stall_s, self._kv_arrived,
                            self.by_id[req.decode_id], req)
         self._try_start(p)
+        self._host_load_changed()
+
+    def _host_load_changed(self) -> None:
+        """Instances sharing one host (``SimConfig.shared_host_decode_slowdown`` > 1): decode steps slow down while
+        any prefill computes, from each decode batch's next step boundary on."""
+        slowdown = self.config.shared_host_decode_slowdown
+        if slowdown == 1.0:
+            return
+        factor = slowdown if any(p.running is not None for p in self.prefill) else 1.0
+        for d in self.decode:
+            if d.batch.slowdown != factor:
+                self._advance_to(d, self.events.now)
+                d.batch.set_slowdown(factor)
+                self._reschedule(d)
 
     # --------------------------------------------------------------------------------------------- decode
 
