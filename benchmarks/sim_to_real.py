@@ -98,8 +98,12 @@ def probe(cluster, costs, vocab_size: int) -> dict:
                     step = np.mean([float(costs.decode.step_seconds(2, 2 * (n + k))) for k in range(2, len(times))])
                     decode_ratio.append(steady / step)
                     join.append(float(gaps[0]) - steady)
-    a = np.stack([np.ones(len(predicted)), predicted], axis=1)
-    (overhead, scale), *_ = np.linalg.lstsq(a, np.array(measured), rcond=None)
+    # the line through each prompt length's median TTFT: one pair slowed by the host's other load moves a
+    # least-squares fit over all probes (prefill_scale read 0.15 to 5.3 between runs at load 10-25), a median not
+    lengths = sorted(set(predicted))
+    medians = [float(np.median([m for p, m in zip(predicted, measured) if p == x])) for x in lengths]
+    a = np.stack([np.ones(len(lengths)), lengths], axis=1)
+    (overhead, scale), *_ = np.linalg.lstsq(a, np.array(medians), rcond=None)
     if scale <= 0:  # no growth with length measured: all overhead
         overhead, scale = float(np.median(np.array(measured) - np.array(predicted))), 1.0
     return {"request_overhead_s": max(0.0, float(overhead)), "prefill_scale": float(scale),
