@@ -113,6 +113,19 @@ def test_a_join_stalls_the_running_batch_by_the_measured_stall():
         SimConfig(decode_join_s=0.1, decode_join_stall_s=0.2)
 
 
+def test_the_decode_instance_takes_requests_in_one_at_a_time():
+    """Two 1,000-token requests prefilled side by side on two instances (0-2 s), their KV pushed one after the
+    other over the decode instance's link (A's at 3 s, B's at 4 s). Taking each in takes 1.5 s: A joins at 4.5 s,
+    B's join waits for A's and ends at 6 s, not 5.5 s."""
+    two = Trace([TraceRequest(0.0, 1000, 11, (1, 2)), TraceRequest(0.0, 1000, 11, (3, 4))])
+    a, b = simulate(two, prefill=2, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                    decode_join_s=1.5).requests
+    assert a.prefill_id != b.prefill_id
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(3.0), pytest.approx(4.0))
+    assert a.finished_at == pytest.approx(4.5 + 10 * 0.01)
+    assert b.finished_at == pytest.approx(6.0 + 10 * 0.01, abs=0.011)  # joins at the batch's next boundary
+
+
 def test_decode_steps_slow_down_while_a_prefill_shares_the_host():
     """A's KV is on the decode instance at 3 s (prefill 2 s, push 1 s); B arrives then and prefills for 2 s on the
     same host. With a shared-host slowdown of 2, A's 10 ms steps take 20 ms until B's prefill ends: 100 steps by

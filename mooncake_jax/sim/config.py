@@ -47,9 +47,9 @@ class SimConfig:
     token released (default: streamed layer by layer, first token at the prefill's end; ``REAL_INSTANCES`` for
     what this project's instances do); ``request_overhead_s`` is a fixed time each prefill takes beyond its cost
     model (RPCs, scheduling: measured on a real cluster, 0 for datasheet studies); ``decode_join_s`` is the time a
-    decode instance takes from a request's KV arriving to the request joining its batch (the decode RPC, staging
-    the KV from its pool, loading it into pages: measured on a real cluster as the first token gap's excess over
-    a steady one, 0 for datasheet studies), of which ``decode_join_stall_s`` runs on the instance's engine loop
+    decode instance takes from a request's KV arriving to the request joining its batch, one request at a time (the
+    decode RPC, staging the KV from its pool, loading it into pages: measured on a real cluster as the first token
+    gap's excess over a steady one, 0 for datasheet studies), of which ``decode_join_stall_s`` runs on the instance's engine loop
     and stalls the requests already decoding (loading the KV into pages; at most ``decode_join_s``).
     ``shared_host_decode_slowdown``: the instances share one host's cores (a local cluster): while any prefill
     instance computes, decode steps take this factor times the cost model's time (1: separate machines).

@@ -14,8 +14,8 @@ Per request, what a real cluster does, on the virtual clock:
    the instance's cache (evictions and stores are reported as KV events); ``prefill_done`` is reported, with the
    instance's queued work (a heartbeat).
 5. KV arrival at decode (plus ``SimConfig.decode_join_s``, the decode instance's own time to take the request
-   in: its RPC, staging the KV from its pool, loading it into pages, the last of which stalls its running batch,
-   ``decode_join_stall_s``): the decode side's own check (``decode_accepts``) may reject it *late*, wasting the
+   in, one request at a time: its RPC, staging the KV from its pool, loading it into pages, the last of which
+   stalls its running batch, ``decode_join_stall_s``): the decode side's own check (``decode_accepts``) may reject it *late*, wasting the
    prefill; otherwise it joins the continuous batch at the next iteration boundary (``batch.ContinuousBatch``)
    and ``decode_started`` / ``finished`` are reported, which feeds the Conductor's tracked decode time.
 
@@ -62,6 +62,7 @@ class DecodeNode(_Node):
         self.batch = ContinuousBatch(costs.decode, capacity_tokens)
         self.waiting: deque[SimRequest] = deque()
         self.version = 0
+        self.join_free_at = 0.0  # when it can start taking in the next request (SimConfig.decode_join_s)
 
 
 class DisaggregatedSim(ClusterSim):
@@ -197,10 +198,13 @@ class DisaggregatedSim(ClusterSim):
             self.state.finished(req.request_id, now)
         else:
             # the decode instance takes the request into its batch decode_join_s after its KV is there, the last
-            # decode_join_stall_s of it on its engine loop (``_join``)
-            cfg = self.config
-            self.events.at(req.kv_ready_at + cfg.decode_join_s - cfg.decode_join_stall_s, self._kv_arrived,
-                           self.by_id[req.decode_id], req)
+            # decode_join_stall_s of it on its engine loop (``_join``), one request at a time
+            cfg, d = self.config, self.by_id[req.decode_id]
+            taken_in = req.kv_ready_at + cfg.decode_join_s
+            if cfg.decode_join_s:
+                taken_in = max(req.kv_ready_at, d.join_free_at) + cfg.decode_join_s
+                d.join_free_at = taken_in
+            self.events.at(taken_in - cfg.decode_join_stall_s, self._kv_arrived, d, req)
         self._try_start(p)
         self._host_load_changed()
 
