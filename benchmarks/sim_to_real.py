@@ -73,7 +73,7 @@ def probe(cluster, costs, vocab_size: int) -> dict:
 
     Why pairs: the trace's requests arrive in bursts, so in the replay the two prefill instances mostly compute at
     the same time, and decode steps a batch, all on the host's two cores; a lone probe request has the cores to
-    itself (on a quiet host its prefill ran about twice as fast as the replay's). A pair puts the instances in
+    itself (on the quiet host, lone probes made the simulated TTFT half the real one). A pair puts the instances in
     the replay's regime: the Conductor sends the two to the two prefill instances, then both decode together.
 
     Prefill: TTFT = overhead + scale * predicted prefill, fitted over a few prompt lengths. Decode, from each
