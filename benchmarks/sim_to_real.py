@@ -45,7 +45,7 @@ from mooncake_jax.conductor.profile import costs_from_profile  # noqa: E402
 from mooncake_jax.slo import tbt_of_times  # noqa: E402
 
 from mooncake_jax.demo import ENGINE_BLOCK  # noqa: E402
-PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 768), 16, 2
+PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 512, 1024), 16, 3
 STALL_PROBE_TOKENS, STALL_PROBE_JOINS = 400, 3
 
 
