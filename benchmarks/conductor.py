@@ -10,14 +10,13 @@ that the decisions predicted to have started or finished decoding are reported, 
 a live cluster would. The machine is shared, so each configuration runs ``--runs`` times and the least
 disturbed run (lowest p99) is reported, with the CPU-time rate and p99 that preemption does not inflate.
 
-Where a decision's time goes (64 + 64 instances, 1e6 blocks, AMD EPYC, cProfile / line_profiler): choosing the
-prefill instance ~55% (prefix match over the block index ~7 us; then about thirty numpy operations over the slot
-columns: queue, the per-instance cost polynomial, fetch-or-recompute, per-pair transfer time, argmin), choosing
-the decode instance ~30% (decode ledger windows and per-slot bincounts for the routed and the admission views,
-two step-time evaluations), applying the decision ~15% (recording the request's blocks as expected on the chosen
-instance: a Python dict update per new block). At 128 columns every numpy call costs its fixed ~0.5-2 us, not its
-length, so the decision is a fixed number of such calls (``decision_in_numpy_ops`` says how many, in units of the
-``numpy_op_us`` measured in the same run).
+Where a decision's time goes: ``phases`` (the ``phase_*`` keys) times its parts in this thread's CPU time. At
+64 + 64 instances and 1e6 blocks (AMD EPYC, docs/benchmarks.md): the prefix match ~1 us repeated, ~10 us more in
+sequence (cache misses in the 1e6-key index), every prefill instance's TTFT ~23 us, the decode choice ~23 us
+(ledger windows, per-slot bincounts for the routed and the admission views, two step-time evaluations), the rest
+of ``decide`` ~8 us, applying it ~15 us (~16 new blocks recorded as expected in the index). At 128 columns every
+numpy call costs its fixed ~0.35-2 us, not its length, so the decision is a fixed number of such calls
+(``decision_in_numpy_ops`` says how many, in units of the ``numpy_op_us`` measured in the same run).
 Goal: >= 10,000 decisions/s and p99 <= 1 ms at 64 instances and 1e6 blocks.
 
     python benchmarks/conductor.py --json /tmp/conductor.json
@@ -85,7 +84,10 @@ class Replay:
                 state.finished(request_id, when)
 
     def schedule(self, request: Request, now: float):
-        decision = self.state.schedule(self.policy, request, now)
+        return self.record(request, self.state.schedule(self.policy, request, now))
+
+    def record(self, request: Request, decision):
+        """Count the decision, and put its predicted decode start and end on the milestone heap."""
         if decision.accepted:
             self.accepted += 1
             self.transfers += decision.transfer is not None
@@ -123,11 +125,13 @@ def measure(trace: list[dict], n_instances: int, target_blocks: int, warm: int, 
     wall, cpu = np.empty(timed), np.empty(timed)
     gc.collect()
     wall_clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
+    state, policy = replay.state, replay.policy
     for k, (now, request) in enumerate(requests):
         replay.report_until(now)
         t0, c0 = wall_clock(), cpu_clock()
-        replay.schedule(request, now)
+        decision = state.schedule(policy, request, now)  # what the service does per request, the RPC aside
         cpu[k], wall[k] = cpu_clock() - c0, wall_clock() - t0
+        replay.record(request, decision)
     wall, cpu = wall / 1e9, cpu / 1e9
     return {
         "decisions_per_s": timed / wall.sum(),
@@ -140,6 +144,70 @@ def measure(trace: list[dict], n_instances: int, target_blocks: int, warm: int, 
         "accepted_fraction": replay.accepted / timed,
         "transfer_fraction": replay.transfers / timed,
     }
+
+
+def phases(trace: list[dict], n_instances: int, target_blocks: int, warm: int, sample: int = 300) -> dict:
+    """Where a decision's time goes, in microseconds of this thread's CPU time per request (what other processes'
+    load inflates least), on the state reached after warming and filling.
+
+    First ``sample`` requests are scheduled as the timed loop does, deciding and applying each once, both timed
+    (``decide_once``, ``apply``: applying records the request's blocks as expected in the 10^6-key index, whose
+    cache misses only a live sequence shows). Then, ``Policy.decide`` being pure, each of the next ``sample``
+    requests is decided repeatedly (least of 3 repeats of 20) and so are its parts: the prefix match over the block
+    index, the prefill choice (TTFT of every prefill instance; the match included, subtracted below), the decode
+    choice (decode ledger views, TBT of every decode instance, admission's view); what is left of ``decide`` is
+    checks and building the decision."""
+    import timeit
+
+    from mooncake_jax.conductor.instances import Role
+
+    config = PolicyConfig(strategy="kvcache-centric", admission="predictive", block_size=TRACE_BLOCK,
+                          ttft_slo_s=30.0, tbt_slo_s=0.1)
+    replay = Replay(n_instances, config)
+    for i in range(warm):
+        now = trace[i]["timestamp"] / 1000
+        replay.report_until(now)
+        replay.schedule(as_request(i, trace[i]), now)
+    replay.fill_index(target_blocks)
+    state, policy = replay.state, replay.policy
+    clock = time.thread_time
+
+    once = {"decide_once": 0.0, "apply": 0.0}
+    gc.collect()
+    for i in range(warm, warm + sample):
+        now, request = trace[i]["timestamp"] / 1000, as_request(i, trace[i])
+        replay.report_until(now)
+        c0 = time.thread_time_ns()
+        decision = policy.decide(request, state.snapshot(), now)
+        c1 = time.thread_time_ns()
+        state.apply(request, decision, now, fresh=True)
+        c2 = time.thread_time_ns()
+        replay.record(request, decision)
+        once["decide_once"] += (c1 - c0) / 1e3
+        once["apply"] += (c2 - c1) / 1e3
+
+    def cpu_us(call) -> float:
+        return min(timeit.repeat(call, number=20, repeat=3, timer=clock)) / 20 * 1e6
+
+    pure = dict.fromkeys(("match", "prefill", "decode", "decide"), 0.0)
+    for i in range(warm + sample, warm + 2 * sample):
+        now, request = trace[i]["timestamp"] / 1000, as_request(i, trace[i])
+        replay.report_until(now)
+        snapshot = state.snapshot()
+        prefill_ok = snapshot.instances.candidates(Role.PREFILL)
+        decode_ok = snapshot.instances.candidates(Role.DECODE)
+        end = now + policy._choose_prefill(request, snapshot, now, prefill_ok).ttft_s
+        pure["match"] += cpu_us(lambda: state.index.match_levels(request.block_keys))
+        pure["prefill"] += cpu_us(lambda: policy._choose_prefill(request, snapshot, now, prefill_ok))
+        pure["decode"] += cpu_us(lambda: policy._choose_decode(request, snapshot, now, end, decode_ok))
+        pure["decide"] += cpu_us(lambda: policy.decide(request, snapshot, now))
+    once = {name: value / sample for name, value in once.items()}
+    pure = {name: value / sample for name, value in pure.items()}
+    return {"phase_match_us": pure["match"], "phase_prefill_ttft_us": pure["prefill"] - pure["match"],
+            "phase_decode_us": pure["decode"],
+            "phase_decide_rest_us": pure["decide"] - pure["prefill"] - pure["decode"],
+            "phase_decide_repeated_us": pure["decide"], "phase_decide_once_us": once["decide_once"],
+            "phase_apply_us": once["apply"], "phase_sample_requests": sample}
 
 
 def numpy_op_us(slots: int = 128) -> float:
@@ -166,6 +234,8 @@ def main() -> None:
                         help="block index sizes, comma-separated (the headline figure needs 1e6)")
     parser.add_argument("--runs", type=int, default=3,
                         help="runs per configuration; the least disturbed (lowest p99) is reported")
+    parser.add_argument("--no-phases", dest="phases", action="store_false",
+                        help="skip the per-phase breakdown of a decision (64 + 64 instances, the largest index)")
     args = parser.parse_args()
     trace = load_trace()
     if args.warm + args.timed > len(trace):
@@ -187,6 +257,11 @@ def main() -> None:
                   f"p99 {figures['p99_decision_ms']:.3f} ms, accepted {figures['accepted_fraction']:.1%}, "
                   f"with a transfer {figures['transfer_fraction']:.1%}",
                   flush=True)
+    if args.phases and 64 in args.instances:
+        figures = phases(trace, 64, max(args.blocks), args.warm)
+        results.update({f"{name}_p64": value for name, value in figures.items()})
+        print("where a decision's time goes (64 + 64 instances, CPU us): "
+              + ", ".join(f"{name[6:-3]} {value:.1f}" for name, value in figures.items() if name.endswith("_us")))
     results["load_average_at_end"] = os.getloadavg()[0]
     results["numpy_op_us"] = numpy_op_us()
     if "decisions_per_s_p64_b1e6" in results:

@@ -3,16 +3,20 @@
 1. Start a real local cluster (tiny model; instance processes, Conductor, the gateway's backend) with no admission
    control. Its first instance measures the engine (``instance/calibrate.py``, the cost profile every instance
    registers with); that profile is what the simulator gets.
-2. Probe the serving path end to end, before and independently of the replay: lone requests of fresh prompts (not
-   in the trace) give the per-request overhead beyond the profile's prefill time (RPCs, scheduling, pool I/O) and
-   how fast this shared machine runs prefill and decode right now against the start-up profile (the machine's
-   other load changes by the minute; the profile's shape is kept, its scale is measured again).
+2. Probe the serving path end to end, before and independently of the replay: concurrent pairs of requests of
+   fresh prompts (not in the trace; the replay's bursts keep both prefill instances busy at once) give the
+   per-request overhead beyond the profile's prefill time (RPCs, scheduling, pool I/O), how fast this shared
+   machine runs prefill and decode right now against the start-up profile (the machine's other load changes by
+   the minute; the profile's shape is kept, its scale is measured again), and the decode instance's time to take
+   a request into its batch (the first token gap's excess over the steady ones), how much of that stalls the
+   requests already decoding (a long request's token gap at a short one's join), and how much slower decode steps
+   run while a prefill computes on the same cores.
 3. Replay the first ``--requests`` of the conversation trace at their recorded arrival times (scaled to the tiny
    model as ``mooncake-jax demo`` does: a 512-token trace block becomes one 16-token engine block) through the real
    cluster, recording every token's time at the client.
 4. Simulate the same slice (same prompts' lengths and block ids, same instance counts, policy and cache size) on
-   the profile scaled by the probe, plus the probed per-request overhead, with the real instances' accounting
-   (``REAL_INSTANCES``: KV pushed after the prefill, first token released after the push).
+   the profile scaled by the probe, plus the probed per-request overhead and decode join time, with the real
+   instances' accounting (``REAL_INSTANCES``: KV pushed after the prefill, first token released after the push).
 5. Report TTFT and TBT p50 / p90 of both side by side with their relative errors (goal <= 25%).
 
     python benchmarks/sim_to_real.py --json /tmp/sim_to_real.json
@@ -41,7 +45,8 @@ from mooncake_jax.conductor.profile import costs_from_profile  # noqa: E402
 from mooncake_jax.slo import tbt_of_times  # noqa: E402
 
 from mooncake_jax.demo import ENGINE_BLOCK  # noqa: E402
-PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 768), 16, 2
+PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 512, 1024), 16, 3
+STALL_PROBE_TOKENS, STALL_PROBE_JOINS = 400, 3
 
 
 def trace_slice(n: int, vocab_size: int, max_context: int):
@@ -60,31 +65,112 @@ def token_times(cluster, prompt, max_tokens: int) -> list[float]:
 
 
 def probe(cluster, costs, vocab_size: int) -> dict:
-    """The serving path measured end to end, right before the replay, by lone requests of fresh prompts (not in
-    the trace): the start-up profile gives how times grow with tokens and batch; the probe gives how fast this
-    shared machine runs them now (``prefill_scale``, ``decode_scale``) and the fixed cost of a request beyond
-    its prefill (``request_overhead_s``: RPCs, scheduling, pool I/O).
+    """The serving path measured end to end, right before the replay, by requests of fresh prompts (not in the
+    trace), sent in concurrent pairs: the start-up profile gives how times grow with tokens and batch; the probe
+    gives how fast this shared machine runs them now (``prefill_scale``, ``decode_scale``), the fixed cost of a
+    request beyond its prefill (``request_overhead_s``: RPCs, scheduling, pool I/O) and the decode instance's
+    time to take a request in (``decode_join_s``: its RPC, staging the KV from its pool, loading it into pages).
 
-    Prefill: TTFT = overhead + scale * predicted prefill, fitted over a few prompt lengths. Decode: each probe's
-    TBT (mean of its longest 10% token gaps, the statistic compared later) over the predicted step at batch 1.
+    Why pairs: the trace's requests arrive in bursts, so in the replay the two prefill instances mostly compute at
+    the same time, and decode steps a batch, all on the host's two cores; a lone probe request has the cores to
+    itself (on the quiet host, lone probes made the simulated TTFT half the real one). A pair puts the instances in
+    the replay's regime: the Conductor sends the two to the two prefill instances, then both decode together.
+
+    Prefill: TTFT = overhead + scale * predicted prefill, fitted over a few prompt lengths. Decode, from each
+    probe's token gaps: the steady step is the median of the gaps after the first (``decode_scale``: over the
+    profile's step for the pair's batch); the first gap is the join plus one step, so its excess over the steady
+    step is ``decode_join_s``. (The TBT statistic of a 16-token request, the mean of its longest 10% of gaps, is
+    mostly its first gap: scaling every step by it charged the join to every token.)
     """
     rng = np.random.default_rng(12345)
     token_times(cluster, rng.integers(0, vocab_size, 32).tolist(), 4)  # warms connections and queues
-    predicted, measured, decode_ratio = [], [], []
-    for _ in range(PROBES):
-        for n in PROBE_PROMPT_TOKENS:
-            prompt = rng.integers(0, vocab_size, n).tolist()
-            times = token_times(cluster, prompt, PROBE_OUTPUT_TOKENS)
-            predicted.append(prefill_work_s(costs.prefill, n, 0))
-            measured.append(times[0])
-            step = np.mean([float(costs.decode.step_seconds(1, n + k)) for k in range(1, len(times))])
-            decode_ratio.append(tbt_of_times(times) / step)
-    a = np.stack([np.ones(len(predicted)), predicted], axis=1)
-    (overhead, scale), *_ = np.linalg.lstsq(a, np.array(measured), rcond=None)
+    predicted, measured, decode_ratio, join = [], [], [], []
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(PROBES):
+            for n in PROBE_PROMPT_TOKENS:
+                prompts = [rng.integers(0, vocab_size, n).tolist() for _ in range(2)]
+                pair = list(pool.map(lambda prompt: token_times(cluster, prompt, PROBE_OUTPUT_TOKENS), prompts))
+                for times in pair:
+                    predicted.append(prefill_work_s(costs.prefill, n, 0))
+                    measured.append(times[0])
+                    gaps = np.diff(times)
+                    steady = float(np.median(gaps[1:]))
+                    step = np.mean([float(costs.decode.step_seconds(2, 2 * (n + k))) for k in range(2, len(times))])
+                    decode_ratio.append(steady / step)
+                    join.append(float(gaps[0]) - steady)
+    # the line through each prompt length's median TTFT: one pair slowed by the host's other load moves a
+    # least-squares fit over all probes (prefill_scale read 0.15 to 5.3 between runs at load 10-25), a median not
+    lengths = sorted(set(predicted))
+    medians = [float(np.median([m for p, m in zip(predicted, measured) if p == x])) for x in lengths]
+    a = np.stack([np.ones(len(lengths)), lengths], axis=1)
+    (overhead, scale), *_ = np.linalg.lstsq(a, np.array(medians), rcond=None)
     if scale <= 0:  # no growth with length measured: all overhead
         overhead, scale = float(np.median(np.array(measured) - np.array(predicted))), 1.0
     return {"request_overhead_s": max(0.0, float(overhead)), "prefill_scale": float(scale),
-            "decode_scale": max(1e-3, float(np.median(decode_ratio)))}
+            "decode_scale": max(1e-3, float(np.median(decode_ratio))),
+            "decode_join_s": max(0.0, float(np.median(join)))}
+
+
+def decode_beside(cluster, vocab_size: int) -> dict:
+    """What a decode batch suffers from the rest of the host, measured on a long request that decodes while short
+    ones, sent one after another, are prefilled and join its batch:
+
+    - ``decode_join_stall_s``: how long a joining request stalls the requests already decoding (the part of the
+      join on the decode instance's engine loop, loading the KV into pages): the long request's token gap that
+      ends with a short one's first decode token (the step right after its join), less its median gap;
+    - ``shared_host_decode_slowdown``: how much longer its steps take while a short one is being prefilled on the
+      same cores (between the short one's submission and its first token) than while none is.
+
+    Medians over the shorts (0 and 1 when nothing overlapped)."""
+    from mooncake_jax.gateway.backend import TokenOut
+
+    rng = np.random.default_rng(54321)
+    stalls, beside, apart = [], [], []
+    for _ in range(PROBES):
+        long_prompt = rng.integers(0, vocab_size, 32).tolist()
+        decoding = threading.Event()
+
+        def run_long() -> np.ndarray:
+            start, times = time.perf_counter(), []
+            for item in cluster.stream(long_prompt, max_new_tokens=STALL_PROBE_TOKENS):
+                if isinstance(item, TokenOut):
+                    times.append(start + item.time_s)
+                    if len(times) == 2:
+                        decoding.set()
+            decoding.set()
+            return np.array(times)
+
+        with ThreadPoolExecutor(1) as pool:
+            long_future = pool.submit(run_long)
+            decoding.wait(60)
+            shorts = []  # (submitted, first token, first decode token), this clock
+            for _ in range(STALL_PROBE_JOINS):
+                start = time.perf_counter()
+                times = token_times(cluster, rng.integers(0, vocab_size, PROBE_PROMPT_TOKENS[1]).tolist(), 4)
+                if len(times) > 1:
+                    shorts.append((start, start + times[0], start + times[1]))
+            long_times = long_future.result()
+        if len(long_times) < 3:
+            continue
+        gaps = np.diff(long_times)
+        typical = float(np.median(gaps))
+        joined = set()
+        for _, _, at in shorts:
+            j = int(np.argmin(np.abs(long_times - at)))
+            if 2 <= j < len(long_times) - 1:  # inside the long request's steady decode
+                stalls.append(float(gaps[j - 1]) - typical)
+                joined.update((j - 1, j))
+        for k in range(1, len(gaps)):  # the first gap is the long request's own join
+            a, b = long_times[k], long_times[k + 1]
+            if k in joined:
+                continue
+            if any(s <= a and b <= f for s, f, _ in shorts):
+                beside.append(gaps[k])
+            elif not any(a < f and b > s for s, f, _ in shorts):
+                apart.append(gaps[k])
+    slowdown = float(np.median(beside) / np.median(apart)) if beside and apart else 1.0
+    return {"decode_join_stall_s": max(0.0, float(np.median(stalls))) if stalls else 0.0,
+            "shared_host_decode_slowdown": max(1.0, slowdown)}
 
 
 def replay(cluster, items, speed: float) -> list[list[float] | None]:
@@ -120,7 +206,10 @@ def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: f
                              decode=DecodeCost([c * overheads["decode_scale"] for c in costs.decode.coef]))
     return simulate(trace, prefill=prefill, decode=decode, policy="kvcache-centric", admission="none",
                     speed=speed, hardware=profiled, cache_tokens=cache_tokens, release_timing=REAL_INSTANCES,
-                    request_overhead_s=overheads["request_overhead_s"], **slo)
+                    request_overhead_s=overheads["request_overhead_s"],
+                    decode_join_s=overheads.get("decode_join_s", 0.0),
+                    decode_join_stall_s=overheads.get("decode_join_stall_s", 0.0),
+                    shared_host_decode_slowdown=overheads.get("shared_host_decode_slowdown", 1.0), **slo)
 
 
 def percentiles(values) -> dict:
@@ -159,6 +248,8 @@ def main() -> None:
         profile_json = getattr(first, "profile_json", None) or first.info["profile_json"]
         costs = costs_from_profile(profile_json)
         overheads = probe(cluster, costs, cfg.vocab_size)
+        overheads.update(decode_beside(cluster, cfg.vocab_size))
+        overheads["decode_join_stall_s"] = min(overheads["decode_join_stall_s"], overheads["decode_join_s"])
         print(f"profile: {costs.name}; probed overheads {overheads}", flush=True)
         t_replay = time.perf_counter()
         real = replay(cluster, items, args.speed)

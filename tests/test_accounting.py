@@ -73,6 +73,8 @@ def test_release_timing_by_hand():
         ReleaseTiming("layerwise", "never")
     with pytest.raises(ValueError, match="request_overhead_s"):
         SimConfig(request_overhead_s=-1.0)
+    with pytest.raises(ValueError, match="decode_join_s"):
+        SimConfig(decode_join_s=float("nan"))
 
 
 def test_simulator_follows_the_release_timing():
@@ -86,6 +88,57 @@ def test_simulator_follows_the_release_timing():
     overhead = simulate(ONE, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
                         request_overhead_s=0.25).requests[0]
     assert overhead.ttft_s == pytest.approx(3.25)
+    # the decode instance takes 0.5 s to take the request in: its first token gap (the largest of its 10, so its
+    # TBT) is the join plus one step, the first token itself unchanged
+    joined = simulate(ONE, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                      decode_join_s=0.5).requests[0]
+    assert joined.ttft_s == pytest.approx(3.0)
+    assert joined.finished_at == pytest.approx(3.0 + 0.5 + 10 * 0.01)
+    assert joined.tbt_s == pytest.approx(0.5 + 0.01)
+
+
+def test_a_join_stalls_the_running_batch_by_the_measured_stall():
+    """Two 1,000-token requests on one prefill + one decode instance, pushed after the prefill: A's first token at
+    3 s (prefill 2 s, push 1 s), B's at 5 s (queued behind A). Each takes 0.5 s to join the batch, the last 0.2 s of
+    it loading pages on the engine loop: A decodes 200 steps of 10 ms from 3.5 s, and B's join at 5.5 s stalls it
+    0.2 s (one gap of 0.21 s among its longest 20, with its first gap of 0.51 s)."""
+    two = Trace([TraceRequest(0.0, 1000, 201, (1, 2)), TraceRequest(0.0, 1000, 11, (3, 4))])
+    a, b = simulate(two, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                    decode_join_s=0.5, decode_join_stall_s=0.2).requests
+    assert a.ttft_s == pytest.approx(3.0) and b.ttft_s == pytest.approx(5.0)
+    assert a.finished_at == pytest.approx(3.5 + 200 * 0.01 + 0.2)
+    assert a.tbt_s == pytest.approx((0.51 + 0.21 + 18 * 0.01) / 20)
+    assert b.finished_at - 5.0 == pytest.approx(0.5 + 10 * 0.01, abs=0.011)  # its join, at most a step's wait
+    with pytest.raises(ValueError, match="decode_join_stall_s"):
+        SimConfig(decode_join_s=0.1, decode_join_stall_s=0.2)
+
+
+def test_the_decode_instance_takes_requests_in_one_at_a_time():
+    """Two 1,000-token requests prefilled side by side on two instances (0-2 s), their KV pushed one after the
+    other over the decode instance's link (A's at 3 s, B's at 4 s). Taking each in takes 1.5 s: A joins at 4.5 s,
+    B's join waits for A's and ends at 6 s, not 5.5 s."""
+    two = Trace([TraceRequest(0.0, 1000, 11, (1, 2)), TraceRequest(0.0, 1000, 11, (3, 4))])
+    a, b = simulate(two, prefill=2, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                    decode_join_s=1.5).requests
+    assert a.prefill_id != b.prefill_id
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(3.0), pytest.approx(4.0))
+    assert a.finished_at == pytest.approx(4.5 + 10 * 0.01)
+    assert b.finished_at == pytest.approx(6.0 + 10 * 0.01, abs=0.011)  # joins at the batch's next boundary
+
+
+def test_decode_steps_slow_down_while_a_prefill_shares_the_host():
+    """A's KV is on the decode instance at 3 s (prefill 2 s, push 1 s); B arrives then and prefills for 2 s on the
+    same host. With a shared-host slowdown of 2, A's 10 ms steps take 20 ms until B's prefill ends: 100 steps by
+    5 s, the other 100 at 10 ms, done at 6 s instead of 5 s (within one step: the change waits for a boundary)."""
+    two = Trace([TraceRequest(0.0, 1000, 201, (1, 2)), TraceRequest(3.0, 1000, 2, (3, 4))])
+    alone, _ = simulate(two, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES).requests
+    shared, _ = simulate(two, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                         shared_host_decode_slowdown=2.0).requests
+    assert alone.finished_at == pytest.approx(5.0)
+    assert shared.ttft_s == pytest.approx(3.0)
+    assert shared.finished_at == pytest.approx(6.0, abs=0.011)
+    with pytest.raises(ValueError, match="shared_host_decode_slowdown"):
+        SimConfig(shared_host_decode_slowdown=0.5)
 
 
 def test_conductor_predicts_prefill_work_by_the_same_rule():

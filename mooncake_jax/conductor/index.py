@@ -18,8 +18,11 @@ instance fetching them must wait until they are there. The instance's own KV eve
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 
 class Tier(enum.IntEnum):
@@ -69,13 +72,14 @@ class BlockIndex:
         fetches them); those it holds already are left as they are."""
         bit = 1 << slot
         holders = self._holders
-        own = self._keys_of.setdefault(slot, set())
-        pending = self._ready.setdefault(slot, {})
-        for key in keys:
-            if key not in own:
-                holders[key] = holders.get(key, 0) | bit
-                own.add(key)
-                pending[key] = ready_at
+        new = []
+        for key in keys:  # the holder mask says whether the slot has it (as its key set does): one lookup a key
+            held = holders.get(key, 0)
+            if not held & bit:
+                holders[key] = held | bit
+                new.append(key)
+        self._keys_of.setdefault(slot, set()).update(new)  # set and dict updates in one call each: the hot path
+        self._ready.setdefault(slot, {}).update(dict.fromkeys(new, ready_at))
 
     def remove(self, slot: int, keys: Iterable[int]) -> None:
         """``slot`` no longer holds ``keys`` (evicted); keys it never held are ignored."""
@@ -145,21 +149,33 @@ class BlockIndex:
 
         Slots absent from the result match zero blocks.
         """
+        return {slot: length for length, mask in self.match_levels(keys) for slot in _bits(mask)}
+
+    def match_levels(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """The prefix match as (length, slot bit mask) levels: the slots of a level hold exactly ``length``
+        leading keys of ``keys``; lengths ascend, masks are disjoint, slots in no level match zero.
+
+        Why levels and not a slot -> length dict: a hot prefix is held by many slots that drop out of the walk
+        together, so a request has a few levels (one to three on the conversation trace) but tens of matching
+        slots; the policy turns the levels into its per-slot column with a few array operations
+        (``level_lengths``) instead of a Python step per slot.
+        """
+        if not keys:
+            return []
         holders = self._holders
-        result: dict[int, int] = {}
-        running = holders.get(keys[0], 0) if keys else 0
+        levels: list[tuple[int, int]] = []
+        running = holders.get(keys[0], 0)
         i = 1
         n = len(keys)
         while running and i < n:
             still = running & holders.get(keys[i], 0)
             if still != running:
-                for slot in _bits(running & ~still):
-                    result[slot] = i
+                levels.append((i, running & ~still))
                 running = still
             i += 1
-        for slot in _bits(running):
-            result[slot] = n
-        return result
+        if running:
+            levels.append((n, running))
+        return levels
 
     @staticmethod
     def _clear(masks: dict[int, int], key: int, bit: int) -> None:
@@ -168,6 +184,25 @@ class BlockIndex:
             masks[key] = remaining
         else:
             masks.pop(key, None)
+
+
+def level_lengths(levels: list[tuple[int, int]], capacity: int) -> np.ndarray:
+    """Matched blocks per slot (float column of length ``capacity``) from ``BlockIndex.match_levels``' levels."""
+    column = np.zeros(capacity)
+    for length, mask in levels:
+        column[slots_of_mask(mask)] = length
+    return column
+
+
+@functools.lru_cache(maxsize=4096)
+def slots_of_mask(mask: int) -> np.ndarray:
+    """Positions of the set bits of ``mask`` as an index array (read-only: it is shared).
+
+    Memoised because the same holder sets come back request after request (a hot prefix's holders drop out of
+    the walk together), and a cached lookup costs a fraction of walking the bits in Python."""
+    slots = np.array(_bits(mask), np.intp)
+    slots.flags.writeable = False
+    return slots
 
 
 def _bits(mask: int) -> list[int]:

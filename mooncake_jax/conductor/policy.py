@@ -34,6 +34,7 @@ from mooncake_jax.conductor import admission as adm
 from mooncake_jax.conductor.api import (Decision, PolicyConfig, RejectReason, Request, Snapshot, Strategy,
                                         Transfer, check_block_count)
 from mooncake_jax.conductor.costs import decode_step_seconds, prefill_seconds_in_prefix, transfer_seconds
+from mooncake_jax.conductor.index import level_lengths, slots_of_mask
 from mooncake_jax.conductor.instances import Role
 
 
@@ -94,23 +95,25 @@ class Policy:
         cfg, table = self.config, snapshot.instances
         block, n = cfg.block_size, request.input_tokens
         keys = request.block_keys
-        match = snapshot.index.match(keys) if keys else {}  # load-balance ignores it to choose, not to predict
+        levels = snapshot.index.match_levels(keys)  # load-balance ignores it to choose, not to predict
         reusable = n - 1  # the last prompt token is always computed: it yields the first output token
-        queue = np.maximum(table.queue_free_at - now, 0.0)
+        queue = table.queue_free_at - now
+        np.maximum(queue, 0.0, out=queue)
         # each instance's cost model scaled by how much slower than it its recent prefills ran (a loaded host):
         # from the model alone, a predicted TTFT of 0.08 s was 0.98 s on a host at load 20, and admitted requests
         # missed the TTFT SLO
         a, b, c = prefill_seconds_in_prefix(table.prefill_coef, n) * table.prefill_slowdown
-        fetch, source, best_len = None, None, 0
-        if not match:
+        fetch, source, best_len, own_blocks = None, None, 0, None
+        if not levels:
             compute = a
             ttft = queue + compute
         else:
-            own_blocks = np.zeros(table.capacity)
-            own_blocks[np.fromiter(match, np.intp, len(match))] = np.fromiter(match.values(), float, len(match))
-            prefix_tokens = np.minimum(own_blocks * block, reusable)
+            own_blocks = level_lengths(levels, table.capacity)
+            prefix_tokens = own_blocks * block
+            np.minimum(prefix_tokens, reusable, out=prefix_tokens)
             if cfg.strategy == Strategy.KVCACHE_CENTRIC:
-                source, best_len = self._best_source(match, table)
+                best_len, holders = levels[-1]
+                source = self._best_source(holders, table)
                 threshold = cfg.kvcache_balancing_threshold
                 # fetch when own < best and best / own > threshold (own 0: infinite ratio); for own >= 0 one
                 # comparison says both: with threshold >= 1 the second implies the first, below 1 the first the
@@ -120,11 +123,14 @@ class Policy:
                 start_at = self._send_start(snapshot, source, keys[:best_len], own_blocks)
                 transfer_s = transfer_seconds(moved_bytes, table.link_bytes_per_s[source], start_at - now)
                 # one evaluation of the cost model: each instance over the prefix it would then hold
-                prefix_tokens = np.where(fetch, min(best_len * block, reusable), prefix_tokens)
-            compute = a + prefix_tokens * (b + c * prefix_tokens)
+                np.putmask(prefix_tokens, fetch, min(best_len * block, reusable))
+            compute = c * prefix_tokens  # a + p * (b + c * p), in place
+            compute += b
+            compute *= prefix_tokens
+            compute += a
             ttft = queue + compute
             if fetch is not None:
-                ttft += np.where(fetch, transfer_s, 0.0)
+                ttft += transfer_s * fetch
 
         if cfg.strategy == Strategy.RANDOM:
             rng = random.Random(zlib.crc32(request.request_id.encode()) ^ cfg.seed)
@@ -132,23 +138,22 @@ class Policy:
         else:
             score = queue if cfg.strategy == Strategy.LOAD_BALANCE else ttft
             slot = int((score + table.barrier(Role.PREFILL)).argmin())
-        own = match.get(slot, 0)
+        own = 0 if own_blocks is None else int(own_blocks.item(slot))
         transfer = None
-        if fetch is not None and fetch[slot]:
-            transfer = Transfer(table.ids[source], keys[own:best_len], float(moved_bytes[slot]),
-                                float(transfer_s[slot]))
-        return _PrefillChoice(slot, float(queue[slot]), float(compute[slot]), float(ttft[slot]), transfer,
+        if fetch is not None and fetch.item(slot):
+            transfer = Transfer(table.ids[source], keys[own:best_len], moved_bytes.item(slot),
+                                transfer_s.item(slot))
+        return _PrefillChoice(slot, queue.item(slot), compute.item(slot), ttft.item(slot), transfer,
                               best_len if transfer is not None else own)
 
     @staticmethod
-    def _best_source(match: dict[int, int], table) -> tuple[int, int]:
-        """The slot holding the longest prefix; among equals, the one whose sends drain first."""
-        best_len = max(match.values())
-        best = [slot for slot, length in match.items() if length == best_len]
-        if len(best) == 1:
-            return best[0], best_len
-        send_free_at = table.send_free_at.tolist()  # Python floats: cheaper to compare than numpy scalars
-        return min(best, key=send_free_at.__getitem__), best_len  # the first of equals, as argmin
+    def _best_source(holders: int, table) -> int:
+        """The slot holding the longest prefix (``holders``: their bit mask); among equals, the one whose sends
+        drain first."""
+        if not holders & (holders - 1):  # one holder
+            return holders.bit_length() - 1
+        slots = slots_of_mask(holders)
+        return int(slots[table.send_free_at[slots].argmin()])  # the first of equals, as argmin
 
     @staticmethod
     def _send_start(snapshot: Snapshot, source: int, prefix: tuple[int, ...], own_blocks: np.ndarray):
@@ -180,12 +185,13 @@ class Policy:
         load = decode_step_seconds(coef, batch + 1, context + kv)  # what spreads a burst: all routed load
         if cfg.admission in adm.CHECKS_DECODE_HERE:
             seen_batch, seen_context = ledger.per_slot(seen, table.capacity)
+            seen_context += kv  # with this request
             # room for its KV, and a batch slot: a decode instance with every slot taken refuses it after its
             # prefill (late, the prefill wasted); refused here it costs nothing and the client is told at once
-            fits = candidates & (seen_context + kv <= capacity) & (seen_batch < table.max_batch)
+            fits = candidates & (seen_context <= capacity) & (seen_batch < table.max_batch)
             if not np.count_nonzero(fits):
                 return None, 0.0
-            seen_tbt = decode_step_seconds(coef, seen_batch + 1, seen_context + kv)
+            seen_tbt = decode_step_seconds(coef, seen_batch + 1, seen_context)
             ok = fits & (seen_tbt <= cfg.tbt_slo_s)
             if np.count_nonzero(ok):
                 slot = _argmin_among(load, ok)

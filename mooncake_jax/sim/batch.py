@@ -32,7 +32,9 @@ class ContinuousBatch:
     """
 
     def __init__(self, cost: DecodeCost, capacity_tokens: int):
+        self._coef = cost.coef
         self.c0, self.c1, self.c2 = cost.coef
+        self.slowdown = 1.0
         self.capacity = capacity_tokens
         self.time = 0.0
         self.step = 0
@@ -102,6 +104,12 @@ class ContinuousBatch:
         request.seg_start = len(self.seg_count)
         request.join_wait_s = self.time - first_token_at
         request.decode_start_at = self.time
+
+    def set_slowdown(self, factor: float) -> None:
+        """From the current boundary on, every step takes ``factor`` times the cost model's time (the instance
+        shares its host's cores with one that is computing now)."""
+        self.slowdown = factor
+        self.c0, self.c1, self.c2 = (c * factor for c in self._coef)
 
     def idle_until(self, when: float) -> None:
         """An empty batch's clock jumps forward (nothing runs, no gaps are logged)."""

@@ -46,7 +46,13 @@ class SimConfig:
     Instance accounting (``conductor/accounting.py``): ``release_timing`` says when the KV is pushed and the first
     token released (default: streamed layer by layer, first token at the prefill's end; ``REAL_INSTANCES`` for
     what this project's instances do); ``request_overhead_s`` is a fixed time each prefill takes beyond its cost
-    model (RPCs, scheduling: measured on a real cluster, 0 for datasheet studies).
+    model (RPCs, scheduling: measured on a real cluster, 0 for datasheet studies); ``decode_join_s`` is the time a
+    decode instance takes from a request's KV arriving to the request joining its batch, one request at a time (the
+    decode RPC, staging the KV from its pool, loading it into pages: measured on a real cluster as the first token
+    gap's excess over a steady one, 0 for datasheet studies), of which ``decode_join_stall_s`` runs on the instance's engine loop
+    and stalls the requests already decoding (loading the KV into pages; at most ``decode_join_s``).
+    ``shared_host_decode_slowdown``: the instances share one host's cores (a local cluster): while any prefill
+    instance computes, decode steps take this factor times the cost model's time (1: separate machines).
     """
 
     prefill: int = 8
@@ -72,6 +78,9 @@ class SimConfig:
     sample_interval_s: float = 10.0
     release_timing: ReleaseTiming = LAYERWISE
     request_overhead_s: float = 0.0
+    decode_join_s: float = 0.0
+    decode_join_stall_s: float = 0.0
+    shared_host_decode_slowdown: float = 1.0
 
     def __post_init__(self):
         for name in ("prefill", "decode", "chunk_tokens", "prefill_batch_tokens"):
@@ -103,6 +112,14 @@ class SimConfig:
             raise ValueError(f"release_timing must be a ReleaseTiming, got {self.release_timing!r}")
         if not (math.isfinite(self.request_overhead_s) and self.request_overhead_s >= 0):
             raise ValueError(f"request_overhead_s must be a non-negative number, got {self.request_overhead_s!r}")
+        if not (math.isfinite(self.decode_join_s) and self.decode_join_s >= 0):
+            raise ValueError(f"decode_join_s must be a non-negative number, got {self.decode_join_s!r}")
+        if not (math.isfinite(self.decode_join_stall_s) and 0 <= self.decode_join_stall_s <= self.decode_join_s):
+            raise ValueError(f"decode_join_stall_s must be a number between 0 and decode_join_s "
+                             f"({self.decode_join_s!r}), got {self.decode_join_stall_s!r}")
+        if not (math.isfinite(self.shared_host_decode_slowdown) and self.shared_host_decode_slowdown >= 1):
+            raise ValueError(f"shared_host_decode_slowdown must be a number >= 1, got "
+                             f"{self.shared_host_decode_slowdown!r}")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {list(EVICTIONS)}")
         for name in ("prefill_hardware", "decode_hardware"):

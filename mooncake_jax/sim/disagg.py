@@ -13,7 +13,9 @@ Per request, what a real cluster does, on the virtual clock:
 4. Prefill end: first token (or, released after the push, when the KV has arrived); the prompt's blocks enter
    the instance's cache (evictions and stores are reported as KV events); ``prefill_done`` is reported, with the
    instance's queued work (a heartbeat).
-5. KV arrival at decode: the decode side's own check (``decode_accepts``) may reject it *late*, wasting the
+5. KV arrival at decode (plus ``SimConfig.decode_join_s``, the decode instance's own time to take the request
+   in, one request at a time: its RPC, staging the KV from its pool, loading it into pages, the last of which
+   stalls its running batch, ``decode_join_stall_s``): the decode side's own check (``decode_accepts``) may reject it *late*, wasting the
    prefill; otherwise it joins the continuous batch at the next iteration boundary (``batch.ContinuousBatch``)
    and ``decode_started`` / ``finished`` are reported, which feeds the Conductor's tracked decode time.
 
@@ -60,6 +62,7 @@ class DecodeNode(_Node):
         self.batch = ContinuousBatch(costs.decode, capacity_tokens)
         self.waiting: deque[SimRequest] = deque()
         self.version = 0
+        self.join_free_at = 0.0  # when it can start taking in the next request (SimConfig.decode_join_s)
 
 
 class DisaggregatedSim(ClusterSim):
@@ -176,6 +179,7 @@ class DisaggregatedSim(ClusterSim):
         self.state.heartbeat(p.id, now, queued_s=duration + p.queued_s,
                              send_backlog_s=max(p.out_free - now, 0.0))
         self.events.at(p.busy_until, self._prefill_end, p, req)
+        self._host_load_changed()
 
     def _prefill_end(self, p: PrefillNode, req: SimRequest) -> None:
         now = self.events.now
@@ -193,8 +197,29 @@ class DisaggregatedSim(ClusterSim):
             req.status, req.finished_at = COMPLETED, req.first_token_at
             self.state.finished(req.request_id, now)
         else:
-            self.events.at(req.kv_ready_at, self._kv_arrived, self.by_id[req.decode_id], req)
+            # the decode instance takes the request into its batch decode_join_s after its KV is there, the last
+            # decode_join_stall_s of it on its engine loop (``_join``), one request at a time
+            cfg, d = self.config, self.by_id[req.decode_id]
+            taken_in = req.kv_ready_at + cfg.decode_join_s
+            if cfg.decode_join_s:
+                taken_in = max(req.kv_ready_at, d.join_free_at) + cfg.decode_join_s
+                d.join_free_at = taken_in
+            self.events.at(taken_in - cfg.decode_join_stall_s, self._kv_arrived, d, req)
         self._try_start(p)
+        self._host_load_changed()
+
+    def _host_load_changed(self) -> None:
+        """Instances sharing one host (``SimConfig.shared_host_decode_slowdown`` > 1): decode steps slow down while
+        any prefill computes, from each decode batch's next step boundary on."""
+        slowdown = self.config.shared_host_decode_slowdown
+        if slowdown == 1.0:
+            return
+        factor = slowdown if any(p.running is not None for p in self.prefill) else 1.0
+        for d in self.decode:
+            if d.batch.slowdown != factor:
+                self._advance_to(d, self.events.now)
+                d.batch.set_slowdown(factor)
+                self._reschedule(d)
 
     # --------------------------------------------------------------------------------------------- decode
 
@@ -219,6 +244,8 @@ class DisaggregatedSim(ClusterSim):
 
     def _join(self, d: DecodeNode, req: SimRequest) -> None:
         b = d.batch
+        if self.config.decode_join_stall_s:  # the KV loaded into pages on the engine loop: the batch waits
+            b.stall(self.config.decode_join_stall_s)
         b.join(req, req.input_tokens, req.input_tokens + req.output_tokens, req.output_tokens - 1,
                req.first_token_at)
         self.state.decode_started(req.request_id, b.time)
