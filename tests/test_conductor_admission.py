@@ -342,3 +342,18 @@ def test_slowdown_meter_is_the_recent_median_and_forgets():
     assert meter.slowdown() == pytest.approx(0.5)
     now[0] = 60.0
     assert meter.slowdown() == 1.0
+
+
+def test_slowdown_meter_weighs_each_prefill_by_its_predicted_seconds():
+    """Three tiny prompts 50x over a 1 ms prediction (fixed costs the model leaves out) against two long ones at
+    2x: the long ones, which decide whether the TTFT SLO holds, set the scale (an unweighted median would say 50)."""
+    from mooncake_jax.instance.prefill import SlowdownMeter
+
+    meter = SlowdownMeter(clock=lambda: 0.0)
+    for _ in range(3):
+        meter.record(0.05, 0.001)
+    for _ in range(2):
+        meter.record(0.4, 0.2)
+    assert meter.slowdown() == pytest.approx(2.0)
+    meter.record(6.0, 0.1)  # 60x, weight 0.1 of 0.503: still 2
+    assert meter.slowdown() == pytest.approx(2.0)
