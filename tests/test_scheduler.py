@@ -62,6 +62,31 @@ def test_full_batch_refuses_work_that_must_not_wait(llm):
     run(sched)
 
 
+def test_join_budget_spreads_a_burst_of_queued_work_over_steps(llm, ref):
+    """While a sequence runs, queued work between two steps stops once it took join_budget_steps mean steps (at
+    least one item each step, in order), so a burst of joins stalls the running sequence one at a time; with no
+    budget, or nothing running, everything queued starts before the step."""
+    for budget, per_step in ((0.0, [1, 1, 1]), (None, [3])):
+        engine = Engine(llm.model, prefill_chunk_size=64, max_batch=4)
+        sched = Scheduler(engine, join_budget_steps=budget)
+        idle = [sched.submit(lambda eng, i=i: i) for i in range(3)]
+        sched.step()  # nothing runs yet: no stall to bound
+        assert [f.result(0) for f in idle] == [0, 1, 2]
+        (seq,) = [engine.new_sequence(p, SamplingParams(max_new_tokens=8)) for p in prompts([7], seed=9)]
+        sched.add_request(seq)
+        sched.step()
+        ran: list[int] = []
+        jobs = [sched.submit(lambda eng, i=i: (time.sleep(0.01), ran.append(i))) for i in range(3)]
+        counts = []
+        while not all(j.done() for j in jobs):
+            before = len(ran)
+            sched.step()
+            counts.append(len(ran) - before)
+        assert counts == per_step and ran == [0, 1, 2]
+        run(sched)
+        assert seq.output == reference_greedy(ref, seq.prompt, 8)
+
+
 def test_bounded_queue_overflow_is_a_clear_error(llm):
     engine = Engine(llm.model, prefill_chunk_size=64, max_batch=1)
     sched = Scheduler(engine, max_waiting=2)
@@ -422,7 +447,7 @@ def test_prefill_instance_reads_and_writes_the_pool_on_transfer_threads_only(llm
                                         dram_blocks=64))
     instance = SimpleNamespace(engine=engine, pool=pool, loop=RunnerLoop(engine, name="engine-thread").start(),
                                transfers=TransferWorkers(2, 8, name="transfer"), costs=None, link=None,
-                               config=SimpleNamespace(request_timeout_s=60, layerwise=False),
+                               ttft_slo_s=None, config=SimpleNamespace(request_timeout_s=60, layerwise=False),
                                kv_layout=InstanceConfig("prefill").kv_layout(engine.cfg))
     service = PrefillService(instance)
     (base,) = prompts([60], seed=12)

@@ -67,9 +67,10 @@ class TokenStream:
 class RunnerLoop:
     """Runs ``scheduler.step()`` on one thread while there is work; sleeps on the scheduler's condition otherwise."""
 
-    def __init__(self, engine: Engine, name: str = "engine-loop", max_waiting: int = DEFAULT_MAX_WAITING):
+    def __init__(self, engine: Engine, name: str = "engine-loop", max_waiting: int = DEFAULT_MAX_WAITING,
+                 join_budget_steps: float | None = None):
         self.engine = engine
-        self.scheduler = Scheduler(engine, max_waiting=max_waiting)
+        self.scheduler = Scheduler(engine, max_waiting=max_waiting, join_budget_steps=join_budget_steps)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 

@@ -13,8 +13,10 @@ backend, and the prefill and decode instances (whose ``RunnerLoop`` thread drive
   refused (``OutOfPages``, nothing held) when nothing runs that could; work that must not wait (a decode
   instance's late admission) is refused at once instead.
 
-One ``step()``: start the queued work that fits (FIFO, in order; prefill-and-join requests are prefilled here),
-drop cancelled sequences, run one decode step for the whole running batch, retire the finished ones. Queued work
+One ``step()``: start the queued work that fits (FIFO, in order; prefill-and-join requests are prefilled here;
+with ``join_budget_steps``, while sequences run, only as much as that many mean decode steps' time, at least one
+item: a burst of nine joins, each loading its KV into pages on this thread, otherwise stalls every running
+sequence for all nine at once, the longest token gap of the demo), drop cancelled sequences, run one decode step for the whole running batch, retire the finished ones. Queued work
 is either a request (prompt -> prefill -> running batch) or a job: a callable on the compute thread, for work that
 staged its I/O elsewhere first (a decode instance's adoption of a request whose KV a transfer thread read, a
 prefill instance's prefill over a staged prefix) and for warm-up or calibration.
@@ -73,9 +75,13 @@ class _Work:
 class Scheduler:
     """Admission, the waiting queue and the running batch of one engine."""
 
-    def __init__(self, engine: Engine, max_waiting: int = DEFAULT_MAX_WAITING):
+    def __init__(self, engine: Engine, max_waiting: int = DEFAULT_MAX_WAITING,
+                 join_budget_steps: float | None = None):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        if join_budget_steps is not None and not join_budget_steps >= 0:
+            raise ValueError(f"join_budget_steps must be >= 0 or None, got {join_budget_steps!r}")
+        self.join_budget_steps = join_budget_steps  # None: all queued work that fits starts before each step
         self.engine = engine
         self.kv = engine.kv
         self.max_batch = engine.max_batch
@@ -174,7 +180,13 @@ class Scheduler:
             queue, self._waiting = self._waiting, deque()
         kept: deque[_Work] = deque()
         blocked = False
-        for work in queue:
+        deadline = self._queued_work_deadline()
+        started = 0
+        while queue:
+            if started and time.perf_counter() >= deadline:  # the rest waits for the next step, in order
+                kept.extend(queue)
+                break
+            work = queue.popleft()
             if work.future.cancelled():
                 continue
             if work.joins_batch:
@@ -199,6 +211,7 @@ class Scheduler:
                         work.future.set_exception(e)  # nothing runs that could free pages: refuse
                     continue
             if work.future.set_running_or_notify_cancel():
+                started += 1
                 try:
                     work.future.set_result(work.run(self.engine))
                 except BaseException as e:  # delivered to the caller, never kills the compute thread
@@ -207,6 +220,14 @@ class Scheduler:
                 self.kv.release(work.seq)
         with self.cond:
             self._waiting.extendleft(reversed(kept))
+
+    def _queued_work_deadline(self) -> float:
+        """When queued work stops starting before this step (``join_budget_steps`` mean steps from now while
+        sequences run; no limit otherwise)."""
+        if self.join_budget_steps is None or not self._running:
+            return float("inf")
+        mean_step = self.step_seconds / self.steps if self.steps else 0.0
+        return time.perf_counter() + self.join_budget_steps * mean_step
 
     def step(self) -> list[Sequence]:
         """Start what fits, decode the running batch once, retire finished sequences (returned)."""

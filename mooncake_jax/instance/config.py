@@ -123,6 +123,8 @@ class InstanceConfig:
     num_pages: int | None = None
     bucket_factor: int = 4  # prefill chunk lengths grow 4x: fewer programs to compile per instance
     max_waiting: int = DEFAULT_MAX_WAITING  # requests queued for the engine beyond this: RESOURCE_EXHAUSTED
+    # decode: joins started between two steps stop after this many mean step times (at least one; None: all)
+    join_budget_steps: float | None = 1.0
     transfer_workers: int = 4  # threads for pool / SSD / Messenger I/O (never on the engine's thread)
     data_plane: str = "grpc"  # how block data moves between instances (DATA_PLANES); gRPC carries control either way
     request_timeout_s: float = 120.0
@@ -162,6 +164,9 @@ class InstanceConfig:
         if not (isinstance(self.conductor_wait_s, (int, float)) and self.conductor_wait_s >= 0):
             raise ValueError(f"conductor_wait_s must be a non-negative number of seconds, "
                              f"got {self.conductor_wait_s!r}")
+        if self.join_budget_steps is not None and (isinstance(self.join_budget_steps, bool) or not isinstance(
+                self.join_budget_steps, (int, float)) or not self.join_budget_steps >= 0):
+            raise ValueError(f"join_budget_steps must be a number >= 0 or None, got {self.join_budget_steps!r}")
         if self.bucket_factor < 2:
             raise ValueError(f"bucket_factor must be >= 2, got {self.bucket_factor!r}")
         if self.data_plane not in DATA_PLANES:

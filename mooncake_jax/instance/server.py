@@ -92,7 +92,8 @@ class InstanceServer:
         self.engine = build_engine(config, self.model)
         self.kv_layout = dataclasses.replace(config.kv_layout(cfg),
                                              dtype=np.dtype(self.engine.runner.kv[0][0].dtype).name)
-        self.loop = RunnerLoop(self.engine, name=f"engine-{config.instance_id}", max_waiting=config.max_waiting)
+        self.loop = RunnerLoop(self.engine, name=f"engine-{config.instance_id}", max_waiting=config.max_waiting,
+                               join_budget_steps=config.join_budget_steps if config.role == DECODE else None)
         self.transfers = TransferWorkers(config.transfer_workers, max(config.max_waiting, config.transfer_workers),
                                          name=f"transfer-{config.instance_id}")
         self.link: ConductorLink | None = None
