@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -51,9 +50,10 @@ def add_arguments(p) -> None:
     p.add_argument("--hetero", action="store_true",
                    help="unlike instances: bfloat16 tensor=2 layer-wise prefill (16-token pages), float32 tensor=4 "
                         "decode (32-token pages), each on its own fake CPU devices")
-    p.add_argument("--decode-cpus", default=None,
-                   help="host cores of the decode instances' own, e.g. 1 (the rest keep off them; default: none, "
-                        "every process on every core)")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-cpus", default=None,
+                       help=f"host cores of the {role} instances' own, e.g. 1 (the rest keep off them; default: "
+                            f"none, every process on every core)")
     p.add_argument("--json", type=Path, default=None, help="also write the results table as JSON")
 
 
@@ -99,6 +99,53 @@ def send(url: str, item: dict, timeout_s: float = 300.0) -> dict:
     except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
         return {"status": "failed", "error": str(e)}
     return {"status": "completed", "times": times, "usage": usage, "prompt_tokens": len(item["prompt"])}
+
+
+_done_counter = None  # the client process's count of finished requests (shared memory; the parent's bar reads it)
+
+
+def _count_into(counter) -> None:
+    global _done_counter
+    _done_counter = counter
+
+
+def replay(url: str, items: list[dict], speed: float, clients: int = 64) -> list[dict]:
+    """Send ``items`` at their arrival times (``at / speed`` seconds from now) from ``clients`` threads; the
+    outcomes in order."""
+    results: list = [None] * len(items)
+    start = time.perf_counter()
+
+    def one(i: int) -> None:
+        delay = items[i]["at"] / speed - (time.perf_counter() - start)
+        if delay > 0:
+            time.sleep(delay)
+        results[i] = send(url, items[i])
+        if _done_counter is not None:
+            with _done_counter.get_lock():
+                _done_counter.value += 1
+
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(one, range(len(items))))
+    return results
+
+
+def replay_in_own_process(url: str, items: list[dict], speed: float, bar) -> list[dict]:
+    """``replay`` from a separate process, as real clients are: 64 client threads parsing server-sent events in
+    the gateway's own process would share its interpreter lock and delay the very tokens they time (measured:
+    the demo's longest token gaps, 30-40 ms at a burst, were mostly that). ``bar`` follows the requests done."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")  # nothing of this process (threads, JAX) is carried over
+    counter = ctx.Value("i", 0)
+    with ProcessPoolExecutor(1, mp_context=ctx, initializer=_count_into, initargs=(counter,)) as pool:
+        future = pool.submit(replay, url, items, speed)
+        while not future.done():
+            time.sleep(0.2)
+            bar.update(counter.value - bar.n)
+        results = future.result()
+    bar.update(len(items) - bar.n)
+    return results
 
 
 def summarize(results: list[dict], ttft_slo: float, tbt_slo: float, wall_s: float, stats: dict) -> dict:
@@ -199,7 +246,8 @@ def run(args) -> int:
     try:
         cluster = Cluster.local("tiny", prefill=args.prefill, decode=args.decode, processes=not args.in_process,
                                 admission=args.admission, ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s,
-                                log_dir=log_dir, decode_cpus=args.decode_cpus, **shapes)
+                                log_dir=log_dir, prefill_cpus=args.prefill_cpus,
+                                decode_cpus=args.decode_cpus, **shapes)
     except ValueError as e:  # a shape the devices or the model cannot take: said before anything runs
         print(f"mooncake-jax demo: {e}", file=sys.stderr)
         return 2
@@ -208,21 +256,9 @@ def run(args) -> int:
         settle_serving_process()
         url = f"http://127.0.0.1:{gateway.http_port}/v1/completions"
         print(f"replaying {len(items)} trace requests through {url} (instance logs in {log_dir})", flush=True)
-        results: list = [None] * len(items)
         bar = tqdm(total=len(items), desc="requests", unit="req")
-        lock = threading.Lock()
         start = time.perf_counter()
-
-        def one(i: int) -> None:
-            delay = items[i]["at"] / args.speed - (time.perf_counter() - start)
-            if delay > 0:
-                time.sleep(delay)
-            results[i] = send(url, items[i])
-            with lock:
-                bar.update()
-
-        with ThreadPoolExecutor(64) as pool:
-            list(pool.map(one, range(len(items))))
+        results = replay_in_own_process(url, items, args.speed, bar)
         bar.close()
         wall = time.perf_counter() - start
         summary = summarize(results, args.ttft_slo_s, args.tbt_slo_s, wall, cluster.stats())
