@@ -109,8 +109,9 @@ class Replay:
             self.state.index.store(slot, keys[slots == slot].tolist())
 
 
-def measure(trace: list[dict], n_instances: int, target_blocks: int, warm: int, timed: int) -> dict:
-    """One run: warm, fill, then time ``timed`` decisions (wall clock, and CPU time of this thread)."""
+def warmed_replay(trace: list[dict], n_instances: int, target_blocks: int, warm: int) -> Replay:
+    """A replay of ``n_instances`` prefill + decode instances after ``warm`` trace requests, its block index filled
+    to ``target_blocks``: the state every timed decision starts from."""
     config = PolicyConfig(strategy="kvcache-centric", admission="predictive", block_size=TRACE_BLOCK,
                           ttft_slo_s=30.0, tbt_slo_s=0.1)
     replay = Replay(n_instances, config)
@@ -119,6 +120,12 @@ def measure(trace: list[dict], n_instances: int, target_blocks: int, warm: int, 
         replay.report_until(now)
         replay.schedule(as_request(i, trace[i]), now)
     replay.fill_index(target_blocks)
+    return replay
+
+
+def measure(trace: list[dict], n_instances: int, target_blocks: int, warm: int, timed: int) -> dict:
+    """One run: warm, fill, then time ``timed`` decisions (wall clock, and CPU time of this thread)."""
+    replay = warmed_replay(trace, n_instances, target_blocks, warm)
     blocks_at_start = len(replay.state.index)
     requests = [(trace[i]["timestamp"] / 1000, as_request(i, trace[i])) for i in range(warm, warm + timed)]
     replay.accepted = replay.transfers = 0
@@ -161,14 +168,7 @@ def phases(trace: list[dict], n_instances: int, target_blocks: int, warm: int, s
 
     from mooncake_jax.conductor.instances import Role
 
-    config = PolicyConfig(strategy="kvcache-centric", admission="predictive", block_size=TRACE_BLOCK,
-                          ttft_slo_s=30.0, tbt_slo_s=0.1)
-    replay = Replay(n_instances, config)
-    for i in range(warm):
-        now = trace[i]["timestamp"] / 1000
-        replay.report_until(now)
-        replay.schedule(as_request(i, trace[i]), now)
-    replay.fill_index(target_blocks)
+    replay = warmed_replay(trace, n_instances, target_blocks, warm)
     state, policy = replay.state, replay.policy
     clock = time.thread_time
 

@@ -58,11 +58,7 @@ def lower_priority(pid: int, niceness: int) -> None:
     """Run process ``pid`` ``niceness`` levels below this process: each of its threads (Linux lists them in /proc;
     elsewhere only the main one) and the threads they create from now on; a warning, never an error, where that is
     not permitted. Called once the instance is ready: its start-up (calibration, warm-up) runs at full priority."""
-    try:
-        threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        threads = [pid]
-    for tid in threads:
+    for tid in cpus.threads_of(pid):
         try:
             os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, 0) + niceness)
         except ProcessLookupError:  # a thread that ended meanwhile

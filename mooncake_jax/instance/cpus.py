@@ -44,18 +44,21 @@ def check(configs: list[InstanceConfig]) -> None:
                          f"({len(cores)}); leave at least one for the launcher and the instances without cpus")
 
 
+def threads_of(pid: int) -> list[int]:
+    """Thread ids of process ``pid`` (Linux lists them in /proc; elsewhere only the process's own id)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]
+
+
 def pin(cpus: tuple[int, ...] | None, pid: int = 0) -> None:
     """Run every thread of process ``pid`` (0: this one) on ``cpus``; threads it starts later inherit the mask of
     the thread that starts them. Call before JAX starts where XLA should size its thread pool to ``cpus``."""
     if not cpus:
         return
     available()
-    pid = pid or os.getpid()
-    try:
-        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        threads = [pid]
-    for tid in threads:
+    for tid in threads_of(pid or os.getpid()):
         try:
             os.sched_setaffinity(tid, set(cpus))
         except ProcessLookupError:  # a thread that ended meanwhile
