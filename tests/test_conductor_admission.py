@@ -357,3 +357,7 @@ def test_slowdown_meter_weighs_each_prefill_by_its_predicted_seconds():
     assert meter.slowdown() == pytest.approx(2.0)
     meter.record(6.0, 0.1)  # 60x, weight 0.1 of 0.503: still 2
     assert meter.slowdown() == pytest.approx(2.0)
+    assert meter.overhead() == 0.0  # fixed costs: none recorded
+    for overhead in (0.01, 0.03, 0.02):
+        meter.record(0.4, 0.2, overhead_s=overhead)
+    assert meter.overhead() == pytest.approx(0.02) and meter.slowdown() == pytest.approx(2.0)
