@@ -144,7 +144,7 @@ class Cluster:
         self.conductor_supervisor: Supervisor | None = None  # with the Conductor in its own process
         self.log_dir: Path | None = None
         self.configs: list[InstanceConfig] = []  # every instance's config, devices assigned
-        self.cpus_before: set[int] | None = None  # the launcher's cores before it kept off its instances' (cpus.py)
+        self.cpus_before: tuple[int, ...] | None = None  # the launcher's cores before keep_off (cpus.py)
         self._closed = False
 
     def serve_gateway(self, *, host: str = "127.0.0.1", grpc_port: int | None = 0, http_port: int | None = 0,
@@ -165,7 +165,8 @@ class Cluster:
               tbt_slo_s: float = 1.0, seed: int = 0, prefill_shape: str | None = None,
               decode_shape: str | None = None, prefill_dtype: str | None = None, decode_dtype: str | None = None,
               prefill_block_size: int | None = None, decode_block_size: int | None = None,
-              prefill_cpus: str | None = None, decode_cpus: str | None = None, instances: list | None = None, cluster_file: str | Path | None = None,
+              prefill_cpus: str | None = None, decode_cpus: str | None = None,
+              instances: list | None = None, cluster_file: str | Path | None = None,
               heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0,
               kvcache_balancing_threshold: float = 1.0, profile_json: str | None = None,
               log_dir: str | Path | None = None, host: str = "127.0.0.1", warmup: bool = True,
@@ -203,13 +204,11 @@ class Cluster:
         import jax
 
         configs = check_cluster(model, configs, jax.device_count())
-        if any(c.cpus for c in configs):
-            if not processes:
-                raise ValueError("cpus pin instance processes to cores: they need processes=True (instances in "
-                                 "this process share its cores)")
-            cpus.check(configs)
-            cpus_before = os.sched_getaffinity(0)
-            cpus.keep_off(configs)
+        if any(c.cpus for c in configs) and not processes:
+            raise ValueError("cpus pin instance processes to cores: they need processes=True (instances in this "
+                             "process share its cores)")
+        cpus.check(configs)
+        cpus_before = cpus.keep_off(configs)
         cfg = get_config(model)
         config = PolicyConfig(strategy=policy, admission=admission, block_size=cluster_block_size(model, configs),
                               ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s,
@@ -251,16 +250,14 @@ class Cluster:
             for inst in instances.values():
                 inst.stop()
             conductor.stop()
-            if any(c.cpus for c in configs):
-                cpus.pin(tuple(sorted(cpus_before)))
+            cpus.pin(cpus_before)
             raise
         backend = ClusterBackend(conductor.address, cfg, model_name=model, auth_token=auth_token)
         cluster = cls(conductor, instances, backend, model)
         cluster.auth_token = auth_token
         cluster.configs = configs
         cluster.log_dir = log_dir
-        if any(c.cpus for c in configs):
-            cluster.cpus_before = cpus_before
+        cluster.cpus_before = cpus_before
         if launcher is not None and supervise:
             cluster.conductor_supervisor = _supervise_conductor(cluster, launcher)
         if processes and supervise:
@@ -321,8 +318,7 @@ class Cluster:
         for inst in self.instances.values():
             inst.stop()
         self.conductor.stop()
-        if self.cpus_before is not None:  # the launcher's cores as they were before it kept off the instances'
-            cpus.pin(tuple(sorted(self.cpus_before)))
+        cpus.pin(self.cpus_before)  # the launcher's cores as before it kept off its instances' (when it did)
 
     def __enter__(self) -> "Cluster":
         return self

@@ -67,13 +67,16 @@ def pin(cpus: tuple[int, ...] | None, pid: int = 0) -> None:
             raise ValueError(f"cpus {format_devices(tuple(cpus))}: cannot run there ({e})") from None
 
 
-def keep_off(configs: list[InstanceConfig]) -> None:
+def keep_off(configs: list[InstanceConfig]) -> tuple[int, ...] | None:
     """Move this process (a local launcher) off every core an instance of ``configs`` owns, so that it and the
-    children it starts without ``cpus`` leave those cores to their owners."""
+    children it starts without ``cpus`` leave those cores to their owners. Returns the cores it ran on before
+    (``pin`` them to go back), None when no instance owns any."""
     owned = {core for c in configs for core in (c.cpus or ())}
     if not owned:
-        return
+        return None
+    before = tuple(sorted(os.sched_getaffinity(0)))
     rest = tuple(sorted(set(os.sched_getaffinity(0)) - owned)) or tuple(sorted(available() - owned))
     pin(rest)
     log.info("launcher and unpinned instances on cores %s; cores %s owned by instances", format_devices(rest),
              format_devices(tuple(sorted(owned))))
+    return before
