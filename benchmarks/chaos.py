@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, cpu_model, start_serve, write_json  # noqa: E402
+from common import DONE, arg_parser, cpu_model, sse_payloads, start_serve, write_json  # noqa: E402
 
 
 def start_chaos_serve(log_dir: Path, timeout_s: float = 900.0) -> tuple[subprocess.Popen, int]:
@@ -116,12 +116,11 @@ class Load:
                 resp.read()
                 return f"failed:{resp.status}"
             last, done = None, False
-            for raw in resp:
-                line = raw.strip()
-                if line == b"data: [DONE]":
+            for payload in sse_payloads(resp):
+                if payload == DONE:
                     done = True
-                elif line.startswith(b"data: "):
-                    last = json.loads(line[6:])
+                else:
+                    last = payload
             if last is not None and "error" in last:
                 return f"failed:{last['error'].get('code')}-in-stream"
             return "completed" if done else "lost"

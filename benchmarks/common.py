@@ -83,6 +83,20 @@ def write_json(results: dict, path: Path | None) -> None:
         path.write_text(text + "\n")
 
 
+DONE = "[DONE]"
+
+
+def sse_payloads(lines):
+    """The ``data:`` payloads of a streamed completion as they arrive (``lines``: the response, read line by line):
+    each chunk parsed from JSON, and ``DONE`` for the stream's last line."""
+    for raw in lines:
+        line = raw.strip()
+        if line == b"data: [DONE]":
+            yield DONE
+        elif line.startswith(b"data: "):
+            yield json.loads(line[6:])
+
+
 def start_serve(extra: list[str], timeout_s: float = 900.0, stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, int]:
     """``mooncake-jax serve --model tiny *extra`` as a child; (process, HTTP port) once it prints READY."""
     proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.cli", "serve", "--model", "tiny", *extra],

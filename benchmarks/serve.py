@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, machine_info, start_serve, write_json  # noqa: E402
+from common import DONE, arg_parser, machine_info, sse_payloads, start_serve, write_json  # noqa: E402
 
 
 def peak_memory_mb(pid: int) -> dict[str, float]:
@@ -258,16 +258,13 @@ def overload_request(port: int, item: dict, max_tokens: int, timeout_s: float) -
                     "answer_s": head_s, "retry_after": resp.getheader("Retry-After"),
                     "late": "overloaded (" not in text}  # the Conductor's refusals say "overloaded (reason)"
         first_s, done = None, False
-        for raw in resp:
-            line = raw.strip()
-            if line == b"data: [DONE]":
+        for chunk in sse_payloads(resp):
+            if chunk == DONE:
                 done = True
-            elif line.startswith(b"data: "):
-                chunk = json.loads(line[6:])
-                if "error" in chunk:  # ended with a status after it was admitted
-                    return {"status": "failed", "code": chunk["error"].get("code"), "first_s": first_s}
-                if first_s is None and chunk.get("choices"):
-                    first_s = time.perf_counter() - t0
+            elif "error" in chunk:  # ended with a status after it was admitted
+                return {"status": "failed", "code": chunk["error"].get("code"), "first_s": first_s}
+            elif first_s is None and chunk.get("choices"):
+                first_s = time.perf_counter() - t0
         return {"status": "completed" if done else "lost", "first_s": first_s}
     except TimeoutError:
         return {"status": "lost", "error": "no answer in time"}
