@@ -91,7 +91,7 @@ class _Servicer:
                 record = assembler.add(piece, raw)
                 if record is None:
                     continue
-                if self.pool.put_record(piece.key, record):
+                if self._store(piece.key, record, stored, context):
                     stored += 1
                 else:
                     already += 1
@@ -99,8 +99,6 @@ class _Servicer:
                 context.abort(grpc.StatusCode.DATA_LOSS, f"{err}; {stored} earlier block(s) were stored")
             except ValueError as err:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err}; {stored} earlier block(s) were stored")
-            except PoolFullError as err:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
             self.meter.add(blocks_received=1, bytes_received=self.pool.frame_bytes)
         if assembler.pending_key is not None:
             context.abort(
@@ -110,6 +108,16 @@ class _Servicer:
             )
         self.meter.add(transfers=1, blocks_skipped=already, busy_s=time.perf_counter() - started)
         return messages.PushReply(stored=stored, already_present=already)
+
+    def _store(self, key: int, record, stored: int, context) -> bool:
+        """Put one received record into the pool (True: stored, False: already there); a record that fails its
+        checksum or a full pool ends the call with DATA_LOSS / RESOURCE_EXHAUSTED (``stored`` earlier ones kept)."""
+        try:
+            return self.pool.put_record(key, record)
+        except CorruptBlockError as err:
+            context.abort(grpc.StatusCode.DATA_LOSS, f"{err}; {stored} earlier block(s) were stored")
+        except PoolFullError as err:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
 
     def OfferPull(self, request, context):
         """Offer the records of the keys on the device plane (at most ``PULL_BYTES`` of them)."""
@@ -152,15 +160,10 @@ class _Servicer:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"pull {request.pull_id} from {request.address}: {err}")
         stored = already = 0
         for key, row in zip(keys, rows):
-            try:
-                if self.pool.put_record(key, memoryview(row)):
-                    stored += 1
-                else:
-                    already += 1
-            except CorruptBlockError as err:
-                context.abort(grpc.StatusCode.DATA_LOSS, f"{err}; {stored} earlier block(s) were stored")
-            except PoolFullError as err:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            if self._store(key, memoryview(row), stored, context):
+                stored += 1
+            else:
+                already += 1
         self.meter.add(transfers=1, blocks_received=stored, blocks_skipped=already,
                        bytes_received=stored * self.pool.frame_bytes, busy_s=time.perf_counter() - started)
         return messages.PushReply(stored=stored, already_present=already)
