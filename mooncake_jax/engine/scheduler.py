@@ -15,8 +15,9 @@ backend, and the prefill and decode instances (whose ``RunnerLoop`` thread drive
 
 One ``step()``: start the queued work that fits (FIFO, in order; prefill-and-join requests are prefilled here;
 with ``join_budget_steps``, while sequences run, only as much as that many mean decode steps' time, at least one
-item: a burst of nine joins, each loading its KV into pages on this thread, otherwise stalls every running
-sequence for all nine at once, the longest token gap of the demo), drop cancelled sequences, run one decode step for the whole running batch, retire the finished ones. Queued work
+item, so that a burst of joins, each loading its KV into pages on this thread, stalls the running sequences one
+join at a time rather than all at once), drop cancelled sequences, run one decode step for the whole running
+batch, retire the finished ones. Queued work
 is either a request (prompt -> prefill -> running batch) or a job: a callable on the compute thread, for work that
 staged its I/O elsewhere first (a decode instance's adoption of a request whose KV a transfer thread read, a
 prefill instance's prefill over a staged prefix) and for warm-up or calibration.

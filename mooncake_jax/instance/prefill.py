@@ -81,16 +81,18 @@ class SlowdownMeter:
             if overhead_s is not None and overhead_s >= 0:
                 self._overheads.append((self._clock(), overhead_s))
 
-    def overhead(self) -> float:
+    def _recent(self, samples: collections.deque) -> list[list[float]]:
+        """``samples`` (each ``(at, *values)``) taken within the window, without their times."""
         since = self._clock() - self.window_s
         with self._lock:
-            recent = [seconds for at, seconds in self._overheads if at >= since]
+            return [values for at, *values in samples if at >= since]
+
+    def overhead(self) -> float:
+        recent = [seconds for (seconds,) in self._recent(self._overheads)]
         return float(np.median(recent)) if recent else 0.0
 
     def slowdown(self) -> float:
-        since = self._clock() - self.window_s
-        with self._lock:
-            recent = sorted((ratio, weight) for at, ratio, weight in self._ratios if at >= since)
+        recent = sorted(self._recent(self._ratios))  # (ratio, weight), by ratio
         if not recent:
             return 1.0
         half, total = 0.5 * sum(w for _, w in recent), 0.0
@@ -178,7 +180,8 @@ class PrefillService(InstanceService):
 
     def _check_deadline(self, t0: float, predicted_s: float, where: str) -> None:
         """LateRejection when ``predicted_s`` of this instance's work (cost model seconds, scaled by the measured
-        slowdown, plus its measured fixed costs) no longer fits in what is left of the TTFT SLO for a request that arrived at ``t0``."""
+        slowdown, plus its measured fixed costs) no longer fits in what is left of the TTFT SLO for a request that
+        arrived at ``t0``."""
         slo = self.instance.ttft_slo_s
         if slo is None or predicted_s <= 0:
             return
