@@ -149,6 +149,12 @@ def replay_in_own_process(url: str, items: list[dict], speed: float, bar) -> tup
     return results, wall_s
 
 
+def counters_since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """``after`` less ``before``, key by key (the cluster's ``*_total`` counters: what happened in between; the
+    summary reads only counters)."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
 def summarize(results: list[dict], ttft_slo: float, tbt_slo: float, wall_s: float, stats: dict) -> dict:
     done = [r for r in results if r["status"] == "completed" and r["times"]]
     ttft = np.array([r["times"][0] for r in done]) if done else np.zeros(0)
@@ -253,6 +259,8 @@ def run(args) -> int:
         print(f"mooncake-jax demo: {e}", file=sys.stderr)
         return 2
     with cluster:
+        cluster.warm_serving_path()
+        before = cluster.stats()  # the figures below count the replay only, not the warm-up
         gateway = cluster.serve_gateway(grpc_port=None, http_port=0)
         settle_serving_process()
         url = f"http://127.0.0.1:{gateway.http_port}/v1/completions"
@@ -260,7 +268,8 @@ def run(args) -> int:
         bar = tqdm(total=len(items), desc="requests", unit="req")
         results, wall = replay_in_own_process(url, items, args.speed, bar)  # wall: the replay's, not the spawn's
         bar.close()
-        summary = summarize(results, args.ttft_slo_s, args.tbt_slo_s, wall, cluster.stats())
+        summary = summarize(results, args.ttft_slo_s, args.tbt_slo_s, wall,
+                            counters_since(before, cluster.stats()))
         if shapes:
             summary["instances"] = describe_instances(cluster.configs, cfg)
     print_table(summary)

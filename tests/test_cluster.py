@@ -287,3 +287,29 @@ def test_shared_token_gates_every_internal_rpc(llm):
                 assert not ok and "UNAUTHENTICATED" in str(e)
             finally:
                 client.close()
+
+
+def test_serving_path_warmup_runs_requests_through_every_role(cluster):
+    """``warm_serving_path`` sends its requests through the Conductor, the prefill and the decode instances (their
+    counters move by exactly that many) and a refused request does not stop it."""
+    def decoded():
+        return sum(v for k, v in cluster.stats().items() if k.startswith("instance_decode_requests"))
+
+    before = decoded()
+    assert cluster.warm_serving_path(requests=3, max_new_tokens=2) == 3
+    assert decoded() - before == 3
+
+
+def test_warmup_prompts_fit_the_context_and_a_failure_is_only_counted():
+    from mooncake_jax.instance.path_warmup import PROMPT_BLOCKS, warm_serving_path, warmup_prompts
+
+    prompts = warmup_prompts(6, vocab_size=50, max_context=200, block_size=16, max_new_tokens=4)
+    assert [len(p) for p in prompts] == [min(196, b * 16) for b in PROMPT_BLOCKS + PROMPT_BLOCKS[:2]]
+    assert all(0 <= t < 50 for p in prompts for t in p)
+
+    def generate(prompt):
+        if len(prompt) > 100:
+            raise Rejected("too long for the test")
+        return [1]
+
+    assert warm_serving_path(generate, prompts) == 4  # 16, 64, 16 and 64 tokens complete; 192 and 196 refused

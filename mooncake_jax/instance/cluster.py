@@ -301,6 +301,21 @@ class Cluster:
                 finished = item
         return tokens, finished
 
+    def warm_serving_path(self, requests: int | None = None, max_new_tokens: int = 4) -> int:
+        """Send ``requests`` (default: two per prefill instance, at least four) synthetic requests through the whole
+        path before clients come (``path_warmup.py``); returns how many completed. ``serve`` and ``demo`` do this
+        once the instances are up."""
+        from .path_warmup import warm_serving_path, warmup_prompts
+
+        prefill = sum(1 for c in self.configs if c.role == PREFILL) or 1
+        count = requests if requests is not None else max(4, 2 * prefill)
+        if count < 1:
+            raise ValueError(f"requests must be >= 1, got {count}")
+        backend = self.backend
+        block_size = cluster_block_size(self.model_name, self.configs) if self.configs else 16
+        prompts = warmup_prompts(count, backend.vocab_size, backend.max_context, block_size, max_new_tokens)
+        return warm_serving_path(lambda prompt: list(self.stream(prompt, max_new_tokens)), prompts)
+
     def stats(self) -> dict[str, float]:
         """The router's counters and every live instance's figures (``name{instance="id"}``)."""
         return self.backend.stats()

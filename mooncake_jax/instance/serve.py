@@ -92,6 +92,8 @@ def run(args) -> int:
         print(f"mooncake-jax serve: {e}", file=sys.stderr)
         return 2
     with service:
+        if not args.coupled and not args.no_warmup:
+            service.warm_serving_path()  # channels, pools and thread pools ready before the first client
         try:
             gateway = service.serve_gateway(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                                             auth_token=args.auth_token, tokenizer=args.tokenizer,
