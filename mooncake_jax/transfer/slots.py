@@ -27,6 +27,7 @@ import tensorstore as ts
 import xxhash
 
 from mooncake_jax.blocks import BlockKey
+from mooncake_jax.transfer.checksum import copy_with_checksum
 from mooncake_jax.transfer.frame import DATA_OFFSET, CorruptBlockError, record_bytes, record_head
 from mooncake_jax.transfer.spec import BlockSpec
 
@@ -117,13 +118,10 @@ class SlotStore:
                     expected: tuple[int, int]) -> None:
         """Store a record whose data must hash to ``expected``, hashed while it is copied in."""
         slot = self._slot_for(key)
-        copy, digest = start_copy(slot.data, data, data)
-        if digest != expected:
-            copy.result()
+        if copy_with_checksum(slot.memory[DATA_OFFSET:], data) != expected:
             self.delete(key)
             raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
-        self._pending.append((key, copy))
-        self._pending.append((key, slot.head.write(np.frombuffer(head, np.uint8))))
+        slot.memory[:DATA_OFFSET] = np.frombuffer(head, np.uint8)
 
     def put(self, key: BlockKey, parts: Sequence[bytes | bytearray | memoryview | np.ndarray], owned: bool) -> None:
         """Store a record given as consecutive parts (already checksummed). ``owned``: the parts stay untouched
