@@ -410,25 +410,20 @@ def test_remove_and_counters():
 
 
 def test_failed_write_is_an_error_and_leaves_no_trace(tmp_path, monkeypatch):
-    from mooncake_jax.transfer import files
-
-    monkeypatch.setattr(files, "SHARD_BYTES", record_bytes(SPEC))  # one record per shard: 2's write fails alone
     events = EventLog()
     pool = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path, on_event=events)
     store = pool._tiers[0].store
-    in_flight, failed = store._in_flight, []
+    write_slot, failed = store._write_slot, []
 
-    def failing(keys, shard, future, data=None):
-        if keys == [2] and not failed:  # block 2's shard: written, then reported failed
-            failed.append(shard)
-            future.result()
-            future = files._failed_future(OSError("No space left on device"))
-        return in_flight(keys, shard, future, data)
+    def failing(slot, head, data):
+        if slot == 1 and not failed:  # block 2's
+            failed.append(slot)
+            raise OSError("No space left on device")
+        return write_slot(slot, head, data)
 
-    monkeypatch.setattr(store, "_in_flight", failing)
+    monkeypatch.setattr(store, "_write_slot", failing)
     with pytest.raises(OSError, match="block 0x0000000000000002 failed: No space left"):
         pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])  # 3 was in flight beside 2: stored
-        pool.flush()  # the error surfaces by the time the writes behind the caller are done
     assert sorted(pool.keys()) == [1, 3] and pool.get(2) is None and same_bits(pool.get(1), block_of(1))
     assert events == [("stored", 1, "ssd"), ("stored", 2, "ssd"), ("stored", 3, "ssd"), ("removed", 2, "ssd")]
     assert pool.put(2, block_of(2)) and same_bits(pool.get(2), block_of(2))
@@ -553,10 +548,8 @@ def test_a_corrupt_record_from_a_peer_stores_nothing_and_frees_its_slot():
 def test_a_removed_ssd_block_stays_removed_and_empty_shards_are_deleted(tmp_path):
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])  # one call: one shard file
-        pool.flush()
         assert len(shard_files(tmp_path)) == 1
         pool.put(4, block_of(4))  # a later call writes a fresh shard, never rewrites the first
-        pool.flush()
         assert len(shard_files(tmp_path)) == 2
         assert pool.remove(2) and len(shard_files(tmp_path)) == 2  # its head is zeroed, the shard stays
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
@@ -593,30 +586,31 @@ def test_ssd_churn_is_compacted_so_the_disk_holds_about_twice_the_live_blocks(tm
         assert sorted(pool.keys()) == kept and all(same_bits(pool.get(k), block_of(k)) for k in kept)
 
 
-def test_ssd_writes_in_flight_are_bounded_and_behind_the_caller(tmp_path, monkeypatch):
-    """Sealed shards are written behind the caller, across calls, at most ``max_in_flight`` at once (bytes
-    bounded by WRITE_BEHIND_BYTES); the caller's arrays are copied, so reusing them at once changes nothing."""
+def test_ssd_writes_in_flight_are_bounded(tmp_path, monkeypatch):
+    import threading
+    import time
+
     from mooncake_jax.transfer import files
 
     monkeypatch.setattr(files, "SHARD_BYTES", record_bytes(SPEC))  # one slot per shard: one commit per block
-    monkeypatch.setattr(files, "WRITE_BEHIND_BYTES", 3 * SPEC.nbytes)
     pool = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path)
     store = pool._tiers[0].store
-    assert store.shard_slots == 1 and store.max_in_flight == 3
-    in_flight, most = store._in_flight, [0]
+    assert store.shard_slots == 1
+    write_slot, running, most = store._write_slot, [0], [0]
+    lock = threading.Lock()
 
-    def counted(*args):
-        in_flight(*args)
-        most[0] = max(most[0], len(store._pending))
+    def slow(slot, head, data):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], len(store._pending))
+        time.sleep(0.005)
+        return write_slot(slot, head, data)
 
-    monkeypatch.setattr(store, "_in_flight", counted)
-    reused = block_of(0).copy()
-    for key in range(1, 13):
-        np.copyto(reused, block_of(key))  # the caller's one buffer, refilled for every put
-        pool.put(key, reused)
-    assert most[0] <= store.max_in_flight and len(store._spare_data) + len(store._pending) <= 4
-    pool.flush()
-    assert not store._pending and all(same_bits(pool.get(k), block_of(k)) for k in range(1, 13))
+    monkeypatch.setattr(store, "_write_slot", slow)
+    keys = list(range(1, 3 * store.max_in_flight))
+    pool.put_many(keys, [block_of(k) for k in keys])
+    assert running[0] == len(keys) and most[0] <= store.max_in_flight and not store._pending
+    assert all(same_bits(pool.get(k), block_of(k)) for k in keys)
 
 
 @pytest.mark.parametrize("size", [1, 1000, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 3 * (1 << 20) + 5])

@@ -45,7 +45,7 @@ import tensorstore as ts
 import xxhash
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.transfer.checksum import copy_with_checksum
+from mooncake_jax.transfer.checksum import checksum
 from mooncake_jax.transfer.frame import (
     DATA_OFFSET,
     PREFIX_BYTES,
@@ -75,9 +75,6 @@ SHARD_BYTES = 8 << 20
 """Records per shard file: about this many bytes (a pool call's batch of small blocks in one sequential write;
 64 MiB shards measured no better for 3 MiB blocks, and a shard is the unit that compaction rewrites)."""
 MAX_SHARD_SLOTS = 64
-WRITE_BEHIND_BYTES = 64 << 20
-"""Most bytes of sealed shards being written behind the caller at once (at least one shard): each holds a staging
-buffer until TensorStore has written it."""
 _SHARD_KEY = re.compile(rb"c\.(\d+)\.0")
 _LEGACY_CHUNK_KEY = re.compile(rb"c/(\d+)/0")
 _KEY_IN_HEAD = slice(PREFIX_BYTES + 16, PREFIX_BYTES + 24)  # the key field of the frame header
@@ -159,10 +156,8 @@ class FileStore:
         self.root = root
         self.spec = spec
         self.record_bytes = record_bytes(spec)
+        self.max_in_flight = max_in_flight  # shard commits and head removals in flight
         self.shard_slots = slots_per_shard(self.record_bytes)
-        shard_data_bytes = self.shard_slots * spec.nbytes
-        self.max_in_flight = max(1, min(max_in_flight, WRITE_BEHIND_BYTES // shard_data_bytes))  # shard commits
-        # and head removals in flight
         self._heads_array, self._data_array = record_arrays(root, spec)
         self._slot_of: dict[BlockKey, int] = {}
         self._live: dict[int, int] = {}  # shard -> live records in it
@@ -170,11 +165,11 @@ class FileStore:
         self._dead = 0  # slots written whose record is gone, in shards still on disk
         self._next_shard = 0
         self._open_shard: int | None = None  # the shard the writes of this call fill
+        self._transaction: ts.Transaction | None = None
         self._staged: list[BlockKey] = []
-        self._open_data: np.ndarray | None = None  # the open shard's records' data, written at seal
-        self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)  # their heads, written at seal
-        self._spare_data: list[np.ndarray] = []  # staging buffers of shards written, to be reused (warm pages)
-        self._pending: deque[tuple[list[BlockKey], int, ts.Future, np.ndarray | None]] = deque()
+        self._open_data: ts.TensorStore | None = None  # the data array in the open shard's transaction
+        self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)  # its heads, written at seal
+        self._pending: deque[tuple[list[BlockKey], int, ts.Future]] = deque()
         self._failed: list[tuple[BlockKey, Exception]] = []
         self._heads: dict[BlockKey, tuple[ts.Future, int]] = {}  # heads read ahead of ``read_into`` (a
         # run's read and the row of this key's head in it)
@@ -320,67 +315,48 @@ class FileStore:
     # ---- writes ------------------------------------------------------------------------------------------
 
     def put_block(self, key: BlockKey, data: np.ndarray) -> None:
-        """Store the block whose bytes are ``data`` (flat uint8): copied into the open shard's staging buffer and
-        hashed in one pass, so the caller may reuse ``data`` at once."""
-        head, row = self._claim(key)
-        head[:] = np.frombuffer(record_head(self.spec, key, copy_with_checksum(row, data)), np.uint8)
-        self._claimed()
+        """Store the block whose bytes are ``data`` (flat uint8, untouched until ``settle``)."""
+        self.put(key, (record_head(self.spec, key, checksum(data)), data), owned=True)
 
     def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
                     expected: tuple[int, int]) -> None:
-        """Store a record whose data must hash to ``expected`` (hashed while it is copied in; CorruptBlockError,
-        and nothing stored, if it does not)."""
-        head_row, row = self._claim(key)
-        try:
-            check_digest(key, expected, copy_with_checksum(row, data))
-        except CorruptBlockError:
-            self.delete(key)
-            raise
-        head_row[:] = np.frombuffer(head, np.uint8)
-        self._claimed()
+        """Store a record whose data must hash to ``expected`` (checked before anything is written)."""
+        check_digest(key, expected, checksum(data))
+        self.put(key, (head, data), owned=True)
 
-    def put(self, key: BlockKey, parts: Sequence[Buffer], owned: bool = True) -> None:
-        """Store a record given as consecutive parts into a fresh slot (copied into the open shard's staging
-        buffer: the parts may be reused at once, ``owned`` or not)."""
+    def put(self, key: BlockKey, parts: Sequence[Buffer], owned: bool) -> None:
+        """Store a record given as consecutive parts into a fresh slot. ``owned``: the parts stay untouched until
+        ``settle`` (TensorStore writes the data from them); else the data is copied first."""
         flats = [_flat(part) for part in parts]
         if sum(flat.size for flat in flats) != self.record_bytes:
             raise ValueError(f"record of {sum(flat.size for flat in flats)} bytes, expected {self.record_bytes}")
-        head, row = self._claim(key)
-        at = 0
-        for flat in flats:  # each part into the head, the data, or both
-            end = at + flat.size
-            if at < DATA_OFFSET:
-                head[at : min(end, DATA_OFFSET)] = flat[: DATA_OFFSET - at]
-            if end > DATA_OFFSET:
-                skip = max(0, DATA_OFFSET - at)
-                row[at + skip - DATA_OFFSET : end - DATA_OFFSET] = flat[skip:]
-            at = end
-        self._claimed()
-
-    def _claim(self, key: BlockKey) -> tuple[np.ndarray, np.ndarray]:
-        """A fresh slot for ``key`` in the open shard: its head and data rows in the shard's staging memory."""
+        if flats[0].size == DATA_OFFSET and len(flats) == 2:
+            head, data = flats
+        else:
+            record = np.concatenate(flats) if len(flats) > 1 else flats[0]
+            head, data = record[:DATA_OFFSET], record[DATA_OFFSET:]
+        if not owned:
+            data = data.copy()
         self._heads.pop(key, None)
         if key in self._slot_of:  # a record is never rewritten in place: the new one takes a fresh slot
             self._release(self._slot_of.pop(key))
         slot = self._take_slot()
         self._slot_of[key] = slot
         self._staged.append(key)
-        index = slot % self.shard_slots
-        return self._open_heads[index], self._open_data[index]
-
-    def _claimed(self) -> None:
+        try:
+            self._write_slot(slot, head, data)
+        except Exception as err:  # failed before it was under way: reported by settle like one that failed after
+            self._failed.append((key, err))
+            self.delete(key)
         if len(self._staged) == self.shard_slots:
             self._seal()
 
     def _take_slot(self) -> int:
-        """The next slot of the open shard (a fresh shard if none is open or it is full)."""
-        if self._open_shard is not None and self._filled[self._open_shard] == self.shard_slots:
-            self._seal()
+        """The next slot of the open shard (a fresh shard if none is open)."""
         if self._open_shard is None:
             shard, self._next_shard = self._next_shard, self._next_shard + 1
-            self._open_shard = shard
-            self._open_data = (self._spare_data.pop() if self._spare_data
-                               else np.empty((self.shard_slots, self.spec.nbytes), np.uint8))
+            self._open_shard, self._transaction = shard, ts.Transaction()
+            self._open_data = self._data_array.with_transaction(self._transaction)
             self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)
             self._live[shard] = self._filled[shard] = 0
         shard = self._open_shard
@@ -389,38 +365,40 @@ class FileStore:
         self._live[shard] += 1
         return slot
 
+    def _write_slot(self, slot: int, head: np.ndarray, data: np.ndarray) -> None:
+        """Stage a record into the open shard's transaction: the data referenced (a whole chunk); the head is kept
+        for the shard's one heads write at seal (a slot whose head is not on disk holds no record)."""
+        self._open_data[slot].write(data, can_reference_source_data_indefinitely=True).result()
+        self._open_heads[slot % self.shard_slots] = head
+
     def _seal(self) -> None:
-        """Start writing the open shard: one TensorStore transaction stages its data (referenced from the staging
-        buffer, not copied) and heads, and commits both shard files behind the caller."""
+        """Start committing the open shard: TensorStore writes its two shard files behind the caller."""
         if self._open_shard is None:
             return
-        shard, data, keys = self._open_shard, self._open_data, self._staged
-        self._open_shard = self._open_data = None
+        shard, transaction, keys = self._open_shard, self._transaction, self._staged
+        self._open_shard = self._transaction = self._open_data = None
         self._staged = []
         if not self._live[shard]:
-            self._spare_data.append(data)
+            transaction.abort()
             self._delete_shard(shard)
             return
         first, filled = shard * self.shard_slots, self._filled[shard]
-        transaction = ts.Transaction()
         try:
-            self._data_array.with_transaction(transaction)[first : first + filled].write(
-                data[:filled], can_reference_source_data_indefinitely=True).result()
             self._heads_array.with_transaction(transaction)[first : first + filled].write(
                 self._open_heads[:filled]).result()
         except Exception as err:  # the shard's records are not stored: reported by settle
             transaction.abort()
-            self._in_flight(keys, shard, _failed_future(err), data)
+            self._in_flight(keys, shard, _failed_future(err))
             return
-        self._in_flight(keys, shard, transaction.commit_async(), data)
+        self._in_flight(keys, shard, transaction.commit_async())
 
-    def _in_flight(self, keys: list[BlockKey], shard: int, future: ts.Future, data: np.ndarray | None = None) -> None:
+    def _in_flight(self, keys: list[BlockKey], shard: int, future: ts.Future) -> None:
         while len(self._pending) >= self.max_in_flight:
             self._finish_oldest()
-        self._pending.append((keys, shard, future, data))
+        self._pending.append((keys, shard, future))
 
     def _finish_oldest(self) -> None:
-        keys, shard, future, data = self._pending.popleft()
+        keys, shard, future = self._pending.popleft()
         try:
             future.result()
         except Exception as err:
@@ -428,23 +406,16 @@ class FileStore:
                 if self._slot_of.get(key, -1) // self.shard_slots == shard:
                     self._failed.append((key, err))
                     self.delete(key)
-        finally:
-            if data is not None:
-                self._spare_data.append(data)
 
     def _finish_all(self) -> None:
         while self._pending:
             self._finish_oldest()
 
-    def settle(self, wait: bool = True) -> list[tuple[BlockKey, Exception]]:
-        """Start writing the open shard and (``wait``) wait for every write in flight, else only collect those
-        already done (the end of a pool call: the rest stay behind the caller, at most ``max_in_flight``); the
-        ``(key, error)`` of those that failed since the last settle."""
+    def settle(self) -> list[tuple[BlockKey, Exception]]:
+        """Commit the open shard and wait for every write in flight; the ``(key, error)`` of those that failed
+        since the last settle."""
         self._seal()
-        if wait:
-            self._finish_all()
-        while self._pending and self._pending[0][2].done():
-            self._finish_oldest()
+        self._finish_all()
         failed, self._failed = self._failed, []
         return failed
 
@@ -456,7 +427,7 @@ class FileStore:
         if shard == self._open_shard:  # staged, not committed: its head is not written
             self._open_heads[slot % self.shard_slots] = 0
             return
-        if any(pending == shard for _, pending, _, _ in self._pending):
+        if any(pending == shard for _, pending, _ in self._pending):
             self._finish_all()  # its shard is being written: remove after, not beside, that write
         if self._live[shard]:
             self._remove_head(slot)

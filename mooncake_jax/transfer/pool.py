@@ -283,16 +283,10 @@ class BlockPool:
         with self._lock:
             self._listeners.append(listener)
 
-    def flush(self) -> None:
-        """Wait until the writes behind the caller (the SSD tier's) have reached the files; TierWriteError for
-        those that failed (their blocks are no longer in the pool)."""
-        with self._operation(wait=True):
-            self._check_open()
-
     def close(self) -> None:
         """Release the DRAM tier's memory; the SSD tier's array stays for the next open. Reads and writes after
         this are a ValueError; lookups answer as for an empty pool."""
-        with self._operation(wait=True):  # finishes writes in flight on the way out
+        with self._operation():  # finishes writes in flight on the way out
             self._closed = True
         with self._lock:
             for tier in self._tiers:
@@ -308,9 +302,8 @@ class BlockPool:
     # ---- internals (lock held) --------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _operation(self, wait: bool = False) -> Iterator[None]:
-        """Hold the lock and, before releasing it, finish the writes the operation started (the SSD tier's may
-        stay in flight behind the caller, bounded, unless ``wait``: it holds copies of what it writes).
+    def _operation(self) -> Iterator[None]:
+        """Hold the lock and, before releasing it, finish the writes the operation started.
 
         A failed write surfaces here (TierWriteError, an OSError): its block was announced in that tier, so the
         change is announced again before the error propagates.
@@ -321,7 +314,7 @@ class BlockPool:
                     yield
                 finally:
                     for tier in self._tiers:
-                        tier.settle(wait)
+                        tier.settle()
             except TierWriteError as err:
                 for key in err.keys:
                     self._announce(key, err.tier)

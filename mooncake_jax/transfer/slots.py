@@ -176,9 +176,8 @@ class SlotStore:
             self.delete(key)
         return failed
 
-    def settle(self, wait: bool = True) -> list[tuple[BlockKey, Exception]]:
-        """Wait for the copies in flight (every read, delete and the end of every pool call settles first; always
-        waits: a copy may read the caller's array, which is the caller's again once the call returns)."""
+    def settle(self) -> list[tuple[BlockKey, Exception]]:
+        """Wait for the copies in flight (every read, delete and the end of every pool call settles first)."""
         return self._finish() if self._pending else []
 
     def close(self) -> None:

@@ -94,7 +94,6 @@ class Tier:
     def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray]) -> None:
         """Start bringing in the records of the ``keys`` this tier holds (a batch read is coming), their data
         into ``outs`` (flat uint8, one per key), where ``read_into`` will be asked to copy them."""
-        self.settle()  # nothing is read from a shard still being written
         held = [i for i, key in enumerate(keys) if key in self._present]
         self.store.prefetch([keys[i] for i in held], [outs[i] for i in held])
 
@@ -122,10 +121,9 @@ class Tier:
         self.counters.stored += 1
         self.counters.bytes_written += self.store.record_bytes
 
-    def settle(self, wait: bool = True) -> None:
-        """Wait for the writes in flight (``wait=False``: the SSD store's may stay behind the caller, bounded);
-        forget the blocks of those that failed and raise TierWriteError."""
-        failed = self.store.settle(wait)
+    def settle(self) -> None:
+        """Wait for the writes in flight; forget the blocks of those that failed and raise TierWriteError."""
+        failed = self.store.settle()
         for key, _ in failed:
             self._present.discard(key)
             self.policy.removed(key)
