@@ -6,6 +6,8 @@ the receiver already holds (a fetch asks only for what its pool lacks, a push fi
 travels as the record its pool stores, one message when it fits under the message limit, else in pieces
 (``pieces.py``), and is verified once, whole, before the receiver stores it, so a transfer that dies midway
 leaves only whole, checked blocks behind, each announced by the pool's STORED event. Every call has a deadline.
+Both ends keep several blocks in flight (``readahead.py``): the sender reads records from its pool ahead of the
+transport, the receiver takes messages from gRPC ahead of storing them, so block i is stored while i+1 arrives.
 
 Server side, ``MessengerServer(pool).start()`` (``messenger_server.py``); client side,
 ``MessengerClient(address, pool)``: ``fetch(keys)`` for on-demand loads, ``push(keys)`` for transfers the
@@ -158,7 +160,7 @@ class MessengerClient:
         elif wanted:
             request = messages.FetchRequest(keys=wanted, spec_fingerprint=self.pool.spec.fingerprint)
             call = self._fetch_raw(request, timeout=timeout_s or self.timeout_s)
-            arriving = Ahead(call, name="receive-ahead")  # block i is stored while i+1 arrives
+            arriving = Ahead(call, name="receive-ahead", join=False)  # block i is stored while i+1 arrives
             try:
                 for key, record, frame_bytes in _records_of(arriving, self.pool.spec, expected):
                     self.pool.put_record(key, record)

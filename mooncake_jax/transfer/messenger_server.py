@@ -78,7 +78,7 @@ class _Servicer:
         self.meter.add(transfers=1, busy_s=time.perf_counter() - started)
 
     def Push(self, request_iterator, context):
-        with Ahead(request_iterator, name="receive-ahead") as received:  # block i is stored while i+1 arrives
+        with Ahead(request_iterator, name="receive-ahead", join=False) as received:  # block i is stored while i+1 arrives
             return self._receive_pushed(received, context)
 
     def _receive_pushed(self, request_iterator, context):

@@ -7,7 +7,7 @@ verify) between two sends, or storing one (copy and verify) between two receives
 An ``Ahead`` iterates a source on a thread of its own, at most ``depth`` items ahead of the consumer: the work on
 item i overlaps the production of item i+1 (the copies, hashes and gRPC waits all release the GIL), and memory
 stays bounded. ``ReadAhead`` is the sender's case (records read from the pool by key); a receiver wraps the gRPC
-stream itself (``received_ahead``).
+stream itself (``Ahead(call, join=False)``).
 """
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ _DONE = object()
 class Ahead(Generic[T]):
     """Iterates the items of ``source`` in order, produced ahead on a thread; an exception from ``source`` is
     raised where its item would have come. ``close`` (or leaving ``with``) stops the thread once the item it is
-    producing arrives (a source blocked on I/O must be ended by its owner first, e.g. a gRPC call cancelled)."""
+    producing arrives, and waits for that if ``join`` (a source that may block on a peer, such as a gRPC stream,
+    is not waited for: a handler must not hang on a peer that stops sending; its thread ends when the call does)."""
 
-    def __init__(self, source: Iterable[T], depth: int = 4, name: str = "ahead") -> None:
+    def __init__(self, source: Iterable[T], depth: int = 4, name: str = "ahead", join: bool = True) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
+        self._join = join
         self._source = source
         self._queue: queue.Queue = queue.Queue(depth)
         self._stop = threading.Event()
@@ -68,7 +70,8 @@ class Ahead(Generic[T]):
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._join:
+            self._thread.join()
 
     def __enter__(self) -> Ahead[T]:
         return self
