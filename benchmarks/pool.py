@@ -36,9 +36,10 @@ Each figure and its baseline are measured alternately ``--repeats`` times and re
 is shared, single trials are noisy), with every trial kept in the JSON. The SSD and Messenger trials also log the
 CPU seconds per GB they cost (``*_cpu_s_per_gb``; a transfer counts both processes) and the same ratios in CPU
 (``ssd_put_cpu_ratio`` ... ``messenger_push_cpu_ratio``: baseline CPU over tier CPU), which the load of a shared
-machine moves far less than it moves GB/s: what a ratio could reach with the cores to itself. Blocks have the ``small`` preset's
-geometry (12 layers, K and V, 4 KV heads, head_dim 64, float32) at 128 tokens per block (3 MiB)
-and at the engine's 16 tokens per block (384 KiB, where per-call overhead shows); the DRAM and SSD tiers also with
+machine moves far less than it moves GB/s: what a ratio could reach with the cores to itself.
+
+Blocks have the ``small`` preset's geometry (12 layers, K and V, 4 KV heads, head_dim 64, float32) at 128 tokens
+per block (3 MiB) and at the engine's 16 tokens per block (384 KiB, where per-call overhead shows); the DRAM and SSD tiers also with
 one 512-token block of the llama2-70b shape (80 layers, 8 KV heads, head_dim 128, bfloat16: 160 MiB).
 """
 

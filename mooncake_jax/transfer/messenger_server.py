@@ -78,7 +78,9 @@ class _Servicer:
         self.meter.add(transfers=1, busy_s=time.perf_counter() - started)
 
     def Push(self, request_iterator, context):
-        with Ahead(request_iterator, name="receive-ahead", join=False) as received:  # block i is stored while i+1 arrives
+        """Store the blocks a peer pushes, the messages taken from gRPC ahead on a thread (block i is stored while
+        i+1 arrives)."""
+        with Ahead(request_iterator, name="receive-ahead", join=False) as received:
             return self._receive_pushed(received, context)
 
     def _receive_pushed(self, request_iterator, context):
