@@ -23,6 +23,8 @@ M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 256 << 20
 """Allocations below this come from the heap (and are reused when freed): a 70B block of 160 MiB included."""
+FALLBACK_MMAP_THRESHOLD_BYTES = 32 << 20
+"""What a glibc that refuses the above takes (older ones cap the threshold at half their 64 MiB heap size)."""
 TRIM_THRESHOLD_BYTES = 512 << 20
 """Free memory at the heap's top kept for reuse, up to this much."""
 
@@ -42,6 +44,7 @@ def keep_freed_buffers() -> bool:
                 _applied = False
             else:
                 mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-                _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-                    mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+                mapped = any(mallopt(M_MMAP_THRESHOLD, limit)
+                             for limit in (MMAP_THRESHOLD_BYTES, FALLBACK_MMAP_THRESHOLD_BYTES))
+                _applied = bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)) and mapped
         return _applied
