@@ -39,8 +39,9 @@ CPU seconds per GB they cost (``*_cpu_s_per_gb``; a transfer counts both process
 machine moves far less than it moves GB/s: what a ratio could reach with the cores to itself.
 
 Blocks have the ``small`` preset's geometry (12 layers, K and V, 4 KV heads, head_dim 64, float32) at 128 tokens
-per block (3 MiB) and at the engine's 16 tokens per block (384 KiB, where per-call overhead shows); the DRAM and SSD tiers also with
-one 512-token block of the llama2-70b shape (80 layers, 8 KV heads, head_dim 128, bfloat16: 160 MiB).
+per block (3 MiB) and at the engine's 16 tokens per block (384 KiB, where per-call overhead shows); the DRAM and
+SSD tiers also with one 512-token block of the llama2-70b shape (80 layers, 8 KV heads, head_dim 128, bfloat16:
+160 MiB).
 """
 
 from __future__ import annotations
@@ -112,10 +113,14 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def cpu_seconds(pid: int | None = None) -> float:
-    """CPU seconds (user + system, every thread) used so far by this process, or by process ``pid`` (Linux)."""
+    """CPU seconds (user + system, every thread) used so far by this process, or by process ``pid`` (read from
+    Linux's /proc; NaN elsewhere, so no CPU figure of a transfer counts one process only)."""
     if pid is None:
         return time.process_time()
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    stat = Path(f"/proc/{pid}/stat")
+    if not stat.exists():
+        return float("nan")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
