@@ -33,10 +33,15 @@ Figures (issue 4, Measure):
   their blocks already in the pool: ``layerwise_speedup`` = serialized / layer-wise time (best of the trials).
 
 Each figure and its baseline are measured alternately ``--repeats`` times and reported as medians (the machine
-is shared, single trials are noisy), with every trial kept in the JSON. Blocks have the ``small`` preset's
-geometry (12 layers, K and V, 4 KV heads, head_dim 64, float32) at 128 tokens per block (3 MiB)
-and at the engine's 16 tokens per block (384 KiB, where per-call overhead shows); the DRAM and SSD tiers also with
-one 512-token block of the llama2-70b shape (80 layers, 8 KV heads, head_dim 128, bfloat16: 160 MiB).
+is shared, single trials are noisy), with every trial kept in the JSON. The SSD and Messenger trials also log the
+CPU seconds per GB they cost (``*_cpu_s_per_gb``; a transfer counts both processes) and the same ratios in CPU
+(``ssd_put_cpu_ratio`` ... ``messenger_push_cpu_ratio``: baseline CPU over tier CPU), which the load of a shared
+machine moves far less than it moves GB/s: what a ratio could reach with the cores to itself.
+
+Blocks have the ``small`` preset's geometry (12 layers, K and V, 4 KV heads, head_dim 64, float32) at 128 tokens
+per block (3 MiB) and at the engine's 16 tokens per block (384 KiB, where per-call overhead shows); the DRAM and
+SSD tiers also with one 512-token block of the llama2-70b shape (80 layers, 8 KV heads, head_dim 128, bfloat16:
+160 MiB).
 """
 
 from __future__ import annotations
@@ -105,6 +110,49 @@ def timed(fn: Callable[[], object]) -> float:
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds (user + system, every thread) used so far by this process, or by process ``pid`` (read from
+    Linux's /proc; NaN elsewhere, so no CPU figure of a transfer counts one process only)."""
+    if pid is None:
+        return time.process_time()
+    stat = Path(f"/proc/{pid}/stat")
+    if not stat.exists():
+        return float("nan")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def costed(trials: dict[str, Callable[[], float]], n_bytes: int,
+           pids: tuple[int, ...] = ()) -> tuple[dict[str, Callable[[], float]], dict[str, list[float]]]:
+    """The trials, each also logging the CPU seconds per GB of ``n_bytes`` it cost (this process and ``pids``,
+    the whole trial): unlike GB/s on a shared machine, CPU per byte hardly moves with the load, so its ratio to the
+    baseline's says whether a change did less work."""
+    log: dict[str, list[float]] = {name: [] for name in trials}
+
+    def spent() -> float:
+        return cpu_seconds() + sum(cpu_seconds(pid) for pid in pids)
+
+    def logging(name: str, trial: Callable[[], float]) -> Callable[[], float]:
+        def run() -> float:
+            before = spent()
+            figure = trial()
+            log[name].append((spent() - before) / (n_bytes / 1e9))
+            return figure
+
+        return run
+
+    return {name: logging(name, trial) for name, trial in trials.items()}, log
+
+
+def with_cpu(figures: dict[str, dict], log: dict[str, list[float]]) -> dict[str, dict]:
+    """``figures`` plus each logged trial's CPU seconds per GB (``*_cpu_s_per_gb``: median and trials)."""
+    for name, values in log.items():
+        if values:
+            figures[name.replace("_gbps", "_cpu_s_per_gb")] = {
+                "median": statistics.median(values), "trials": [round(x, 3) for x in values]}
+    return figures
 
 
 def alternate(repeats: int, **trials: Callable[[], float]) -> dict[str, dict]:
@@ -219,7 +267,9 @@ def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: 
         return gbps(n_bytes, seconds)
 
     raw_write()  # the first write to a fresh filesystem area is slow for everyone: do not measure it
-    return alternate(repeats, raw_write_gbps=raw_write, ssd_put_gbps=put, raw_read_gbps=raw_read, ssd_get_gbps=get)
+    trials, log = costed({"raw_write_gbps": raw_write, "ssd_put_gbps": put, "raw_read_gbps": raw_read,
+                          "ssd_get_gbps": get}, n_bytes)
+    return with_cpu(alternate(repeats, **trials), log)
 
 
 # ---- Messenger between two processes vs a bare gRPC stream ----------------------------------------------
@@ -275,7 +325,8 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
             push()  # the peer holds blocks to fetch from now on
             for trial in trials.values():  # warm both processes' allocators and connections
                 trial()
-            figures = alternate(repeats, **trials)
+            trials, log = costed(trials, n_blocks * source.frame_bytes, pids=(peer.process.pid,))
+            figures = with_cpu(alternate(repeats, **trials), log)
             figures["counters"] = {"fetcher": fetcher.counters.as_dict(), "pusher": pusher.counters.as_dict()}
             return figures
     finally:
@@ -350,6 +401,11 @@ def ratios(med: dict[str, float]) -> dict[str, float]:
         "messenger_raw_stream_ratio": ("messenger_fetch_gbps", "grpc_raw_stream_gbps"),
         "jax_plane_fetch_ratio": ("jax_plane_fetch_gbps", "grpc_stream_gbps"),
         "jax_plane_push_ratio": ("jax_plane_push_gbps", "grpc_stream_gbps"),
+        # the same pairs in CPU seconds per GB, baseline over tier (both processes for a transfer)
+        "ssd_put_cpu_ratio": ("raw_write_cpu_s_per_gb", "ssd_put_cpu_s_per_gb"),
+        "ssd_get_cpu_ratio": ("raw_read_cpu_s_per_gb", "ssd_get_cpu_s_per_gb"),
+        "messenger_cpu_ratio": ("grpc_stream_cpu_s_per_gb", "messenger_fetch_cpu_s_per_gb"),
+        "messenger_push_cpu_ratio": ("grpc_upload_stream_cpu_s_per_gb", "messenger_push_cpu_s_per_gb"),
     }
     return {name: med[a] / med[b] for name, (a, b) in pairs.items() if a in med and b in med}
 
@@ -388,7 +444,8 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default") 
                                                                  repeats=1 if quick or layerwise == "default" else 2)
     sections = [results[label]["ratios"] for label in ("block128", "block16", "llama70b_block512")]
     for name in ("dram_put_ratio", "dram_get_ratio", "ssd_put_ratio", "ssd_get_ratio", "messenger_ratio",
-                 "messenger_push_ratio"):
+                 "messenger_push_ratio", "ssd_put_cpu_ratio", "ssd_get_cpu_ratio", "messenger_cpu_ratio",
+                 "messenger_push_cpu_ratio"):
         results[name] = round(min(r[name] for r in sections if name in r), 3)
     results["transfer_engine_gbps"] = results["block128"]["messenger_fetch_gbps"]["median"]  # the gRPC Messenger
     results["jax_plane_fetch_gbps"] = results["block128"]["jax_plane_fetch_gbps"]["median"]

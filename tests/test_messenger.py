@@ -410,3 +410,56 @@ def test_read_ahead_keeps_order_raises_where_the_error_was_and_stops_early():
     with ReadAhead(record_of, range(100, 200), depth=2) as records:
         assert next(iter(records)) == (100, 1000)
     assert len(read) <= 4  # the reader stopped: at most depth ahead of the consumer (plus the one in hand)
+
+
+def test_a_refused_push_ends_at_once_though_the_sender_keeps_the_stream_open(serve):
+    """The receiver takes messages ahead on a thread; a refused block ends the call with its error at once, not
+    when the sender's deadline runs out (that thread is not waited for while the peer sends nothing more)."""
+    import threading
+
+    receiver = BlockPool(SPEC)
+    server = serve(receiver)
+    record = filled_pool([5]).get_record(5)
+    bad = bytearray(record)
+    bad[-1] ^= 4
+    stalled = threading.Event()
+
+    def stream():
+        yield encode_piece(5, 0, len(record) - PREFIX_BYTES, bytes(bad[PREFIX_BYTES:]), SPEC.fingerprint)
+        stalled.wait(30)  # the stream stays open, sending nothing
+
+    started = time.monotonic()
+    try:
+        with grpc.insecure_channel(server.address, options=channel_options()) as channel:
+            push = channel.stream_unary(f"/{SERVICE}/Push", None, messages.PushReply.FromString)
+            with pytest.raises(grpc.RpcError) as caught:
+                push(stream(), timeout=20)
+    finally:
+        stalled.set()
+    assert caught.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in caught.value.details()
+    assert time.monotonic() - started < 10 and len(receiver) == 0
+
+
+def test_ahead_produces_in_order_bounded_and_need_not_wait_for_a_blocked_source():
+    import threading
+
+    from mooncake_jax.transfer.readahead import Ahead
+
+    produced, release = [], threading.Event()
+
+    def source():
+        for item in range(100):
+            produced.append(item)
+            if item == 10:
+                release.wait(30)  # a peer that stops sending
+            yield item
+
+    ahead = Ahead(source(), depth=2, join=False)
+    got = iter(ahead)
+    assert [next(got) for _ in range(3)] == [0, 1, 2]
+    time.sleep(0.1)
+    assert len(produced) <= 3 + 2 + 1  # at most depth ahead of the consumer, plus the one in hand
+    started = time.monotonic()
+    ahead.close()  # returns at once; the thread ends once the source does
+    assert time.monotonic() - started < 1
+    release.set()

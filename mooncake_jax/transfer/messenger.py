@@ -6,6 +6,8 @@ the receiver already holds (a fetch asks only for what its pool lacks, a push fi
 travels as the record its pool stores, one message when it fits under the message limit, else in pieces
 (``pieces.py``), and is verified once, whole, before the receiver stores it, so a transfer that dies midway
 leaves only whole, checked blocks behind, each announced by the pool's STORED event. Every call has a deadline.
+Both ends keep several blocks in flight (``readahead.py``): the sender reads records from its pool ahead of the
+transport, the receiver takes messages from gRPC ahead of storing them, so block i is stored while i+1 arrives.
 
 Server side, ``MessengerServer(pool).start()`` (``messenger_server.py``); client side,
 ``MessengerClient(address, pool)``: ``fetch(keys)`` for on-demand loads, ``push(keys)`` for transfers the
@@ -39,7 +41,7 @@ from mooncake_jax.transfer.messenger_wire import (
 )
 from mooncake_jax.transfer.pieces import PIECE_BYTES, RecordAssembler, encode_piece, parse_piece, record_pieces
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
-from mooncake_jax.transfer.readahead import ReadAhead
+from mooncake_jax.transfer.readahead import Ahead, ReadAhead
 
 __all__ = [
     "BlocksNotFoundError",
@@ -158,8 +160,9 @@ class MessengerClient:
         elif wanted:
             request = messages.FetchRequest(keys=wanted, spec_fingerprint=self.pool.spec.fingerprint)
             call = self._fetch_raw(request, timeout=timeout_s or self.timeout_s)
+            arriving = Ahead(call, name="receive-ahead", join=False)  # block i is stored while i+1 arrives
             try:
-                for key, record, frame_bytes in _records_of(call, self.pool.spec, expected):
+                for key, record, frame_bytes in _records_of(arriving, self.pool.spec, expected):
                     self.pool.put_record(key, record)
                     stored.append(key)
                     received += frame_bytes
@@ -167,9 +170,11 @@ class MessengerClient:
                 self._failed(received, len(stored), started)
                 raise self._error("fetch", err, stored) from err
             except (TransferError, ValueError, PoolFullError) as err:
-                call.cancel()
                 self._failed(received, len(stored), started)
                 raise TransferError(f"fetch from {self.address}: {err}", stored=stored) from err
+            finally:
+                call.cancel()  # nothing once the call is over; else the receiving thread stops at once
+                arriving.close()
             if len(stored) != len(wanted):
                 self._failed(received, len(stored), started)
                 message = f"fetch from {self.address}: peer sent {len(stored)} of {len(wanted)} blocks"

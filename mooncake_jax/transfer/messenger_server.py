@@ -30,7 +30,7 @@ from mooncake_jax.transfer.messenger_wire import (
 )
 from mooncake_jax.transfer.pieces import PIECE_BYTES, RecordAssembler, encode_piece, parse_piece, record_pieces
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
-from mooncake_jax.transfer.readahead import ReadAhead
+from mooncake_jax.transfer.readahead import Ahead, ReadAhead
 
 _MAX_PROBE_BYTES = 1 << 36
 
@@ -78,6 +78,12 @@ class _Servicer:
         self.meter.add(transfers=1, busy_s=time.perf_counter() - started)
 
     def Push(self, request_iterator, context):
+        """Store the blocks a peer pushes, the messages taken from gRPC ahead on a thread (block i is stored while
+        i+1 arrives)."""
+        with Ahead(request_iterator, name="receive-ahead", join=False) as received:
+            return self._receive_pushed(received, context)
+
+    def _receive_pushed(self, request_iterator, context):
         assembler = RecordAssembler(self.pool.spec)
         stored = already = 0
         started = time.perf_counter()

@@ -29,6 +29,7 @@ from mooncake_jax.transfer.events import BlockEvent, EventKind, EventListener
 from mooncake_jax.transfer.eviction import PolicyChoice, make_policy
 from mooncake_jax.transfer.frame import (DATA_OFFSET, VERSION, CorruptBlockError, StaleFormatError, check_digest,
                                          check_head, check_key, data_bytes, frame_bytes, record_bytes, verify)
+from mooncake_jax.transfer.host_memory import keep_freed_buffers
 from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_tier
 
@@ -81,6 +82,7 @@ class BlockPool:
     ) -> None:
         if not isinstance(spec, BlockSpec):
             raise ValueError(f"spec must be a BlockSpec, got {type(spec).__name__}")
+        keep_freed_buffers()  # the transient buffers of every block moved reuse warm pages (host_memory.py)
         self.spec = spec
         self.frame_bytes = frame_bytes(spec)
         self.record_bytes = record_bytes(spec)

@@ -1,10 +1,13 @@
-"""Reading blocks ahead of the transport, so several are in flight.
+"""Working ahead of the consumer on a thread, so several blocks are in flight.
 
-gRPC's synchronous API sends one streamed message at a time and returns to the generator only once the message is
-handed to the transport; reading (copying and verifying) the next record from the pool only then leaves the link
-idle meanwhile. A ``ReadAhead`` runs the reads on a thread of its own, at most ``depth`` records ahead of the
-sender: the copy and hash of block i+1 overlap the transport's work on block i (both release the GIL in their
-long parts), and memory stays bounded.
+gRPC's synchronous API moves one streamed message at a time: a sender's generator is asked for the next message
+only once the last one is handed to the transport, and a receiver's next message is only asked of the transport
+(and turned into a ``bytes``) once the consumer comes back for it. Reading a record from the pool (copy and
+verify) between two sends, or storing one (copy and verify) between two receives, leaves the link idle meanwhile.
+An ``Ahead`` iterates a source on a thread of its own, at most ``depth`` items ahead of the consumer: the work on
+item i overlaps the production of item i+1 (the copies, hashes and gRPC waits all release the GIL), and memory
+stays bounded. ``ReadAhead`` is the sender's case (records read from the pool by key); a receiver wraps the gRPC
+stream itself (``Ahead(call, join=False)``).
 """
 
 from __future__ import annotations
@@ -20,18 +23,20 @@ T = TypeVar("T")
 _DONE = object()
 
 
-class ReadAhead(Generic[T]):
-    """Iterates ``(key, read(key))`` for ``keys`` in order, the reads done ahead on a thread; an exception from
-    ``read`` is raised where its result would have come. ``close`` (or leaving ``with``) stops the reader early."""
+class Ahead(Generic[T]):
+    """Iterates the items of ``source`` in order, produced ahead on a thread; an exception from ``source`` is
+    raised where its item would have come. ``close`` (or leaving ``with``) stops the thread once the item it is
+    producing arrives, and waits for that if ``join`` (a source that may block on a peer, such as a gRPC stream,
+    is not waited for: a handler must not hang on a peer that stops sending; its thread ends when the call does)."""
 
-    def __init__(self, read: Callable[[BlockKey], T], keys: Iterable[BlockKey], depth: int = 4) -> None:
+    def __init__(self, source: Iterable[T], depth: int = 4, name: str = "ahead", join: bool = True) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
-        self._read = read
-        self._keys = list(keys)
+        self._join = join
+        self._source = source
         self._queue: queue.Queue = queue.Queue(depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="read-ahead", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _offer(self, item: object) -> bool:
@@ -45,30 +50,38 @@ class ReadAhead(Generic[T]):
 
     def _run(self) -> None:
         try:
-            for key in self._keys:
-                if not self._offer((key, self._read(key), None)):
+            for item in self._source:
+                if not self._offer((item, None)):
                     return
         except BaseException as err:  # handed to the consumer, which raises it
-            self._offer((None, None, err))
+            self._offer((None, err))
             return
         self._offer(_DONE)
 
-    def __iter__(self) -> Iterator[tuple[BlockKey, T]]:
+    def __iter__(self) -> Iterator[T]:
         while True:
-            item = self._queue.get()
-            if item is _DONE:
+            got = self._queue.get()
+            if got is _DONE:
                 return
-            key, value, err = item
+            item, err = got
             if err is not None:
                 raise err
-            yield key, value
+            yield item
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._join:
+            self._thread.join()
 
-    def __enter__(self) -> ReadAhead[T]:
+    def __enter__(self) -> Ahead[T]:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ReadAhead(Ahead[tuple[BlockKey, T]]):
+    """Iterates ``(key, read(key))`` for ``keys`` in order, the reads done ahead on a thread."""
+
+    def __init__(self, read: Callable[[BlockKey], T], keys: Iterable[BlockKey], depth: int = 4) -> None:
+        super().__init__(((key, read(key)) for key in list(keys)), depth, name="read-ahead")
