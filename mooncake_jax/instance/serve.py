@@ -62,7 +62,8 @@ def add_arguments(p) -> None:
                    help="on SIGTERM/SIGINT, seconds open requests get to finish before they are ended")
     p.add_argument("--log-dir", default=None,
                    help="write each instance's log here (default: a new folder per run in the temporary directory)")
-    p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start, and send no warm-up requests through the cluster before serving")
+    p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start, "
+                                                            "and send no warm-up requests through the cluster")
     p.add_argument("--compile-cache", default="", help="persistent XLA cache folder ('none' to disable; default: "
                                                           "the user's cache directory)")
 
