@@ -205,6 +205,22 @@ def slots_of_mask(mask: int) -> np.ndarray:
     return slots
 
 
+@functools.lru_cache(maxsize=4096)
+def slot_groups(masks: tuple[int, ...], capacity: int) -> np.ndarray:
+    """Each slot's group as a flat index into a ``(len(masks) + 1, capacity)`` array: entry ``s`` is
+    ``group * capacity + s``, group 0 for a slot in none of ``masks``, group ``j`` for a slot in ``masks[j - 1]``
+    (the masks are disjoint: ``BlockIndex.match_levels``' levels).
+
+    The policy evaluates one row per group (a level's slots share their prefix, so they share everything the
+    prefix decides) and reads each slot's value from its group's row with one ``take`` through this index;
+    memoised like ``slots_of_mask``, as the same holder sets come back request after request."""
+    flat = np.arange(capacity, dtype=np.intp)
+    for group, mask in enumerate(masks, 1):
+        flat[slots_of_mask(mask)] += group * capacity
+    flat.flags.writeable = False
+    return flat
+
+
 def _bits(mask: int) -> list[int]:
     """Positions of the set bits of ``mask``, ascending."""
     out = []

@@ -33,8 +33,8 @@ import numpy as np
 from mooncake_jax.conductor import admission as adm
 from mooncake_jax.conductor.api import (Decision, PolicyConfig, RejectReason, Request, Snapshot, Strategy,
                                         Transfer, check_block_count)
-from mooncake_jax.conductor.costs import decode_step_seconds, prefill_seconds_in_prefix, transfer_seconds
-from mooncake_jax.conductor.index import level_lengths, slots_of_mask
+from mooncake_jax.conductor.costs import decode_step_seconds, transfer_seconds
+from mooncake_jax.conductor.index import slot_groups, slots_of_mask
 from mooncake_jax.conductor.instances import Role
 
 
@@ -88,63 +88,83 @@ class Policy:
                         candidates: np.ndarray) -> _PrefillChoice:
         """The prefill instance and its predicted queue, compute, TTFT and transfer plan (step 1 and 2).
 
-        One array expression per quantity over all slots, each instance with its own coefficients and link: the
-        number of array operations per decision is fixed (about thirty) whatever the cluster size, and at a few
-        hundred slots their fixed cost, not their length, is the decision's time.
+        The slots fall into a few *groups* by their own matched prefix: those matching nothing, then one per level
+        of the prefix match (one to three on the conversation trace). Everything the prefix decides (fetch or
+        recompute, the prefix then held, the blocks moved, when the sender can start) is the same within a group,
+        so it is worked out once per group in Python, as one row of features; every slot's TTFT is then one small
+        matrix product of those rows with per-slot terms (its slowdown-scaled cost coefficients, a column of ones,
+        its link from the sender in seconds per KV token, its queue), read through the slot's group. At a few
+        hundred slots a numpy call costs its fixed ~0.35-2 us, not its length, so the call count is the cost:
+        about ten here, whatever the cluster size or the number of groups. The chosen slot's figures are then
+        worked out alone, with the one transfer-time formula (``costs.transfer_seconds``).
         """
         cfg, table = self.config, snapshot.instances
         block, n = cfg.block_size, request.input_tokens
         keys = request.block_keys
         levels = snapshot.index.match_levels(keys)  # load-balance ignores it to choose, not to predict
         reusable = n - 1  # the last prompt token is always computed: it yields the first output token
-        queue = table.queue_free_at - now
+        capacity = table.capacity
+        # rows: the four cost features' coefficients (each instance's own, scaled by how much slower than its model
+        # its recent prefills ran: from the model alone, a predicted TTFT of 0.08 s was 0.98 s on a host at load
+        # 20), ones (the sender's backlog), seconds per KV token from the sender, queue (+inf off the prefill role)
+        terms = np.empty((7, capacity))
+        terms[:5] = table.prefill_terms
+        queue = terms[6]
+        np.subtract(table.queue_free_at, now, out=queue)
         np.maximum(queue, 0.0, out=queue)
-        # each instance's cost model scaled by how much slower than it its recent prefills ran (a loaded host):
-        # from the model alone, a predicted TTFT of 0.08 s was 0.98 s on a host at load 20, and admitted requests
-        # missed the TTFT SLO
-        a, b, c = prefill_seconds_in_prefix(table.prefill_coef, n) * table.prefill_slowdown
-        fetch, source, best_len, own_blocks = None, None, 0, None
-        if not levels:
-            compute = a
-            ttft = queue + compute
+        queue += table.barrier(Role.PREFILL)
+        owns = [0]
+        owns += [length for length, _ in levels]
+        best_len = 0
+        fetching = cfg.strategy == Strategy.KVCACHE_CENTRIC and len(owns) > 1
+        if fetching:
+            best_len, holders = levels[-1]
+            source = self._best_source(holders, table)
+            terms[5] = table.kv_seconds_per_token[source]
+            starts = self._send_starts(snapshot, source, keys[:best_len], owns)
+            threshold = cfg.kvcache_balancing_threshold
         else:
-            own_blocks = level_lengths(levels, table.capacity)
-            prefix_tokens = own_blocks * block
-            np.minimum(prefix_tokens, reusable, out=prefix_tokens)
-            if cfg.strategy == Strategy.KVCACHE_CENTRIC:
-                best_len, holders = levels[-1]
-                source = self._best_source(holders, table)
-                threshold = cfg.kvcache_balancing_threshold
-                # fetch when own < best and best / own > threshold (own 0: infinite ratio); for own >= 0 one
-                # comparison says both: with threshold >= 1 the second implies the first, below 1 the first the
-                # second
-                fetch = threshold * own_blocks < best_len if threshold >= 1 else own_blocks < best_len
-                moved_bytes = (best_len - own_blocks) * (block * table.kv_bytes_per_token)
-                start_at = self._send_start(snapshot, source, keys[:best_len], own_blocks)
-                transfer_s = transfer_seconds(moved_bytes, table.link_bytes_per_s[source], start_at - now)
-                # one evaluation of the cost model: each instance over the prefix it would then hold
-                np.putmask(prefix_tokens, fetch, min(best_len * block, reusable))
-            compute = c * prefix_tokens  # a + p * (b + c * p), in place
-            compute += b
-            compute *= prefix_tokens
-            compute += a
-            ttft = queue + compute
-            if fetch is not None:
-                ttft += transfer_s * fetch
+            terms[5] = 0.0
+        rows, fetches = [], []
+        for group, own in enumerate(owns):
+            # fetch when own < best and best / own > threshold (own 0: infinite ratio); for own >= 0 one
+            # comparison says both: with threshold >= 1 the second implies the first, below 1 the first the second
+            fetch = fetching and (threshold * own < best_len if threshold >= 1 else own < best_len)
+            prefix = min((best_len if fetch else own) * block, reusable)
+            x = n - prefix
+            if fetch:
+                rows.append((1.0, x, x * x, x * prefix, max(starts[group] - now, 0.0), (best_len - own) * block, 1.0))
+            else:
+                rows.append((1.0, x, x * x, x * prefix, 0.0, 0.0, 1.0))
+            fetches.append(fetch)
+        ttft = np.dot(rows, terms)
+        ttft = ttft[0] if len(rows) == 1 else ttft.take(slot_groups(tuple(m for _, m in levels), capacity))
 
         if cfg.strategy == Strategy.RANDOM:
             rng = random.Random(zlib.crc32(request.request_id.encode()) ^ cfg.seed)
             slot = int(rng.choice(np.flatnonzero(candidates)))
         else:
-            score = queue if cfg.strategy == Strategy.LOAD_BALANCE else ttft
-            slot = int((score + table.barrier(Role.PREFILL)).argmin())
-        own = 0 if own_blocks is None else int(own_blocks.item(slot))
+            slot = int((queue if cfg.strategy == Strategy.LOAD_BALANCE else ttft).argmin())
+        # the chosen slot's figures, alone
+        group, bit = 0, 1 << slot
+        for level, (_, mask) in enumerate(levels, 1):
+            if mask & bit:
+                group = level
+                break
+        own, fetch = owns[group], fetches[group]
+        prefix = min((best_len if fetch else own) * block, reusable)
+        x = n - prefix
+        c0, c1, c2, c3 = table.prefill_terms[:4, slot].tolist()
+        compute = c0 + c1 * x + c2 * x * x + c3 * x * prefix
+        queue_s = queue.item(slot)
+        total = queue_s + compute
         transfer = None
-        if fetch is not None and fetch.item(slot):
-            transfer = Transfer(table.ids[source], keys[own:best_len], moved_bytes.item(slot),
-                                transfer_s.item(slot))
-        return _PrefillChoice(slot, queue.item(slot), compute.item(slot), ttft.item(slot), transfer,
-                              best_len if transfer is not None else own)
+        if fetch:
+            moved = (best_len - own) * (block * table.kv_bytes_per_token.item(slot))
+            seconds = transfer_seconds(moved, table.link(source, slot), starts[group] - now)
+            transfer = Transfer(table.ids[source], keys[own:best_len], moved, seconds)
+            total += seconds
+        return _PrefillChoice(slot, queue_s, compute, total, transfer, best_len if fetch else own)
 
     @staticmethod
     def _best_source(holders: int, table) -> int:
@@ -156,20 +176,18 @@ class Policy:
         return int(slots[table.send_free_at[slots].argmin()])  # the first of equals, as argmin
 
     @staticmethod
-    def _send_start(snapshot: Snapshot, source: int, prefix: tuple[int, ...], own_blocks: np.ndarray):
-        """When ``source`` can start sending each candidate its missing blocks ``prefix[own:]``: after its queued
-        sends, and after those blocks land on it if they are only expected there (computed or fetched by a
-        request still in flight)."""
-        send_free_at = snapshot.instances.send_free_at[source]
+    def _send_starts(snapshot: Snapshot, source: int, prefix: tuple[int, ...], owns: list[int]) -> list[float]:
+        """When ``source`` can start sending each group (own prefix ``owns[g]`` blocks) its missing blocks
+        ``prefix[own:]``: after its queued sends, and after those blocks land on it if they are only expected there
+        (computed or fetched by a request still in flight)."""
+        send_free_at = snapshot.instances.send_free_at.item(source)
         if not snapshot.index.has_pending(source):
-            return send_free_at
+            return [send_free_at] * len(owns)
         ready = snapshot.index.ready_times(source, prefix)
         if max(ready) <= send_free_at:  # all landed (or will have) before the source can send anyway
-            return send_free_at
-        ready = np.asarray(ready)
-        latest_from = np.maximum.accumulate(ready[::-1])[::-1]  # [j]: latest landing among prefix[j:]
-        first_missing = np.minimum(own_blocks, len(prefix) - 1).astype(np.intp)
-        return np.maximum(send_free_at, latest_from[first_missing])
+            return [send_free_at] * len(owns)
+        last = len(prefix) - 1
+        return [max(send_free_at, max(ready[min(own, last):])) for own in owns]
 
     # -------------------------------------------------------------------------------------------- decode
 

@@ -172,7 +172,7 @@ class ClusterState:
         if prefill_slowdown is not None:
             if not (math.isfinite(prefill_slowdown) and prefill_slowdown > 0):
                 raise ValueError(f"prefill_slowdown must be a finite positive number, got {prefill_slowdown!r}")
-            table.prefill_slowdown[slot] = prefill_slowdown
+            table.set_prefill_slowdown(slot, prefill_slowdown)
         table.last_seen[slot] = now
         if queued_s is not None:
             table.queue_free_at[slot] = now + queued_s
