@@ -41,6 +41,7 @@ class BlockIndex:
         self._keys_of: dict[int, set[int]] = {}
         self._ready: dict[int, dict[int, float]] = {}  # slot -> key -> clock time an expected block lands
         self._settle_above: dict[int, int] = {}  # slot -> pending count at which expired entries are dropped
+        self._latest_ready: dict[int, float] = {}  # slot -> latest ready time ever expected there (since a purge)
 
     def __len__(self) -> int:
         """Distinct keys held anywhere."""
@@ -80,6 +81,8 @@ class BlockIndex:
                 new.append(key)
         self._keys_of.setdefault(slot, set()).update(new)  # set and dict updates in one call each: the hot path
         self._ready.setdefault(slot, {}).update(dict.fromkeys(new, ready_at))
+        if new and ready_at > self._latest_ready.get(slot, -math.inf):
+            self._latest_ready[slot] = ready_at
 
     def remove(self, slot: int, keys: Iterable[int]) -> None:
         """``slot`` no longer holds ``keys`` (evicted); keys it never held are ignored."""
@@ -101,6 +104,7 @@ class BlockIndex:
         own = self._keys_of.pop(slot, set())
         self._ready.pop(slot, None)
         self._settle_above.pop(slot, None)
+        self._latest_ready.pop(slot, None)
         bit = 1 << slot
         for key in own:
             self._clear(self._holders, key, bit)
@@ -117,6 +121,11 @@ class BlockIndex:
     def has_pending(self, slot: int) -> bool:
         """Whether ``slot`` has blocks recorded as expected but not yet confirmed."""
         return bool(self._ready.get(slot))
+
+    def pending_until(self, slot: int) -> float:
+        """A bound on when every block expected on ``slot`` will have landed (the latest ready time ever expected
+        there; -inf when none was): when it is already past, no key needs looking up (``ready_times``)."""
+        return self._latest_ready.get(slot, -math.inf) if self._ready.get(slot) else -math.inf
 
     def ready_times(self, slot: int, keys: Sequence[int]) -> list[float]:
         """For each key, the clock time ``slot`` is expected to have it (-inf: it has it now or not expected)."""

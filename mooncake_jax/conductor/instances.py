@@ -58,6 +58,8 @@ class InstanceTable:
       ones (a term every slot pays alike).
     - ``kv_seconds_per_token`` (capacity x capacity): seconds a sender (row) needs to move one token's KV to a
       receiver (column) at line rate: the receiver's KV bytes per token over the link's bandwidth.
+    - ``decode_kv_room``: ``kv_capacity_tokens`` on decode slots, -inf elsewhere (one comparison says both "not a
+      decode instance" and "its KV would not fit").
 
     Plus ``ids``/``addresses``/``costs``/``hardware`` lists and ``slot_of`` (instance id -> slot).
     """
@@ -184,6 +186,7 @@ class InstanceTable:
         # name), which cost a microsecond per lookup on the policy's hot path
         roles = (Role.FREE, Role.PREFILL, Role.DECODE)
         self._masks = [self.role == int(role) for role in roles]
+        self.decode_kv_room = np.where(self._masks[Role.DECODE], self.kv_capacity_tokens, -np.inf)
         self._barriers = [np.where(mask, 0.0, np.inf) for mask in self._masks]
         self._counts = [int(np.count_nonzero(mask)) for mask in self._masks]
 

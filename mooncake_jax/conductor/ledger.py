@@ -31,6 +31,7 @@ class DecodeLedger:
     def __init__(self, capacity: int = 1024):
         self._slot = np.full(capacity, _FREE, np.int64)
         self._bucket = np.zeros(capacity, np.int64)  # slot + 1, 0 for a free entry: bincount drops bucket 0
+        self._pair_bucket = np.zeros(capacity, np.int64)  # 2 * (slot + 1), 0 for a free entry
         self._start = np.zeros(capacity)
         self._tokens = np.zeros(capacity)
         self._started = np.zeros(capacity, bool)
@@ -58,6 +59,7 @@ class DecodeLedger:
             self._used += 1
         self._slot[entry], self._start[entry], self._tokens[entry] = slot, start, tokens
         self._bucket[entry] = slot + 1
+        self._pair_bucket[entry] = 2 * (slot + 1)
         self._started[entry] = started
         self._ids[entry] = request_id
         self._entry_of[request_id] = entry
@@ -86,6 +88,7 @@ class DecodeLedger:
             return False
         self._slot[entry] = _FREE
         self._bucket[entry] = 0
+        self._pair_bucket[entry] = 0
         self._ids[entry] = None
         self._free.append(entry)
         return True
@@ -147,6 +150,47 @@ class DecodeLedger:
         return (np.bincount(bucket, weights=mask, minlength=n_slots + 1)[1 : n_slots + 1],
                 np.bincount(bucket, weights=self._tokens[: self._used] * mask, minlength=n_slots + 1)[1 : n_slots + 1])
 
+    def decision_loads(self, now: float, when: float, decode_s, n_slots: int, seen_now: bool):
+        """The two per-slot loads one decision reads, from one pass over the entries: the routed load
+        (``committed(when, ...)``: every entry not predicted finished by ``when``) and the load admission judges
+        (``at(when, ...)``, or ``active(now)`` when ``seen_now``). Returns (routed requests, routed kv tokens, seen
+        requests, seen kv tokens), float arrays of length ``n_slots``.
+
+        The same masks and sums as ``window`` / ``committed_and_at`` / ``per_slot`` (whose docstrings say why),
+        written once inline: on the policy's hot path a decision is a fixed count of numpy calls on short arrays,
+        each costing its fixed overhead, and the Python around them (method calls, re-slicing the columns per
+        view) cost as much again."""
+        used = self._used
+        if not used:  # (bincount of nothing gives integers)
+            return tuple(np.zeros(n_slots) for _ in range(4))
+        start, started = self._start[:used], self._started[:used]
+        if isinstance(decode_s, np.ndarray):
+            decode_s = decode_s[self._slot[:used]]
+        begin = np.maximum(start, now)
+        np.copyto(begin, start, where=started)
+        end = begin + decode_s
+        committed = end > when
+        overdue = end <= now  # decoding past t_d: its end is +inf (the module docstring says why)
+        overdue &= started
+        committed |= overdue
+        bucket, tokens = self._bucket[:used], self._tokens[:used]
+        stop = n_slots + 1
+        if seen_now:  # the current load, not a part of the routed one: four sums
+            seen = start <= now
+            return (np.bincount(bucket, committed, stop)[1:stop], np.bincount(bucket, tokens * committed, stop)[1:stop],
+                    np.bincount(bucket, seen, stop)[1:stop], np.bincount(bucket, tokens * seen, stop)[1:stop])
+        # begun by ``when``: begin <= when, and begin = max(start, now) or start, so start <= when
+        seen = start <= when if when >= now else begin <= when
+        seen &= committed
+        # a part of the routed load: one pair of sums, each entry in bucket 2 * (slot + 1) + seen, those not
+        # routed in bucket 0 (no weights for the counts: a third cheaper)
+        code = self._pair_bucket[:used] + seen
+        code *= committed
+        counts = np.bincount(code, None, 2 * stop).reshape(stop, 2)[1:]
+        kv = np.bincount(code, tokens, 2 * stop).reshape(stop, 2)[1:]
+        seen_counts, seen_kv = counts[:, 1], kv[:, 1]
+        return counts[:, 0] + seen_counts, kv[:, 0] + seen_kv, seen_counts, seen_kv
+
     def on_slot(self, mask: np.ndarray, slot: int) -> tuple[int, float]:
         """(requests, kv_tokens) on one slot over the entries in ``mask``."""
         mine = mask & (self._slot[: self._used] == slot)
@@ -163,6 +207,7 @@ class DecodeLedger:
         extra = len(self._slot)
         self._slot = np.concatenate([self._slot, np.full(extra, _FREE, np.int64)])
         self._bucket = np.concatenate([self._bucket, np.zeros(extra, np.int64)])
+        self._pair_bucket = np.concatenate([self._pair_bucket, np.zeros(extra, np.int64)])
         self._start = np.concatenate([self._start, np.zeros(extra)])
         self._tokens = np.concatenate([self._tokens, np.zeros(extra)])
         self._started = np.concatenate([self._started, np.zeros(extra, bool)])

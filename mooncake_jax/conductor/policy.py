@@ -31,9 +31,9 @@ from typing import NamedTuple
 import numpy as np
 
 from mooncake_jax.conductor import admission as adm
-from mooncake_jax.conductor.api import (Decision, PolicyConfig, RejectReason, Request, Snapshot, Strategy,
+from mooncake_jax.conductor.api import (Admission, Decision, PolicyConfig, RejectReason, Request, Snapshot, Strategy,
                                         Transfer, check_block_count)
-from mooncake_jax.conductor.costs import decode_step_seconds, transfer_seconds
+from mooncake_jax.conductor.costs import transfer_seconds
 from mooncake_jax.conductor.index import slot_groups, slots_of_mask
 from mooncake_jax.conductor.instances import Role
 
@@ -66,21 +66,19 @@ class Policy:
         prefill = self._choose_prefill(request, snapshot, now, prefill_ok)
         end = now + prefill.ttft_s
         slot_d, tbt = self._choose_decode(request, snapshot, now, end, decode_ok)
-        decision = dict(
-            prefill=table.ids[prefill.slot], transfer=prefill.transfer, prefix_blocks=prefill.prefix_blocks,
-            queue_s=prefill.queue_s, prefill_s=prefill.compute_s, predicted_ttft_s=prefill.ttft_s,
-            prefill_end_at=end, decode=None if slot_d is None else table.ids[slot_d], predicted_tbt_s=tbt)
         if slot_d is None:
-            retry = self._retry_after(snapshot, None, now)
-            return Decision(request.request_id, RejectReason.DECODE_CAPACITY, retry, **decision)
-        reason = adm.rejection(cfg, prefill.ttft_s, tbt)
-        if reason is RejectReason.TTFT_SLO:
-            retry = max(cfg.min_retry_after_s, prefill.ttft_s - cfg.ttft_slo_s)
-        elif reason is RejectReason.TBT_SLO:
-            retry = self._retry_after(snapshot, slot_d, now)
+            reason, retry = RejectReason.DECODE_CAPACITY, self._retry_after(snapshot, None, now)
         else:
-            retry = 0.0
-        return Decision(request.request_id, reason, retry, **decision)
+            reason = adm.rejection(cfg, prefill.ttft_s, tbt)
+            if reason is None:
+                retry = 0.0
+            elif reason is RejectReason.TTFT_SLO:
+                retry = max(cfg.min_retry_after_s, prefill.ttft_s - cfg.ttft_slo_s)
+            else:  # TBT_SLO
+                retry = self._retry_after(snapshot, slot_d, now)
+        return Decision.made(request.request_id, reason, retry, table.ids[prefill.slot],
+                             None if slot_d is None else table.ids[slot_d], prefill.transfer, prefill.prefix_blocks,
+                             prefill.queue_s, prefill.compute_s, prefill.ttft_s, tbt, end)
 
     # ------------------------------------------------------------------------------------------- prefill
 
@@ -116,12 +114,12 @@ class Policy:
         owns = [0]
         owns += [length for length, _ in levels]
         best_len = 0
-        fetching = cfg.strategy == Strategy.KVCACHE_CENTRIC and len(owns) > 1
+        fetching = cfg.strategy is Strategy.KVCACHE_CENTRIC and len(owns) > 1
         if fetching:
             best_len, holders = levels[-1]
             source = self._best_source(holders, table)
             terms[5] = table.kv_seconds_per_token[source]
-            starts = self._send_starts(snapshot, source, keys[:best_len], owns)
+            starts = self._send_starts(snapshot, source, keys[:best_len], owns, now)
             threshold = cfg.kvcache_balancing_threshold
         else:
             terms[5] = 0.0
@@ -140,11 +138,11 @@ class Policy:
         ttft = np.dot(rows, terms)
         ttft = ttft[0] if len(rows) == 1 else ttft.take(slot_groups(tuple(m for _, m in levels), capacity))
 
-        if cfg.strategy == Strategy.RANDOM:
+        if cfg.strategy is Strategy.RANDOM:
             rng = random.Random(zlib.crc32(request.request_id.encode()) ^ cfg.seed)
             slot = int(rng.choice(np.flatnonzero(candidates)))
         else:
-            slot = int((queue if cfg.strategy == Strategy.LOAD_BALANCE else ttft).argmin())
+            slot = int((queue if cfg.strategy is Strategy.LOAD_BALANCE else ttft).argmin())
         # the chosen slot's figures, alone
         group, bit = 0, 1 << slot
         for level, (_, mask) in enumerate(levels, 1):
@@ -176,12 +174,14 @@ class Policy:
         return int(slots[table.send_free_at[slots].argmin()])  # the first of equals, as argmin
 
     @staticmethod
-    def _send_starts(snapshot: Snapshot, source: int, prefix: tuple[int, ...], owns: list[int]) -> list[float]:
+    def _send_starts(snapshot: Snapshot, source: int, prefix: tuple[int, ...], owns: list[int], now: float) -> list[float]:
         """When ``source`` can start sending each group (own prefix ``owns[g]`` blocks) its missing blocks
         ``prefix[own:]``: after its queued sends, and after those blocks land on it if they are only expected there
         (computed or fetched by a request still in flight)."""
         send_free_at = snapshot.instances.send_free_at.item(source)
-        if not snapshot.index.has_pending(source):
+        # whatever is expected there lands before it could send (or before now): the sends start as queued (how
+        # long any wait is, ``start - now``, counts from now only); on the trace four decisions in five
+        if snapshot.index.pending_until(source) <= max(send_free_at, now):
             return [send_free_at] * len(owns)
         ready = snapshot.index.ready_times(source, prefix)
         if max(ready) <= send_free_at:  # all landed (or will have) before the source can send anyway
@@ -194,35 +194,52 @@ class Policy:
     def _choose_decode(self, request: Request, snapshot: Snapshot, now: float, end: float,
                        candidates: np.ndarray) -> tuple[int | None, float]:
         """The decode instance (step 3) and the TBT the admission policy checks; slot None when none can hold
-        the request's KV under the admission view (``early`` / ``predictive`` only)."""
-        cfg, table, ledger = self.config, snapshot.instances, snapshot.ledger
-        kv, capacity, coef = request.kv_tokens, table.kv_capacity_tokens, table.decode_coef
-        decode_s = snapshot.decode_time_per_slot
-        routed, seen = adm.decode_views(cfg.admission, ledger, now, end, decode_s)
-        batch, context = ledger.per_slot(routed, table.capacity)
-        load = decode_step_seconds(coef, batch + 1, context + kv)  # what spreads a burst: all routed load
+        the request's KV under the admission view (``early`` / ``predictive`` only).
+
+        Written for the hot path (each numpy call costs its fixed overhead, so there are few): both ledger views
+        from one pass (``DecodeLedger.decision_loads``), the step times in place, and the choice by masking the
+        excluded instances with +inf (an argmin that lands on +inf means none qualified) instead of counting."""
+        cfg, table = self.config, snapshot.instances
+        kv = request.kv_tokens
+        c0, c1, c2 = table.decode_coef
+        batch, context, seen_batch, seen_context = snapshot.ledger.decision_loads(
+            now, end, snapshot.decode_time_per_slot, table.capacity, cfg.admission is Admission.EARLY)
+        # what spreads a burst: all routed load, c0 + c1 * (batch + 1) + c2 * (context + kv), in place
+        context += kv
+        batch += 1
+        load = np.multiply(c1, batch)
+        np.add(c0, load, out=load)
         if cfg.admission in adm.CHECKS_DECODE_HERE:
-            seen_batch, seen_context = ledger.per_slot(seen, table.capacity)
-            seen_context += kv  # with this request
+            load += c2 * context
             # room for its KV, and a batch slot: a decode instance with every slot taken refuses it after its
             # prefill (late, the prefill wasted); refused here it costs nothing and the client is told at once
-            fits = candidates & (seen_context <= capacity) & (seen_batch < table.max_batch)
-            if not np.count_nonzero(fits):
-                return None, 0.0
-            seen_tbt = decode_step_seconds(coef, seen_batch + 1, seen_context)
-            ok = fits & (seen_tbt <= cfg.tbt_slo_s)
-            if np.count_nonzero(ok):
-                slot = _argmin_among(load, ok)
-            else:  # rejected on TBT: report the best the view allows
-                slot = _argmin_among(seen_tbt.copy(), fits)
-            return slot, float(seen_tbt[slot])
-        fits = candidates & (context + kv <= capacity)
+            seen_context += kv  # with this request
+            refused = seen_context > table.decode_kv_room  # (and every slot that is not a decode instance)
+            refused |= seen_batch >= table.max_batch
+            seen_batch += 1
+            seen_tbt = np.multiply(c1, seen_batch)
+            np.add(c0, seen_tbt, out=seen_tbt)
+            seen_context *= c2
+            seen_tbt += seen_context
+            over = seen_tbt > cfg.tbt_slo_s
+            over |= refused
+            np.putmask(load, over, np.inf)
+            slot = int(load.argmin())
+            if load.item(slot) == np.inf:  # none within the TBT SLO: report the best the view allows
+                np.putmask(seen_tbt, refused, np.inf)
+                slot = int(seen_tbt.argmin())
+                if seen_tbt.item(slot) == np.inf:  # none can hold it
+                    return None, 0.0
+            return slot, seen_tbt.item(slot)
+        fits = context <= table.kv_capacity_tokens  # context + kv: this request's KV beside the routed load
+        fits &= candidates
+        context *= c2
+        load += context
         if np.count_nonzero(fits):
             slot = _argmin_among(load, fits)
         else:  # the decode instance itself queues or rejects it
             slot = int((load + table.barrier(Role.DECODE)).argmin())
-        seen_batch, seen_context = ledger.on_slot(seen, slot)
-        return slot, adm.predicted_tbt(coef[:, slot], seen_batch, seen_context, kv)
+        return slot, adm.predicted_tbt(table.decode_coef[:, slot], seen_batch.item(slot), seen_context.item(slot), kv)
 
     def _retry_after(self, snapshot: Snapshot, slot: int | None, now: float) -> float:
         """Until the next predicted decode completion (on ``slot``, or anywhere), at least the configured floor."""
