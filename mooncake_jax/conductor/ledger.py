@@ -181,9 +181,8 @@ class DecodeLedger:
                     np.bincount(bucket, seen, stop)[1:stop], np.bincount(bucket, tokens * seen, stop)[1:stop])
         # begun by ``when``: begin <= when, and begin = max(start, now) or start, so start <= when
         seen = start <= when if when >= now else begin <= when
-        seen &= committed
-        # a part of the routed load: one pair of sums, each entry in bucket 2 * (slot + 1) + seen, those not
-        # routed in bucket 0 (no weights for the counts: a third cheaper)
+        # a part of the routed load: one pair of sums, each routed entry in bucket 2 * (slot + 1) + seen, the others
+        # in bucket 0, dropped (no weights for the counts: a third cheaper)
         code = self._pair_bucket[:used] + seen
         code *= committed
         counts = np.bincount(code, None, 2 * stop).reshape(stop, 2)[1:]
