@@ -53,9 +53,11 @@ class InstanceTable:
     Kept up to date from the columns above, for the policy's hot path (one decision reads them in a single matrix
     product instead of a dozen array operations, see ``policy.py``):
 
-    - ``prefill_terms`` (5 x capacity): rows 0-3 each slot's prefill coefficients scaled by its slowdown (the
+    - ``prefill_terms`` (7 x capacity): rows 0-3 each slot's prefill coefficients scaled by its slowdown (the
       prefill seconds of ``x`` new tokens after a prefix ``p`` are ``(1, x, x^2, x*p)`` times the column), row 4
-      ones (a term every slot pays alike).
+      ones (a term every slot pays alike); rows 5 and 6 are the policy's scratch, overwritten by each decision
+      (the sender's link row, the queues): one buffer instead of a fresh one per decision. Decisions on one table
+      are made one at a time (the service holds its lock; the simulator is one thread).
     - ``kv_seconds_per_token`` (capacity x capacity): seconds a sender (row) needs to move one token's KV to a
       receiver (column) at line rate: the receiver's KV bytes per token over the link's bandwidth.
     - ``decode_kv_room``: ``kv_capacity_tokens`` on decode slots, -inf elsewhere (one comparison says both "not a
@@ -203,7 +205,8 @@ class InstanceTable:
         links[: self.capacity, : self.capacity] = self.link_bytes_per_s
         self.link_bytes_per_s = links
         self.kv_seconds_per_token = self.kv_bytes_per_token / links
-        self.prefill_terms = np.concatenate([self.prefill_coef * self.prefill_slowdown, np.ones((1, len(links)))])
+        self.prefill_terms = np.concatenate([self.prefill_coef * self.prefill_slowdown, np.ones((1, len(links))),
+                                             np.zeros((2, len(links)))])
         self.capacity += extra
         self._refresh_masks()
 

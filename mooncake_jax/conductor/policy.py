@@ -104,13 +104,12 @@ class Policy:
         capacity = table.capacity
         # rows: the four cost features' coefficients (each instance's own, scaled by how much slower than its model
         # its recent prefills ran: from the model alone, a predicted TTFT of 0.08 s was 0.98 s on a host at load
-        # 20), ones (the sender's backlog), seconds per KV token from the sender, queue (+inf off the prefill role)
-        terms = np.empty((7, capacity))
-        terms[:5] = table.prefill_terms
-        queue = terms[6]
-        np.subtract(table.queue_free_at, now, out=queue)
-        np.maximum(queue, 0.0, out=queue)
-        queue += table.barrier(Role.PREFILL)
+        # 20), ones (the sender's backlog), seconds per KV token from the sender, and when each queue drains (now
+        # at the earliest; +inf off the prefill role): every TTFT plus ``now``, which moves no argmin
+        terms = table.prefill_terms
+        drained = terms[6]
+        np.maximum(table.queue_free_at, now, out=drained)
+        drained += table.barrier(Role.PREFILL)
         owns = [0]
         owns += [length for length, _ in levels]
         best_len = 0
@@ -118,11 +117,9 @@ class Policy:
         if fetching:
             best_len, holders = levels[-1]
             source = self._best_source(holders, table)
-            terms[5] = table.kv_seconds_per_token[source]
+            terms[5] = table.kv_seconds_per_token[source]  # (unread when no group fetches: their feature is 0)
             starts = self._send_starts(snapshot, source, keys[:best_len], owns, now)
             threshold = cfg.kvcache_balancing_threshold
-        else:
-            terms[5] = 0.0
         rows, fetches = [], []
         for group, own in enumerate(owns):
             # fetch when own < best and best / own > threshold (own 0: infinite ratio); for own >= 0 one
@@ -142,7 +139,7 @@ class Policy:
             rng = random.Random(zlib.crc32(request.request_id.encode()) ^ cfg.seed)
             slot = int(rng.choice(np.flatnonzero(candidates)))
         else:
-            slot = int((queue if cfg.strategy is Strategy.LOAD_BALANCE else ttft).argmin())
+            slot = int((drained if cfg.strategy is Strategy.LOAD_BALANCE else ttft).argmin())
         # the chosen slot's figures, alone
         group, bit = 0, 1 << slot
         for level, (_, mask) in enumerate(levels, 1):
@@ -154,7 +151,7 @@ class Policy:
         x = n - prefix
         c0, c1, c2, c3 = table.prefill_terms[:4, slot].tolist()
         compute = c0 + c1 * x + c2 * x * x + c3 * x * prefix
-        queue_s = queue.item(slot)
+        queue_s = max(table.queue_free_at.item(slot) - now, 0.0)
         total = queue_s + compute
         transfer = None
         if fetch:
