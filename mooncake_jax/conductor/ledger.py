@@ -34,6 +34,7 @@ class DecodeLedger:
         self._pair_bucket = np.zeros(capacity, np.int64)  # 2 * (slot + 1), 0 for a free entry
         self._start = np.zeros(capacity)
         self._tokens = np.zeros(capacity)
+        self._ones = np.ones(capacity)
         self._started = np.zeros(capacity, bool)
         self._ids: list[str | None] = [None] * capacity
         self._entry_of: dict[str, int] = {}
@@ -182,10 +183,11 @@ class DecodeLedger:
         # begun by ``when``: begin <= when, and begin = max(start, now) or start, so start <= when
         seen = start <= when if when >= now else begin <= when
         # a part of the routed load: one pair of sums, each routed entry in bucket 2 * (slot + 1) + seen, the others
-        # in bucket 0, dropped (no weights for the counts: a third cheaper)
+        # in bucket 0, dropped; counts weighted by ones, so that the policy's arithmetic on them is float with float
+        # (mixed integer and float operations cost more than the weights)
         code = self._pair_bucket[:used] + seen
         code *= committed
-        counts = np.bincount(code, None, 2 * stop).reshape(stop, 2)[1:]
+        counts = np.bincount(code, self._ones[:used], 2 * stop).reshape(stop, 2)[1:]
         kv = np.bincount(code, tokens, 2 * stop).reshape(stop, 2)[1:]
         seen_counts, seen_kv = counts[:, 1], kv[:, 1]
         return counts[:, 0] + seen_counts, kv[:, 0] + seen_kv, seen_counts, seen_kv
@@ -209,5 +211,6 @@ class DecodeLedger:
         self._pair_bucket = np.concatenate([self._pair_bucket, np.zeros(extra, np.int64)])
         self._start = np.concatenate([self._start, np.zeros(extra)])
         self._tokens = np.concatenate([self._tokens, np.zeros(extra)])
+        self._ones = np.ones(len(self._tokens))
         self._started = np.concatenate([self._started, np.zeros(extra, bool)])
         self._ids.extend([None] * extra)
