@@ -42,7 +42,7 @@ def prefill_seconds_in_prefix(coef, n_tokens) -> np.ndarray:
     seconds = a + b*p + c*p^2, one column per instance of a ``(4, S)`` stack.
 
     Substituting x = n - p into the features once per request turns the evaluation for every instance and every
-    candidate prefix into one small matrix product and a few array operations (the policy's hot path).
+    candidate prefix into one small matrix product and a few array operations.
     """
     n = float(n_tokens)
     basis = np.array(((1.0, n, n * n, 0.0), (0.0, -1.0, -2.0 * n, n), (0.0, 0.0, 1.0, -1.0)))

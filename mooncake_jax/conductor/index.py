@@ -166,8 +166,8 @@ class BlockIndex:
 
         Why levels and not a slot -> length dict: a hot prefix is held by many slots that drop out of the walk
         together, so a request has a few levels (one to three on the conversation trace) but tens of matching
-        slots; the policy turns the levels into its per-slot column with a few array operations
-        (``level_lengths``) instead of a Python step per slot.
+        slots; the policy works out what a prefix decides once per level and reads it into every slot through a
+        memoised slot -> level index (``slot_groups``) instead of a Python step per slot.
         """
         if not keys:
             return []
@@ -193,14 +193,6 @@ class BlockIndex:
             masks[key] = remaining
         else:
             masks.pop(key, None)
-
-
-def level_lengths(levels: list[tuple[int, int]], capacity: int) -> np.ndarray:
-    """Matched blocks per slot (float column of length ``capacity``) from ``BlockIndex.match_levels``' levels."""
-    column = np.zeros(capacity)
-    for length, mask in levels:
-        column[slots_of_mask(mask)] = length
-    return column
 
 
 @functools.lru_cache(maxsize=4096)

@@ -138,12 +138,6 @@ class DecodeLedger:
         those still in prefill (a routed request counts at once, so a burst spreads over instances)."""
         return self.window(now, decode_s)[1] > when
 
-    def committed_and_at(self, when: float, decode_s, now: float) -> tuple[np.ndarray, np.ndarray]:
-        """``committed(when, ...)`` and ``at(when, ...)`` from one pass over the windows."""
-        begin, end = self.window(now, decode_s)
-        committed = end > when
-        return committed, committed & (begin <= when)
-
     def per_slot(self, mask: np.ndarray, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
         """(requests, kv_tokens) per slot, float arrays of length ``n_slots``, over the entries in ``mask``."""
         bucket = self._bucket[: self._used]  # free entries fall in bucket 0, dropped below
@@ -157,7 +151,7 @@ class DecodeLedger:
         (``at(when, ...)``, or ``active(now)`` when ``seen_now``). Returns (routed requests, routed kv tokens, seen
         requests, seen kv tokens), float arrays of length ``n_slots``.
 
-        The same masks and sums as ``window`` / ``committed_and_at`` / ``per_slot`` (whose docstrings say why),
+        The same masks and sums as ``window`` / ``committed`` / ``at`` / ``per_slot`` (whose docstrings say why),
         written once inline: on the policy's hot path a decision is a fixed count of numpy calls on short arrays,
         each costing its fixed overhead, and the Python around them (method calls, re-slicing the columns per
         view) cost as much again."""

@@ -171,7 +171,8 @@ class Policy:
         return int(slots[table.send_free_at[slots].argmin()])  # the first of equals, as argmin
 
     @staticmethod
-    def _send_starts(snapshot: Snapshot, source: int, prefix: tuple[int, ...], owns: list[int], now: float) -> list[float]:
+    def _send_starts(snapshot: Snapshot, source: int, prefix: tuple[int, ...], owns: list[int],
+                     now: float) -> list[float]:
         """When ``source`` can start sending each group (own prefix ``owns[g]`` blocks) its missing blocks
         ``prefix[own:]``: after its queued sends, and after those blocks land on it if they are only expected there
         (computed or fetched by a request still in flight)."""
