@@ -60,6 +60,8 @@ class InstanceTable:
       are made one at a time (the service holds its lock; the simulator is one thread).
     - ``kv_seconds_per_token`` (capacity x capacity): seconds a sender (row) needs to move one token's KV to a
       receiver (column) at line rate: the receiver's KV bytes per token over the link's bandwidth.
+    - ``decode_fixed_s``: c0 + c1 of each slot's decode cost, the step time of a batch of one without context: a
+      decode instance's step time with ``b`` more requests is this plus their step shares (``DecodeLedger``).
     - ``decode_kv_room``: ``kv_capacity_tokens`` on decode slots, -inf elsewhere (one comparison says both "not a
       decode instance" and "its KV would not fit").
 
@@ -102,6 +104,7 @@ class InstanceTable:
         self.queue_free_at[slot] = self.send_free_at[slot] = self.last_seen[slot] = now
         self.prefill_coef[:, slot] = costs.prefill.coef
         self.decode_coef[:, slot] = costs.decode.coef
+        self.decode_fixed_s[slot] = self.decode_coef[0, slot] + self.decode_coef[1, slot]
         self.kv_bytes_per_token[slot] = costs.kv_bytes_per_token
         self.nic_bytes_per_s[slot] = costs.nic_bytes_per_s
         capacity = costs.kv_capacity_tokens if kv_capacity_tokens is None else kv_capacity_tokens
@@ -159,6 +162,7 @@ class InstanceTable:
         self.role[slot] = Role.FREE
         self.prefill_coef[:, slot] = 0
         self.decode_coef[:, slot] = 0
+        self.decode_fixed_s[slot] = 0.0
         self._refresh_prefill_terms(slot)
         self._refresh_masks()
         return slot
@@ -219,6 +223,7 @@ _COLUMNS = {  # column: (rows, or None for one value per slot; fill value of a f
     "decode_time_s": (None, 1.0, float),
     "prefill_coef": (4, 0.0, float),
     "decode_coef": (3, 0.0, float),
+    "decode_fixed_s": (None, 0.0, float),
     "kv_bytes_per_token": (None, 1.0, float),
     "nic_bytes_per_s": (None, 1.0, float),
     "kv_capacity_tokens": (None, 0.0, float),

@@ -26,14 +26,22 @@ _FREE = -1
 
 
 class DecodeLedger:
-    """In-flight decode requests: slot, start time, KV tokens; loads per slot for the admission views."""
+    """In-flight decode requests: slot, start time, KV tokens; loads per slot for the admission views.
 
-    def __init__(self, capacity: int = 1024):
+    ``instances``: the instance table whose decode cost coefficients give each entry its *step share*, what it
+    adds to its instance's decode step time (c1 + c2 * its KV tokens, with step time c0 + c1 * batch + c2 *
+    context): the policy then reads a slot's step time as one weighted sum over the entries instead of
+    recombining request and token counts per slot (fewer numpy calls on the hot path). Without a table the shares
+    are 0 and only the counts and tokens are meaningful."""
+
+    def __init__(self, capacity: int = 1024, instances=None):
+        self._instances = instances
         self._slot = np.full(capacity, _FREE, np.int64)
         self._bucket = np.zeros(capacity, np.int64)  # slot + 1, 0 for a free entry: bincount drops bucket 0
         self._pair_bucket = np.zeros(capacity, np.int64)  # 2 * (slot + 1), 0 for a free entry
         self._start = np.zeros(capacity)
         self._tokens = np.zeros(capacity)
+        self._step = np.zeros(capacity)  # step share: c1 + c2 * tokens of its slot's decode cost
         self._ones = np.ones(capacity)
         self._started = np.zeros(capacity, bool)
         self._ids: list[str | None] = [None] * capacity
@@ -59,6 +67,9 @@ class DecodeLedger:
             entry = self._used
             self._used += 1
         self._slot[entry], self._start[entry], self._tokens[entry] = slot, start, tokens
+        if self._instances is not None:
+            coef = self._instances.decode_coef
+            self._step[entry] = coef.item(1, slot) + coef.item(2, slot) * tokens
         self._bucket[entry] = slot + 1
         self._pair_bucket[entry] = 2 * (slot + 1)
         self._started[entry] = started
@@ -146,21 +157,22 @@ class DecodeLedger:
                 np.bincount(bucket, weights=self._tokens[: self._used] * mask, minlength=n_slots + 1)[1 : n_slots + 1])
 
     def decision_loads(self, now: float, when: float, decode_s, n_slots: int, seen_now: bool):
-        """The two per-slot loads one decision reads, from one pass over the entries: the routed load
+        """The per-slot loads one decision reads, from one pass over the entries: the routed load
         (``committed(when, ...)``: every entry not predicted finished by ``when``) and the load admission judges
-        (``at(when, ...)``, or ``active(now)`` when ``seen_now``). Returns (routed requests, routed kv tokens, seen
-        requests, seen kv tokens), float arrays of length ``n_slots``.
+        (``at(when, ...)``, or ``active(now)`` when ``seen_now``). Returns (routed step shares, routed kv tokens,
+        seen step shares, seen kv tokens, seen requests), float arrays of length ``n_slots`` (a slot's step time
+        with a batch is c0 + c1 + its step shares' sum: see the class docstring).
 
         The same masks and sums as ``window`` / ``committed`` / ``at`` / ``per_slot`` (whose docstrings say why),
         written once inline: on the policy's hot path a decision is a fixed count of numpy calls on short arrays,
-        each costing its fixed overhead, and the Python around them (method calls, re-slicing the columns per
-        view) cost as much again."""
+        each costing its fixed overhead (twice that with a Python scalar operand), and the Python around them
+        (method calls, re-slicing the columns per view) cost as much again."""
         used = self._used
         if not used:  # (bincount of nothing gives integers)
-            return tuple(np.zeros(n_slots) for _ in range(4))
+            return tuple(np.zeros(n_slots) for _ in range(5))
         start, started = self._start[:used], self._started[:used]
         if isinstance(decode_s, np.ndarray):
-            decode_s = decode_s[self._slot[:used]]
+            decode_s = decode_s.take(self._slot[:used])
         begin = np.maximum(start, now)
         np.copyto(begin, start, where=started)
         end = begin + decode_s
@@ -168,23 +180,29 @@ class DecodeLedger:
         overdue = end <= now  # decoding past t_d: its end is +inf (the module docstring says why)
         overdue &= started
         committed |= overdue
-        bucket, tokens = self._bucket[:used], self._tokens[:used]
+        tokens, step = self._tokens[:used], self._step[:used]
         stop = n_slots + 1
-        if seen_now:  # the current load, not a part of the routed one: four sums
-            seen = start <= now
-            return (np.bincount(bucket, committed, stop)[1:stop], np.bincount(bucket, tokens * committed, stop)[1:stop],
-                    np.bincount(bucket, seen, stop)[1:stop], np.bincount(bucket, tokens * seen, stop)[1:stop])
+        if seen_now:  # the current load, not a part of the routed one: each entry in bucket 4 * (slot + 1)
+            seen = start <= now  # + 2 * committed + seen (free entries: 0 to 3, dropped)
+            code = self._pair_bucket[:used] + committed
+            code += code
+            code += seen
+            shares, kv, counts = (np.bincount(code, weights, 4 * stop).reshape(stop, 4)[1:]
+                                  for weights in (step, tokens, self._ones[:used]))
+            return (shares[:, 2] + shares[:, 3], kv[:, 2] + kv[:, 3], shares[:, 1] + shares[:, 3],
+                    kv[:, 1] + kv[:, 3], counts[:, 1] + counts[:, 3])
         # begun by ``when``: begin <= when, and begin = max(start, now) or start, so start <= when
         seen = start <= when if when >= now else begin <= when
-        # a part of the routed load: one pair of sums, each routed entry in bucket 2 * (slot + 1) + seen, the others
-        # in bucket 0, dropped; counts weighted by ones, so that the policy's arithmetic on them is float with float
-        # (mixed integer and float operations cost more than the weights)
+        # a part of the routed load: each routed entry in bucket 2 * (slot + 1) + seen, the others in bucket 0,
+        # dropped; counts weighted by ones, so that the policy's arithmetic on them is float with float (mixed
+        # integer and float operations cost more than the weights)
         code = self._pair_bucket[:used] + seen
         code *= committed
-        counts = np.bincount(code, self._ones[:used], 2 * stop).reshape(stop, 2)[1:]
+        shares = np.bincount(code, step, 2 * stop).reshape(stop, 2)[1:]
         kv = np.bincount(code, tokens, 2 * stop).reshape(stop, 2)[1:]
-        seen_counts, seen_kv = counts[:, 1], kv[:, 1]
-        return counts[:, 0] + seen_counts, kv[:, 0] + seen_kv, seen_counts, seen_kv
+        seen_shares, seen_kv = shares[:, 1], kv[:, 1]
+        return (shares[:, 0] + seen_shares, kv[:, 0] + seen_kv, seen_shares, seen_kv,
+                np.bincount(code, self._ones[:used], 2 * stop)[3 :: 2])
 
     def on_slot(self, mask: np.ndarray, slot: int) -> tuple[int, float]:
         """(requests, kv_tokens) on one slot over the entries in ``mask``."""
@@ -205,6 +223,7 @@ class DecodeLedger:
         self._pair_bucket = np.concatenate([self._pair_bucket, np.zeros(extra, np.int64)])
         self._start = np.concatenate([self._start, np.zeros(extra)])
         self._tokens = np.concatenate([self._tokens, np.zeros(extra)])
+        self._step = np.concatenate([self._step, np.zeros(extra)])
         self._ones = np.ones(len(self._tokens))
         self._started = np.concatenate([self._started, np.zeros(extra, bool)])
         self._ids.extend([None] * extra)

@@ -195,30 +195,25 @@ class Policy:
         the request's KV under the admission view (``early`` / ``predictive`` only).
 
         Written for the hot path (each numpy call costs its fixed overhead, so there are few): both ledger views
-        from one pass (``DecodeLedger.decision_loads``), the step times in place, and the choice by masking the
+        from one pass (``DecodeLedger.decision_loads``), each view's step times as the sum of its requests' step
+        shares (one weighted bincount in the ledger) plus this request's own, and the choice by masking the
         excluded instances with +inf (an argmin that lands on +inf means none qualified) instead of counting."""
         cfg, table = self.config, snapshot.instances
-        kv = request.kv_tokens
-        c0, c1, c2 = table.decode_coef
-        batch, context, seen_batch, seen_context = snapshot.ledger.decision_loads(
+        kv = float(request.kv_tokens)  # (a Python int operand costs a numpy call more than a float)
+        shares, context, seen_shares, seen_context, seen_batch = snapshot.ledger.decision_loads(
             now, end, snapshot.decode_time_per_slot, table.capacity, cfg.admission is Admission.EARLY)
-        # what spreads a burst: all routed load, c0 + c1 * (batch + 1) + c2 * (context + kv), in place
-        context += kv
-        batch += 1
-        load = np.multiply(c1, batch)
-        np.add(c0, load, out=load)
+        # a slot's step time with this request: c0 + c1 + c2 * kv (its own step share and the fixed terms) plus
+        # the step shares (c1 + c2 * tokens) of the requests counted there
+        own = table.decode_coef[2] * kv
+        own += table.decode_fixed_s
+        load = shares + own  # what spreads a burst: all routed load
+        seen_tbt = seen_shares + own
         if cfg.admission in adm.CHECKS_DECODE_HERE:
-            load += c2 * context
             # room for its KV, and a batch slot: a decode instance with every slot taken refuses it after its
             # prefill (late, the prefill wasted); refused here it costs nothing and the client is told at once
             seen_context += kv  # with this request
             refused = seen_context > table.decode_kv_room  # (and every slot that is not a decode instance)
             refused |= seen_batch >= table.max_batch
-            seen_batch += 1
-            seen_tbt = np.multiply(c1, seen_batch)
-            np.add(c0, seen_tbt, out=seen_tbt)
-            seen_context *= c2
-            seen_tbt += seen_context
             over = seen_tbt > cfg.tbt_slo_s
             over |= refused
             np.putmask(load, over, np.inf)
@@ -229,15 +224,14 @@ class Policy:
                 if seen_tbt.item(slot) == np.inf:  # none can hold it
                     return None, 0.0
             return slot, seen_tbt.item(slot)
+        context += kv
         fits = context <= table.kv_capacity_tokens  # context + kv: this request's KV beside the routed load
         fits &= candidates
-        context *= c2
-        load += context
         if np.count_nonzero(fits):
             slot = _argmin_among(load, fits)
         else:  # the decode instance itself queues or rejects it
             slot = int((load + table.barrier(Role.DECODE)).argmin())
-        return slot, adm.predicted_tbt(table.decode_coef[:, slot], seen_batch.item(slot), seen_context.item(slot), kv)
+        return slot, seen_tbt.item(slot)
 
     def _retry_after(self, snapshot: Snapshot, slot: int | None, now: float) -> float:
         """Until the next predicted decode completion (on ``slot``, or anywhere), at least the configured floor."""

@@ -34,7 +34,7 @@ class ClusterState:
         self.config = config or PolicyConfig()
         self.instances = InstanceTable()
         self.index = BlockIndex()
-        self.ledger = DecodeLedger()
+        self.ledger = DecodeLedger(instances=self.instances)
         self._tracked_decode_s = self.config.decode_time_init_s
         self._decode_s_of_kind: dict[str, float] = {}  # hardware kind -> its tracked t_d
         self._slots_of_kind: dict[str, set[int]] = {}
