@@ -72,16 +72,20 @@ class BlockIndex:
         """``slot`` will hold those of ``keys`` it lacks from ``ready_at`` on (a request routed there computes or
         fetches them); those it holds already are left as they are."""
         bit = 1 << slot
-        holders = self._holders
-        new = []
-        for key in keys:  # the holder mask says whether the slot has it (as its key set does): one lookup a key
-            held = holders.get(key, 0)
-            if not held & bit:
-                holders[key] = held | bit
-                new.append(key)
-        self._keys_of.setdefault(slot, set()).update(new)  # set and dict updates in one call each: the hot path
-        self._ready.setdefault(slot, {}).update(dict.fromkeys(new, ready_at))
-        if new and ready_at > self._latest_ready.get(slot, -math.inf):
+        get = self._holders.get
+        # the holder mask says whether the slot has it (as its key set does): one lookup a key; the new masks are
+        # gathered in a dict, and every update below reads its keys with their stored hashes (nothing hashed
+        # twice, one C loop per structure instead of a Python step per key: the hot path)
+        new = {key: held | bit for key in keys if not (held := get(key, 0)) & bit}
+        if not new:
+            return
+        self._holders.update(new)
+        self._keys_of.setdefault(slot, set()).update(new)
+        pending = self._ready.get(slot)
+        if pending is None:
+            pending = self._ready[slot] = {}
+        pending.update(dict.fromkeys(new, ready_at))
+        if ready_at > self._latest_ready.get(slot, -math.inf):
             self._latest_ready[slot] = ready_at
 
     def remove(self, slot: int, keys: Iterable[int]) -> None:

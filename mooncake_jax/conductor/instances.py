@@ -62,6 +62,7 @@ class InstanceTable:
       receiver (column) at line rate: the receiver's KV bytes per token over the link's bandwidth.
     - ``decode_fixed_s``: c0 + c1 of each slot's decode cost, the step time of a batch of one without context: a
       decode instance's step time with ``b`` more requests is this plus their step shares (``DecodeLedger``).
+    - ``batch_limited``: whether some decode instance has a finite ``max_batch``.
     - ``decode_kv_room``: ``kv_capacity_tokens`` on decode slots, -inf elsewhere (one comparison says both "not a
       decode instance" and "its KV would not fit").
 
@@ -195,6 +196,8 @@ class InstanceTable:
         self.decode_kv_room = np.where(self._masks[Role.DECODE], self.kv_capacity_tokens, -np.inf)
         self._barriers = [np.where(mask, 0.0, np.inf) for mask in self._masks]
         self._counts = [int(np.count_nonzero(mask)) for mask in self._masks]
+        # whether any decode instance registered its batch slots (else no decision needs to count requests)
+        self.batch_limited = bool(np.isfinite(self.max_batch[self._masks[Role.DECODE]]).any())
 
     def _grow(self, extra: int) -> None:
         for name, (rows, fill, dtype) in _COLUMNS.items():

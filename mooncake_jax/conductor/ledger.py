@@ -156,12 +156,13 @@ class DecodeLedger:
         return (np.bincount(bucket, weights=mask, minlength=n_slots + 1)[1 : n_slots + 1],
                 np.bincount(bucket, weights=self._tokens[: self._used] * mask, minlength=n_slots + 1)[1 : n_slots + 1])
 
-    def decision_loads(self, now: float, when: float, decode_s, n_slots: int, seen_now: bool):
+    def decision_loads(self, now: float, when: float, decode_s, n_slots: int, seen_now: bool, count: bool = True):
         """The per-slot loads one decision reads, from one pass over the entries: the routed load
         (``committed(when, ...)``: every entry not predicted finished by ``when``) and the load admission judges
         (``at(when, ...)``, or ``active(now)`` when ``seen_now``). Returns (routed step shares, routed kv tokens,
         seen step shares, seen kv tokens, seen requests), float arrays of length ``n_slots`` (a slot's step time
-        with a batch is c0 + c1 + its step shares' sum: see the class docstring).
+        with a batch is c0 + c1 + its step shares' sum: see the class docstring); seen requests None unless
+        ``count`` (only a batch limit needs them: one sum fewer).
 
         The same masks and sums as ``window`` / ``committed`` / ``at`` / ``per_slot`` (whose docstrings say why),
         written once inline: on the policy's hot path a decision is a fixed count of numpy calls on short arrays,
@@ -169,7 +170,7 @@ class DecodeLedger:
         (method calls, re-slicing the columns per view) cost as much again."""
         used = self._used
         if not used:  # (bincount of nothing gives integers)
-            return tuple(np.zeros(n_slots) for _ in range(5))
+            return (*(np.zeros(n_slots) for _ in range(4)), np.zeros(n_slots) if count else None)
         start, started = self._start[:used], self._started[:used]
         if isinstance(decode_s, np.ndarray):
             decode_s = decode_s.take(self._slot[:used])
@@ -187,10 +188,10 @@ class DecodeLedger:
             code = self._pair_bucket[:used] + committed
             code += code
             code += seen
-            shares, kv, counts = (np.bincount(code, weights, 4 * stop).reshape(stop, 4)[1:]
-                                  for weights in (step, tokens, self._ones[:used]))
+            shares, kv = (np.bincount(code, weights, 4 * stop).reshape(stop, 4)[1:] for weights in (step, tokens))
+            counts = np.bincount(code, self._ones[:used], 4 * stop).reshape(stop, 4)[1:] if count else None
             return (shares[:, 2] + shares[:, 3], kv[:, 2] + kv[:, 3], shares[:, 1] + shares[:, 3],
-                    kv[:, 1] + kv[:, 3], counts[:, 1] + counts[:, 3])
+                    kv[:, 1] + kv[:, 3], counts[:, 1] + counts[:, 3] if count else None)
         # begun by ``when``: begin <= when, and begin = max(start, now) or start, so start <= when
         seen = start <= when if when >= now else begin <= when
         # a part of the routed load: each routed entry in bucket 2 * (slot + 1) + seen, the others in bucket 0,
@@ -202,7 +203,7 @@ class DecodeLedger:
         kv = np.bincount(code, tokens, 2 * stop).reshape(stop, 2)[1:]
         seen_shares, seen_kv = shares[:, 1], kv[:, 1]
         return (shares[:, 0] + seen_shares, kv[:, 0] + seen_kv, seen_shares, seen_kv,
-                np.bincount(code, self._ones[:used], 2 * stop)[3 :: 2])
+                np.bincount(code, self._ones[:used], 2 * stop)[3 :: 2] if count else None)
 
     def on_slot(self, mask: np.ndarray, slot: int) -> tuple[int, float]:
         """(requests, kv_tokens) on one slot over the entries in ``mask``."""

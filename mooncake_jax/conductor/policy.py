@@ -201,7 +201,8 @@ class Policy:
         cfg, table = self.config, snapshot.instances
         kv = float(request.kv_tokens)  # (a Python int operand costs a numpy call more than a float)
         shares, context, seen_shares, seen_context, seen_batch = snapshot.ledger.decision_loads(
-            now, end, snapshot.decode_time_per_slot, table.capacity, cfg.admission is Admission.EARLY)
+            now, end, snapshot.decode_time_per_slot, table.capacity, cfg.admission is Admission.EARLY,
+            table.batch_limited)
         # a slot's step time with this request: c0 + c1 + c2 * kv (its own step share and the fixed terms) plus
         # the step shares (c1 + c2 * tokens) of the requests counted there
         own = table.decode_coef[2] * kv
@@ -213,7 +214,8 @@ class Policy:
             # prefill (late, the prefill wasted); refused here it costs nothing and the client is told at once
             seen_context += kv  # with this request
             refused = seen_context > table.decode_kv_room  # (and every slot that is not a decode instance)
-            refused |= seen_batch >= table.max_batch
+            if seen_batch is not None:  # some decode instance registered its batch slots
+                refused |= seen_batch >= table.max_batch
             over = seen_tbt > cfg.tbt_slo_s
             over |= refused
             np.putmask(load, over, np.inf)

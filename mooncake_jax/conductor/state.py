@@ -93,18 +93,20 @@ class ClusterState:
             return
         table = self.instances
         prefill, decode = table.slot(decision.prefill), table.slot(decision.decode)
-        table.queue_free_at[prefill] = max(table.queue_free_at[prefill], decision.prefill_end_at)
+        end = decision.prefill_end_at
+        if end > table.queue_free_at.item(prefill):
+            table.queue_free_at[prefill] = end
         if decision.transfer is not None:
             source = table.slot(decision.transfer.source)
             table.send_free_at[source] = now + float(transfer_seconds(
                 decision.transfer.n_bytes, table.link(source, prefill), table.send_free_at[source] - now))
-        self.ledger.add(request.request_id, decode, decision.prefill_end_at, request.kv_tokens)
+        self.ledger.add(request.request_id, decode, end, request.kv_tokens)
         self._prefill_of[request.request_id] = prefill
         if store_blocks:
             held = 0
             if fresh:  # its own matched prefix: the decision's prefix less what it fetches
                 held = decision.prefix_blocks - (len(decision.transfer.keys) if decision.transfer else 0)
-            self.index.expect(prefill, request.block_keys[held:], decision.prefill_end_at)
+            self.index.expect(prefill, request.block_keys[held:], end)
             self.index.settle(prefill, now)
 
     # ---------------------------------------------------------------------------------------- membership
