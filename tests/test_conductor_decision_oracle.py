@@ -167,12 +167,14 @@ def check(decision, expected: dict) -> None:
         assert decision.transfer.seconds == pytest.approx(expected["transfer"][3], rel=1e-9)
 
 
-def replay(cfg: PolicyConfig, n_requests: int, speed: float, capacity: int, seed: int) -> dict:
+def replay(cfg: PolicyConfig, n_requests: int, speed: float, capacity: int, seed: int,
+           batch_slots: bool = True) -> dict:
     """Replay the conversation trace's first ``n_requests`` (arrivals ``speed`` times faster) through a state of 6
     prefill and 5 decode instances of three hardware kinds, checking every decision against the oracle; returns how
     often each outcome occurred. Between decisions: decode starts and finishes reported a little off their
     predictions, a prefill instance's KV event confirming a request's blocks when its decode starts, evictions, and
-    load reports (queue, prefill slowdown)."""
+    load reports (queue, prefill slowdown). ``batch_slots``: some decode instances register a batch limit (without
+    any, the policy counts no requests per instance: that path is checked too)."""
     rng = np.random.default_rng(seed)
     state, policy = ClusterState(cfg), Policy(cfg)
     costs = {kind: instance_costs(kind, "llama2-70b") for kind in KINDS}
@@ -180,7 +182,7 @@ def replay(cfg: PolicyConfig, n_requests: int, speed: float, capacity: int, seed
         state.add_instance(f"p{i}", "prefill", costs[KINDS[i % 3]], 0.0)
     for i in range(5):  # decode capacities (KV tokens) and batch slots tight enough that both refuse requests
         state.add_instance(f"d{i}", "decode", costs[KINDS[(i + 1) % 3]], 0.0, kv_capacity_tokens=capacity * (i + 1),
-                           max_batch=None if i % 2 else 12 + 4 * i)
+                           max_batch=None if i % 2 or not batch_slots else 12 + 4 * i)
     state.set_link("p0", "p3", 1e9)  # a pair with its own link, slower than either NIC
     trace = load_trace("conversation", first=n_requests)
     outcomes: dict = {}
@@ -228,4 +230,16 @@ def test_decisions_equal_a_per_instance_recomputation(strategy, admission, thres
     outcomes = replay(cfg, 600, speed, capacity, seed=len(strategy) + len(admission))
     assert sum(outcomes.values()) == 600
     # the check means something only where the replay reached these branches
+    assert must_see <= set(outcomes), outcomes
+
+
+@pytest.mark.parametrize("admission, must_see", [("predictive", {"accepted", "decode_capacity", "tbt_slo"}),
+                                                 ("early", {"accepted", "decode_capacity", "tbt_slo"})])
+def test_decisions_equal_the_recomputation_without_batch_limits(admission, must_see):
+    """No decode instance registers its batch slots: the policy skips counting requests per instance
+    (``InstanceTable.batch_limited``), and its decisions must still be the oracle's."""
+    cfg = PolicyConfig(strategy="kvcache-centric", admission=admission, block_size=BLOCK, ttft_slo_s=8.0,
+                       tbt_slo_s=0.011)
+    outcomes = replay(cfg, 600, 2.0, 12_000, seed=7, batch_slots=False)
+    assert sum(outcomes.values()) == 600
     assert must_see <= set(outcomes), outcomes
