@@ -65,7 +65,9 @@ def transfer_seconds(n_bytes, bytes_per_s, backlog_s=0.0):
         return np.maximum(backlog_s, 0.0) + n_bytes / bytes_per_s
     if not bytes_per_s > 0:
         raise ValueError(f"bandwidth must be positive, got {bytes_per_s}")
-    if np.ndim(backlog_s) == 0 and np.ndim(n_bytes) == 0:
+    # Python numbers first: ``np.ndim`` costs about half a microsecond a call (the decision path calls this twice)
+    if (isinstance(backlog_s, (int, float)) and isinstance(n_bytes, (int, float))
+            or np.ndim(backlog_s) == 0 and np.ndim(n_bytes) == 0):
         return max(float(backlog_s), 0.0) + n_bytes / bytes_per_s
     return np.maximum(backlog_s, 0.0) + np.divide(n_bytes, bytes_per_s)
 
