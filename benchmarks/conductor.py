@@ -11,12 +11,14 @@ a live cluster would. The machine is shared, so each configuration runs ``--runs
 disturbed run (lowest p99) is reported, with the CPU-time rate and p99 that preemption does not inflate.
 
 Where a decision's time goes: ``phases`` (the ``phase_*`` keys) times its parts in this thread's CPU time. At
-64 + 64 instances and 1e6 blocks (AMD EPYC, docs/benchmarks.md): the prefix match ~1 us repeated, ~10 us more in
-sequence (cache misses in the 1e6-key index), every prefill instance's TTFT ~23 us, the decode choice ~23 us
-(ledger windows, per-slot bincounts for the routed and the admission views, two step-time evaluations), the rest
-of ``decide`` ~8 us, applying it ~15 us (~16 new blocks recorded as expected in the index). At 128 columns every
-numpy call costs its fixed ~0.35-2 us, not its length, so the decision is a fixed number of such calls
-(``decision_in_numpy_ops`` says how many, in units of the ``numpy_op_us`` measured in the same run).
+64 + 64 instances and 1e6 blocks (AMD EPYC, load 3-5, docs/benchmarks.md, fifth pass), least of repeats: the prefix
+match ~1 us, every prefill instance's TTFT ~12 us (one row of features per prefix group, one matrix product), the
+decode choice ~17 us (one pass over the ledger for both views, weighted bincounts of the entries' step shares), the
+rest of ``decide`` ~4 us; ``decide`` once, in sequence, ~45 us (code and data cold after the previous request's
+apply and reports, spread over the whole decision), applying it ~14-16 us (~17 new blocks recorded as expected in
+the index). ``benchmarks/conductor_ab.py`` compares two source trees on the same decisions in one process. At 128 columns every numpy call costs its fixed ~0.35-2 us, not its
+length, so the decision is a fixed number of such calls (``decision_in_numpy_ops`` says how many, in units of the
+``numpy_op_us`` measured in the same run).
 Goal: >= 10,000 decisions/s and p99 <= 1 ms at 64 instances and 1e6 blocks.
 
     python benchmarks/conductor.py --json /tmp/conductor.json

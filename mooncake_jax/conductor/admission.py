@@ -21,31 +21,11 @@ stay within the SLO). A request is rejected on decode load only when no decode i
 
 from __future__ import annotations
 
-import numpy as np
-
 from mooncake_jax.conductor.api import Admission, PolicyConfig, RejectReason
-from mooncake_jax.conductor.costs import DecodeCost, decode_step_seconds
-from mooncake_jax.conductor.ledger import DecodeLedger
+from mooncake_jax.conductor.costs import DecodeCost
 
 CHECKS_DECODE_HERE = (Admission.EARLY, Admission.PREDICTIVE)
 """Policies that reject on decode load (TBT, KV capacity) before prefill rather than leaving it to the decode side."""
-
-
-def decode_views(admission: Admission, ledger: DecodeLedger, now: float, prefill_end_at: float,
-                 decode_s) -> tuple[np.ndarray, np.ndarray]:
-    """Two masks over the ledger for a request whose prefill ends at ``prefill_end_at``: the routed load that
-    decode selection spreads over (every request not predicted finished by then), and the load ``admission``
-    judges: ``early`` the current load, the others the load predicted at ``prefill_end_at`` (for ``none`` and
-    ``baseline`` only the estimate reported in the decision, never a reason to reject)."""
-    committed, predicted = ledger.committed_and_at(prefill_end_at, decode_s, now)
-    if admission == Admission.EARLY:
-        return committed, ledger.active(now)
-    return committed, predicted
-
-
-def predicted_tbt(decode_coef: np.ndarray, batch: float, context_tokens: float, kv_tokens: int) -> float:
-    """TBT on an instance whose batch (``batch`` requests, ``context_tokens``) gains this request."""
-    return float(decode_step_seconds(decode_coef, batch + 1, context_tokens + kv_tokens))
 
 
 def rejection(config: PolicyConfig, ttft_s: float, tbt_s: float) -> RejectReason | None:

@@ -41,6 +41,7 @@ class BlockIndex:
         self._keys_of: dict[int, set[int]] = {}
         self._ready: dict[int, dict[int, float]] = {}  # slot -> key -> clock time an expected block lands
         self._settle_above: dict[int, int] = {}  # slot -> pending count at which expired entries are dropped
+        self._latest_ready: dict[int, float] = {}  # slot -> latest ready time ever expected there (since a purge)
 
     def __len__(self) -> int:
         """Distinct keys held anywhere."""
@@ -71,15 +72,21 @@ class BlockIndex:
         """``slot`` will hold those of ``keys`` it lacks from ``ready_at`` on (a request routed there computes or
         fetches them); those it holds already are left as they are."""
         bit = 1 << slot
-        holders = self._holders
-        new = []
-        for key in keys:  # the holder mask says whether the slot has it (as its key set does): one lookup a key
-            held = holders.get(key, 0)
-            if not held & bit:
-                holders[key] = held | bit
-                new.append(key)
-        self._keys_of.setdefault(slot, set()).update(new)  # set and dict updates in one call each: the hot path
-        self._ready.setdefault(slot, {}).update(dict.fromkeys(new, ready_at))
+        get = self._holders.get
+        # the holder mask says whether the slot has it (as its key set does): one lookup a key; the new masks are
+        # gathered in a dict, and every update below reads its keys with their stored hashes (nothing hashed
+        # twice, one C loop per structure instead of a Python step per key: the hot path)
+        new = {key: held | bit for key in keys if not (held := get(key, 0)) & bit}
+        if not new:
+            return
+        self._holders.update(new)
+        self._keys_of.setdefault(slot, set()).update(new)
+        pending = self._ready.get(slot)
+        if pending is None:
+            pending = self._ready[slot] = {}
+        pending.update(dict.fromkeys(new, ready_at))
+        if ready_at > self._latest_ready.get(slot, -math.inf):
+            self._latest_ready[slot] = ready_at
 
     def remove(self, slot: int, keys: Iterable[int]) -> None:
         """``slot`` no longer holds ``keys`` (evicted); keys it never held are ignored."""
@@ -101,6 +108,7 @@ class BlockIndex:
         own = self._keys_of.pop(slot, set())
         self._ready.pop(slot, None)
         self._settle_above.pop(slot, None)
+        self._latest_ready.pop(slot, None)
         bit = 1 << slot
         for key in own:
             self._clear(self._holders, key, bit)
@@ -117,6 +125,11 @@ class BlockIndex:
     def has_pending(self, slot: int) -> bool:
         """Whether ``slot`` has blocks recorded as expected but not yet confirmed."""
         return bool(self._ready.get(slot))
+
+    def pending_until(self, slot: int) -> float:
+        """A bound on when every block expected on ``slot`` will have landed (the latest ready time ever expected
+        there; -inf when none was): when it is already past, no key needs looking up (``ready_times``)."""
+        return self._latest_ready.get(slot, -math.inf) if self._ready.get(slot) else -math.inf
 
     def ready_times(self, slot: int, keys: Sequence[int]) -> list[float]:
         """For each key, the clock time ``slot`` is expected to have it (-inf: it has it now or not expected)."""
@@ -157,8 +170,8 @@ class BlockIndex:
 
         Why levels and not a slot -> length dict: a hot prefix is held by many slots that drop out of the walk
         together, so a request has a few levels (one to three on the conversation trace) but tens of matching
-        slots; the policy turns the levels into its per-slot column with a few array operations
-        (``level_lengths``) instead of a Python step per slot.
+        slots; the policy works out what a prefix decides once per level and reads it into every slot through a
+        memoised slot -> level index (``slot_groups``) instead of a Python step per slot.
         """
         if not keys:
             return []
@@ -186,14 +199,6 @@ class BlockIndex:
             masks.pop(key, None)
 
 
-def level_lengths(levels: list[tuple[int, int]], capacity: int) -> np.ndarray:
-    """Matched blocks per slot (float column of length ``capacity``) from ``BlockIndex.match_levels``' levels."""
-    column = np.zeros(capacity)
-    for length, mask in levels:
-        column[slots_of_mask(mask)] = length
-    return column
-
-
 @functools.lru_cache(maxsize=4096)
 def slots_of_mask(mask: int) -> np.ndarray:
     """Positions of the set bits of ``mask`` as an index array (read-only: it is shared).
@@ -203,6 +208,22 @@ def slots_of_mask(mask: int) -> np.ndarray:
     slots = np.array(_bits(mask), np.intp)
     slots.flags.writeable = False
     return slots
+
+
+@functools.lru_cache(maxsize=4096)
+def slot_groups(masks: tuple[int, ...], capacity: int) -> np.ndarray:
+    """Each slot's group as a flat index into a ``(len(masks) + 1, capacity)`` array: entry ``s`` is
+    ``group * capacity + s``, group 0 for a slot in none of ``masks``, group ``j`` for a slot in ``masks[j - 1]``
+    (the masks are disjoint: ``BlockIndex.match_levels``' levels).
+
+    The policy evaluates one row per group (a level's slots share their prefix, so they share everything the
+    prefix decides) and reads each slot's value from its group's row with one ``take`` through this index;
+    memoised like ``slots_of_mask``, as the same holder sets come back request after request."""
+    flat = np.arange(capacity, dtype=np.intp)
+    for group, mask in enumerate(masks, 1):
+        flat[slots_of_mask(mask)] += group * capacity
+    flat.flags.writeable = False
+    return flat
 
 
 def _bits(mask: int) -> list[int]:

@@ -50,6 +50,22 @@ class InstanceTable:
     - ``link_bytes_per_s`` (capacity x capacity): bandwidth of each sender (row) -> receiver (column) link; the
       slower NIC of the pair unless ``set_link`` gave the pair its own figure (same host, same rack, ...).
 
+    Kept up to date from the columns above, for the policy's hot path (one decision reads them in a single matrix
+    product instead of a dozen array operations, see ``policy.py``):
+
+    - ``prefill_terms`` (7 x capacity): rows 0-3 each slot's prefill coefficients scaled by its slowdown (the
+      prefill seconds of ``x`` new tokens after a prefix ``p`` are ``(1, x, x^2, x*p)`` times the column), row 4
+      ones (a term every slot pays alike); rows 5 and 6 are the policy's scratch, overwritten by each decision
+      (the sender's link row, the queues): one buffer instead of a fresh one per decision. Decisions on one table
+      are made one at a time (the service holds its lock; the simulator is one thread).
+    - ``kv_seconds_per_token`` (capacity x capacity): seconds a sender (row) needs to move one token's KV to a
+      receiver (column) at line rate: the receiver's KV bytes per token over the link's bandwidth.
+    - ``decode_fixed_s``: c0 + c1 of each slot's decode cost, the step time of a batch of one without context: a
+      decode instance's step time with ``b`` more requests is this plus their step shares (``DecodeLedger``).
+    - ``batch_limited``: whether some decode instance has a finite ``max_batch``.
+    - ``decode_kv_room``: ``kv_capacity_tokens`` on decode slots, -inf elsewhere (one comparison says both "not a
+      decode instance" and "its KV would not fit").
+
     Plus ``ids``/``addresses``/``costs``/``hardware`` lists and ``slot_of`` (instance id -> slot).
     """
 
@@ -89,6 +105,7 @@ class InstanceTable:
         self.queue_free_at[slot] = self.send_free_at[slot] = self.last_seen[slot] = now
         self.prefill_coef[:, slot] = costs.prefill.coef
         self.decode_coef[:, slot] = costs.decode.coef
+        self.decode_fixed_s[slot] = self.decode_coef[0, slot] + self.decode_coef[1, slot]
         self.kv_bytes_per_token[slot] = costs.kv_bytes_per_token
         self.nic_bytes_per_s[slot] = costs.nic_bytes_per_s
         capacity = costs.kv_capacity_tokens if kv_capacity_tokens is None else kv_capacity_tokens
@@ -96,6 +113,7 @@ class InstanceTable:
             raise ValueError(f"kv_capacity_tokens must be non-negative, got {capacity}")
         self.kv_capacity_tokens[slot] = capacity
         self.prefill_slowdown[slot] = 1.0
+        self._refresh_prefill_terms(slot)
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.max_batch[slot] = np.inf if max_batch is None else max_batch
@@ -109,7 +127,18 @@ class InstanceTable:
             raise ValueError(f"link bandwidth must be a positive finite number, got {bytes_per_s!r}")
         self._link_overrides[(sender, receiver)] = float(bytes_per_s)
         if sender in self.slot_of and receiver in self.slot_of:
-            self.link_bytes_per_s[self.slot_of[sender], self.slot_of[receiver]] = bytes_per_s
+            row, column = self.slot_of[sender], self.slot_of[receiver]
+            self.link_bytes_per_s[row, column] = bytes_per_s
+            self.kv_seconds_per_token[row, column] = self.kv_bytes_per_token[column] / bytes_per_s
+
+    def set_prefill_slowdown(self, slot: int, slowdown: float) -> None:
+        """How much longer than its cost model a prefill instance's recent requests took (validated by the
+        caller); its predicted prefill times are scaled by it."""
+        self.prefill_slowdown[slot] = slowdown
+        self._refresh_prefill_terms(slot)
+
+    def _refresh_prefill_terms(self, slot: int) -> None:
+        self.prefill_terms[:4, slot] = self.prefill_coef[:, slot] * self.prefill_slowdown[slot]
 
     def link(self, sender: int, receiver: int) -> float:
         """Bandwidth of the link between two slots, sender first."""
@@ -124,6 +153,7 @@ class InstanceTable:
         for (sender, receiver), bandwidth in self._link_overrides.items():
             if me in (sender, receiver) and sender in self.slot_of and receiver in self.slot_of:
                 self.link_bytes_per_s[self.slot_of[sender], self.slot_of[receiver]] = bandwidth
+        self.kv_seconds_per_token = self.kv_bytes_per_token / self.link_bytes_per_s
 
     def remove(self, instance_id: str) -> int:
         """Free an instance's slot; the caller purges what else refers to the slot first."""
@@ -133,6 +163,8 @@ class InstanceTable:
         self.role[slot] = Role.FREE
         self.prefill_coef[:, slot] = 0
         self.decode_coef[:, slot] = 0
+        self.decode_fixed_s[slot] = 0.0
+        self._refresh_prefill_terms(slot)
         self._refresh_masks()
         return slot
 
@@ -161,8 +193,11 @@ class InstanceTable:
         # name), which cost a microsecond per lookup on the policy's hot path
         roles = (Role.FREE, Role.PREFILL, Role.DECODE)
         self._masks = [self.role == int(role) for role in roles]
+        self.decode_kv_room = np.where(self._masks[Role.DECODE], self.kv_capacity_tokens, -np.inf)
         self._barriers = [np.where(mask, 0.0, np.inf) for mask in self._masks]
         self._counts = [int(np.count_nonzero(mask)) for mask in self._masks]
+        # whether any decode instance registered its batch slots (else no decision needs to count requests)
+        self.batch_limited = bool(np.isfinite(self.max_batch[self._masks[Role.DECODE]]).any())
 
     def _grow(self, extra: int) -> None:
         for name, (rows, fill, dtype) in _COLUMNS.items():
@@ -176,6 +211,9 @@ class InstanceTable:
         links = np.ones((self.capacity + extra, self.capacity + extra))
         links[: self.capacity, : self.capacity] = self.link_bytes_per_s
         self.link_bytes_per_s = links
+        self.kv_seconds_per_token = self.kv_bytes_per_token / links
+        self.prefill_terms = np.concatenate([self.prefill_coef * self.prefill_slowdown, np.ones((1, len(links))),
+                                             np.zeros((2, len(links)))])
         self.capacity += extra
         self._refresh_masks()
 
@@ -188,6 +226,7 @@ _COLUMNS = {  # column: (rows, or None for one value per slot; fill value of a f
     "decode_time_s": (None, 1.0, float),
     "prefill_coef": (4, 0.0, float),
     "decode_coef": (3, 0.0, float),
+    "decode_fixed_s": (None, 0.0, float),
     "kv_bytes_per_token": (None, 1.0, float),
     "nic_bytes_per_s": (None, 1.0, float),
     "kv_capacity_tokens": (None, 0.0, float),

@@ -26,13 +26,23 @@ _FREE = -1
 
 
 class DecodeLedger:
-    """In-flight decode requests: slot, start time, KV tokens; loads per slot for the admission views."""
+    """In-flight decode requests: slot, start time, KV tokens; loads per slot for the admission views.
 
-    def __init__(self, capacity: int = 1024):
+    ``instances``: the instance table whose decode cost coefficients give each entry its *step share*, what it
+    adds to its instance's decode step time (c1 + c2 * its KV tokens, with step time c0 + c1 * batch + c2 *
+    context): the policy then reads a slot's step time as one weighted sum over the entries instead of
+    recombining request and token counts per slot (fewer numpy calls on the hot path). Without a table the shares
+    are 0 and only the counts and tokens are meaningful."""
+
+    def __init__(self, capacity: int = 1024, instances=None):
+        self._instances = instances
         self._slot = np.full(capacity, _FREE, np.int64)
         self._bucket = np.zeros(capacity, np.int64)  # slot + 1, 0 for a free entry: bincount drops bucket 0
+        self._pair_bucket = np.zeros(capacity, np.int64)  # 2 * (slot + 1), 0 for a free entry
         self._start = np.zeros(capacity)
         self._tokens = np.zeros(capacity)
+        self._step = np.zeros(capacity)  # step share: c1 + c2 * tokens of its slot's decode cost
+        self._ones = np.ones(capacity)
         self._started = np.zeros(capacity, bool)
         self._ids: list[str | None] = [None] * capacity
         self._entry_of: dict[str, int] = {}
@@ -57,7 +67,11 @@ class DecodeLedger:
             entry = self._used
             self._used += 1
         self._slot[entry], self._start[entry], self._tokens[entry] = slot, start, tokens
+        if self._instances is not None:
+            coef = self._instances.decode_coef
+            self._step[entry] = coef.item(1, slot) + coef.item(2, slot) * tokens
         self._bucket[entry] = slot + 1
+        self._pair_bucket[entry] = 2 * (slot + 1)
         self._started[entry] = started
         self._ids[entry] = request_id
         self._entry_of[request_id] = entry
@@ -86,6 +100,7 @@ class DecodeLedger:
             return False
         self._slot[entry] = _FREE
         self._bucket[entry] = 0
+        self._pair_bucket[entry] = 0
         self._ids[entry] = None
         self._free.append(entry)
         return True
@@ -134,18 +149,61 @@ class DecodeLedger:
         those still in prefill (a routed request counts at once, so a burst spreads over instances)."""
         return self.window(now, decode_s)[1] > when
 
-    def committed_and_at(self, when: float, decode_s, now: float) -> tuple[np.ndarray, np.ndarray]:
-        """``committed(when, ...)`` and ``at(when, ...)`` from one pass over the windows."""
-        begin, end = self.window(now, decode_s)
-        committed = end > when
-        return committed, committed & (begin <= when)
-
     def per_slot(self, mask: np.ndarray, n_slots: int) -> tuple[np.ndarray, np.ndarray]:
         """(requests, kv_tokens) per slot, float arrays of length ``n_slots``, over the entries in ``mask``."""
         bucket = self._bucket[: self._used]  # free entries fall in bucket 0, dropped below
         # the mask as weights, not as a selection: two passes instead of four, no copies of the selected entries
         return (np.bincount(bucket, weights=mask, minlength=n_slots + 1)[1 : n_slots + 1],
                 np.bincount(bucket, weights=self._tokens[: self._used] * mask, minlength=n_slots + 1)[1 : n_slots + 1])
+
+    def decision_loads(self, now: float, when: float, decode_s, n_slots: int, seen_now: bool, count: bool = True):
+        """The per-slot loads one decision reads, from one pass over the entries: the routed load
+        (``committed(when, ...)``: every entry not predicted finished by ``when``) and the load admission judges
+        (``at(when, ...)``, or ``active(now)`` when ``seen_now``). Returns (routed step shares, routed kv tokens,
+        seen step shares, seen kv tokens, seen requests), float arrays of length ``n_slots`` (a slot's step time
+        with a batch is c0 + c1 + its step shares' sum: see the class docstring); seen requests None unless
+        ``count`` (only a batch limit needs them: one sum fewer).
+
+        The same masks and sums as ``window`` / ``committed`` / ``at`` / ``per_slot`` (whose docstrings say why),
+        written once inline: on the policy's hot path a decision is a fixed count of numpy calls on short arrays,
+        each costing its fixed overhead (twice that with a Python scalar operand), and the Python around them
+        (method calls, re-slicing the columns per view) cost as much again."""
+        used = self._used
+        if not used:  # (bincount of nothing gives integers)
+            return (*(np.zeros(n_slots) for _ in range(4)), np.zeros(n_slots) if count else None)
+        start, started = self._start[:used], self._started[:used]
+        if isinstance(decode_s, np.ndarray):
+            decode_s = decode_s.take(self._slot[:used])
+        begin = np.maximum(start, now)
+        np.copyto(begin, start, where=started)
+        end = begin + decode_s
+        committed = end > when
+        overdue = end <= now  # decoding past t_d: its end is +inf (the module docstring says why)
+        overdue &= started
+        committed |= overdue
+        tokens, step = self._tokens[:used], self._step[:used]
+        stop = n_slots + 1
+        if seen_now:  # the current load, not a part of the routed one: each entry in bucket 4 * (slot + 1)
+            seen = start <= now  # + 2 * committed + seen (free entries: 0 to 3, dropped)
+            code = self._pair_bucket[:used] + committed
+            code += code
+            code += seen
+            shares, kv = (np.bincount(code, weights, 4 * stop).reshape(stop, 4)[1:] for weights in (step, tokens))
+            counts = np.bincount(code, self._ones[:used], 4 * stop).reshape(stop, 4)[1:] if count else None
+            return (shares[:, 2] + shares[:, 3], kv[:, 2] + kv[:, 3], shares[:, 1] + shares[:, 3],
+                    kv[:, 1] + kv[:, 3], counts[:, 1] + counts[:, 3] if count else None)
+        # begun by ``when``: begin <= when, and begin = max(start, now) or start, so start <= when
+        seen = start <= when if when >= now else begin <= when
+        # a part of the routed load: each routed entry in bucket 2 * (slot + 1) + seen, the others in bucket 0,
+        # dropped; counts weighted by ones, so that the policy's arithmetic on them is float with float (mixed
+        # integer and float operations cost more than the weights)
+        code = self._pair_bucket[:used] + seen
+        code *= committed
+        shares = np.bincount(code, step, 2 * stop).reshape(stop, 2)[1:]
+        kv = np.bincount(code, tokens, 2 * stop).reshape(stop, 2)[1:]
+        seen_shares, seen_kv = shares[:, 1], kv[:, 1]
+        return (shares[:, 0] + seen_shares, kv[:, 0] + seen_kv, seen_shares, seen_kv,
+                np.bincount(code, self._ones[:used], 2 * stop)[3 :: 2] if count else None)
 
     def on_slot(self, mask: np.ndarray, slot: int) -> tuple[int, float]:
         """(requests, kv_tokens) on one slot over the entries in ``mask``."""
@@ -163,7 +221,10 @@ class DecodeLedger:
         extra = len(self._slot)
         self._slot = np.concatenate([self._slot, np.full(extra, _FREE, np.int64)])
         self._bucket = np.concatenate([self._bucket, np.zeros(extra, np.int64)])
+        self._pair_bucket = np.concatenate([self._pair_bucket, np.zeros(extra, np.int64)])
         self._start = np.concatenate([self._start, np.zeros(extra)])
         self._tokens = np.concatenate([self._tokens, np.zeros(extra)])
+        self._step = np.concatenate([self._step, np.zeros(extra)])
+        self._ones = np.ones(len(self._tokens))
         self._started = np.concatenate([self._started, np.zeros(extra, bool)])
         self._ids.extend([None] * extra)

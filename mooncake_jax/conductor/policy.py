@@ -31,10 +31,10 @@ from typing import NamedTuple
 import numpy as np
 
 from mooncake_jax.conductor import admission as adm
-from mooncake_jax.conductor.api import (Decision, PolicyConfig, RejectReason, Request, Snapshot, Strategy,
+from mooncake_jax.conductor.api import (Admission, Decision, PolicyConfig, RejectReason, Request, Snapshot, Strategy,
                                         Transfer, check_block_count)
-from mooncake_jax.conductor.costs import decode_step_seconds, prefill_seconds_in_prefix, transfer_seconds
-from mooncake_jax.conductor.index import level_lengths, slots_of_mask
+from mooncake_jax.conductor.costs import transfer_seconds
+from mooncake_jax.conductor.index import slot_groups, slots_of_mask
 from mooncake_jax.conductor.instances import Role
 
 
@@ -66,21 +66,19 @@ class Policy:
         prefill = self._choose_prefill(request, snapshot, now, prefill_ok)
         end = now + prefill.ttft_s
         slot_d, tbt = self._choose_decode(request, snapshot, now, end, decode_ok)
-        decision = dict(
-            prefill=table.ids[prefill.slot], transfer=prefill.transfer, prefix_blocks=prefill.prefix_blocks,
-            queue_s=prefill.queue_s, prefill_s=prefill.compute_s, predicted_ttft_s=prefill.ttft_s,
-            prefill_end_at=end, decode=None if slot_d is None else table.ids[slot_d], predicted_tbt_s=tbt)
         if slot_d is None:
-            retry = self._retry_after(snapshot, None, now)
-            return Decision(request.request_id, RejectReason.DECODE_CAPACITY, retry, **decision)
-        reason = adm.rejection(cfg, prefill.ttft_s, tbt)
-        if reason is RejectReason.TTFT_SLO:
-            retry = max(cfg.min_retry_after_s, prefill.ttft_s - cfg.ttft_slo_s)
-        elif reason is RejectReason.TBT_SLO:
-            retry = self._retry_after(snapshot, slot_d, now)
+            reason, retry = RejectReason.DECODE_CAPACITY, self._retry_after(snapshot, None, now)
         else:
-            retry = 0.0
-        return Decision(request.request_id, reason, retry, **decision)
+            reason = adm.rejection(cfg, prefill.ttft_s, tbt)
+            if reason is None:
+                retry = 0.0
+            elif reason is RejectReason.TTFT_SLO:
+                retry = max(cfg.min_retry_after_s, prefill.ttft_s - cfg.ttft_slo_s)
+            else:  # TBT_SLO
+                retry = self._retry_after(snapshot, slot_d, now)
+        return Decision.made(request.request_id, reason, retry, table.ids[prefill.slot],
+                             None if slot_d is None else table.ids[slot_d], prefill.transfer, prefill.prefix_blocks,
+                             prefill.queue_s, prefill.compute_s, prefill.ttft_s, tbt, end)
 
     # ------------------------------------------------------------------------------------------- prefill
 
@@ -88,63 +86,80 @@ class Policy:
                         candidates: np.ndarray) -> _PrefillChoice:
         """The prefill instance and its predicted queue, compute, TTFT and transfer plan (step 1 and 2).
 
-        One array expression per quantity over all slots, each instance with its own coefficients and link: the
-        number of array operations per decision is fixed (about thirty) whatever the cluster size, and at a few
-        hundred slots their fixed cost, not their length, is the decision's time.
+        The slots fall into a few *groups* by their own matched prefix: those matching nothing, then one per level
+        of the prefix match (one to three on the conversation trace). Everything the prefix decides (fetch or
+        recompute, the prefix then held, the blocks moved, when the sender can start) is the same within a group,
+        so it is worked out once per group in Python, as one row of features; every slot's TTFT is then one small
+        matrix product of those rows with per-slot terms (its slowdown-scaled cost coefficients, a column of ones,
+        its link from the sender in seconds per KV token, its queue), read through the slot's group. At a few
+        hundred slots a numpy call costs its fixed ~0.35-2 us, not its length, so the call count is the cost:
+        about ten here, whatever the cluster size or the number of groups. The chosen slot's figures are then
+        worked out alone, with the one transfer-time formula (``costs.transfer_seconds``).
         """
         cfg, table = self.config, snapshot.instances
         block, n = cfg.block_size, request.input_tokens
         keys = request.block_keys
         levels = snapshot.index.match_levels(keys)  # load-balance ignores it to choose, not to predict
         reusable = n - 1  # the last prompt token is always computed: it yields the first output token
-        queue = table.queue_free_at - now
-        np.maximum(queue, 0.0, out=queue)
-        # each instance's cost model scaled by how much slower than it its recent prefills ran (a loaded host):
-        # from the model alone, a predicted TTFT of 0.08 s was 0.98 s on a host at load 20, and admitted requests
-        # missed the TTFT SLO
-        a, b, c = prefill_seconds_in_prefix(table.prefill_coef, n) * table.prefill_slowdown
-        fetch, source, best_len, own_blocks = None, None, 0, None
-        if not levels:
-            compute = a
-            ttft = queue + compute
-        else:
-            own_blocks = level_lengths(levels, table.capacity)
-            prefix_tokens = own_blocks * block
-            np.minimum(prefix_tokens, reusable, out=prefix_tokens)
-            if cfg.strategy == Strategy.KVCACHE_CENTRIC:
-                best_len, holders = levels[-1]
-                source = self._best_source(holders, table)
-                threshold = cfg.kvcache_balancing_threshold
-                # fetch when own < best and best / own > threshold (own 0: infinite ratio); for own >= 0 one
-                # comparison says both: with threshold >= 1 the second implies the first, below 1 the first the
-                # second
-                fetch = threshold * own_blocks < best_len if threshold >= 1 else own_blocks < best_len
-                moved_bytes = (best_len - own_blocks) * (block * table.kv_bytes_per_token)
-                start_at = self._send_start(snapshot, source, keys[:best_len], own_blocks)
-                transfer_s = transfer_seconds(moved_bytes, table.link_bytes_per_s[source], start_at - now)
-                # one evaluation of the cost model: each instance over the prefix it would then hold
-                np.putmask(prefix_tokens, fetch, min(best_len * block, reusable))
-            compute = c * prefix_tokens  # a + p * (b + c * p), in place
-            compute += b
-            compute *= prefix_tokens
-            compute += a
-            ttft = queue + compute
-            if fetch is not None:
-                ttft += transfer_s * fetch
+        capacity = table.capacity
+        # rows: the four cost features' coefficients (each instance's own, scaled by how much slower than its model
+        # its recent prefills ran: from the model alone, a predicted TTFT of 0.08 s was 0.98 s on a host at load
+        # 20), ones (the sender's backlog), seconds per KV token from the sender, and when each queue drains (now
+        # at the earliest; +inf off the prefill role): every TTFT plus ``now``, which moves no argmin
+        terms = table.prefill_terms
+        drained = terms[6]
+        np.maximum(table.queue_free_at, now, out=drained)
+        drained += table.barrier(Role.PREFILL)
+        owns = [0]
+        owns += [length for length, _ in levels]
+        best_len = 0
+        fetching = cfg.strategy is Strategy.KVCACHE_CENTRIC and len(owns) > 1
+        if fetching:
+            best_len, holders = levels[-1]
+            source = self._best_source(holders, table)
+            terms[5] = table.kv_seconds_per_token[source]  # (unread when no group fetches: their feature is 0)
+            starts = self._send_starts(snapshot, source, keys[:best_len], owns, now)
+            threshold = cfg.kvcache_balancing_threshold
+        rows, fetches = [], []
+        for group, own in enumerate(owns):
+            # fetch when own < best and best / own > threshold (own 0: infinite ratio); for own >= 0 one
+            # comparison says both: with threshold >= 1 the second implies the first, below 1 the first the second
+            fetch = fetching and (threshold * own < best_len if threshold >= 1 else own < best_len)
+            prefix = min((best_len if fetch else own) * block, reusable)
+            x = n - prefix
+            if fetch:
+                rows.append((1.0, x, x * x, x * prefix, max(starts[group] - now, 0.0), (best_len - own) * block, 1.0))
+            else:
+                rows.append((1.0, x, x * x, x * prefix, 0.0, 0.0, 1.0))
+            fetches.append(fetch)
+        ttft = np.dot(rows, terms)
+        ttft = ttft[0] if len(rows) == 1 else ttft.take(slot_groups(tuple(m for _, m in levels), capacity))
 
-        if cfg.strategy == Strategy.RANDOM:
+        if cfg.strategy is Strategy.RANDOM:
             rng = random.Random(zlib.crc32(request.request_id.encode()) ^ cfg.seed)
             slot = int(rng.choice(np.flatnonzero(candidates)))
         else:
-            score = queue if cfg.strategy == Strategy.LOAD_BALANCE else ttft
-            slot = int((score + table.barrier(Role.PREFILL)).argmin())
-        own = 0 if own_blocks is None else int(own_blocks.item(slot))
+            slot = int((drained if cfg.strategy is Strategy.LOAD_BALANCE else ttft).argmin())
+        # the chosen slot's figures, alone
+        group, bit = 0, 1 << slot
+        for level, (_, mask) in enumerate(levels, 1):
+            if mask & bit:
+                group = level
+                break
+        own, fetch = owns[group], fetches[group]
+        prefix = min((best_len if fetch else own) * block, reusable)
+        x = n - prefix
+        c0, c1, c2, c3 = table.prefill_terms[:4, slot].tolist()
+        compute = c0 + c1 * x + c2 * x * x + c3 * x * prefix
+        queue_s = max(table.queue_free_at.item(slot) - now, 0.0)
+        total = queue_s + compute
         transfer = None
-        if fetch is not None and fetch.item(slot):
-            transfer = Transfer(table.ids[source], keys[own:best_len], moved_bytes.item(slot),
-                                transfer_s.item(slot))
-        return _PrefillChoice(slot, queue.item(slot), compute.item(slot), ttft.item(slot), transfer,
-                              best_len if transfer is not None else own)
+        if fetch:
+            moved = (best_len - own) * (block * table.kv_bytes_per_token.item(slot))
+            seconds = transfer_seconds(moved, table.link(source, slot), starts[group] - now)
+            transfer = Transfer(table.ids[source], keys[own:best_len], moved, seconds)
+            total += seconds
+        return _PrefillChoice(slot, queue_s, compute, total, transfer, best_len if fetch else own)
 
     @staticmethod
     def _best_source(holders: int, table) -> int:
@@ -156,55 +171,69 @@ class Policy:
         return int(slots[table.send_free_at[slots].argmin()])  # the first of equals, as argmin
 
     @staticmethod
-    def _send_start(snapshot: Snapshot, source: int, prefix: tuple[int, ...], own_blocks: np.ndarray):
-        """When ``source`` can start sending each candidate its missing blocks ``prefix[own:]``: after its queued
-        sends, and after those blocks land on it if they are only expected there (computed or fetched by a
-        request still in flight)."""
-        send_free_at = snapshot.instances.send_free_at[source]
-        if not snapshot.index.has_pending(source):
-            return send_free_at
+    def _send_starts(snapshot: Snapshot, source: int, prefix: tuple[int, ...], owns: list[int],
+                     now: float) -> list[float]:
+        """When ``source`` can start sending each group (own prefix ``owns[g]`` blocks) its missing blocks
+        ``prefix[own:]``: after its queued sends, and after those blocks land on it if they are only expected there
+        (computed or fetched by a request still in flight)."""
+        send_free_at = snapshot.instances.send_free_at.item(source)
+        # whatever is expected there lands before it could send (or before now): the sends start as queued (how
+        # long any wait is, ``start - now``, counts from now only); on the trace four decisions in five
+        if snapshot.index.pending_until(source) <= max(send_free_at, now):
+            return [send_free_at] * len(owns)
         ready = snapshot.index.ready_times(source, prefix)
         if max(ready) <= send_free_at:  # all landed (or will have) before the source can send anyway
-            return send_free_at
-        ready = np.asarray(ready)
-        latest_from = np.maximum.accumulate(ready[::-1])[::-1]  # [j]: latest landing among prefix[j:]
-        first_missing = np.minimum(own_blocks, len(prefix) - 1).astype(np.intp)
-        return np.maximum(send_free_at, latest_from[first_missing])
+            return [send_free_at] * len(owns)
+        last = len(prefix) - 1
+        return [max(send_free_at, max(ready[min(own, last):])) for own in owns]
 
     # -------------------------------------------------------------------------------------------- decode
 
     def _choose_decode(self, request: Request, snapshot: Snapshot, now: float, end: float,
                        candidates: np.ndarray) -> tuple[int | None, float]:
         """The decode instance (step 3) and the TBT the admission policy checks; slot None when none can hold
-        the request's KV under the admission view (``early`` / ``predictive`` only)."""
-        cfg, table, ledger = self.config, snapshot.instances, snapshot.ledger
-        kv, capacity, coef = request.kv_tokens, table.kv_capacity_tokens, table.decode_coef
-        decode_s = snapshot.decode_time_per_slot
-        routed, seen = adm.decode_views(cfg.admission, ledger, now, end, decode_s)
-        batch, context = ledger.per_slot(routed, table.capacity)
-        load = decode_step_seconds(coef, batch + 1, context + kv)  # what spreads a burst: all routed load
+        the request's KV under the admission view (``early`` / ``predictive`` only).
+
+        Written for the hot path (each numpy call costs its fixed overhead, so there are few): both ledger views
+        from one pass (``DecodeLedger.decision_loads``), each view's step times as the sum of its requests' step
+        shares (one weighted bincount in the ledger) plus this request's own, and the choice by masking the
+        excluded instances with +inf (an argmin that lands on +inf means none qualified) instead of counting."""
+        cfg, table = self.config, snapshot.instances
+        kv = float(request.kv_tokens)  # (a Python int operand costs a numpy call more than a float)
+        shares, context, seen_shares, seen_context, seen_batch = snapshot.ledger.decision_loads(
+            now, end, snapshot.decode_time_per_slot, table.capacity, cfg.admission is Admission.EARLY,
+            table.batch_limited)
+        # a slot's step time with this request: c0 + c1 + c2 * kv (its own step share and the fixed terms) plus
+        # the step shares (c1 + c2 * tokens) of the requests counted there
+        own = table.decode_coef[2] * kv
+        own += table.decode_fixed_s
+        load = shares + own  # what spreads a burst: all routed load
+        seen_tbt = seen_shares + own
         if cfg.admission in adm.CHECKS_DECODE_HERE:
-            seen_batch, seen_context = ledger.per_slot(seen, table.capacity)
-            seen_context += kv  # with this request
             # room for its KV, and a batch slot: a decode instance with every slot taken refuses it after its
             # prefill (late, the prefill wasted); refused here it costs nothing and the client is told at once
-            fits = candidates & (seen_context <= capacity) & (seen_batch < table.max_batch)
-            if not np.count_nonzero(fits):
-                return None, 0.0
-            seen_tbt = decode_step_seconds(coef, seen_batch + 1, seen_context)
-            ok = fits & (seen_tbt <= cfg.tbt_slo_s)
-            if np.count_nonzero(ok):
-                slot = _argmin_among(load, ok)
-            else:  # rejected on TBT: report the best the view allows
-                slot = _argmin_among(seen_tbt.copy(), fits)
-            return slot, float(seen_tbt[slot])
-        fits = candidates & (context + kv <= capacity)
+            seen_context += kv  # with this request
+            refused = seen_context > table.decode_kv_room  # (and every slot that is not a decode instance)
+            if seen_batch is not None:  # some decode instance registered its batch slots
+                refused |= seen_batch >= table.max_batch
+            over = seen_tbt > cfg.tbt_slo_s
+            over |= refused
+            np.putmask(load, over, np.inf)
+            slot = int(load.argmin())
+            if load.item(slot) == np.inf:  # none within the TBT SLO: report the best the view allows
+                np.putmask(seen_tbt, refused, np.inf)
+                slot = int(seen_tbt.argmin())
+                if seen_tbt.item(slot) == np.inf:  # none can hold it
+                    return None, 0.0
+            return slot, seen_tbt.item(slot)
+        context += kv
+        fits = context <= table.kv_capacity_tokens  # context + kv: this request's KV beside the routed load
+        fits &= candidates
         if np.count_nonzero(fits):
             slot = _argmin_among(load, fits)
         else:  # the decode instance itself queues or rejects it
             slot = int((load + table.barrier(Role.DECODE)).argmin())
-        seen_batch, seen_context = ledger.on_slot(seen, slot)
-        return slot, adm.predicted_tbt(coef[:, slot], seen_batch, seen_context, kv)
+        return slot, seen_tbt.item(slot)
 
     def _retry_after(self, snapshot: Snapshot, slot: int | None, now: float) -> float:
         """Until the next predicted decode completion (on ``slot``, or anywhere), at least the configured floor."""

@@ -34,11 +34,12 @@ class ClusterState:
         self.config = config or PolicyConfig()
         self.instances = InstanceTable()
         self.index = BlockIndex()
-        self.ledger = DecodeLedger()
+        self.ledger = DecodeLedger(instances=self.instances)
         self._tracked_decode_s = self.config.decode_time_init_s
         self._decode_s_of_kind: dict[str, float] = {}  # hardware kind -> its tracked t_d
         self._slots_of_kind: dict[str, set[int]] = {}
         self._prefill_of: dict[str, int] = {}  # request -> prefill slot, until its prefill is reported done
+        self._snapshot: Snapshot | None = None
 
     # ------------------------------------------------------------------------------------------- reading
 
@@ -62,8 +63,14 @@ class ClusterState:
         return float(self.instances.decode_time_s[self.instances.slot(instance_id)]) if fixed is None else fixed
 
     def snapshot(self) -> Snapshot:
+        """The policy's view of this state (the same object while t_d and the table's columns stay: a frozen
+        dataclass costs about a microsecond to build, a hundredth of a decision)."""
         per_slot = self.instances.decode_time_s if self.config.decode_time_s is None else None
-        return Snapshot(self.instances, self.index, self.ledger, self.decode_time_s, per_slot)
+        decode_time_s = self.decode_time_s
+        snapshot = self._snapshot
+        if snapshot is None or snapshot.decode_times is not per_slot or snapshot.decode_time_s != decode_time_s:
+            snapshot = self._snapshot = Snapshot(self.instances, self.index, self.ledger, decode_time_s, per_slot)
+        return snapshot
 
     def schedule(self, policy, request: Request, now: float, store_blocks: bool = True) -> Decision:
         """Decide for ``request`` and, if accepted, apply the decision at once."""
@@ -86,18 +93,20 @@ class ClusterState:
             return
         table = self.instances
         prefill, decode = table.slot(decision.prefill), table.slot(decision.decode)
-        table.queue_free_at[prefill] = max(table.queue_free_at[prefill], decision.prefill_end_at)
+        end = decision.prefill_end_at
+        if end > table.queue_free_at.item(prefill):
+            table.queue_free_at[prefill] = end
         if decision.transfer is not None:
             source = table.slot(decision.transfer.source)
             table.send_free_at[source] = now + float(transfer_seconds(
                 decision.transfer.n_bytes, table.link(source, prefill), table.send_free_at[source] - now))
-        self.ledger.add(request.request_id, decode, decision.prefill_end_at, request.kv_tokens)
+        self.ledger.add(request.request_id, decode, end, request.kv_tokens)
         self._prefill_of[request.request_id] = prefill
         if store_blocks:
             held = 0
             if fresh:  # its own matched prefix: the decision's prefix less what it fetches
                 held = decision.prefix_blocks - (len(decision.transfer.keys) if decision.transfer else 0)
-            self.index.expect(prefill, request.block_keys[held:], decision.prefill_end_at)
+            self.index.expect(prefill, request.block_keys[held:], end)
             self.index.settle(prefill, now)
 
     # ---------------------------------------------------------------------------------------- membership
@@ -172,7 +181,7 @@ class ClusterState:
         if prefill_slowdown is not None:
             if not (math.isfinite(prefill_slowdown) and prefill_slowdown > 0):
                 raise ValueError(f"prefill_slowdown must be a finite positive number, got {prefill_slowdown!r}")
-            table.prefill_slowdown[slot] = prefill_slowdown
+            table.set_prefill_slowdown(slot, prefill_slowdown)
         table.last_seen[slot] = now
         if queued_s is not None:
             table.queue_free_at[slot] = now + queued_s
