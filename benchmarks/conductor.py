@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_model  # noqa: E402
+from common import cpu_model, write_json  # noqa: E402
 
 from mooncake_jax.conductor import ClusterState, Policy, PolicyConfig, Request, instance_costs
 
@@ -273,10 +273,7 @@ def main() -> None:
     results["meets_goal"] = (results["decisions_per_s"] is not None
                              and bool(results["decisions_per_s"] >= GOAL_DECISIONS_PER_S
                                       and results["p99_decision_ms"] <= GOAL_P99_MS))
-    text = json.dumps(results, indent=2, sort_keys=True)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    write_json(results, args.json)
 
 
 if __name__ == "__main__":

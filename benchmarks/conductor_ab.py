@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
-import json
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cpu_model  # noqa: E402
+from common import cpu_model, write_json  # noqa: E402
 
 
 def load_tree(root: Path):
@@ -92,10 +91,7 @@ def main() -> None:
         results[f"{tag}_median_cpu_us"] = float(np.median(us))
         results[f"{tag}_decisions_per_cpu_s"] = float(1e6 / us.mean())
     results["median_change"] = results["after_median_cpu_us"] / results["before_median_cpu_us"] - 1
-    text = json.dumps(results, indent=2, sort_keys=True)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    write_json(results, args.json)
 
 
 if __name__ == "__main__":
