@@ -57,9 +57,10 @@ class PrefillNode(_Node):
 
 
 class DecodeNode(_Node):
-    def __init__(self, instance_id: str, costs, capacity_tokens: int):
+    def __init__(self, instance_id: str, costs, capacity_tokens: int, step_spread: tuple[float, ...] = (),
+                 seed: int = 0):
         super().__init__(instance_id, costs)
-        self.batch = ContinuousBatch(costs.decode, capacity_tokens)
+        self.batch = ContinuousBatch(costs.decode, capacity_tokens, step_spread, seed)
         self.waiting: deque[SimRequest] = deque()
         self.version = 0
         self.join_free_at = 0.0  # when it can start taking in the next request (SimConfig.decode_join_s)
@@ -82,8 +83,8 @@ class DisaggregatedSim(ClusterSim):
         for i in range(config.prefill):
             cache = shared if self.global_cache else make_cache(config.eviction, per_node)
             self.prefill.append(PrefillNode(f"p{i}", prefill_costs[i], cache))
-        self.decode = [DecodeNode(f"d{j}", decode_costs[j], decode_costs[j].kv_capacity_tokens)
-                       for j in range(config.decode)]
+        self.decode = [DecodeNode(f"d{j}", decode_costs[j], decode_costs[j].kv_capacity_tokens,
+                                  config.decode_step_spread, config.seed + j) for j in range(config.decode)]
         self.by_id = {node.id: node for node in self.prefill + self.decode}
         for node in self.prefill:
             self.state.add_instance(node.id, "prefill", node.costs, self.start)
@@ -193,20 +194,27 @@ class DisaggregatedSim(ClusterSim):
             self.state.kv_stored(node.id, req.keys)
         self.state.prefill_done(req.request_id, now)
         self.state.heartbeat(p.id, now, queued_s=p.queued_s, send_backlog_s=max(p.out_free - now, 0.0))
+        self._try_start(p)
         if req.output_tokens == 1:
             req.status, req.finished_at = COMPLETED, req.first_token_at
             self.state.finished(req.request_id, now)
         else:
-            # the decode instance takes the request into its batch decode_join_s after its KV is there, the last
-            # decode_join_stall_s of it on its engine loop (``_join``), one request at a time
-            cfg, d = self.config, self.by_id[req.decode_id]
-            taken_in = req.kv_ready_at + cfg.decode_join_s
-            if cfg.decode_join_s:
-                taken_in = max(req.kv_ready_at, d.join_free_at) + cfg.decode_join_s
-                d.join_free_at = taken_in
-            self.events.at(taken_in - cfg.decode_join_stall_s, self._kv_arrived, d, req)
-        self._try_start(p)
+            self._take_in(req)
         self._host_load_changed()
+
+    def _take_in(self, req: SimRequest) -> None:
+        """The decode instance takes the request into its batch ``decode_join_s`` after its KV is there (longer by
+        the shared-host slowdown while a prefill computes, as its steps are), one request at a time, the last
+        ``decode_join_stall_s`` of it on its engine loop (``_join``)."""
+        cfg, d = self.config, self.by_id[req.decode_id]
+        join_s = cfg.decode_join_s
+        if any(p.running is not None for p in self.prefill):
+            join_s *= cfg.shared_host_decode_slowdown
+        taken_in = req.kv_ready_at + join_s
+        if join_s:
+            taken_in = max(req.kv_ready_at, d.join_free_at) + join_s
+            d.join_free_at = taken_in
+        self.events.at(taken_in - cfg.decode_join_stall_s, self._kv_arrived, d, req)
 
     def _host_load_changed(self) -> None:
         """Instances sharing one host (``SimConfig.shared_host_decode_slowdown`` > 1): decode steps slow down while
