@@ -203,9 +203,9 @@ class DisaggregatedSim(ClusterSim):
         self._host_load_changed()
 
     def _take_in(self, req: SimRequest) -> None:
-        """The decode instance takes the request into its batch ``decode_join_s`` after its KV is there (longer by
-        the shared-host slowdown while a prefill computes, as its steps are), one request at a time, the last
-        ``decode_join_stall_s`` of it on its engine loop (``_join``)."""
+        """The decode instance takes the request into its batch ``decode_join_s`` after its KV is there, one request
+        at a time, the last ``decode_join_stall_s`` of it on its engine loop (``_join``); longer by the shared-host
+        slowdown when another prefill computes as the join is planned (at this one's end), as its steps are."""
         cfg, d = self.config, self.by_id[req.decode_id]
         join_s = cfg.decode_join_s
         if any(p.running is not None for p in self.prefill):
