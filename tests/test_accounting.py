@@ -154,25 +154,6 @@ def test_conductor_predicts_prefill_work_by_the_same_rule():
         assert d.prefill_s == pytest.approx(prefill_work_s(SLOW_LINK.prefill, n, d.prefix_blocks * 512))
 
 
-def test_taking_a_request_in_slows_down_while_a_prefill_shares_the_host():
-    """A (1,000 tokens) prefills on one instance 0-2 s, its KV pushed by 3 s; B arrives at 1.5 s and prefills on the
-    other 1.5-3.5 s. A's join (0.5 s) is planned at A's prefill end, while B computes: with a shared-host slowdown
-    of 2 it takes 1 s, so A joins at 4 s and runs its 10 steps of 10 ms (B's prefill over by then) to 4.1 s; with B
-    arriving after A is done, the join takes its 0.5 s (3.6 s)."""
-    def run(b_at: float):
-        trace = Trace([TraceRequest(0.0, 1000, 11, (1, 2)), TraceRequest(b_at, 1000, 2, (3, 4))])
-        return simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
-                        decode_join_s=0.5, shared_host_decode_slowdown=2.0).requests
-
-    a, b = run(1.5)
-    assert a.prefill_id != b.prefill_id and b.prefill_start == pytest.approx(1.5)
-    assert a.ttft_s == pytest.approx(3.0)
-    assert a.finished_at == pytest.approx(4.0 + 10 * 0.01)
-    assert a.tbt_s == pytest.approx(1.0 + 0.01)  # its first gap: the slowed join plus one step
-    a, _ = run(10.0)
-    assert a.finished_at == pytest.approx(3.5 + 10 * 0.01)
-
-
 def test_decode_step_spread_scales_each_reported_gap_and_keeps_the_clock():
     """One request of 11 tokens, 10 ms steps, joining at once (KV pushed by 3 s). Factors (1, 3) are normalized
     to mean 1 (0.5, 1.5): every one of its 10 gaps is 5 or 15 ms, drawn reproducibly, and its TBT is the mean of

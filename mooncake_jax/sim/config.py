@@ -52,8 +52,7 @@ class SimConfig:
     gap's excess over a steady one, 0 for datasheet studies), of which ``decode_join_stall_s`` runs on the instance's engine loop
     and stalls the requests already decoding (loading the KV into pages; at most ``decode_join_s``).
     ``shared_host_decode_slowdown``: the instances share one host's cores (a local cluster): while any prefill
-    instance computes, decode steps take this factor times the cost model's time (1: separate machines), and so
-    does taking a request in (``decode_join_s``) when a prefill computes as its join is planned (its prefill's end).
+    instance computes, decode steps take this factor times the cost model's time (1: separate machines).
     ``decode_step_spread``: measured factors (any scale; normalized to mean 1) of a decode token gap over the mean
     step on a shared host (disaggregated clusters); each reported gap's step part is scaled by one drawn from
     them (seeded by ``seed``), so a request's TBT (its longest gaps) sees the real steps' tail; the clock keeps

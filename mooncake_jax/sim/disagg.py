@@ -194,27 +194,20 @@ class DisaggregatedSim(ClusterSim):
             self.state.kv_stored(node.id, req.keys)
         self.state.prefill_done(req.request_id, now)
         self.state.heartbeat(p.id, now, queued_s=p.queued_s, send_backlog_s=max(p.out_free - now, 0.0))
-        self._try_start(p)
         if req.output_tokens == 1:
             req.status, req.finished_at = COMPLETED, req.first_token_at
             self.state.finished(req.request_id, now)
         else:
-            self._take_in(req)
+            # the decode instance takes the request into its batch decode_join_s after its KV is there, the last
+            # decode_join_stall_s of it on its engine loop (``_join``), one request at a time
+            cfg, d = self.config, self.by_id[req.decode_id]
+            taken_in = req.kv_ready_at + cfg.decode_join_s
+            if cfg.decode_join_s:
+                taken_in = max(req.kv_ready_at, d.join_free_at) + cfg.decode_join_s
+                d.join_free_at = taken_in
+            self.events.at(taken_in - cfg.decode_join_stall_s, self._kv_arrived, d, req)
+        self._try_start(p)
         self._host_load_changed()
-
-    def _take_in(self, req: SimRequest) -> None:
-        """The decode instance takes the request into its batch ``decode_join_s`` after its KV is there, one request
-        at a time, the last ``decode_join_stall_s`` of it on its engine loop (``_join``); longer by the shared-host
-        slowdown when another prefill computes as the join is planned (at this one's end), as its steps are."""
-        cfg, d = self.config, self.by_id[req.decode_id]
-        join_s = cfg.decode_join_s
-        if any(p.running is not None for p in self.prefill):
-            join_s *= cfg.shared_host_decode_slowdown
-        taken_in = req.kv_ready_at + join_s
-        if join_s:
-            taken_in = max(req.kv_ready_at, d.join_free_at) + join_s
-            d.join_free_at = taken_in
-        self.events.at(taken_in - cfg.decode_join_stall_s, self._kv_arrived, d, req)
 
     def _host_load_changed(self) -> None:
         """Instances sharing one host (``SimConfig.shared_host_decode_slowdown`` > 1): decode steps slow down while
