@@ -3,14 +3,15 @@
 1. Start a real local cluster (tiny model; instance processes, Conductor, the gateway's backend) with no admission
    control. Its first instance measures the engine (``instance/calibrate.py``, the cost profile every instance
    registers with); that profile is what the simulator gets.
-2. Probe the serving path end to end, before and independently of the replay: concurrent pairs of requests of
-   fresh prompts (not in the trace; the replay's bursts keep both prefill instances busy at once) give the
-   per-request overhead beyond the profile's prefill time (RPCs, scheduling, pool I/O), how fast this shared
-   machine runs prefill and decode right now against the start-up profile (the machine's other load changes by
-   the minute; the profile's shape is kept, its scale is measured again), and the decode instance's time to take
-   a request into its batch (the first token gap's excess over the steady ones), how much of that stalls the
-   requests already decoding (a long request's token gap at a short one's join), and how much slower decode steps
-   run while a prefill computes on the same cores.
+2. Probe the serving path end to end, before and independently of the replay, with fresh prompts (not in the
+   trace): concurrent pairs give the per-request overhead beyond the profile's prefill time (RPCs, scheduling, pool
+   I/O), how prefill time grows with length, and the decode instance's time to take a request into its batch (the
+   first token gap's excess over the steady ones); then bursts shaped like the slice's (a long request decoding
+   while eight requests of the slice's lengths arrive at once: the replay's regime, its batch sizes and its
+   prefills beside the decode batch on the same cores) give the decode step against the start-up profile (the
+   machine's other load changes by the minute: the profile's shape is kept, its scale measured again), how much
+   slower steps run beside a prefill, how long a join stalls the batch, how unevenly steps come out, and the prefill
+   scale at which the simulator puts the bursts' first tokens where the real cluster did.
 3. Replay the first ``--requests`` of the conversation trace at their recorded arrival times (scaled to the tiny
    model as ``mooncake-jax demo`` does: a 512-token trace block becomes one 16-token engine block) through the real
    cluster, recording every token's time at the client.
@@ -76,10 +77,12 @@ def probe(cluster, costs, vocab_size: int) -> dict:
     itself (on the quiet host, lone probes made the simulated TTFT half the real one). A pair puts the instances in
     the replay's regime: the Conductor sends the two to the two prefill instances, then both decode together.
 
-    Prefill: TTFT = overhead + scale * predicted prefill, fitted over a few prompt lengths. Decode, from each
-    probe's token gaps: the steady step is the median of the gaps after the first (``decode_scale``: over the
-    profile's step for the pair's batch); the first gap is the join plus one step, so its excess over the steady
-    step is ``decode_join_s``. (The TBT statistic of a 16-token request, the mean of its longest 10% of gaps, is
+    Prefill: TTFT = overhead + scale * predicted prefill, fitted over a few prompt lengths (the scale is measured
+    again in the replay's regime by ``prefill_scale_in_bursts``). Decode, from each probe's token gaps: the steady
+    step is the median of the gaps after the first (``decode_scale``: over the profile's step for the pair's batch;
+    ``decode_in_bursts`` measures it again at the replay's batch sizes, this one is its fallback); the first gap is
+    the join plus one step, so its excess over the steady step is ``decode_join_s`` (the smaller of a pair's: the
+    other waited for its join). (The TBT statistic of a 16-token request, the mean of its longest 10% of gaps, is
     mostly its first gap: scaling every step by it charged the join to every token.)
     """
     rng = np.random.default_rng(12345)
@@ -90,6 +93,7 @@ def probe(cluster, costs, vocab_size: int) -> dict:
             for n in PROBE_PROMPT_TOKENS:
                 prompts = [rng.integers(0, vocab_size, n).tolist() for _ in range(2)]
                 pair = list(pool.map(lambda prompt: token_times(cluster, prompt, PROBE_OUTPUT_TOKENS), prompts))
+                excess = []
                 for times in pair:
                     predicted.append(prefill_work_s(costs.prefill, n, 0))
                     measured.append(times[0])
@@ -97,7 +101,10 @@ def probe(cluster, costs, vocab_size: int) -> dict:
                     steady = float(np.median(gaps[1:]))
                     step = np.mean([float(costs.decode.step_seconds(2, 2 * (n + k))) for k in range(2, len(times))])
                     decode_ratio.append(steady / step)
-                    join.append(float(gaps[0]) - steady)
+                    excess.append(float(gaps[0]) - steady)
+                # the two reach the decode instance together and it takes them in one at a time (as the simulator
+                # does): the later one's first gap holds the other's join too, the earlier one's is the join alone
+                join.append(min(excess))
     # the line through each prompt length's median TTFT: one pair slowed by the host's other load moves a
     # least-squares fit over all probes (prefill_scale read 0.15 to 5.3 between runs at load 10-25), a median not
     lengths = sorted(set(predicted))
@@ -111,31 +118,17 @@ def probe(cluster, costs, vocab_size: int) -> dict:
             "decode_join_s": max(0.0, float(np.median(join)))}
 
 
-def decode_in_bursts(cluster, costs, items, vocab_size: int) -> dict:
-    """The decode instance measured in the replay's own regime, by fresh prompts (not the trace's) shaped like the
-    slice's: a long request decodes while a burst of ``BURST`` requests arrives at once (prompt and output lengths
-    drawn from the slice's), as the trace's bursts do; so the batch reaches the sizes the replay reaches, the two
-    prefill instances compute beside it on the same cores and the burst's requests join it one after another.
-
-    Every token gap after a request's first (its join) is classed by what happened during it, from the client-side
-    token times of all the probe's requests: another request joined (its first decode token ended the gap), else
-    some request was being prefilled (between its submission and its first token), else neither. Each gap is
-    divided by the start-up profile's step at the batch and context running then; over them:
-
-    - ``decode_scale``: the mean ratio of the gaps with neither (the clock's step is the mean one);
-    - ``shared_host_decode_slowdown``: the mean ratio of the gaps beside a prefill over that;
-    - ``decode_join_stall_s``: the median excess of the join gaps over their regime's step;
-    - ``decode_step_spread``: quantiles of every steady gap over its regime's mean step (how unevenly the OS hands
-      the shared cores out, and tokens reaching the client bunched).
-
-    Why not pairs of lone requests: on the quiet host their batch (2) and their overlap with prefill (little)
-    gave a step x1.3 the start-up profile's and a slowdown of 1.16 where the replay's own gaps showed x1.66 and
-    1.57 (``docs/benchmarks.md``)."""
+def bursts(cluster, items, vocab_size: int) -> list[tuple[float, int, np.ndarray]]:
+    """The replay's regime, by fresh prompts (not the trace's) shaped like the slice's: a long request decodes while
+    a burst of ``BURST`` requests arrives at once (prompt and output lengths drawn from the slice's decoding
+    requests), as the trace's bursts do; so the decode batch reaches the sizes the replay reaches, the two prefill
+    instances compute side by side and beside it on the same cores, and the burst's requests join it one after
+    another. ``BURST_ROUNDS`` rounds; per request (submitted, prompt tokens, token times), one clock."""
     from mooncake_jax.gateway.backend import TokenOut
 
     rng = np.random.default_rng(24680)
     decoding = [it for it in items if it[2] > 1]
-    runs = []  # per request: (submitted, prompt length, token times), one clock
+    runs = []
     for _ in range(BURST_ROUNDS):
         started = threading.Event()
 
@@ -157,6 +150,26 @@ def decode_in_bursts(cluster, costs, items, vocab_size: int) -> dict:
             futures += [pool.submit(run, rng.integers(0, vocab_size, len(prompt)).tolist(), max_tokens)
                         for _, prompt, max_tokens, _ in picks]
             runs += [f.result() for f in futures]
+    return runs
+
+
+def decode_in_bursts(runs, costs) -> dict:
+    """The decode instance in the replay's regime (``bursts``).
+
+    Every token gap after a request's first (its join) is classed by what happened during it, from the client-side
+    token times of all the probe's requests: another request joined (its first decode token ended the gap), else
+    some request was being prefilled (between its submission and its first token), else neither. Each gap is
+    divided by the start-up profile's step at the batch and context running then; over them:
+
+    - ``decode_scale``: the mean ratio of the gaps with neither (the clock's step is the mean one);
+    - ``shared_host_decode_slowdown``: the mean ratio of the gaps beside a prefill over that;
+    - ``decode_join_stall_s``: the median excess of the join gaps over their regime's step;
+    - ``decode_step_spread``: quantiles of every steady gap over its regime's mean step (how unevenly the OS hands
+      the shared cores out, and tokens reaching the client bunched).
+
+    Why not the pairs of ``probe``: their batch (2) and their overlap with prefill (little) gave a step x1.27 the
+    start-up profile's and a slowdown of 1.16 where a replay's own gaps (load 1.8-5.8) showed x1.66 and 1.57
+    (``docs/benchmarks.md``)."""
     runs = [r for r in runs if len(r[2]) > 2]
     prefilling = [(start, times[0]) for start, _, times in runs]
     joined_at = [times[1] for _, _, times in runs]
@@ -184,6 +197,35 @@ def decode_in_bursts(cluster, costs, items, vocab_size: int) -> dict:
             "decode_join_stall_s": max(0.0, float(np.median(stalls))) if stalls else 0.0,
             "decode_step_spread": [float(f) for f in spread],
             **{f"decode_probe_{k}_gaps": len(v) for k, v in ratios.items()}}
+
+
+def prefill_scale_in_bursts(runs, costs, overheads: dict, prefill: int, decode: int, cache_tokens: int,
+                            slo: dict) -> float:
+    """The prefill scale at which the simulator, given everything else the probes measured, puts the bursts'
+    first tokens where the real cluster put them (the median of log(simulated / real TTFT) is zero, by bisection):
+    the pairs of ``probe`` give how prefill time grows with length and the fixed overhead, but the replay's bursts
+    queue several prompts on each prefill instance while the decode batch and joins run beside them, and the TTFT
+    tail (p90) is that queue (three quiet runs of the pair probe alone read its scale 2.3, 5.4 and 3.4 and the
+    simulated TTFT p90 0.46, 0.53 and 0.38 s against a real 0.54-0.55 s)."""
+    runs = sorted((r for r in runs if len(r[2])), key=lambda r: r[0])
+    t0 = runs[0][0]
+    block_ids = iter(range(10**12, 10**13))  # fresh blocks, as the probe's prompts are
+    slice_ = [(start - t0, range(n), max(1, len(times)), tuple(next(block_ids) for _ in range(-(-n // ENGINE_BLOCK))))
+              for start, n, times in runs]
+    real = np.array([times[0] - start for start, _, times in runs])
+
+    def error(scale: float) -> float:
+        result = simulated(slice_, costs, {**overheads, "prefill_scale": scale}, prefill, decode, 1.0,
+                           cache_tokens, slo)
+        return float(np.median(np.log([r.ttft_s for r in result.requests] / real)))
+
+    lo, hi = overheads["prefill_scale"] / 8, overheads["prefill_scale"] * 8
+    if error(lo) > 0 or error(hi) < 0:  # the overhead alone overshoots, or no scale reaches: keep the pairs'
+        return overheads["prefill_scale"]
+    for _ in range(30):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if error(mid) < 0 else (lo, mid)
+    return math.sqrt(lo * hi)
 
 
 def replay(cluster, items, speed: float) -> list[list[float] | None]:
@@ -265,8 +307,12 @@ def main() -> None:
         profile_json = getattr(first, "profile_json", None) or first.info["profile_json"]
         costs = costs_from_profile(profile_json)
         overheads = probe(cluster, costs, cfg.vocab_size)
-        overheads.update(decode_in_bursts(cluster, costs, items, cfg.vocab_size))
+        burst_runs = bursts(cluster, items, cfg.vocab_size)
+        overheads.update(decode_in_bursts(burst_runs, costs))
         overheads["decode_join_stall_s"] = min(overheads["decode_join_stall_s"], overheads["decode_join_s"])
+        overheads["prefill_scale_pairs"] = overheads["prefill_scale"]
+        overheads["prefill_scale"] = prefill_scale_in_bursts(burst_runs, costs, overheads, args.prefill,
+                                                             args.decode, pool_blocks * ENGINE_BLOCK, slo)
         print(f"profile: {costs.name}; probed overheads {overheads}", flush=True)
         t_replay = time.perf_counter()
         real = replay(cluster, items, args.speed)
