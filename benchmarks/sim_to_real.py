@@ -318,8 +318,9 @@ def main() -> None:
         real = replay(cluster, items, args.speed)
         replay_s = time.perf_counter() - t_replay
     if args.token_times:
-        args.token_times.write_text(json.dumps({"token_times": real, "overheads": overheads,
-                                                "profile_json": profile_json}) + "\n")
+        args.token_times.write_text(json.dumps({
+            "token_times": real, "overheads": overheads, "profile_json": profile_json,
+            "bursts": [(start, n, times.tolist()) for start, n, times in burst_runs]}) + "\n")
     sim = simulated(items, costs, overheads, args.prefill, args.decode, args.speed, pool_blocks * ENGINE_BLOCK,
                     slo)
 
