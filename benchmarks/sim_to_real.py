@@ -10,8 +10,8 @@
    while eight requests of the slice's lengths arrive at once: the replay's regime, its batch sizes and its
    prefills beside the decode batch on the same cores) give the decode step against the start-up profile (the
    machine's other load changes by the minute: the profile's shape is kept, its scale measured again), how much
-   slower steps run beside a prefill, how long a join stalls the batch, how unevenly steps come out, and the prefill
-   scale at which the simulator puts the bursts' first tokens where the real cluster did.
+   slower steps run beside a prefill, how long a token takes from the decode instance to the client per request in
+   the batch, how long a join stalls the batch, and how unevenly steps come out.
 3. Replay the first ``--requests`` of the conversation trace at their recorded arrival times (scaled to the tiny
    model as ``mooncake-jax demo`` does: a 512-token trace block becomes one 16-token engine block) through the real
    cluster, recording every token's time at the client.
@@ -77,11 +77,10 @@ def probe(cluster, costs, vocab_size: int) -> dict:
     itself (on the quiet host, lone probes made the simulated TTFT half the real one). A pair puts the instances in
     the replay's regime: the Conductor sends the two to the two prefill instances, then both decode together.
 
-    Prefill: TTFT = overhead + scale * predicted prefill, fitted over a few prompt lengths (the scale is measured
-    again in the replay's regime by ``prefill_scale_in_bursts``). Decode, from each probe's token gaps: the steady
-    step is the median of the gaps after the first (``decode_scale``: over the profile's step for the pair's batch;
-    ``decode_in_bursts`` measures it again at the replay's batch sizes, this one is its fallback); the first gap is
-    the join plus one step, so its excess over the steady step is ``decode_join_s`` (the smaller of a pair's: the
+    Prefill: TTFT = overhead + scale * predicted prefill, fitted over a few prompt lengths. Decode, from each
+    probe's token gaps: the steady step is the median of the gaps after the first (``decode_scale``: over the
+    profile's step for the pair's batch; ``decode_in_bursts`` measures it again at the replay's batch sizes, this
+    one is its fallback); the first gap is the join plus one step, so its excess over the steady step is ``decode_join_s`` (the smaller of a pair's: the
     other waited for its join). (The TBT statistic of a 16-token request, the mean of its longest 10% of gaps, is
     mostly its first gap: scaling every step by it charged the join to every token.)
     """
@@ -154,78 +153,68 @@ def bursts(cluster, items, vocab_size: int) -> list[tuple[float, int, np.ndarray
 
 
 def decode_in_bursts(runs, costs) -> dict:
-    """The decode instance in the replay's regime (``bursts``).
+    """The decode instance in the replay's regime (``bursts``), as the client sees it.
 
     Every token gap after a request's first (its join) is classed by what happened during it, from the client-side
     token times of all the probe's requests: another request joined (its first decode token ended the gap), else
-    some request was being prefilled (between its submission and its first token), else neither. Each gap is
-    divided by the start-up profile's step at the batch and context running then; over them:
+    someone else's KV was being staged (between its first token and its first decode token: left out, the
+    simulator has no such state), else some request was being prefilled (between its submission and its first
+    token), else neither. A gap apart from all that is ``scale * profile step(batch, context) + delivery * batch``
+    (least squares over those gaps, batch and context as running then):
 
-    - ``decode_scale``: the mean ratio of the gaps with neither (the clock's step is the mean one);
-    - ``shared_host_decode_slowdown``: the mean ratio of the gaps beside a prefill over that;
-    - ``decode_join_stall_s``: the median excess of the join gaps over their regime's step;
-    - ``decode_step_spread``: quantiles of every steady gap over its regime's mean step (how unevenly the OS hands
-      the shared cores out, and tokens reaching the client bunched).
+    - ``decode_scale``: how much slower the engine steps than at start-up (the clock's step is the mean one);
+    - ``decode_token_delivery_s``: per request in the batch and step, the time a token takes from the decode
+      instance to the client (a gRPC message per token per request, through the gateway's backend, in Python on
+      the same two cores): the start-up profile times the engine alone, whose step barely grows with the batch
+      (the tiny model), while the gaps the client sees grow by about a millisecond per request;
+    - ``shared_host_decode_slowdown``: the mean gap beside a prefill over that model's gap;
+    - ``decode_join_stall_s``: the median excess of the join gaps over their regime's gap;
+    - ``decode_step_spread``: quantiles of every steady gap over its regime's mean (how unevenly the OS hands the
+      shared cores out, and tokens reaching the client bunched).
 
     Why not the pairs of ``probe``: their batch (2) and their overlap with prefill (little) gave a step x1.27 the
     start-up profile's and a slowdown of 1.16 where a replay's own gaps (load 1.8-5.8) showed x1.66 and 1.57
     (``docs/benchmarks.md``)."""
     runs = [r for r in runs if len(r[2]) > 2]
     prefilling = [(start, times[0]) for start, _, times in runs]
-    joined_at = [times[1] for _, _, times in runs]
-    ratios = {"apart": [], "beside": [], "join": []}
+    joining = [(times[0], times[1]) for _, _, times in runs]  # its KV staged, then loaded into pages
+    gaps = {"apart": [], "beside": [], "join": []}  # (gap, profile step, batch)
     for start, _, times in runs:
         for k in range(1, len(times) - 1):
             a, b = times[k], times[k + 1]
             mid = (a + b) / 2
             running = [(n, t) for _, n, t in runs if t[1] - 1e-6 <= mid <= t[-1]]
             context = sum(n + int(np.searchsorted(t, mid)) for n, t in running)
-            step = float(costs.decode.step_seconds(max(1, len(running)), context))
+            batch = max(1, len(running))
+            gap = (b - a, float(costs.decode.step_seconds(batch, context)), batch)
             beside = any(s < b and f > a for s, f in prefilling)
-            if any(a < j <= b + 1e-4 and j != times[1] for j in joined_at):
-                ratios["join"].append(((b - a) / step, step, beside))
-            else:
-                ratios["beside" if beside else "apart"].append((b - a) / step)
-    if not ratios["apart"]:
+            others = [(s, f) for s, f in joining if f != times[1]]
+            if any(a < f <= b + 1e-4 for _, f in others):
+                gaps["join"].append(gap + (beside,))
+            elif not any(s < b and f > a for s, f in others):
+                gaps["beside" if beside else "apart"].append(gap)
+    if len(gaps["apart"]) < 2:
         return {}
-    scale = float(np.mean(ratios["apart"]))
-    slowdown = max(1.0, float(np.mean(ratios["beside"])) / scale) if ratios["beside"] else 1.0
-    stalls = [(r - scale * (slowdown if beside else 1.0)) * step for r, step, beside in ratios["join"]]
-    steady = np.array([r / scale for r in ratios["apart"]] + [r / scale / slowdown for r in ratios["beside"]])
+    apart = np.array(gaps["apart"])
+    (scale, delivery), *_ = np.linalg.lstsq(apart[:, 1:3], apart[:, 0], rcond=None)
+    if delivery < 0 or scale <= 0:  # no growth with the batch beyond the profile's: the scale alone
+        scale, delivery = float(apart[:, 0].sum() / apart[:, 1].sum()), 0.0
+
+    def model(rows) -> np.ndarray:
+        rows = np.asarray(rows, float).reshape(-1, 3)
+        return scale * rows[:, 1] + delivery * rows[:, 2]
+
+    beside = np.array(gaps["beside"]).reshape(-1, 3)
+    slowdown = max(1.0, float(beside[:, 0].mean() / model(beside).mean())) if len(beside) else 1.0
+    stalls = [g - (slowdown if by_prefill else 1.0) * float(model((g, step, n))[0])
+              for g, step, n, by_prefill in gaps["join"]]
+    steady = np.concatenate([apart[:, 0] / model(apart), beside[:, 0] / (slowdown * model(beside))])
     spread = np.quantile(steady, (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES)
-    return {"decode_scale": scale, "shared_host_decode_slowdown": slowdown,
+    return {"decode_scale": float(scale), "decode_token_delivery_s": float(delivery),
+            "shared_host_decode_slowdown": slowdown,
             "decode_join_stall_s": max(0.0, float(np.median(stalls))) if stalls else 0.0,
             "decode_step_spread": [float(f) for f in spread],
-            **{f"decode_probe_{k}_gaps": len(v) for k, v in ratios.items()}}
-
-
-def prefill_scale_in_bursts(runs, costs, overheads: dict, prefill: int, decode: int, cache_tokens: int,
-                            slo: dict) -> float:
-    """The prefill scale at which the simulator, given everything else the probes measured, puts the bursts'
-    first tokens where the real cluster put them (the median of log(simulated / real TTFT) is zero, by bisection):
-    the pairs of ``probe`` give how prefill time grows with length and the fixed overhead, but the replay's bursts
-    queue several prompts on each prefill instance while the decode batch and joins run beside them, and the TTFT
-    tail (p90) is that queue (three quiet runs of the pair probe alone read its scale 2.3, 5.4 and 3.4 and the
-    simulated TTFT p90 0.46, 0.53 and 0.38 s against a real 0.54-0.55 s)."""
-    runs = sorted((r for r in runs if len(r[2])), key=lambda r: r[0])
-    t0 = runs[0][0]
-    block_ids = iter(range(10**12, 10**13))  # fresh blocks, as the probe's prompts are
-    slice_ = [(start - t0, range(n), max(1, len(times)), tuple(next(block_ids) for _ in range(-(-n // ENGINE_BLOCK))))
-              for start, n, times in runs]
-    real = np.array([times[0] - start for start, _, times in runs])
-
-    def error(scale: float) -> float:
-        result = simulated(slice_, costs, {**overheads, "prefill_scale": scale}, prefill, decode, 1.0,
-                           cache_tokens, slo)
-        return float(np.median(np.log([r.ttft_s for r in result.requests] / real)))
-
-    lo, hi = overheads["prefill_scale"] / 8, overheads["prefill_scale"] * 8
-    if error(lo) > 0 or error(hi) < 0:  # the overhead alone overshoots, or no scale reaches: keep the pairs'
-        return overheads["prefill_scale"]
-    for _ in range(30):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if error(mid) < 0 else (lo, mid)
-    return math.sqrt(lo * hi)
+            **{f"decode_probe_{k}_gaps": len(v) for k, v in gaps.items()}}
 
 
 def replay(cluster, items, speed: float) -> list[list[float] | None]:
@@ -248,6 +237,15 @@ def replay(cluster, items, speed: float) -> list[list[float] | None]:
     return results
 
 
+def profiled_costs(costs, overheads: dict):
+    """The start-up profile as the probes measured the cluster now: prefill and decode scaled, and each token's
+    delivery to the client added per request in the batch to every decode step (the step model's batch term)."""
+    return costs.replace(prefill=PrefillCost([c * overheads["prefill_scale"] for c in costs.prefill.coef],
+                                             costs.prefill.chunk_buckets),
+                         decode=DecodeCost(tuple(np.array(costs.decode.coef) * overheads["decode_scale"]
+                                                 + (0.0, overheads.get("decode_token_delivery_s", 0.0), 0.0))))
+
+
 def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: float, cache_tokens: int,
               slo: dict):
     """The same slice through the simulator on the profile plus the probed overheads."""
@@ -256,9 +254,7 @@ def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: f
 
     trace = Trace([TraceRequest(at, len(prompt), max_tokens, keys) for at, prompt, max_tokens, keys in items],
                   "conversation-slice", ENGINE_BLOCK)
-    profiled = costs.replace(prefill=PrefillCost([c * overheads["prefill_scale"] for c in costs.prefill.coef],
-                                                 costs.prefill.chunk_buckets),
-                             decode=DecodeCost([c * overheads["decode_scale"] for c in costs.decode.coef]))
+    profiled = profiled_costs(costs, overheads)
     return simulate(trace, prefill=prefill, decode=decode, policy="kvcache-centric", admission="none",
                     speed=speed, hardware=profiled, cache_tokens=cache_tokens, release_timing=REAL_INSTANCES,
                     request_overhead_s=overheads["request_overhead_s"],
@@ -310,9 +306,6 @@ def main() -> None:
         burst_runs = bursts(cluster, items, cfg.vocab_size)
         overheads.update(decode_in_bursts(burst_runs, costs))
         overheads["decode_join_stall_s"] = min(overheads["decode_join_stall_s"], overheads["decode_join_s"])
-        overheads["prefill_scale_pairs"] = overheads["prefill_scale"]
-        overheads["prefill_scale"] = prefill_scale_in_bursts(burst_runs, costs, overheads, args.prefill,
-                                                             args.decode, pool_blocks * ENGINE_BLOCK, slo)
         print(f"profile: {costs.name}; probed overheads {overheads}", flush=True)
         t_replay = time.perf_counter()
         real = replay(cluster, items, args.speed)
