@@ -80,9 +80,10 @@ def probe(cluster, costs, vocab_size: int) -> dict:
     Prefill: TTFT = overhead + scale * predicted prefill, fitted over a few prompt lengths. Decode, from each
     probe's token gaps: the steady step is the median of the gaps after the first (``decode_scale``: over the
     profile's step for the pair's batch; ``decode_in_bursts`` measures it again at the replay's batch sizes, this
-    one is its fallback); the first gap is the join plus one step, so its excess over the steady step is ``decode_join_s`` (the smaller of a pair's: the
-    other waited for its join). (The TBT statistic of a 16-token request, the mean of its longest 10% of gaps, is
-    mostly its first gap: scaling every step by it charged the join to every token.)
+    one is its fallback); the first gap is the join plus one step, so its excess over the steady step is
+    ``decode_join_s`` (the smaller of a pair's: the other waited for its join). (The TBT statistic of a 16-token
+    request, the mean of its longest 10% of gaps, is mostly its first gap: scaling every step by it charged the
+    join to every token.)
     """
     rng = np.random.default_rng(12345)
     token_times(cluster, rng.integers(0, vocab_size, 32).tolist(), 4)  # warms connections and queues

@@ -180,3 +180,32 @@ def test_decode_step_spread_scales_each_reported_gap_and_keeps_the_clock():
     assert list(g) == pytest.approx([0.01] * 10) and req.tbt_s == pytest.approx(0.01)
     with pytest.raises(ValueError, match="decode_step_spread"):
         SimConfig(decode_step_spread=(1.0, 0.0))
+
+
+def _sim_to_real():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "sim_to_real.py"
+    spec = importlib.util.spec_from_file_location("sim_to_real_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_token_delivery_is_paid_per_request_in_every_decode_step():
+    """The sim-to-real probe's per-token delivery (decode instance -> client, per request in the batch) enters the
+    decode step's batch term: a 10 ms step scaled x2 is 20 ms, plus 5 ms per request. A and B prefill side by side
+    (0-2 s), their KV pushed one after the other over the decode instance's link (A's by 3 s, B's by 4 s): A decodes
+    alone from 3 s at 25 ms a step, B joins at 4 s and they step together at 20 + 2*5 = 30 ms."""
+    bench = _sim_to_real()
+    costs = bench.profiled_costs(SLOW_LINK, {"prefill_scale": 1.0, "decode_scale": 2.0,
+                                            "decode_token_delivery_s": 0.005})
+    assert costs.decode.coef == pytest.approx((0.02, 0.005, 0.0))
+    assert costs.prefill.coef == pytest.approx(SLOW_LINK.prefill.coef)
+    two = Trace([TraceRequest(0.0, 1000, 201, (1, 2)), TraceRequest(0.0, 1000, 2, (3, 4))])
+    a, b = simulate(two, prefill=2, decode=1, hardware=costs, release_timing=REAL_INSTANCES).requests
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(3.0), pytest.approx(4.0))  # pushes one after the other
+    # A: 40 steps of 25 ms alone (3 s -> 4 s), B's one step beside it at 30 ms, then 159 alone at 25 ms
+    assert b.finished_at == pytest.approx(4.03)
+    assert a.finished_at == pytest.approx(4.0 + 0.03 + 159 * 0.025)
