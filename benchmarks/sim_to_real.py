@@ -317,6 +317,7 @@ def main() -> None:
         costs = costs_from_profile(profile_json)
         overheads = probe(cluster, costs, cfg.vocab_size)
         burst_runs = bursts(cluster, items, cfg.vocab_size)
+        overheads["decode_join_s_pairs"] = overheads["decode_join_s"]
         overheads.update(decode_in_bursts(burst_runs, costs))
         overheads["decode_join_stall_s"] = min(overheads["decode_join_stall_s"], overheads["decode_join_s"])
         print(f"profile: {costs.name}; probed overheads {overheads}", flush=True)
