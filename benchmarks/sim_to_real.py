@@ -177,9 +177,9 @@ def decode_in_bursts(runs, costs) -> dict:
     - ``decode_step_spread``: quantiles of every steady gap over its regime's mean (how unevenly the OS hands the
       shared cores out, and tokens reaching the client bunched).
 
-    Why not the pairs of ``probe``: their batch (2) and their overlap with prefill (little) gave a step x1.27 the
-    start-up profile's and a slowdown of 1.16 where a replay's own gaps (load 1.8-5.8) showed x1.66 and 1.57
-    (``docs/benchmarks.md``)."""
+    Why not the pairs of ``probe``: their batch (2) and their overlap with prefill (little) gave a slowdown of 1.16
+    where the same reading of a replay's own gaps (load 1.8-5.8) gave 1.58, and their one batch size folds the
+    per-request delivery into the step's scale (``docs/benchmarks.md``)."""
     runs = [r for r in runs if len(r[2]) > 2]
     prefilling = [(start, times[0]) for start, _, times in runs]
     joining = [(times[0], times[1]) for _, _, times in runs]  # its KV staged, then loaded into pages
