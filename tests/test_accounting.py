@@ -4,6 +4,7 @@ Costs (as test_sim_cluster.TOY but with a slow link): prefill 1 s + 1 ms per com
 1 byte of KV per token over a 1,000 bytes/s link, so a 1,000-token prompt's KV moves in 1 s.
 """
 
+import numpy as np
 import pytest
 
 from mooncake_jax.conductor import DecodeCost, InstanceCosts, PrefillCost
@@ -209,3 +210,27 @@ def test_token_delivery_is_paid_per_request_in_every_decode_step():
     # A: 40 steps of 25 ms alone (3 s -> 4 s), B's one step beside it at 30 ms, then 159 alone at 25 ms
     assert b.finished_at == pytest.approx(4.03)
     assert a.finished_at == pytest.approx(4.0 + 0.03 + 159 * 0.025)
+
+
+def test_the_probe_reads_scale_delivery_slowdown_and_stall_from_classed_gaps():
+    """Client-side token times built by hand from known quantities, read back by ``decode_in_bursts``. The start-up
+    profile's step is 1 ms whatever the batch; the cluster's is 2 ms plus 0.5 ms per request in the batch, and 1.5x
+    that while a prefill runs. A decodes alone (40 gaps of 2.5 ms), then beside B's prefill (3.75 ms); B's join
+    stalls A's gap to 7 ms (2.5 + 4.5); then both decode at 3 ms."""
+    bench = _sim_to_real()
+    ms = 1e-3
+    a = [50 * ms, 60 * ms] + [60 * ms + 2.5 * ms * k for k in range(1, 41)]  # alone, apart: to 160 ms
+    a += [a[-1] + 3.75 * ms * k for k in range(1, 13)]  # beside B's prefill (160.1-204.9 ms): to 205 ms
+    a += [a[-1] + 2.5 * ms, a[-1] + 2.5 * ms + 7 * ms]  # B's KV staged; B joins at 212.5 ms: A's gap 7 ms
+    a += [a[-1] + 3 * ms * k for k in range(1, 21)]  # batch of two
+    b = [204.9 * ms, 212.5 * ms] + [212.5 * ms + 3 * ms * k for k in range(1, 22)]  # its last after A's
+    runs = [(0.0, 32, np.array(a)), (160.1 * ms, 32, np.array(b))]
+    costs = SLOW_LINK.replace(decode=DecodeCost((0.001, 0.0, 0.0)))
+    read = bench.decode_in_bursts(runs, costs)
+    assert read["decode_scale"] == pytest.approx(2.0)
+    assert read["decode_token_delivery_s"] == pytest.approx(0.5 * ms)
+    assert read["shared_host_decode_slowdown"] == pytest.approx(1.5)
+    assert read["decode_join_stall_s"] == pytest.approx(4.5 * ms)
+    assert read["decode_step_spread"] == pytest.approx([1.0] * 20)  # every steady gap exactly its regime's
+    # joins one at a time: A's 10 ms, B's 7.6 ms from its KV (204.9 ms); their median less the median gap (3 ms)
+    assert read["decode_join_s_bursts"] == pytest.approx(8.8 * ms - 3 * ms)
