@@ -319,7 +319,7 @@ def main() -> None:
         overheads = probe(cluster, costs, cfg.vocab_size)
         burst_runs = bursts(cluster, items, cfg.vocab_size)
         overheads.update(decode_in_bursts(burst_runs, costs))
-        overheads["decode_join_stall_s"] = min(overheads["decode_join_stall_s"], overheads["decode_join_s"])
+        overheads["decode_join_stall_s"] = min(overheads.get("decode_join_stall_s", 0.0), overheads["decode_join_s"])
         print(f"profile: {costs.name}; probed overheads {overheads}", flush=True)
         t_replay = time.perf_counter()
         real = replay(cluster, items, args.speed)
@@ -330,7 +330,6 @@ def main() -> None:
             "bursts": [(start, n, times.tolist()) for start, n, times in burst_runs]}) + "\n")
     sim = simulated(items, costs, overheads, args.prefill, args.decode, args.speed, pool_blocks * ENGINE_BLOCK,
                     slo)
-
     no_spread = simulated(items, costs, {**overheads, "decode_step_spread": ()}, args.prefill, args.decode,
                           args.speed, pool_blocks * ENGINE_BLOCK, slo)
     done = [i for i, times in enumerate(real) if times]
