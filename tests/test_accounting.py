@@ -4,6 +4,7 @@ Costs (as test_sim_cluster.TOY but with a slow link): prefill 1 s + 1 ms per com
 1 byte of KV per token over a 1,000 bytes/s link, so a 1,000-token prompt's KV moves in 1 s.
 """
 
+import numpy as np
 import pytest
 
 from mooncake_jax.conductor import DecodeCost, InstanceCosts, PrefillCost
@@ -152,3 +153,84 @@ def test_conductor_predicts_prefill_work_by_the_same_rule():
     for n, keys in ((1000, (1, 2)), (1024, (1, 2)), (1500, (1, 2, 3))):
         d = Policy(cfg).decide(Request(f"r{n}", keys, n, 4), state.snapshot(), 0.0)
         assert d.prefill_s == pytest.approx(prefill_work_s(SLOW_LINK.prefill, n, d.prefix_blocks * 512))
+
+
+def test_decode_step_spread_scales_each_reported_gap_and_keeps_the_clock():
+    """One request of 11 tokens, 10 ms steps, joining at once (KV pushed by 3 s). Factors (1, 3) are normalized
+    to mean 1 (0.5, 1.5): every one of its 10 gaps is 5 or 15 ms, drawn reproducibly, and its TBT is the mean of
+    its two longest; the clock keeps the mean step (finished at 3.1 s as with exact steps). One factor, whatever
+    its value, is exact steps."""
+    exact = simulate(ONE, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES).requests[0]
+    assert exact.finished_at == pytest.approx(3.1) and exact.tbt_s == pytest.approx(0.01)
+    from mooncake_jax.sim.disagg import DisaggregatedSim
+
+    def gaps(spread, seed=0):
+        cfg = SimConfig(prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                        decode_step_spread=spread, seed=seed)
+        sim = DisaggregatedSim(cfg, ONE)
+        req = sim.run().requests[0]
+        return req, sim.decode[0].batch.gaps(req)
+
+    req, g = gaps((1, 3))
+    assert req.finished_at == pytest.approx(3.1)
+    assert len(g) == 10 and all(x == pytest.approx(0.005) or x == pytest.approx(0.015) for x in g)
+    assert req.tbt_s == pytest.approx(sum(sorted(g)[-2:]) / 2)
+    assert list(gaps((1, 3))[1]) == list(g)  # same seed, same draws
+    assert any(list(gaps((1, 3), seed)[1]) != list(g) for seed in (1, 2, 3))
+    req, g = gaps((7.0,))
+    assert list(g) == pytest.approx([0.01] * 10) and req.tbt_s == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="decode_step_spread"):
+        SimConfig(decode_step_spread=(1.0, 0.0))
+
+
+def _sim_to_real():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "sim_to_real.py"
+    spec = importlib.util.spec_from_file_location("sim_to_real_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_token_delivery_is_paid_per_request_in_every_decode_step():
+    """The sim-to-real probe's per-token delivery (decode instance -> client, per request in the batch) enters the
+    decode step's batch term: a 10 ms step scaled x2 is 20 ms, plus 5 ms per request. A and B prefill side by side
+    (0-2 s), their KV pushed one after the other over the decode instance's link (A's by 3 s, B's by 4 s): A decodes
+    alone from 3 s at 25 ms a step, B joins at 4 s and they step together at 20 + 2*5 = 30 ms."""
+    bench = _sim_to_real()
+    costs = bench.profiled_costs(SLOW_LINK, {"prefill_scale": 1.0, "decode_scale": 2.0,
+                                            "decode_token_delivery_s": 0.005})
+    assert costs.decode.coef == pytest.approx((0.02, 0.005, 0.0))
+    assert costs.prefill.coef == pytest.approx(SLOW_LINK.prefill.coef)
+    two = Trace([TraceRequest(0.0, 1000, 201, (1, 2)), TraceRequest(0.0, 1000, 2, (3, 4))])
+    a, b = simulate(two, prefill=2, decode=1, hardware=costs, release_timing=REAL_INSTANCES).requests
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(3.0), pytest.approx(4.0))  # pushes one after the other
+    # A: 40 steps of 25 ms alone (3 s -> 4 s), B's one step beside it at 30 ms, then 159 alone at 25 ms
+    assert b.finished_at == pytest.approx(4.03)
+    assert a.finished_at == pytest.approx(4.0 + 0.03 + 159 * 0.025)
+
+
+def test_the_probe_reads_scale_delivery_slowdown_and_stall_from_classed_gaps():
+    """Client-side token times built by hand from known quantities, read back by ``decode_in_bursts``. The start-up
+    profile's step is 1 ms whatever the batch; the cluster's is 2 ms plus 0.5 ms per request in the batch, and 1.5x
+    that while a prefill runs. A decodes alone (40 gaps of 2.5 ms), then beside B's prefill (3.75 ms); B's join
+    stalls A's gap to 7 ms (2.5 + 4.5); then both decode at 3 ms."""
+    bench = _sim_to_real()
+    ms = 1e-3
+    a = [50 * ms, 60 * ms] + [60 * ms + 2.5 * ms * k for k in range(1, 41)]  # alone, apart: to 160 ms
+    a += [a[-1] + 3.75 * ms * k for k in range(1, 13)]  # beside B's prefill (160.1-204.9 ms): to 205 ms
+    a += [a[-1] + 2.5 * ms, a[-1] + 2.5 * ms + 7 * ms]  # B's KV staged; B joins at 212.5 ms: A's gap 7 ms
+    a += [a[-1] + 3 * ms * k for k in range(1, 21)]  # batch of two
+    b = [204.9 * ms, 212.5 * ms] + [212.5 * ms + 3 * ms * k for k in range(1, 22)]  # its last after A's
+    runs = [(0.0, 32, np.array(a)), (160.1 * ms, 32, np.array(b))]
+    costs = SLOW_LINK.replace(decode=DecodeCost((0.001, 0.0, 0.0)))
+    read = bench.decode_in_bursts(runs, costs)
+    assert read["decode_scale"] == pytest.approx(2.0)
+    assert read["decode_token_delivery_s"] == pytest.approx(0.5 * ms)
+    assert read["shared_host_decode_slowdown"] == pytest.approx(1.5)
+    assert read["decode_join_stall_s"] == pytest.approx(4.5 * ms)
+    assert read["decode_step_spread"] == pytest.approx([1.0] * 20)  # every steady gap exactly its regime's
+    # joins one at a time: A's 10 ms, B's 7.6 ms from its KV (204.9 ms); their median less the median gap (3 ms)
+    assert read["decode_join_s_bursts"] == pytest.approx(8.8 * ms - 3 * ms)

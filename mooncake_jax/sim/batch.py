@@ -10,6 +10,11 @@ Each run of steps is logged as a *segment* (lead, base, inc, count): ``count`` t
 first one lengthened by ``lead`` (time the batch stood still before it, e.g. a coupled node prefilling). A
 request runs through a contiguous range of segments, so its token gaps (and its TBT) come back exactly from the
 log when it finishes.
+
+A step's time can be a random variable (instances sharing a host's cores with others: the OS decides, step by
+step, who runs). The clock advances by the cost model's (mean) step; with a measured ``step_spread`` (factors of
+mean 1) each reported gap's step part is the mean step times a factor drawn from it, so the statistic of a
+request's longest gaps (its TBT) sees the tail the real steps have, while its finish time stays the mean's.
 """
 
 from __future__ import annotations
@@ -31,8 +36,14 @@ class ContinuousBatch:
     batch sets ``request.seg_start`` and ``request.seg_end`` (its segment range) and ``request.finished_at``.
     """
 
-    def __init__(self, cost: DecodeCost, capacity_tokens: int):
+    def __init__(self, cost: DecodeCost, capacity_tokens: int, step_spread: tuple[float, ...] = (),
+                 seed: int = 0):
         self._coef = cost.coef
+        spread = np.asarray(step_spread, float)
+        if spread.size and not (np.all(np.isfinite(spread)) and np.all(spread > 0)):
+            raise ValueError(f"step_spread factors must be positive numbers, got {step_spread!r}")
+        self.step_spread = spread / spread.mean() if spread.size else spread  # mean 1: the clock is the mean's
+        self.seed = seed
         self.c0, self.c1, self.c2 = cost.coef
         self.slowdown = 1.0
         self.capacity = capacity_tokens
@@ -169,7 +180,8 @@ class ContinuousBatch:
 
     def gaps(self, request) -> np.ndarray:
         """Every token gap of a finished request: time from its first token to its second, then between each
-        following pair."""
+        following pair. With a ``step_spread`` each gap's step part is scaled by a factor drawn from it (seeded by
+        the batch's seed and the request's ``index``, so a run is reproducible)."""
         lo, hi = request.seg_start, request.seg_end
         counts = np.asarray(self.seg_count[lo:hi], dtype=np.int64)
         base = np.asarray(self.seg_base[lo:hi])
@@ -179,6 +191,9 @@ class ContinuousBatch:
         offsets = np.cumsum(counts) - counts
         j = np.arange(total) - np.repeat(offsets, counts)
         gaps = np.repeat(base, counts) + np.repeat(inc, counts) * j
+        if self.step_spread.size:
+            rng = np.random.default_rng((abs(int(self.seed)), abs(int(getattr(request, "index", 0)))))
+            gaps *= rng.choice(self.step_spread, size=total)
         firsts = offsets[counts > 0]
         np.add.at(gaps, firsts, lead[counts > 0])
         # empty segments (stalls logged at a join) charge their lead to the next non-empty segment's first gap

@@ -53,6 +53,10 @@ class SimConfig:
     and stalls the requests already decoding (loading the KV into pages; at most ``decode_join_s``).
     ``shared_host_decode_slowdown``: the instances share one host's cores (a local cluster): while any prefill
     instance computes, decode steps take this factor times the cost model's time (1: separate machines).
+    ``decode_step_spread``: measured factors (any scale; normalized to mean 1) of a decode token gap over the mean
+    step on a shared host (disaggregated clusters); each reported gap's step part is scaled by one drawn from
+    them (seeded by ``seed``), so a request's TBT (its longest gaps) sees the real steps' tail; the clock keeps
+    the mean step (empty: exact steps).
     """
 
     prefill: int = 8
@@ -81,6 +85,7 @@ class SimConfig:
     decode_join_s: float = 0.0
     decode_join_stall_s: float = 0.0
     shared_host_decode_slowdown: float = 1.0
+    decode_step_spread: tuple[float, ...] = ()
 
     def __post_init__(self):
         for name in ("prefill", "decode", "chunk_tokens", "prefill_batch_tokens"):
@@ -120,6 +125,10 @@ class SimConfig:
         if not (math.isfinite(self.shared_host_decode_slowdown) and self.shared_host_decode_slowdown >= 1):
             raise ValueError(f"shared_host_decode_slowdown must be a number >= 1, got "
                              f"{self.shared_host_decode_slowdown!r}")
+        spread = tuple(self.decode_step_spread)
+        if not all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in spread):
+            raise ValueError(f"decode_step_spread must be positive numbers, got {self.decode_step_spread!r}")
+        object.__setattr__(self, "decode_step_spread", tuple(float(f) for f in spread))  # frozen and hashable
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {list(EVICTIONS)}")
         for name in ("prefill_hardware", "decode_hardware"):

@@ -57,9 +57,10 @@ class PrefillNode(_Node):
 
 
 class DecodeNode(_Node):
-    def __init__(self, instance_id: str, costs, capacity_tokens: int):
+    def __init__(self, instance_id: str, costs, capacity_tokens: int, step_spread: tuple[float, ...] = (),
+                 seed: int = 0):
         super().__init__(instance_id, costs)
-        self.batch = ContinuousBatch(costs.decode, capacity_tokens)
+        self.batch = ContinuousBatch(costs.decode, capacity_tokens, step_spread, seed)
         self.waiting: deque[SimRequest] = deque()
         self.version = 0
         self.join_free_at = 0.0  # when it can start taking in the next request (SimConfig.decode_join_s)
@@ -82,8 +83,8 @@ class DisaggregatedSim(ClusterSim):
         for i in range(config.prefill):
             cache = shared if self.global_cache else make_cache(config.eviction, per_node)
             self.prefill.append(PrefillNode(f"p{i}", prefill_costs[i], cache))
-        self.decode = [DecodeNode(f"d{j}", decode_costs[j], decode_costs[j].kv_capacity_tokens)
-                       for j in range(config.decode)]
+        self.decode = [DecodeNode(f"d{j}", decode_costs[j], decode_costs[j].kv_capacity_tokens,
+                                  config.decode_step_spread, config.seed + j) for j in range(config.decode)]
         self.by_id = {node.id: node for node in self.prefill + self.decode}
         for node in self.prefill:
             self.state.add_instance(node.id, "prefill", node.costs, self.start)
