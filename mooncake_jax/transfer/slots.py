@@ -2,17 +2,17 @@
 
 The backing store is TensorStore: each slab is a ``[slots, stride]`` uint8 TensorStore array (the ``array``
 driver, ``ts.array(..., copy=False)``) whose memory is a preallocated host buffer, and records are written into
-and read out of it through TensorStore, without intermediate encodes. A put is one TensorStore write straight from the
-caller's array into the slot, started asynchronously while this thread hashes the same bytes (TensorStore copies
-on its own thread: copy and hash run side by side); a get is one TensorStore write from the slot into a
-TensorStore view of the caller's staging buffer while this thread hashes the slot. A record received from a peer
-(``put_checked``, the Messenger's store) lands straight in its slot's memory instead, copied and hashed chunk by
-chunk in one pass on the receiving thread (``copy_with_checksum``): it is verified once, as it lands, and the two
-TensorStore hand-offs per record (data and head) cost more than the copy itself at 384 KiB (put_record 82 -> 55 us
-per 16-token block, 340 -> 295 us per 128-token block, measured here). Copies in flight are waited
-for by ``settle`` (the pool settles before every read and delete and at the end of every call), which costs a
-thread hand-off per block instead of one per copy. The TensorStore memory kvstore this tier used
-first copied a record on every write and again on every read, and a put had to join the record into one ``bytes``
+and read out of it through TensorStore, without intermediate encodes. A put of a block (``put_block``) and a
+record received from a peer (``put_checked``, the Messenger's store) land straight in the slot's memory (the
+TensorStore array's own buffer), copied and hashed chunk by chunk in one pass on the caller's thread
+(``copy_with_checksum``: each chunk hashed from cache right after it is copied): the two TensorStore hand-offs per
+record (data and head) cost more than the copy itself at 384 KiB (put_record 82 -> 55 us per 16-token block, 340 ->
+295 us per 128-token block; a 16-token ``put_many`` 0.49-0.52 -> 0.96-0.97 of memcpy, 128-token 0.74-0.81 -> 0.87-0.88,
+A/B in one process, load 4.0). A get is one TensorStore write from the slot into a TensorStore view of the caller's
+staging buffer while this thread hashes the slot; a record moved between tiers (``put``) is written through
+TensorStore too. Copies in flight are waited for by ``settle`` (the pool settles before every read and delete and at
+the end of every call), which costs a thread hand-off per block instead of one per copy. The TensorStore memory
+kvstore this tier used first copied a record on every write and again on every read, and a put had to join the record into one ``bytes``
 first (about 0.3 of memcpy). The record layout in a slot is the one on SSD and on the wire, so the Messenger sends
 a slot's bytes as they are (``record`` is a view of the array's memory, copied by the pool under its lock).
 
@@ -111,12 +111,11 @@ class SlotStore:
         return slot
 
     def put_block(self, key: BlockKey, data: np.ndarray) -> None:
-        """Start storing the block whose bytes are ``data`` (flat uint8, untouched until ``settle``): one copy,
-        by TensorStore, while this thread hashes the same bytes."""
+        """Store the block whose bytes are ``data`` (flat uint8): copied into the slot and hashed in one pass (nothing
+        in flight afterwards)."""
         slot = self._slot_for(key)
-        copy, digest = start_copy(slot.data, data, data)
-        self._pending.append((key, copy))
-        self._pending.append((key, slot.head.write(np.frombuffer(record_head(self.spec, key, digest), np.uint8))))
+        digest = copy_with_checksum(slot.memory[DATA_OFFSET:], data)
+        slot.memory[:DATA_OFFSET] = np.frombuffer(record_head(self.spec, key, digest), np.uint8)
 
     def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
                     expected: tuple[int, int]) -> None:
