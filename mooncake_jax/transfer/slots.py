@@ -13,8 +13,8 @@ staging buffer while this thread hashes the slot; a record moved between tiers (
 TensorStore too. Copies in flight are waited for by ``settle`` (the pool settles before every read and delete and at
 the end of every call), which costs a thread hand-off per block instead of one per copy. The TensorStore memory
 kvstore this tier used first copied a record on every write and again on every read, and a put had to join the
-record into one ``bytes`` first (about 0.3 of memcpy). The record layout in a slot is the one on SSD and on the wire, so the Messenger sends
-a slot's bytes as they are (``record`` is a view of the array's memory, copied by the pool under its lock).
+record into one ``bytes`` first (about 0.3 of memcpy). The record layout in a slot is the one on SSD and on the
+wire, so the Messenger sends a slot's bytes as they are (``record`` is a view of the array's memory, copied by the pool under its lock).
 
 Slabs are allocated when no slot is free and kept for the life of the tier, so a warm pool writes into memory
 whose pages are already mapped (fresh pages cost more than the copy). A bounded tier allocates at most its
