@@ -1,20 +1,20 @@
 """The DRAM tier's storage: block records in the slots of TensorStore arrays over preallocated host memory.
 
-The backing store is TensorStore: each slab is a ``[slots, stride]`` uint8 TensorStore array (the ``array``
-driver, ``ts.array(..., copy=False)``) whose memory is a preallocated host buffer, and records are written into
-and read out of it through TensorStore, without intermediate encodes. A put of a block (``put_block``) and a
-record received from a peer (``put_checked``, the Messenger's store) land straight in the slot's memory (the
-TensorStore array's own buffer), copied and hashed chunk by chunk in one pass on the caller's thread
-(``copy_with_checksum``: each chunk hashed from cache right after it is copied): the two TensorStore hand-offs per
-record (data and head) cost more than the copy itself at 384 KiB (put_record 82 -> 55 us per 16-token block, 340 ->
-295 us per 128-token block; a 16-token ``put_many`` 0.49-0.52 -> 0.96-0.97 of memcpy, 128-token 0.74-0.81 -> 0.87-0.88,
-A/B in one process, load 4.0). A get is one TensorStore write from the slot into a TensorStore view of the caller's
-staging buffer while this thread hashes the slot; a record moved between tiers (``put``) is written through
-TensorStore too. Copies in flight are waited for by ``settle`` (the pool settles before every read and delete and at
-the end of every call), which costs a thread hand-off per block instead of one per copy. The TensorStore memory
-kvstore this tier used first copied a record on every write and again on every read, and a put had to join the
-record into one ``bytes`` first (about 0.3 of memcpy). The record layout in a slot is the one on SSD and on the
-wire, so the Messenger sends a slot's bytes as they are (``record`` is a view of the array's memory, copied by the pool under its lock).
+The backing store is TensorStore: each slab is a ``[slots, stride]`` uint8 TensorStore array (the ``array`` driver,
+``ts.array(..., copy=False)``) whose memory is a preallocated host buffer, and records are written into and read out
+of it through TensorStore, without intermediate encodes. A put of a block (``put_block``) and a record received from
+a peer (``put_checked``, the Messenger's store) land straight in the slot's memory (the TensorStore array's own
+buffer), copied and hashed chunk by chunk in one pass on the caller's thread (``copy_with_checksum``: each chunk
+hashed from cache right after it is copied): the two TensorStore hand-offs per record (data and head) cost more than
+the copy itself at 384 KiB (put_record 82 -> 55 us per 16-token block, 340 -> 295 us per 128-token block; a 16-token
+``put_many`` 0.49-0.52 -> 0.96-0.97 of memcpy, 128-token 0.74-0.81 -> 0.87-0.88, A/B in one process, load 4.0). A
+get is one TensorStore write from the slot into a TensorStore view of the caller's staging buffer while this thread
+hashes the slot; a record moved between tiers (``put``) is written through TensorStore too. Copies in flight are
+waited for by ``settle`` (the pool settles before every read and delete and at the end of every call), which costs a
+thread hand-off per block instead of one per copy. The TensorStore memory kvstore this tier used first copied a
+record on every write and again on every read, and a put had to join the record into one ``bytes`` first (about 0.3
+of memcpy). The record layout in a slot is the one on SSD and on the wire, so the Messenger sends a slot's bytes as
+they are (``record`` is a view of the array's memory, copied by the pool under its lock).
 
 Slabs are allocated when no slot is free and kept for the life of the tier, so a warm pool writes into memory
 whose pages are already mapped (fresh pages cost more than the copy). A bounded tier allocates at most its
