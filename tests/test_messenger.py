@@ -170,7 +170,7 @@ def test_hand_encoded_pieces_are_exactly_protobuf(fields):
 
 
 def test_pieces_parse_in_any_field_order_and_malformed_ones_are_refused():
-    reordered = b"\x22\x08abcdefgh" + b"\x3a\x02zz" + b"\x28\x03\x18\x0c\x08\x09\x10\x04"  # field 7: unknown
+    reordered = b"\x22\x08abcdefgh" + b"\x4a\x02zz" + b"\x28\x03\x18\x0c\x08\x09\x10\x04"  # field 9: unknown
     parsed, reference = parse_piece(reordered), messages.BlockPiece.FromString(reordered)
     fields = (parsed.key, parsed.offset, parsed.frame_bytes, parsed.data, parsed.spec_fingerprint)
     expected = (reference.key, reference.offset, reference.frame_bytes, reference.data, reference.spec_fingerprint)

@@ -1,0 +1,48 @@
+"""The messages that carry a pool's blocks to a peer, built ahead of the transport on a thread.
+
+Both Messenger ends send this way (the server's Fetch, the client's Push): records are read from the pool (copied
+out of their slots and verified) and joined into messages of several small blocks (``pieces.batched``) on a thread
+of their own, at most a few messages ahead, so gRPC's thread only hands finished messages to the transport.
+A block that fails its checksum here (the pool drops it) ends the messages after the blocks before it, which are
+still sent; ``lost`` then names it, for the caller to report once the stream is over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from mooncake_jax.blocks import BlockKey
+from mooncake_jax.transfer.pieces import batched
+from mooncake_jax.transfer.pool import BlockPool
+from mooncake_jax.transfer.readahead import Ahead
+
+
+class Outgoing:
+    """Iterates ``(message, keys it completes)`` for the blocks of ``keys`` in ``pool``, in order, several to a
+    message up to ``batch_bytes`` (0: one piece per message, for a peer of an older build)."""
+
+    def __init__(self, pool: BlockPool, keys: Sequence[BlockKey], batch_bytes: int, depth: int = 4) -> None:
+        self.lost: BlockKey | None = None
+        self._pool = pool
+        messages = batched(self._records(list(keys)), pool.spec.fingerprint, batch_bytes)
+        self._ahead = Ahead(messages, depth, name="send-ahead")
+
+    def _records(self, keys: list[BlockKey]) -> Iterator[tuple[BlockKey, bytes]]:
+        for key in keys:
+            record = self._pool.get_record(key, promote=False)
+            if record is None:  # failed its checksum just now: gone from the pool
+                self.lost = key
+                return
+            yield key, record
+
+    def __iter__(self) -> Iterator[tuple[bytes, list[BlockKey]]]:
+        return iter(self._ahead)
+
+    def close(self) -> None:
+        self._ahead.close()
+
+    def __enter__(self) -> Outgoing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
