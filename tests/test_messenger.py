@@ -282,7 +282,14 @@ def test_deadline_ends_a_slow_transfer(serve):
         time.sleep(0.15)
         return slow_get(key, promote)
 
+    slow_join = sender.join_records
+
+    def join_records_slowly(keys, separator):  # small blocks go several to a message, read by join_records
+        time.sleep(0.15 * len(keys))
+        return slow_join(keys, separator)
+
     sender.get_record = get_record_slowly
+    sender.join_records = join_records_slowly
     server = serve(sender)
     receiver = BlockPool(SPEC)
     with MessengerClient(server.address, receiver, timeout_s=0.4) as client:

@@ -93,14 +93,26 @@ def record_pieces(
         yield encode_piece(key, offset, n_frame, frame[offset : offset + size], 0 if offset else spec_fingerprint)
 
 
+def records_per_message(frame_bytes: int, budget: int = BATCH_BYTES) -> int:
+    """How many whole records of frames of ``frame_bytes`` one message carries under ``budget`` (at least one)."""
+    if frame_bytes > PIECE_BYTES:
+        return 1
+    return max(1, (budget + _NEXT_FIELD_BYTES) // (PREFIX_BYTES + frame_bytes + _NEXT_FIELD_BYTES))
+
+
+def next_separator(record_bytes: int) -> bytes:
+    """What goes before each record after the first in a message of several: the tag and length of ``next``."""
+    return _NEXT_TAG + varint(record_bytes)
+
+
 def message_bytes(frame_bytes: int, budget: int = BATCH_BYTES) -> int:
     """Bytes of a full streamed message of frames of ``frame_bytes`` (several records joined up to ``budget``, one
     record, or a piece of a larger frame): the message size a bare stream must use to be a fair reference."""
     record = PREFIX_BYTES + frame_bytes
     if frame_bytes > PIECE_BYTES:
         return piece_bytes_for(frame_bytes)
-    per_message = max(1, (budget + _NEXT_FIELD_BYTES) // (record + _NEXT_FIELD_BYTES))
-    return per_message * record + (per_message - 1) * (1 + len(varint(record)))
+    per_message = records_per_message(frame_bytes, budget)
+    return per_message * record + (per_message - 1) * len(next_separator(record))
 
 
 def batched(records: Iterable[tuple[BlockKey, bytes]], spec_fingerprint: int,
