@@ -117,7 +117,10 @@ class BlockPool:
 
     def tier_of(self, key: BlockKey) -> str | None:
         """Name of the fastest tier holding ``key`` (``"dram"`` or ``"ssd"``), or None."""
-        return next((tier.name for tier in self._tiers if key in tier), None)
+        for tier in self._tiers:  # a loop, not a generator: this runs twice per block stored
+            if key in tier:
+                return tier.name
+        return None
 
     def keys(self) -> list[BlockKey]:
         with self._lock:
