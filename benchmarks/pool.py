@@ -19,7 +19,8 @@ Figures (issue 4, Measure):
   ``get_many`` of 16 into a staging buffer): ``ssd_put_ratio`` / ``ssd_get_ratio`` (goal >= 0.7);
 * Messenger GB/s between two processes on loopback (a fetch into an empty DRAM pool; a push) and a bare gRPC
   stream of the same bytes in the same message sizes from the same peer process and connection (its Probe
-  RPC, one prebuilt message sent again and again, read as protobuf ``BlockPiece`` messages):
+  RPC, one prebuilt message sent again and again, read as protobuf ``BlockPiece`` messages; the message size is
+  the one the Messenger sends, ``message_bytes`` in the JSON: five 16-token blocks joined, one 128-token block):
   ``messenger_ratio`` (goal >= 0.7); a push against a bare stream the other way, the same bytes and message sizes
   sent to the peer by a client-streaming call as a push is (its ProbeUpload RPC): ``messenger_push_ratio``
   (``messenger_push_download_ratio``: against the download stream, as before). For context, measured alongside too: the same stream read as raw bytes,
@@ -66,7 +67,7 @@ from mooncake_jax.blocks import block_keys
 from mooncake_jax.transfer import BlockPool, BlockSpec
 from mooncake_jax.transfer.messenger import MessengerClient
 from mooncake_jax.transfer.peer import PeerProcess
-from mooncake_jax.transfer.pieces import piece_bytes_for
+from mooncake_jax.transfer.pieces import message_bytes, piece_bytes_for
 
 SMALL_LAYERS, SMALL_KV_HEADS, SMALL_HEAD_DIM = 12, 4, 64
 BATCH = 16  # blocks per put_many / get_many: a request's new blocks go in together
@@ -310,7 +311,8 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
             def stream(piece_bytes: int, parse: bool = True) -> Callable[[], float]:
                 return lambda: fetcher.probe(n_blocks * source.frame_bytes, piece_bytes=piece_bytes, parse=parse) / 1e9
 
-            same_pieces = piece_bytes_for(source.frame_bytes)  # the same bytes in the same message sizes as a fetch
+            # the same bytes in the same message sizes as a fetch or push sends: several small blocks to a message
+            same_pieces = message_bytes(source.frame_bytes)
             trials = {
                 "grpc_stream_gbps": stream(same_pieces),
                 "messenger_fetch_gbps": fetch,
@@ -328,6 +330,7 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
             trials, log = costed(trials, n_blocks * source.frame_bytes, pids=(peer.process.pid,))
             figures = with_cpu(alternate(repeats, **trials), log)
             figures["counters"] = {"fetcher": fetcher.counters.as_dict(), "pusher": pusher.counters.as_dict()}
+            figures["message_bytes"] = same_pieces
             return figures
     finally:
         peer.stop()

@@ -3,6 +3,7 @@
 import signal
 import socket
 import time
+from concurrent import futures
 
 import grpc
 import ml_dtypes
@@ -14,7 +15,7 @@ from mooncake_jax.transfer import BlockPool, BlockSpec, EventKind
 from mooncake_jax.transfer.files import record_arrays
 from mooncake_jax.transfer.frame import PREFIX_BYTES, frame_bytes, record_prefix
 from mooncake_jax.transfer.peer import PeerProcess
-from mooncake_jax.transfer.pieces import PIECE_BYTES, encode_piece, parse_piece
+from mooncake_jax.transfer.pieces import PIECE_BYTES, batched, encode_piece, parse_message, parse_piece
 from mooncake_jax.transfer.messenger import (
     BlocksNotFoundError,
     MessengerClient,
@@ -170,7 +171,7 @@ def test_hand_encoded_pieces_are_exactly_protobuf(fields):
 
 
 def test_pieces_parse_in_any_field_order_and_malformed_ones_are_refused():
-    reordered = b"\x22\x08abcdefgh" + b"\x3a\x02zz" + b"\x28\x03\x18\x0c\x08\x09\x10\x04"  # field 7: unknown
+    reordered = b"\x22\x08abcdefgh" + b"\x4a\x02zz" + b"\x28\x03\x18\x0c\x08\x09\x10\x04"  # field 9: unknown
     parsed, reference = parse_piece(reordered), messages.BlockPiece.FromString(reordered)
     fields = (parsed.key, parsed.offset, parsed.frame_bytes, parsed.data, parsed.spec_fingerprint)
     expected = (reference.key, reference.offset, reference.frame_bytes, reference.data, reference.spec_fingerprint)
@@ -281,7 +282,14 @@ def test_deadline_ends_a_slow_transfer(serve):
         time.sleep(0.15)
         return slow_get(key, promote)
 
+    slow_join = sender.join_records
+
+    def join_records_slowly(keys, separator):  # small blocks go several to a message, read by join_records
+        time.sleep(0.15 * len(keys))
+        return slow_join(keys, separator)
+
     sender.get_record = get_record_slowly
+    sender.join_records = join_records_slowly
     server = serve(sender)
     receiver = BlockPool(SPEC)
     with MessengerClient(server.address, receiver, timeout_s=0.4) as client:
@@ -463,3 +471,103 @@ def test_ahead_produces_in_order_bounded_and_need_not_wait_for_a_blocked_source(
     ahead.close()  # returns at once; the thread ends once the source does
     assert time.monotonic() - started < 1
     release.set()
+
+
+# ---- several blocks to a message (BlockPiece.next) ----------------------------------------------------------
+
+
+def test_batched_messages_are_exactly_protobuf_and_parse_back():
+    records = [(key, filled_pool([key]).get_record(key)) for key in range(1, 8)]
+    budget = 3 * len(records[0][1]) + 40  # three records and the framing of two `next` fields
+    batches = list(batched(records, SPEC.fingerprint, budget))
+    assert [keys for _, keys in batches] == [[1, 2, 3], [4, 5, 6], [7]]
+    assert batches[-1][0] == records[-1][1]  # a message of one record is the record itself
+    for message, keys in batches:
+        assert len(message) <= budget
+        reference = messages.BlockPiece.FromString(message)  # protobuf's own parser: first piece, then `next`
+        ref_pieces = [reference, *reference.next]
+        assert [p.key for p in ref_pieces] == keys and all(not p.next for p in reference.next)
+        parsed = parse_message(message)
+        assert [piece.key for piece, _ in parsed] == keys
+        for (piece, raw), ref, key in zip(parsed, ref_pieces, keys):
+            assert piece.data == ref.data and piece.spec_fingerprint == ref.spec_fingerprint == SPEC.fingerprint
+            assert bytes(raw) == dict(records)[key]  # each piece's wire bytes: the record, uncopied
+    assert [keys for _, keys in batched(records, SPEC.fingerprint, 0)] == [[key] for key in range(1, 8)]
+    assert next(iter(batched(records, SPEC.fingerprint, 0)))[0] == records[0][1]
+
+
+def test_malformed_batches_are_refused():
+    record = filled_pool([1]).get_record(1)
+    late_field = record + b"\x3a" + bytes([len(b"\x08\x02")]) + b"\x08\x02" + b"\x08\x05"  # a first-piece field last
+    nested = record + b"\x3a\x04" + b"\x3a\x02\x08\x02"  # a batched piece carrying pieces of its own
+    for bad in (late_field, nested, record + b"\x3a\x09\x08"):
+        with pytest.raises(ValueError, match="malformed"):
+            parse_message(bad)
+    with pytest.raises(ValueError, match="malformed"):
+        parse_piece(record + b"\x3a\x02\x08\x02")  # a piece read alone may not carry others
+
+
+def test_fetch_batches_small_blocks_only_for_a_caller_that_takes_them(serve):
+    server = serve(filled_pool(range(1, 11)))
+    record_size = len(server.pool.get_record(1))
+    with grpc.insecure_channel(server.address, options=channel_options()) as channel:
+        fetch = channel.unary_stream(f"/{SERVICE}/Fetch", messages.FetchRequest.SerializeToString)
+        old = list(fetch(messages.FetchRequest(keys=list(range(1, 11)), spec_fingerprint=SPEC.fingerprint)))
+        budget = 4 * record_size + 40
+        new = list(fetch(messages.FetchRequest(keys=list(range(1, 11)), spec_fingerprint=SPEC.fingerprint,
+                                               batch_bytes=budget)))
+    assert old == [server.pool.get_record(key) for key in range(1, 11)]  # an older caller: one record a message
+    assert [len(messages.BlockPiece.FromString(m).next) for m in new] == [3, 3, 1]
+    assert all(len(m) <= budget for m in new)
+    receiver = BlockPool(SPEC)
+    with MessengerClient(server.address, receiver) as client:
+        assert client.fetch(range(1, 11)).moved == list(range(1, 11))
+    assert_exact(receiver, range(1, 11))
+    assert server.counters.blocks_sent == 30
+
+
+def test_a_pushed_message_of_several_records_one_corrupt_stores_the_ones_before_it(serve):
+    receiver = BlockPool(SPEC)
+    server = serve(receiver)
+    records = [(key, filled_pool([key]).get_record(key)) for key in (1, 2, 3, 4)]
+    damaged = bytearray(records[2][1])
+    damaged[-5] ^= 0x10  # block 3's data: its checksum no longer matches
+    records[2] = (3, bytes(damaged))
+    [(message, keys)] = batched(records, SPEC.fingerprint, 10 * len(damaged))
+    assert keys == [1, 2, 3, 4]
+    with grpc.insecure_channel(server.address, options=channel_options()) as channel:
+        push = channel.stream_unary(f"/{SERVICE}/Push", None, messages.PushReply.FromString)
+        with pytest.raises(grpc.RpcError) as caught:
+            push(iter([message]), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.DATA_LOSS
+    assert "checksum" in caught.value.details() and "2 earlier block(s) were stored" in caught.value.details()
+    assert sorted(receiver.keys()) == [1, 2]
+    assert_exact(receiver, [1, 2])
+
+
+def test_push_sends_one_record_a_message_to_a_peer_that_does_not_take_batches():
+    """A peer of an older build: its HasReply has no batch_bytes, and it reads every message as one piece."""
+    received: list[bytes] = []
+
+    def has(request, context):
+        return messages.HasReply(present=[False] * len(request.keys))  # no batch_bytes
+
+    def push(request_iterator, context):
+        received.extend(request_iterator)
+        return messages.PushReply(stored=len(received))
+
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=channel_options())
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+        "Has": grpc.unary_unary_rpc_method_handler(has, messages.HasRequest.FromString,
+                                                   messages.HasReply.SerializeToString),
+        "Push": grpc.stream_unary_rpc_method_handler(push, None, messages.PushReply.SerializeToString),
+    }),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        sender = filled_pool(range(1, 7))
+        with MessengerClient(f"127.0.0.1:{port}", sender) as client:
+            assert client.push(range(1, 7)).moved == list(range(1, 7))
+    finally:
+        server.stop(0)
+    assert received == [sender.get_record(key) for key in range(1, 7)]

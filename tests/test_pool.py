@@ -685,8 +685,8 @@ def test_blocks_in_the_file_per_block_layout_move_into_the_array(tmp_path, caplo
 
 
 def test_dram_tier_is_a_tensorstore_array_over_its_slot_memory():
-    """Records live in TensorStore arrays whose memory is the preallocated slab; a multi-MiB block (copied by
-    TensorStore while the hash runs) round-trips bit-exact, and a get into a staging buffer lands every byte."""
+    """Records live in TensorStore arrays whose memory is the preallocated slab; a multi-MiB block (copied into its
+    slot and hashed in one pass) round-trips bit-exact, and a get into a staging buffer lands every byte."""
     import tensorstore as ts
 
     spec = BlockSpec((4, 2, 64, 4, 256), np.float32)  # 2 MiB
@@ -722,3 +722,19 @@ def test_a_pool_process_reuses_freed_buffers_instead_of_faulting_in_fresh_pages(
         del message
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < 2 * pages, f"{faults} page faults for 8 fills of {pages} pages: freed buffers not reused"
+
+
+def test_joined_records_are_the_records_and_stop_before_a_corrupt_one():
+    """What the Messenger sends several to a message: the records as get_record gives them, separator between; a
+    record failing its checksum ends the join before it and is dropped, never sent."""
+    with BlockPool(SPEC, dram_blocks=8) as pool:
+        pool.put_many([1, 2, 3, 4], [block_of(key) for key in (1, 2, 3, 4)])
+        records = {key: pool.get_record(key) for key in (1, 2, 3, 4)}
+        message, count = pool.join_records([1, 2, 3, 4], b"<>")
+        assert count == 4 and message == b"<>".join(records[key] for key in (1, 2, 3, 4))
+        pool._tiers[0].store._slot_of[3].memory[-1] ^= 1  # block 3's last data byte
+        message, count = pool.join_records([1, 2, 3, 4], b"<>")
+        assert count == 2 and message == records[1] + b"<>" + records[2]
+        assert 3 not in pool and pool.stats()["dram"]["corrupt"] == 1
+        assert pool.join_records([3, 4], b"<>") == (b"", 0)  # absent now: nothing joined
+        assert pool.join_records([4], b"<>") == (records[4], 1)

@@ -42,6 +42,7 @@ _MAX_KEY = (1 << 64) - 1
 
 # BlockPiece field tags (field number << 3 | wire type): see messenger.proto
 TAG_KEY, TAG_OFFSET, TAG_FRAME_BYTES, TAG_DATA, TAG_SPEC, TAG_PADDING = 0x08, 0x10, 0x18, 0x22, 0x28, 0x32
+TAG_NEXT = 0x3A  # BlockPiece.next: the further pieces of a message carrying several (pieces.py)
 
 
 class CorruptBlockError(ValueError):

@@ -6,8 +6,9 @@ the receiver already holds (a fetch asks only for what its pool lacks, a push fi
 travels as the record its pool stores, one message when it fits under the message limit, else in pieces
 (``pieces.py``), and is verified once, whole, before the receiver stores it, so a transfer that dies midway
 leaves only whole, checked blocks behind, each announced by the pool's STORED event. Every call has a deadline.
-Both ends keep several blocks in flight (``readahead.py``): the sender reads records from its pool ahead of the
-transport, the receiver takes messages from gRPC ahead of storing them, so block i is stored while i+1 arrives.
+Both ends keep several blocks in flight (``readahead.py``): the sender reads records from its pool and joins small
+ones several to a message ahead of the transport (``outgoing.py``), the receiver takes messages from gRPC ahead of
+storing them, so block i is stored while i+1 arrives.
 
 Server side, ``MessengerServer(pool).start()`` (``messenger_server.py``); client side,
 ``MessengerClient(address, pool)``: ``fetch(keys)`` for on-demand loads, ``push(keys)`` for transfers the
@@ -39,9 +40,17 @@ from mooncake_jax.transfer.messenger_wire import (
     messages,
     services,
 )
-from mooncake_jax.transfer.pieces import PIECE_BYTES, RecordAssembler, encode_piece, parse_piece, record_pieces
+from mooncake_jax.transfer.outgoing import Outgoing
+from mooncake_jax.transfer.pieces import (
+    BATCH_BYTES,
+    PIECE_BYTES,
+    RecordAssembler,
+    encode_piece,
+    parse_message,
+    parse_piece,
+)
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
-from mooncake_jax.transfer.readahead import Ahead, ReadAhead
+from mooncake_jax.transfer.readahead import Ahead
 
 __all__ = [
     "BlocksNotFoundError",
@@ -134,10 +143,15 @@ class MessengerClient:
 
     def has(self, keys: Iterable[BlockKey], *, timeout_s: float | None = None) -> list[bool]:
         """Which of ``keys`` the peer holds."""
+        return list(self._has(keys, timeout_s).present)
+
+    def _has(self, keys: Iterable[BlockKey], timeout_s: float | None):
+        """The peer's ``HasReply`` for ``keys`` (which it holds, and how large a message of several pieces it
+        takes)."""
         keys = [check_key(key) for key in keys]
         request = messages.HasRequest(keys=keys, spec_fingerprint=self.pool.spec.fingerprint)
         try:
-            return list(self._stub.Has(request, timeout=timeout_s or self.timeout_s).present)
+            return self._stub.Has(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as err:
             raise self._error("has", err) from err
 
@@ -158,7 +172,8 @@ class MessengerClient:
         if wanted and self.data_plane == "jax":
             stored, received = self._fetch_pulled(wanted, started, timeout_s or self.timeout_s)
         elif wanted:
-            request = messages.FetchRequest(keys=wanted, spec_fingerprint=self.pool.spec.fingerprint)
+            request = messages.FetchRequest(keys=wanted, spec_fingerprint=self.pool.spec.fingerprint,
+                                            batch_bytes=BATCH_BYTES)
             call = self._fetch_raw(request, timeout=timeout_s or self.timeout_s)
             arriving = Ahead(call, name="receive-ahead", join=False)  # block i is stored while i+1 arrives
             try:
@@ -205,8 +220,9 @@ class MessengerClient:
         wanted = set(keys)
         started = time.perf_counter()
         received, got = 0, {}
-        call = self._fetch_raw(messages.FetchRequest(keys=list(dict.fromkeys(keys)), spec_fingerprint=spec.fingerprint),
-                               timeout=timeout_s or self.timeout_s)
+        request = messages.FetchRequest(keys=list(dict.fromkeys(keys)), spec_fingerprint=spec.fingerprint,
+                                        batch_bytes=BATCH_BYTES)
+        call = self._fetch_raw(request, timeout=timeout_s or self.timeout_s)
         try:
             for key, record, frame_bytes in _records_of(call, spec, wanted):
                 got[key] = decode_record(spec, key, bytes(record))
@@ -235,7 +251,9 @@ class MessengerClient:
         if absent:
             raise BlocksNotFoundError(f"push to {self.address}: this pool lacks {describe_keys(absent)}", absent)
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
-        present = self.has(keys, timeout_s=timeout_s)
+        reply = self._has(keys, timeout_s)
+        present = list(reply.present)
+        batch_bytes = min(reply.batch_bytes, BATCH_BYTES)  # 0 from an older build: one piece per message
         to_send = [key for key, held in zip(keys, present) if not held]
         skipped = [key for key, held in zip(keys, present) if held]
         started = time.perf_counter()
@@ -243,17 +261,15 @@ class MessengerClient:
         lost: list[BlockKey] = []
         sent_bytes = 0
 
-        def pieces() -> Iterator[bytes]:
+        def outgoing_messages() -> Iterator[bytes]:
             nonlocal sent_bytes
-            fingerprint = self.pool.spec.fingerprint
-            with ReadAhead(lambda key: self.pool.get_record(key, promote=False), to_send) as records:
-                for key, record in records:
-                    if record is None:  # failed its checksum here: end the stream cleanly, report after
-                        lost.append(key)
-                        return
-                    yield from record_pieces(key, record, fingerprint)
-                    sent.append(key)
-                    sent_bytes += self.pool.frame_bytes
+            with Outgoing(self.pool, to_send, batch_bytes) as outgoing:
+                for message, keys_sent in outgoing:
+                    yield message
+                    sent.extend(keys_sent)
+                    sent_bytes += len(keys_sent) * self.pool.frame_bytes
+                if outgoing.lost is not None:  # failed its checksum here: the stream ends cleanly, reported after
+                    lost.append(outgoing.lost)
 
         if to_send and self.data_plane == "jax":
             with self.pool.pin(to_send):
@@ -261,7 +277,7 @@ class MessengerClient:
         elif to_send:
             with self.pool.pin(to_send):
                 try:
-                    self._push_raw(pieces(), timeout=max(deadline - time.monotonic(), 0.001))
+                    self._push_raw(outgoing_messages(), timeout=max(deadline - time.monotonic(), 0.001))
                 except grpc.RpcError as err:
                     self._failed(sent_bytes, 0, started, sending=True)
                     raise self._error("push", err) from err
@@ -390,13 +406,13 @@ class MessengerClient:
 
 
 def _records_of(call, spec: BlockSpec, asked):
-    """(key, record, frame bytes) of each whole block record a Fetch stream of ``spec`` blocks delivers;
-    TransferError for a block that was not ``asked`` for."""
+    """(key, record, frame bytes) of each whole block record a Fetch stream of ``spec`` blocks delivers (messages of
+    one piece or several); TransferError for a block that was not ``asked`` for."""
     assembler = RecordAssembler(spec)
     for raw in call:
-        piece = parse_piece(raw)
-        if piece.key not in asked:
-            raise TransferError(f"peer sent block {piece.key:#018x}, which was not asked for")
-        record = assembler.add(piece, raw)
-        if record is not None:
-            yield piece.key, record, assembler.frame_bytes
+        for piece, piece_raw in parse_message(raw):
+            if piece.key not in asked:
+                raise TransferError(f"peer sent block {piece.key:#018x}, which was not asked for")
+            record = assembler.add(piece, piece_raw)
+            if record is not None:
+                yield piece.key, record, assembler.frame_bytes

@@ -1,7 +1,9 @@
 """The Messenger's server side: serves one pool's blocks to peers and stores the blocks they push.
 
-Streamed pieces leave as the stored records themselves or as pieces ``pieces.py`` encoded, and pushed pieces
-arrive as raw bytes that ``pieces.py`` parses (see there why), so the service is registered with its own handlers
+Streamed pieces leave as the stored records themselves, as pieces ``pieces.py`` encoded, or several to a message
+when the caller takes that (``FetchRequest.batch_bytes``), and pushed messages (of one piece or several, which this
+build always takes and says so in ``HasReply.batch_bytes``) arrive as raw bytes that ``pieces.py`` parses (see
+there why), so the service is registered with its own handlers
 instead of the generated servicer base; the wire format is the .proto's all the same.
 """
 
@@ -28,9 +30,10 @@ from mooncake_jax.transfer.messenger_wire import (
     describe_keys,
     messages,
 )
-from mooncake_jax.transfer.pieces import PIECE_BYTES, RecordAssembler, encode_piece, parse_piece, record_pieces
+from mooncake_jax.transfer.outgoing import Outgoing
+from mooncake_jax.transfer.pieces import BATCH_BYTES, PIECE_BYTES, RecordAssembler, encode_piece, parse_message
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
-from mooncake_jax.transfer.readahead import Ahead, ReadAhead
+from mooncake_jax.transfer.readahead import Ahead
 
 _MAX_PROBE_BYTES = 1 << 36
 
@@ -55,7 +58,7 @@ class _Servicer:
 
     def Has(self, request, context):
         self._check_spec(request.spec_fingerprint, context)
-        return messages.HasReply(present=[key in self.pool for key in request.keys])
+        return messages.HasReply(present=[key in self.pool for key in request.keys], batch_bytes=BATCH_BYTES)
 
     def Fetch(self, request, context):
         self._check_spec(request.spec_fingerprint, context)
@@ -65,16 +68,15 @@ class _Servicer:
             missing = [key for key in keys if key not in self.pool]
             if missing:
                 self._not_found(missing, context)
-            fingerprint = self.pool.spec.fingerprint
-            with ReadAhead(lambda key: self.pool.get_record(key, promote=False), keys) as records:
-                for key, record in records:
-                    if record is None:  # failed its checksum just now: gone from the pool
-                        self._not_found([key], context)
-                    for piece in record_pieces(key, record, fingerprint):
-                        if not context.is_active():
-                            return
-                        yield piece
-                    self.meter.add(blocks_sent=1, bytes_sent=self.pool.frame_bytes)
+            batch_bytes = min(request.batch_bytes, BATCH_BYTES)  # 0 from an older build: one piece per message
+            with Outgoing(self.pool, keys, batch_bytes) as outgoing:
+                for message, sent in outgoing:
+                    if not context.is_active():
+                        return
+                    yield message
+                    self.meter.add(blocks_sent=len(sent), bytes_sent=len(sent) * self.pool.frame_bytes)
+                if outgoing.lost is not None:
+                    self._not_found([outgoing.lost], context)
         self.meter.add(transfers=1, busy_s=time.perf_counter() - started)
 
     def Push(self, request_iterator, context):
@@ -90,22 +92,23 @@ class _Servicer:
         first = True
         for raw in request_iterator:
             try:
-                piece = parse_piece(raw)
+                pieces = parse_message(raw)
                 if first:
-                    self._check_spec(piece.spec_fingerprint, context)
+                    self._check_spec(pieces[0][0].spec_fingerprint, context)
                     first = False
-                record = assembler.add(piece, raw)
-                if record is None:
-                    continue
-                if self._store(piece.key, record, stored, context):
-                    stored += 1
-                else:
-                    already += 1
+                for piece, piece_raw in pieces:
+                    record = assembler.add(piece, piece_raw)
+                    if record is None:
+                        continue
+                    if self._store(piece.key, record, stored, context):
+                        stored += 1
+                    else:
+                        already += 1
+                    self.meter.add(blocks_received=1, bytes_received=self.pool.frame_bytes)
             except CorruptBlockError as err:
                 context.abort(grpc.StatusCode.DATA_LOSS, f"{err}; {stored} earlier block(s) were stored")
             except ValueError as err:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err}; {stored} earlier block(s) were stored")
-            self.meter.add(blocks_received=1, bytes_received=self.pool.frame_bytes)
         if assembler.pending_key is not None:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -117,7 +117,10 @@ class BlockPool:
 
     def tier_of(self, key: BlockKey) -> str | None:
         """Name of the fastest tier holding ``key`` (``"dram"`` or ``"ssd"``), or None."""
-        return next((tier.name for tier in self._tiers if key in tier), None)
+        for tier in self._tiers:  # a loop, not a generator: this runs twice per block stored
+            if key in tier:
+                return tier.name
+        return None
 
     def keys(self) -> list[BlockKey]:
         with self._lock:
@@ -259,6 +262,42 @@ class BlockPool:
         key = check_key(key)
         with self._operation():
             return self._read_record(key, promote)
+
+    def join_records(self, keys: Sequence[BlockKey], separator: bytes) -> tuple[bytes, int]:
+        """The verified records of the leading ``keys``, joined into one ``bytes`` with ``separator`` between them
+        (copied once, straight out of their slots: the Messenger sends several small blocks to a message), and how
+        many it holds. It stops before the first key its fastest tier cannot serve (absent, or failing its checksum:
+        dropped as a bad block), for ``get_record`` to try the tiers below. Not promoted, as ``promote=False``."""
+        keys = [check_key(key) for key in keys]
+        with self._operation():
+            self._check_open()
+            parts: list[bytes | memoryview] = []
+            found: list[tuple[Tier, BlockKey]] = []
+            for key in keys:
+                tier = None
+                for candidate in self._tiers:
+                    if key in candidate:
+                        tier = candidate
+                        break
+                    candidate.counters.misses += 1
+                record = None if tier is None else tier.read_record(key)
+                if record is None or len(record) != self.record_bytes:
+                    break
+                if parts:
+                    parts.append(separator)
+                parts.append(record)
+                found.append((tier, key))
+            message = b"".join(parts)  # the slots' views are valid until the lock is released
+            view, at = memoryview(message), 0
+            for i, (tier, key) in enumerate(found):
+                try:  # the copy is verified: what is sent is what was checked
+                    verify(self.spec, key, view[at : at + self.record_bytes])
+                except CorruptBlockError as err:
+                    self._bad_block(tier, key, err)
+                    return message[: max(at - len(separator), 0)], i
+                self._hit(0, tier, key, lambda _: None)
+                at += self.record_bytes + len(separator)
+            return message, len(found)
 
     @contextlib.contextmanager
     def pin(self, keys: Iterable[BlockKey]) -> Iterator[list[BlockKey]]:

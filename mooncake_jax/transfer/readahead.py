@@ -6,8 +6,9 @@ only once the last one is handed to the transport, and a receiver's next message
 verify) between two sends, or storing one (copy and verify) between two receives, leaves the link idle meanwhile.
 An ``Ahead`` iterates a source on a thread of its own, at most ``depth`` items ahead of the consumer: the work on
 item i overlaps the production of item i+1 (the copies, hashes and gRPC waits all release the GIL), and memory
-stays bounded. ``ReadAhead`` is the sender's case (records read from the pool by key); a receiver wraps the gRPC
-stream itself (``Ahead(call, join=False)``).
+stays bounded. A Messenger sender iterates its messages ahead (``outgoing.Outgoing``, records read and joined
+several to a message); ``ReadAhead`` is the plain case of records read from the pool by key; a receiver wraps the
+gRPC stream itself (``Ahead(call, join=False)``).
 """
 
 from __future__ import annotations

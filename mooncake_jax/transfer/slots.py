@@ -1,20 +1,21 @@
 """The DRAM tier's storage: block records in the slots of TensorStore arrays over preallocated host memory.
 
-The backing store is TensorStore: each slab is a ``[slots, stride]`` uint8 TensorStore array (the ``array``
-driver, ``ts.array(..., copy=False)``) whose memory is a preallocated host buffer, and records are written into
-and read out of it through TensorStore, without intermediate encodes. A put is one TensorStore write straight from the
-caller's array into the slot, started asynchronously while this thread hashes the same bytes (TensorStore copies
-on its own thread: copy and hash run side by side); a get is one TensorStore write from the slot into a
-TensorStore view of the caller's staging buffer while this thread hashes the slot. A record received from a peer
-(``put_checked``, the Messenger's store) lands straight in its slot's memory instead, copied and hashed chunk by
-chunk in one pass on the receiving thread (``copy_with_checksum``): it is verified once, as it lands, and the two
-TensorStore hand-offs per record (data and head) cost more than the copy itself at 384 KiB (put_record 82 -> 55 us
-per 16-token block, 340 -> 295 us per 128-token block, measured here). Copies in flight are waited
-for by ``settle`` (the pool settles before every read and delete and at the end of every call), which costs a
-thread hand-off per block instead of one per copy. The TensorStore memory kvstore this tier used
-first copied a record on every write and again on every read, and a put had to join the record into one ``bytes``
-first (about 0.3 of memcpy). The record layout in a slot is the one on SSD and on the wire, so the Messenger sends
-a slot's bytes as they are (``record`` is a view of the array's memory, copied by the pool under its lock).
+The backing store is TensorStore: each slab is a ``[slots, stride]`` uint8 TensorStore array (the ``array`` driver,
+``ts.array(..., copy=False)``) whose memory is a preallocated host buffer, and records are written into and read out
+of it through TensorStore, without intermediate encodes. A put of a block (``put_block``) and a record received from
+a peer (``put_checked``, the Messenger's store) land straight in the slot's memory (the TensorStore array's own
+buffer), copied and hashed chunk by chunk in one pass on the caller's thread (``copy_with_checksum``: each chunk
+hashed from cache right after it is copied): the two TensorStore hand-offs per record (data and head) cost more than
+the copy itself at 384 KiB (put_record 82 -> 55 us per 16-token block, 340 -> 295 us per 128-token block; a 16-token
+``put_many`` 0.49-0.52 -> 0.96-0.97 of memcpy, 128-token 0.74-0.81 -> 0.87-0.88, A/B in one process, load 4.0). A
+get (``read_into``) is the same one pass from the slot into the caller's staging buffer (16-token ``get_many`` 0.36
+-> 1.08 of memcpy, 128-token 0.71 -> 0.74, 70B 0.85 -> 0.90, A/B at load 1.2); a record moved between tiers
+(``put``) is written through TensorStore. Copies in flight are waited for by ``settle`` (the pool settles before
+every read and delete and at the end of every call), which costs a thread hand-off per block instead of one per
+copy. The TensorStore memory kvstore this tier used first copied a record on every write and again on every read,
+and a put had to join the record into one ``bytes`` first (about 0.3 of memcpy). The record layout in a slot is the
+one on SSD and on the wire, so the Messenger sends a slot's bytes as they are (``record`` is a view of the array's
+memory, copied by the pool under its lock).
 
 Slabs are allocated when no slot is free and kept for the life of the tier, so a warm pool writes into memory
 whose pages are already mapped (fresh pages cost more than the copy). A bounded tier allocates at most its
@@ -28,7 +29,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import tensorstore as ts
-import xxhash
 
 from mooncake_jax.blocks import BlockKey
 from mooncake_jax.transfer.checksum import copy_with_checksum
@@ -39,10 +39,9 @@ PAGE_BYTES = 4096
 CACHE_LINE_BYTES = 64
 SLAB_BYTES = 256 << 20
 """Most bytes allocated at once when the tier grows (one slot if a record is larger)."""
-_LOW = (1 << 64) - 1
 _CONTEXT = ts.Context({"data_copy_concurrency": {"limit": 1}})
-"""TensorStore copies on one thread while the caller's thread hashes: two cores busy, and more copy threads only add
-hand-offs on a 2-core host."""
+"""TensorStore copies on one thread (records moved between tiers here, the SSD tier's reads in ``files.py``): more
+copy threads only add hand-offs on a 2-core host."""
 
 
 def as_store(buffer: np.ndarray) -> ts.TensorStore:
@@ -50,28 +49,14 @@ def as_store(buffer: np.ndarray) -> ts.TensorStore:
     return ts.array(buffer, copy=False, write=True, context=_CONTEXT)
 
 
-def start_copy(dst: ts.TensorStore, src: ts.TensorStore | np.ndarray,
-               hashed: np.ndarray) -> tuple[ts.Future, tuple[int, int]]:
-    """Start copying ``src`` into ``dst`` through TensorStore (flat uint8, one length) and hash ``hashed`` (the
-    source's bytes as numpy) on this thread meanwhile: TensorStore copies on its own thread, so the copy and the
-    XXH3-128 hash run side by side on two cores. Returns the copy's future (``src`` must stay untouched and
-    ``dst`` unread until it is done; TensorStore holds a reference to a numpy ``src`` meanwhile) and the
-    checksum."""
-    copy = dst.write(src)
-    digest = xxhash.xxh3_128_intdigest(hashed)
-    return copy, (digest >> 64, digest & _LOW)
-
-
 class _Slot:
     """One record's place in a slab: its memory as numpy (for hashing and views) and as TensorStore (for I/O)."""
 
-    __slots__ = ("memory", "record", "head", "data")
+    __slots__ = ("memory", "record")
 
     def __init__(self, memory: np.ndarray, store: ts.TensorStore) -> None:
         self.memory = memory
         self.record = store
-        self.head = store[:DATA_OFFSET]
-        self.data = store[DATA_OFFSET:].translate_to[0]  # indexed from 0, as the caller's array is
 
 
 class SlotStore:
@@ -111,12 +96,11 @@ class SlotStore:
         return slot
 
     def put_block(self, key: BlockKey, data: np.ndarray) -> None:
-        """Start storing the block whose bytes are ``data`` (flat uint8, untouched until ``settle``): one copy,
-        by TensorStore, while this thread hashes the same bytes."""
+        """Store the block whose bytes are ``data`` (flat uint8): copied into the slot and hashed in one pass (nothing
+        in flight afterwards)."""
         slot = self._slot_for(key)
-        copy, digest = start_copy(slot.data, data, data)
-        self._pending.append((key, copy))
-        self._pending.append((key, slot.head.write(np.frombuffer(record_head(self.spec, key, digest), np.uint8))))
+        digest = copy_with_checksum(slot.memory[DATA_OFFSET:], data)
+        slot.memory[:DATA_OFFSET] = np.frombuffer(record_head(self.spec, key, digest), np.uint8)
 
     def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
                     expected: tuple[int, int]) -> None:
@@ -151,13 +135,12 @@ class SlotStore:
         return None if slot is None else memoryview(slot.memory)
 
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[memoryview, tuple[int, int]] | None:
-        """Start copying the block's data into ``out`` (flat uint8, not to be read before ``settle``) through
-        TensorStore; its record head and the checksum of the slot's data, hashed while it is copied."""
+        """Copy the block's data into ``out`` (flat uint8) and hash the bytes copied, in one pass; its record head
+        and that checksum (so what is verified is what the caller got)."""
         slot = self._slot_of.get(key)
         if slot is None:
             return None
-        copy, digest = start_copy(as_store(out), slot.data, slot.memory[DATA_OFFSET:])
-        self._pending.append((key, copy))
+        digest = copy_with_checksum(out, slot.memory[DATA_OFFSET:])
         return memoryview(slot.memory[:DATA_OFFSET]), digest
 
     def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None) -> None:

@@ -1,0 +1,71 @@
+"""The messages that carry a pool's blocks to a peer, built ahead of the transport on a thread.
+
+Both Messenger ends send this way (the server's Fetch, the client's Push), on a thread of their own, at most a few
+messages ahead, so gRPC's thread only hands finished messages to the transport. Small blocks are joined several to
+a message straight out of their slots (``BlockPool.join_records``: one copy, verified, where reading each record
+then joining them copied twice); a block that fills a message alone is read as its record (``get_record``) and
+sent as it is, or in pieces (``pieces.batched``).
+A block that fails its checksum here (the pool drops it) ends the messages after the blocks before it, which are
+still sent; ``lost`` then names it, for the caller to report once the stream is over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from mooncake_jax.blocks import BlockKey
+from mooncake_jax.transfer.pieces import batched, next_separator, records_per_message
+from mooncake_jax.transfer.pool import BlockPool
+from mooncake_jax.transfer.readahead import Ahead
+
+
+class Outgoing:
+    """Iterates ``(message, keys it completes)`` for the blocks of ``keys`` in ``pool``, in order, several to a
+    message up to ``batch_bytes`` (0: one piece per message, for a peer of an older build)."""
+
+    def __init__(self, pool: BlockPool, keys: Sequence[BlockKey], batch_bytes: int, depth: int = 4) -> None:
+        self.lost: BlockKey | None = None
+        self._pool = pool
+        per_message = records_per_message(pool.frame_bytes, batch_bytes)
+        if per_message > 1:
+            messages = self._joined(list(keys), per_message)
+        else:
+            messages = batched(self._records(list(keys)), pool.spec.fingerprint, 0)
+        self._ahead = Ahead(messages, depth, name="send-ahead")
+
+    def _joined(self, keys: list[BlockKey], per_message: int) -> Iterator[tuple[bytes, list[BlockKey]]]:
+        separator = next_separator(self._pool.record_bytes)
+        at = 0
+        while at < len(keys):
+            group = keys[at : at + per_message]
+            message, count = self._pool.join_records(group, separator)
+            if count:
+                yield message, group[:count]
+                at += count
+            if count < len(group):  # absent or corrupt in its fastest tier: the usual read tries the others
+                record = self._pool.get_record(keys[at], promote=False)
+                if record is None:
+                    self.lost = keys[at]
+                    return
+                yield record, [keys[at]]
+                at += 1
+
+    def _records(self, keys: list[BlockKey]) -> Iterator[tuple[BlockKey, bytes]]:
+        for key in keys:
+            record = self._pool.get_record(key, promote=False)
+            if record is None:  # failed its checksum just now: gone from the pool
+                self.lost = key
+                return
+            yield key, record
+
+    def __iter__(self) -> Iterator[tuple[bytes, list[BlockKey]]]:
+        return iter(self._ahead)
+
+    def close(self) -> None:
+        self._ahead.close()
+
+    def __enter__(self) -> Outgoing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
