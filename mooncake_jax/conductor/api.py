@@ -14,6 +14,8 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
+import numpy as np
+
 from mooncake_jax.blocks import num_blocks
 from mooncake_jax.conductor.index import BlockIndex
 from mooncake_jax.conductor.instances import InstanceTable
