@@ -328,10 +328,13 @@ def main() -> None:
         args.token_times.write_text(json.dumps({
             "token_times": real, "overheads": overheads, "profile_json": profile_json,
             "bursts": [(start, n, times.tolist()) for start, n, times in burst_runs]}) + "\n")
-    sim = simulated(items, costs, overheads, args.prefill, args.decode, args.speed, pool_blocks * ENGINE_BLOCK,
-                    slo)
-    no_spread = simulated(items, costs, {**overheads, "decode_step_spread": ()}, args.prefill, args.decode,
-                          args.speed, pool_blocks * ENGINE_BLOCK, slo)
+    # the headline reading takes exact steps: re-simulating nine recorded runs, the measured spread put TBT p50
+    # further off (20% against 15% on average) and p90 no closer (28% / 27%); in two quiet runs p90 further
+    # (80% / 30% against 47% / 0.4%) (docs/benchmarks.md); its reading is kept beside it
+    sim = simulated(items, costs, {**overheads, "decode_step_spread": ()}, args.prefill, args.decode, args.speed,
+                    pool_blocks * ENGINE_BLOCK, slo)
+    with_spread = simulated(items, costs, overheads, args.prefill, args.decode, args.speed,
+                            pool_blocks * ENGINE_BLOCK, slo)
     done = [i for i, times in enumerate(real) if times]
     real_ttft = [real[i][0] for i in done]
     real_tbt = [tbt_of_times(real[i]) for i in done if len(real[i]) > 1]
@@ -357,9 +360,9 @@ def main() -> None:
             results[f"{metric}_{q}_sim_s"] = s
             results[f"{metric}_{q}_rel_err"] = rel_err(s, r) if r is not None and s is not None else None
     real_tbt_q = figures["real_tbt"]
-    for q, v in percentiles([no_spread.requests[i].tbt_s for i in done if len(real[i]) > 1]).items():
-        results[f"tbt_{q}_sim_no_spread_s"] = v  # the same model with exact steps (decode_step_spread off)
-        results[f"tbt_{q}_rel_err_no_spread"] = rel_err(v, real_tbt_q[q]) if q in real_tbt_q else None
+    for q, v in percentiles([with_spread.requests[i].tbt_s for i in done if len(real[i]) > 1]).items():
+        results[f"tbt_{q}_sim_with_spread_s"] = v  # the same model with each gap scaled by the measured spread
+        results[f"tbt_{q}_rel_err_with_spread"] = rel_err(v, real_tbt_q[q]) if q in real_tbt_q else None
     results["goal_rel_err"] = 0.25
     results["meets_goal"] = all(results[f"{m}_{q}_rel_err"] is not None and results[f"{m}_{q}_rel_err"] <= 0.25
                                 for m in ("ttft", "tbt") for q in ("p50", "p90"))
