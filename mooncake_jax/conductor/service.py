@@ -276,26 +276,25 @@ class ConductorService(services.ConductorServicer):
         return reply
 
 
+def _config_field(request, name: str):
+    """A field of the config an instance's registration carries (``config_json``), None when it carries none."""
+    if not request.config_json:
+        return None
+    try:
+        return json.loads(request.config_json).get(name)
+    except (json.JSONDecodeError, AttributeError):
+        return None
+
+
 def _model_of(request) -> str:
     """The model an instance's registration names (its config's), "" when it names none."""
-    if request.config_json:
-        try:
-            return str(json.loads(request.config_json).get("model") or "")
-        except (json.JSONDecodeError, AttributeError):
-            return ""
-    return ""
+    return str(_config_field(request, "model") or "")
 
 
 def _max_batch_of(request) -> int | None:
     """The batch slots an instance's registration names (its config's ``max_batch``), None when it names none."""
-    if request.config_json:
-        try:
-            value = json.loads(request.config_json).get("max_batch")
-        except (json.JSONDecodeError, AttributeError):
-            return None
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            return value
-    return None
+    value = _config_field(request, "max_batch")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
 def _costs(request):
