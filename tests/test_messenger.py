@@ -397,7 +397,7 @@ def test_device_data_plane_moves_the_same_blocks_with_grpc_for_control(serve):
 
 
 def test_read_ahead_keeps_order_raises_where_the_error_was_and_stops_early():
-    from mooncake_jax.transfer.readahead import ReadAhead
+    from mooncake_jax.transfer.readahead import Ahead
 
     read = []
 
@@ -407,15 +407,18 @@ def test_read_ahead_keeps_order_raises_where_the_error_was_and_stops_early():
             raise KeyError("block 4 is gone")
         return key * 10
 
-    with ReadAhead(record_of, range(4), depth=2) as records:
+    def reads(keys):  # records read by key, as a sender reads its pool's
+        return ((key, record_of(key)) for key in keys)
+
+    with Ahead(reads(range(4)), depth=2) as records:
         assert list(records) == [(0, 0), (1, 10), (2, 20), (3, 30)]
     got = []
-    with pytest.raises(KeyError, match="block 4 is gone"), ReadAhead(record_of, [3, 4, 5]) as records:
+    with pytest.raises(KeyError, match="block 4 is gone"), Ahead(reads([3, 4, 5])) as records:
         for key, value in records:
             got.append(key)
     assert got == [3] and 5 not in read  # nothing read past the failure
     read.clear()
-    with ReadAhead(record_of, range(100, 200), depth=2) as records:
+    with Ahead(reads(range(100, 200)), depth=2) as records:
         assert next(iter(records)) == (100, 1000)
     assert len(read) <= 4  # the reader stopped: at most depth ahead of the consumer (plus the one in hand)
 

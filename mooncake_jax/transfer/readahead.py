@@ -7,18 +7,15 @@ verify) between two sends, or storing one (copy and verify) between two receives
 An ``Ahead`` iterates a source on a thread of its own, at most ``depth`` items ahead of the consumer: the work on
 item i overlaps the production of item i+1 (the copies, hashes and gRPC waits all release the GIL), and memory
 stays bounded. A Messenger sender iterates its messages ahead (``outgoing.Outgoing``, records read and joined
-several to a message); ``ReadAhead`` is the plain case of records read from the pool by key; a receiver wraps the
-gRPC stream itself (``Ahead(call, join=False)``).
+several to a message); a receiver wraps the gRPC stream itself (``Ahead(call, join=False)``).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Generic, TypeVar
-
-from mooncake_jax.blocks import BlockKey
 
 T = TypeVar("T")
 _DONE = object()
@@ -79,10 +76,3 @@ class Ahead(Generic[T]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class ReadAhead(Ahead[tuple[BlockKey, T]]):
-    """Iterates ``(key, read(key))`` for ``keys`` in order, the reads done ahead on a thread."""
-
-    def __init__(self, read: Callable[[BlockKey], T], keys: Iterable[BlockKey], depth: int = 4) -> None:
-        super().__init__(((key, read(key)) for key in list(keys)), depth, name="read-ahead")
