@@ -312,7 +312,8 @@ class Cluster:
         if count < 1:
             raise ValueError(f"requests must be >= 1, got {count}")
         backend = self.backend
-        block_size = cluster_block_size(self.model_name, self.configs) if self.configs else 16
+        block_size = (cluster_block_size(self.model_name, self.configs) if self.configs
+                      else get_config(self.model_name).block_size)
         prompts = warmup_prompts(count, backend.vocab_size, backend.max_context, block_size, max_new_tokens)
         return warm_serving_path(lambda prompt: list(self.stream(prompt, max_new_tokens)), prompts)
 

@@ -75,7 +75,7 @@ def keep_off(configs: list[InstanceConfig]) -> tuple[int, ...] | None:
     if not owned:
         return None
     before = tuple(sorted(os.sched_getaffinity(0)))
-    rest = tuple(sorted(set(os.sched_getaffinity(0)) - owned)) or tuple(sorted(available() - owned))
+    rest = tuple(sorted(set(before) - owned)) or tuple(sorted(available() - owned))
     pin(rest)
     log.info("launcher and unpinned instances on cores %s; cores %s owned by instances", format_devices(rest),
              format_devices(tuple(sorted(owned))))
