@@ -38,8 +38,8 @@ from ..model.kv_cache import allocate_kv, kv_shape
 from ..model.layer_hooks import LayerHooks
 from ..model.llama import Llama, Stage
 from ..model.sampling import SamplingInputs
-from ..model.steps import (embed_step, forward_step, head_step, layer_apply_step, layer_step, read_blocks,
-                           read_layer, write_blocks, write_layer)
+from ..model.steps import (HashedGraph, embed_step, forward_step, head_step, layer_apply_step, layer_step,
+                           plain_arrays, read_blocks, read_layer, write_blocks, write_layer)
 
 
 def pipeline_schedule(n_chunks: int, n_stages: int) -> list[list[tuple[int, int]]]:
@@ -79,9 +79,11 @@ class StageRunner:
         self.layout = layout
         self.scan = scan
         stage = Stage(model, start, stop, scan=scan)
-        self.graphdef, params = nnx.split(stage)
-        self.params = layout.place_params(index, params)
-        self.layer_graphdef = None if scan else nnx.split(stage.layers[0])[0]
+        graphdef, params = nnx.split(stage)
+        # hashed once and as plain arrays: jax.jit hashes the one and flattens the other on every step
+        self.graphdef = HashedGraph(graphdef)
+        self.params = plain_arrays(layout.place_params(index, params))
+        self.layer_graphdef = None if scan else HashedGraph(nnx.split(stage.layers[0])[0])
         cfg = model.cfg
         shape = kv_shape(cfg, num_pages, self.n_layers)
         self.kv = allocate_kv(cfg, num_pages, kv_dtype, layout.kv_sharding(index, shape), n_layers=self.n_layers)
