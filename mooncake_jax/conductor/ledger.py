@@ -48,6 +48,7 @@ class DecodeLedger:
         self._entry_of: dict[str, int] = {}
         self._free: list[int] = []
         self._used = 0  # entries [0, _used) have ever been taken; the rest are untouched
+        self._views = None  # the columns' [0, _used) views for decision_loads, while _used and the arrays stay
 
     def __len__(self) -> int:
         return len(self._entry_of)
@@ -66,6 +67,7 @@ class DecodeLedger:
                 self._grow()
             entry = self._used
             self._used += 1
+            self._views = None
         self._slot[entry], self._start[entry], self._tokens[entry] = slot, start, tokens
         if self._instances is not None:
             coef = self._instances.decode_coef
@@ -168,12 +170,16 @@ class DecodeLedger:
         written once inline: on the policy's hot path a decision is a fixed count of numpy calls on short arrays,
         each costing its fixed overhead (twice that with a Python scalar operand), and the Python around them
         (method calls, re-slicing the columns per view) cost as much again."""
-        used = self._used
-        if not used:  # (bincount of nothing gives integers)
+        if not self._used:  # (bincount of nothing gives integers)
             return (*(np.zeros(n_slots) for _ in range(4)), np.zeros(n_slots) if count else None)
-        start, started = self._start[:used], self._started[:used]
+        views = self._views
+        if views is None:  # (slicing seven columns costs about two numpy calls' time; they change rarely)
+            used = self._used
+            views = self._views = tuple(column[:used] for column in (
+                self._start, self._started, self._slot, self._tokens, self._step, self._pair_bucket, self._ones))
+        start, started, slots, tokens, step, pair_bucket, ones = views
         if isinstance(decode_s, np.ndarray):
-            decode_s = decode_s.take(self._slot[:used])
+            decode_s = decode_s.take(slots)
         begin = np.maximum(start, now)
         np.copyto(begin, start, where=started)
         end = begin + decode_s
@@ -181,15 +187,14 @@ class DecodeLedger:
         overdue = end <= now  # decoding past t_d: its end is +inf (the module docstring says why)
         overdue &= started
         committed |= overdue
-        tokens, step = self._tokens[:used], self._step[:used]
         stop = n_slots + 1
         if seen_now:  # the current load, not a part of the routed one: each entry in bucket 4 * (slot + 1)
             seen = start <= now  # + 2 * committed + seen (free entries: 0 to 3, dropped)
-            code = self._pair_bucket[:used] + committed
+            code = pair_bucket + committed
             code += code
             code += seen
             shares, kv = (np.bincount(code, weights, 4 * stop).reshape(stop, 4)[1:] for weights in (step, tokens))
-            counts = np.bincount(code, self._ones[:used], 4 * stop).reshape(stop, 4)[1:] if count else None
+            counts = np.bincount(code, ones, 4 * stop).reshape(stop, 4)[1:] if count else None
             return (shares[:, 2] + shares[:, 3], kv[:, 2] + kv[:, 3], shares[:, 1] + shares[:, 3],
                     kv[:, 1] + kv[:, 3], counts[:, 1] + counts[:, 3] if count else None)
         # begun by ``when``: begin <= when, and begin = max(start, now) or start, so start <= when
@@ -197,13 +202,13 @@ class DecodeLedger:
         # a part of the routed load: each routed entry in bucket 2 * (slot + 1) + seen, the others in bucket 0,
         # dropped; counts weighted by ones, so that the policy's arithmetic on them is float with float (mixed
         # integer and float operations cost more than the weights)
-        code = self._pair_bucket[:used] + seen
+        code = pair_bucket + seen
         code *= committed
         shares = np.bincount(code, step, 2 * stop).reshape(stop, 2)[1:]
         kv = np.bincount(code, tokens, 2 * stop).reshape(stop, 2)[1:]
         seen_shares, seen_kv = shares[:, 1], kv[:, 1]
         return (shares[:, 0] + seen_shares, kv[:, 0] + seen_kv, seen_shares, seen_kv,
-                np.bincount(code, self._ones[:used], 2 * stop)[3 :: 2] if count else None)
+                np.bincount(code, ones, 2 * stop)[3 :: 2] if count else None)
 
     def on_slot(self, mask: np.ndarray, slot: int) -> tuple[int, float]:
         """(requests, kv_tokens) on one slot over the entries in ``mask``."""
@@ -228,3 +233,4 @@ class DecodeLedger:
         self._ones = np.ones(len(self._tokens))
         self._started = np.concatenate([self._started, np.zeros(extra, bool)])
         self._ids.extend([None] * extra)
+        self._views = None
