@@ -202,13 +202,15 @@ class DecodeLedger:
         # a part of the routed load: each routed entry in bucket 2 * (slot + 1) + seen, the others in bucket 0,
         # dropped; counts weighted by ones, so that the policy's arithmetic on them is float with float (mixed
         # integer and float operations cost more than the weights)
+        # (slot s's routed-not-seen sum at flat index 2 * s + 2, its seen sum at 2 * s + 3: strided slices of the
+        # flat sums, no reshape)
         code = pair_bucket + seen
         code *= committed
-        shares = np.bincount(code, step, 2 * stop).reshape(stop, 2)[1:]
-        kv = np.bincount(code, tokens, 2 * stop).reshape(stop, 2)[1:]
-        seen_shares, seen_kv = shares[:, 1], kv[:, 1]
-        return (shares[:, 0] + seen_shares, kv[:, 0] + seen_kv, seen_shares, seen_kv,
-                np.bincount(code, ones, 2 * stop)[3 :: 2] if count else None)
+        shares = np.bincount(code, step, 2 * stop)
+        kv = np.bincount(code, tokens, 2 * stop)
+        seen_shares, seen_kv = shares[3::2], kv[3::2]
+        return (shares[2::2] + seen_shares, kv[2::2] + seen_kv, seen_shares, seen_kv,
+                np.bincount(code, ones, 2 * stop)[3::2] if count else None)
 
     def on_slot(self, mask: np.ndarray, slot: int) -> tuple[int, float]:
         """(requests, kv_tokens) on one slot over the entries in ``mask``."""

@@ -107,9 +107,8 @@ class Policy:
         # 20), ones (the sender's backlog), seconds per KV token from the sender, and when each queue drains (now
         # at the earliest; +inf off the prefill role): every TTFT plus ``now``, which moves no argmin
         terms = table.prefill_terms
-        drained = terms[6]
-        np.maximum(table.queue_free_at, now, out=drained)
-        drained += table.barrier(Role.PREFILL)
+        drained = terms[6]  # (``out=`` given by keyword costs a numpy call's time more than by position to add)
+        np.add(np.maximum(table.queue_free_at, now), table.barrier(Role.PREFILL), drained)
         owns = [0]
         owns += [length for length, _ in levels]
         best_len = 0
