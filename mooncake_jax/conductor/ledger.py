@@ -158,13 +158,15 @@ class DecodeLedger:
         return (np.bincount(bucket, weights=mask, minlength=n_slots + 1)[1 : n_slots + 1],
                 np.bincount(bucket, weights=self._tokens[: self._used] * mask, minlength=n_slots + 1)[1 : n_slots + 1])
 
-    def decision_loads(self, now: float, when: float, decode_s, n_slots: int, seen_now: bool, count: bool = True):
+    def decision_loads(self, now: float, when: float, decode_s, n_slots: int, seen_now: bool, count: bool = True,
+                       routed_kv: bool = True):
         """The per-slot loads one decision reads, from one pass over the entries: the routed load
         (``committed(when, ...)``: every entry not predicted finished by ``when``) and the load admission judges
         (``at(when, ...)``, or ``active(now)`` when ``seen_now``). Returns (routed step shares, routed kv tokens,
         seen step shares, seen kv tokens, seen requests), float arrays of length ``n_slots`` (a slot's step time
         with a batch is c0 + c1 + its step shares' sum: see the class docstring); seen requests None unless
-        ``count`` (only a batch limit needs them: one sum fewer).
+        ``count`` (only a batch limit needs them: one sum fewer), routed kv tokens None unless ``routed_kv`` (only
+        the admission policies that leave the decode checks to the decode instance read it).
 
         The same masks and sums as ``window`` / ``committed`` / ``at`` / ``per_slot`` (whose docstrings say why),
         written once inline: on the policy's hot path a decision is a fixed count of numpy calls on short arrays,
@@ -195,7 +197,7 @@ class DecodeLedger:
             code += seen
             shares, kv = (np.bincount(code, weights, 4 * stop).reshape(stop, 4)[1:] for weights in (step, tokens))
             counts = np.bincount(code, ones, 4 * stop).reshape(stop, 4)[1:] if count else None
-            return (shares[:, 2] + shares[:, 3], kv[:, 2] + kv[:, 3], shares[:, 1] + shares[:, 3],
+            return (shares[:, 2] + shares[:, 3], kv[:, 2] + kv[:, 3] if routed_kv else None, shares[:, 1] + shares[:, 3],
                     kv[:, 1] + kv[:, 3], counts[:, 1] + counts[:, 3] if count else None)
         # begun by ``when``: begin <= when, and begin = max(start, now) or start, so start <= when
         seen = start <= when if when >= now else begin <= when
@@ -209,7 +211,7 @@ class DecodeLedger:
         shares = np.bincount(code, step, 2 * stop)
         kv = np.bincount(code, tokens, 2 * stop)
         seen_shares, seen_kv = shares[3::2], kv[3::2]
-        return (shares[2::2] + seen_shares, kv[2::2] + seen_kv, seen_shares, seen_kv,
+        return (shares[2::2] + seen_shares, kv[2::2] + seen_kv if routed_kv else None, seen_shares, seen_kv,
                 np.bincount(code, ones, 2 * stop)[3::2] if count else None)
 
     def on_slot(self, mask: np.ndarray, slot: int) -> tuple[int, float]:

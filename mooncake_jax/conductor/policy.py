@@ -199,16 +199,17 @@ class Policy:
         excluded instances with +inf (an argmin that lands on +inf means none qualified) instead of counting."""
         cfg, table = self.config, snapshot.instances
         kv = float(request.kv_tokens)  # (a Python int operand costs a numpy call more than a float)
+        checks_here = cfg.admission in adm.CHECKS_DECODE_HERE  # (else the routed KV is what must fit)
         shares, context, seen_shares, seen_context, seen_batch = snapshot.ledger.decision_loads(
             now, end, snapshot.decode_time_per_slot, table.capacity, cfg.admission is Admission.EARLY,
-            table.batch_limited)
+            table.batch_limited, not checks_here)
         # a slot's step time with this request: c0 + c1 + c2 * kv (its own step share and the fixed terms) plus
         # the step shares (c1 + c2 * tokens) of the requests counted there
         own = table.decode_coef[2] * kv
         own += table.decode_fixed_s
         load = shares + own  # what spreads a burst: all routed load
         seen_tbt = seen_shares + own
-        if cfg.admission in adm.CHECKS_DECODE_HERE:
+        if checks_here:
             # room for its KV, and a batch slot: a decode instance with every slot taken refuses it after its
             # prefill (late, the prefill wasted); refused here it costs nothing and the client is told at once
             seen_context += kv  # with this request
