@@ -16,11 +16,11 @@ match ~1 us, every prefill instance's TTFT ~12 us (one row of features per prefi
 decode choice ~17 us (one pass over the ledger for both views, weighted bincounts of the entries' step shares), the
 rest of ``decide`` ~4 us; ``decide`` once, in sequence, ~45 us (code and data cold after the previous request's
 apply and reports, spread over the whole decision), applying it ~14-16 us (~17 new blocks recorded as expected in
-the index). The sixth pass took ~5-6% off (in-process A/B, load 12-13) and measured what would take more (a numpy
+the index). The sixth pass took ~5-6% off (in-process A/B, load 6.5-13) and measured what would take more (a numpy
 open-addressing block index: twice the dict's time on a decision's ~25 keys): docs/benchmarks.md.
-``benchmarks/conductor_ab.py`` compares two source trees on the same decisions in one process. At 128 columns every numpy call costs its fixed ~0.35-2 us, not its
-length, so the decision is a fixed number of such calls (``decision_in_numpy_ops`` says how many, in units of the
-``numpy_op_us`` measured in the same run).
+``benchmarks/conductor_ab.py`` compares two source trees on the same decisions in one process. At 128 columns every
+numpy call costs its fixed ~0.35-2 us, not its length, so the decision is a fixed number of such calls
+(``decision_in_numpy_ops`` says how many, in units of the ``numpy_op_us`` measured in the same run).
 Goal: >= 10,000 decisions/s and p99 <= 1 ms at 64 instances and 1e6 blocks.
 
     python benchmarks/conductor.py --json /tmp/conductor.json

@@ -39,7 +39,8 @@ def naive_loads(entries, now, when, decode_s, seen_now, coef):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_decision_loads_equal_a_per_entry_recomputation(seed):
     rng = random.Random(seed)
-    coef = np.array([[0.01] * N_SLOTS, [0.002 + 0.001 * s for s in range(N_SLOTS)], [1e-6 * (s + 1) for s in range(N_SLOTS)]])
+    coef = np.array([[0.01] * N_SLOTS, [0.002 + 0.001 * s for s in range(N_SLOTS)],
+                     [1e-6 * (s + 1) for s in range(N_SLOTS)]])
     ledger = DecodeLedger(capacity=4, instances=types.SimpleNamespace(decode_coef=coef))
     entries: dict[str, tuple[int, float, float, bool]] = {}
     now, checked = 0.0, 0
@@ -68,7 +69,8 @@ def test_decision_loads_equal_a_per_entry_recomputation(seed):
             for seen_now in (False, True):
                 got = ledger.decision_loads(now, when, decode_s, N_SLOTS, seen_now, count=True)
                 want = naive_loads(entries, now, when, decode_s, seen_now, coef)
-                for name, g, w in zip(("routed shares", "routed kv", "seen shares", "seen kv", "seen count"), got, want):
+                names = ("routed shares", "routed kv", "seen shares", "seen kv", "seen count")
+                for name, g, w in zip(names, got, want):
                     np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=f"{name} at step {step}")
                 checked += 1
     assert len(ledger._slot) > 4  # it grew past its capacity while being read

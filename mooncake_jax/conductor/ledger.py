@@ -197,8 +197,8 @@ class DecodeLedger:
             code += seen
             shares, kv = (np.bincount(code, weights, 4 * stop).reshape(stop, 4)[1:] for weights in (step, tokens))
             counts = np.bincount(code, ones, 4 * stop).reshape(stop, 4)[1:] if count else None
-            return (shares[:, 2] + shares[:, 3], kv[:, 2] + kv[:, 3] if routed_kv else None, shares[:, 1] + shares[:, 3],
-                    kv[:, 1] + kv[:, 3], counts[:, 1] + counts[:, 3] if count else None)
+            return (shares[:, 2] + shares[:, 3], kv[:, 2] + kv[:, 3] if routed_kv else None,
+                    shares[:, 1] + shares[:, 3], kv[:, 1] + kv[:, 3], counts[:, 1] + counts[:, 3] if count else None)
         # begun by ``when``: begin <= when, and begin = max(start, now) or start, so start <= when
         seen = start <= when if when >= now else begin <= when
         # a part of the routed load: each routed entry in bucket 2 * (slot + 1) + seen, the others in bucket 0,
