@@ -174,12 +174,7 @@ class DecodeLedger:
         (method calls, re-slicing the columns per view) cost as much again."""
         if not self._used:  # (bincount of nothing gives integers)
             return (*(np.zeros(n_slots) for _ in range(4)), np.zeros(n_slots) if count else None)
-        views = self._views
-        if views is None:  # (slicing seven columns costs about two numpy calls' time; they change rarely)
-            used = self._used
-            views = self._views = tuple(column[:used] for column in (
-                self._start, self._started, self._slot, self._tokens, self._step, self._pair_bucket, self._ones))
-        start, started, slots, tokens, step, pair_bucket, ones = views
+        start, started, slots, tokens, step, pair_bucket, ones = self.columns()
         if isinstance(decode_s, np.ndarray):
             decode_s = decode_s.take(slots)
         begin = np.maximum(start, now)
@@ -213,6 +208,17 @@ class DecodeLedger:
         seen_shares, seen_kv = shares[3::2], kv[3::2]
         return (shares[2::2] + seen_shares, kv[2::2] + seen_kv if routed_kv else None, seen_shares, seen_kv,
                 np.bincount(code, ones, 2 * stop)[3::2] if count else None)
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        """Views of the used entries' columns (start, started, slot, tokens, step share, 2 * (slot + 1), ones), the
+        same objects while the ledger's high-water mark and arrays stay (slicing seven columns costs about two numpy
+        calls' time, and the mark moves a few times per thousand decisions). Free entries have slot -1."""
+        views = self._views
+        if views is None:
+            used = self._used
+            views = self._views = tuple(column[:used] for column in (
+                self._start, self._started, self._slot, self._tokens, self._step, self._pair_bucket, self._ones))
+        return views
 
     def on_slot(self, mask: np.ndarray, slot: int) -> tuple[int, float]:
         """(requests, kv_tokens) on one slot over the entries in ``mask``."""
