@@ -57,6 +57,7 @@ class Policy:
         the numpy path decides the same, ~20% slower a decision."""
         self.config = config or PolicyConfig()
         self._decode_kernel = kernels.decode_choice() if compiled else None
+        self._prefill_kernel = kernels.prefill_slot() if compiled else None
 
     def decide(self, request: Request, snapshot: Snapshot, now: float) -> Decision:
         cfg = self.config
@@ -112,8 +113,10 @@ class Policy:
         # 20), ones (the sender's backlog), seconds per KV token from the sender, and when each queue drains (now
         # at the earliest; +inf off the prefill role): every TTFT plus ``now``, which moves no argmin
         terms = table.prefill_terms
-        drained = terms[6]  # (``out=`` given by keyword costs a numpy call's time more than by position to add)
-        np.add(np.maximum(table.queue_free_at, now), table.barrier(Role.PREFILL), drained)
+        kernel = self._prefill_kernel if cfg.strategy is not Strategy.RANDOM else None
+        if kernel is None:
+            drained = terms[6]  # (``out=`` given by keyword costs a numpy call's time more than by position to add)
+            np.add(np.maximum(table.queue_free_at, now), table.barrier(Role.PREFILL), drained)
         owns = [0]
         owns += [length for length, _ in levels]
         best_len = 0
@@ -121,7 +124,9 @@ class Policy:
         if fetching:
             best_len, holders = levels[-1]
             source = self._best_source(holders, table)
-            terms[5] = table.kv_seconds_per_token[source]  # (unread when no group fetches: their feature is 0)
+            link_row = table.kv_seconds_per_token[source]  # (unread when no group fetches: their feature is 0)
+            if kernel is None:
+                terms[5] = link_row
             starts = self._send_starts(snapshot, source, keys[:best_len], owns, now)
             threshold = cfg.kvcache_balancing_threshold
         rows, fetches = [], []
@@ -136,13 +141,16 @@ class Policy:
             else:
                 rows.append((1.0, x, x * x, x * prefix, 0.0, 0.0, 1.0))
             fetches.append(fetch)
-        ttft = np.dot(np.array(rows), terms)  # (converting first: np.dot's own conversion of a list costs ~1 us more)
-        ttft = ttft[0] if len(rows) == 1 else ttft.take(slot_groups(tuple(m for _, m in levels), capacity))
-
-        if cfg.strategy is Strategy.RANDOM:
+        if kernel is not None:  # the same argmin compiled (kernels.py), one call
+            slot = kernel(np.array(rows), terms, link_row if fetching else _zeros(capacity), table.queue_free_at,
+                          table.barrier(Role.PREFILL), float(now), slot_groups(tuple(m for _, m in levels), capacity),
+                          cfg.strategy is Strategy.LOAD_BALANCE)
+        elif cfg.strategy is Strategy.RANDOM:
             rng = random.Random(zlib.crc32(request.request_id.encode()) ^ cfg.seed)
             slot = int(rng.choice(np.flatnonzero(candidates)))
         else:
+            ttft = np.dot(np.array(rows), terms)  # (converting first: np.dot's own conversion of a list costs ~1 us more)
+            ttft = ttft[0] if len(rows) == 1 else ttft.take(slot_groups(tuple(m for _, m in levels), capacity))
             slot = int((drained if cfg.strategy is Strategy.LOAD_BALANCE else ttft).argmin())
         # the chosen slot's figures, alone
         group, bit = 0, 1 << slot
@@ -256,6 +264,13 @@ class Policy:
         finish = snapshot.ledger.next_finish(slot, now, snapshot.decode_time_per_slot)
         wait = 0.0 if finish is None else finish - now
         return max(self.config.min_retry_after_s, wait)
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros(capacity: int) -> np.ndarray:
+    """Zeros for every slot, shared (never written): the link row of a decision where no group fetches (left
+    writable, like the table's link rows, so that numba compiles one version of the kernel, not two)."""
+    return np.zeros(capacity)
 
 
 @functools.lru_cache(maxsize=8)
