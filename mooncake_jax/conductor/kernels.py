@@ -124,21 +124,36 @@ def _prefill_slot(rows, terms, kv_row, queue_free_at, barrier, now, groups, load
 
 @functools.cache
 def prefill_slot():
-    """The compiled ``_prefill_slot``, or None without numba (loaded as ``decode_choice``)."""
-    try:
-        import numba
-    except ImportError:
+    """The compiled ``_prefill_slot``, or None without numba; compiled (or read from numba's on-disk cache) here,
+    with a call on arrays of the real ones' types, so that no request waits for it (a few seconds cold)."""
+    numba = _numba()
+    if numba is None:
         return None
-    return numba.njit(cache=True)(_prefill_slot)
+    kernel = numba.njit(cache=True)(_prefill_slot)
+    groups = np.arange(2)
+    groups.flags.writeable = False  # (as index.slot_groups hands them out)
+    kernel(np.ones((1, 7)), np.ones((7, 2)), np.zeros(2), np.zeros(2), np.zeros(2), 0.0, groups, False)
+    return kernel
 
 
 @functools.cache
 def decode_choice():
-    """The compiled ``_decode_choice``, or None without numba. Imported and compiled on first use (numba's import
-    costs ~0.5 s, its first compilation a few seconds, then its on-disk cache a fraction of that): only a process
-    that decides pays for it."""
+    """The compiled ``_decode_choice``, or None without numba; compiled (or read from numba's on-disk cache) here,
+    with a call on arrays of the real ones' types, so that no request waits for it. Only a process that makes a
+    ``Policy`` imports numba (~0.5 s)."""
+    numba = _numba()
+    if numba is None:
+        return None
+    kernel = numba.njit(cache=True)(_decode_choice)
+    one, ones = np.zeros(1), np.ones(2)
+    kernel(one, np.zeros(1, np.bool_), np.zeros(1, np.int64), one, one, ones, 0.0, 1.0, False, False, True, 1.0,
+           ones, ones, ones, ones, ones, np.ones(2, np.bool_), ones, 1.0)
+    return kernel
+
+
+def _numba():
     try:
         import numba
     except ImportError:  # numba is optional: the numpy path decides the same
         return None
-    return numba.njit(cache=True)(_decode_choice)
+    return numba

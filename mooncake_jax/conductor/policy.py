@@ -275,10 +275,9 @@ def _zeros(capacity: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=8)
 def _uniform(decode_s: float, capacity: int) -> np.ndarray:
-    """One t_d for every slot, as the array the compiled decode choice takes (read-only: it is shared)."""
-    values = np.full(capacity, float(decode_s))
-    values.flags.writeable = False
-    return values
+    """One t_d for every slot, as the array the compiled decode choice takes; shared (never written), left writable
+    like the table's per-slot t_d so that numba compiles one version of the kernel."""
+    return np.full(capacity, float(decode_s))
 
 
 def _argmin_among(values: np.ndarray, mask: np.ndarray) -> int:
