@@ -16,8 +16,9 @@ match ~1 us, every prefill instance's TTFT ~12 us (one row of features per prefi
 decode choice ~17 us (one pass over the ledger for both views, weighted bincounts of the entries' step shares), the
 rest of ``decide`` ~4 us; ``decide`` once, in sequence, ~45 us (code and data cold after the previous request's
 apply and reports, spread over the whole decision), applying it ~14-16 us (~17 new blocks recorded as expected in
-the index). The sixth pass took ~5-6% off (in-process A/B, load 6.5-13) and measured what would take more (a numpy
-open-addressing block index: twice the dict's time on a decision's ~25 keys): docs/benchmarks.md.
+the index). Sixth pass (docs/benchmarks.md): with numba installed the decode choice and the prefill slot's argmin
+run compiled (conductor/kernels.py, the same decisions; ``decode_choice_compiled`` says which path ran): decode choice
+~3-4 us, prefill TTFT ~9-10, ``decide`` once ~26-27, apply ~15-16; 26,000-28,000 decisions per CPU second at load 7-8.
 ``benchmarks/conductor_ab.py`` compares two source trees on the same decisions in one process. At 128 columns every
 numpy call costs its fixed ~0.35-2 us, not its length, so the decision is a fixed number of such calls
 (``decision_in_numpy_ops`` says how many, in units of the ``numpy_op_us`` measured in the same run).
