@@ -3,17 +3,19 @@ instead of ~25 and ~7 numpy calls.
 
 Why: a decision is a fixed count of numpy calls on short arrays, each costing its fixed ~0.35-2 us, plus the Python
 around them. Measured in sequence (64 + 64 instances, 10^6 blocks, the trace replay of benchmarks/conductor.py),
-answering the decode choice from a table instead of computing it took a decision from ~75 to ~50 us (load 6.4): the
-choice costs about a third of a decision there. This kernel does its arithmetic in one pass over the ledger's entries
-and one over the slots.
+answering the decode choice from a table instead of computing it took a decision from ~75 to ~50 us (load 6.4), and
+the prefill choice too to ~21 us: the two cost two thirds of a decision there. The decode kernel does its arithmetic
+in one pass over the ledger's entries and one over the slots; the prefill one evaluates every slot's TTFT from its
+prefix group's row of features and keeps the least (the groups themselves stay in Python, ``Policy._choose_prefill``).
 
-Its result is the numpy path's exactly (``Policy._choose_decode`` over ``DecodeLedger.decision_loads``): the same sums
-in the same order (a weighted bincount adds entry by entry), the same roundings (each product and sum rounded on its
-own: numba compiles without fastmath, so no fused multiply-add), the first minimum on ties.
+The decode kernel's result is the numpy path's exactly (``Policy._choose_decode`` over
+``DecodeLedger.decision_loads``): the same sums in the same order (a weighted bincount adds entry by entry), the same
+roundings (each product and sum rounded on its own: numba compiles without fastmath, so no fused multiply-add), the
+first minimum on ties. The prefill kernel's argmin is the numpy path's up to rounding (``_prefill_slot``).
 ``tests/test_conductor_decision_oracle.py`` runs its cases on both paths.
 
-Without numba (an optional dependency: ``pip install mooncake-jax[fast]``), ``decode_choice()`` is None and the
-policy takes the numpy path.
+Without numba (an optional dependency: ``pip install mooncake-jax[fast]``), ``decode_choice()`` and
+``prefill_slot()`` are None and the policy takes the numpy path.
 """
 
 from __future__ import annotations
