@@ -247,7 +247,7 @@ def main() -> None:
         parser.error(f"--warm + --timed must be at most the trace's {len(trace)} requests")
     results: dict = {"policy": "kvcache-centric+predictive", "hardware": "+".join(HARDWARE_MIX) + "/llama2-70b",
                      "cpu_model": cpu_model(),
-                     # whether the decode choice ran compiled (numba installed: conductor/kernels.py) or on numpy
+                     # whether the decode choice and the prefill argmin ran compiled (numba: conductor/kernels.py)
                      "decode_choice_compiled": Policy(PolicyConfig())._decode_kernel is not None,
                      "trace_requests_timed": args.timed, "runs_per_configuration": args.runs,
                      "load_average_at_start": os.getloadavg()[0], "cpus": os.cpu_count(),
