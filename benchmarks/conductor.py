@@ -16,9 +16,12 @@ match ~1 us, every prefill instance's TTFT ~12 us (one row of features per prefi
 decode choice ~17 us (one pass over the ledger for both views, weighted bincounts of the entries' step shares), the
 rest of ``decide`` ~4 us; ``decide`` once, in sequence, ~45 us (code and data cold after the previous request's
 apply and reports, spread over the whole decision), applying it ~14-16 us (~17 new blocks recorded as expected in
-the index). ``benchmarks/conductor_ab.py`` compares two source trees on the same decisions in one process. At 128 columns every numpy call costs its fixed ~0.35-2 us, not its
-length, so the decision is a fixed number of such calls (``decision_in_numpy_ops`` says how many, in units of the
-``numpy_op_us`` measured in the same run).
+the index). Sixth pass (docs/benchmarks.md): with numba installed the decode choice and the prefill slot's argmin
+run compiled (conductor/kernels.py, the same decisions; ``decode_choice_compiled`` says which path ran): decode choice
+~3-4 us, prefill TTFT ~9-10, ``decide`` once ~26-27, apply ~15-16; 26,000-28,000 decisions per CPU second at load 7-8.
+``benchmarks/conductor_ab.py`` compares two source trees on the same decisions in one process. At 128 columns every
+numpy call costs its fixed ~0.35-2 us, not its length, so the decision is a fixed number of such calls
+(``decision_in_numpy_ops`` says how many, in units of the ``numpy_op_us`` measured in the same run).
 Goal: >= 10,000 decisions/s and p99 <= 1 ms at 64 instances and 1e6 blocks.
 
     python benchmarks/conductor.py --json /tmp/conductor.json
@@ -244,6 +247,8 @@ def main() -> None:
         parser.error(f"--warm + --timed must be at most the trace's {len(trace)} requests")
     results: dict = {"policy": "kvcache-centric+predictive", "hardware": "+".join(HARDWARE_MIX) + "/llama2-70b",
                      "cpu_model": cpu_model(),
+                     # whether the decode choice and the prefill argmin ran compiled (numba: conductor/kernels.py)
+                     "decode_choice_compiled": Policy(PolicyConfig())._decode_kernel is not None,
                      "trace_requests_timed": args.timed, "runs_per_configuration": args.runs,
                      "load_average_at_start": os.getloadavg()[0], "cpus": os.cpu_count(),
                      "goal_decisions_per_s": GOAL_DECISIONS_PER_S, "goal_p99_decision_ms": GOAL_P99_MS}

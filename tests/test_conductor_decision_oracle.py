@@ -8,7 +8,8 @@ and admission-view load by walking the ledger's entries one by one. Thousands of
 prefix sharing, compressed in time so queues build, SLOs and decode capacities tight enough that every rejection
 reason occurs) are replayed through ``ClusterState`` with decode milestones, heartbeats and KV events; before each
 decision is applied it must equal the oracle's: the same instances, transfer plan and rejection reason, and the
-same predicted times (to 1e-9 relative: the two sum the same terms in different orders).
+same predicted times (to 1e-9 relative: the two sum the same terms in different orders). Every case runs twice: with
+the decode choice compiled (``conductor/kernels.py``, where numba is installed) and on the numpy path.
 """
 
 import math
@@ -18,7 +19,7 @@ import zlib
 import numpy as np
 import pytest
 
-from mooncake_jax.conductor import ClusterState, Policy, PolicyConfig, Request, instance_costs
+from mooncake_jax.conductor import ClusterState, Policy, PolicyConfig, Request, instance_costs, kernels
 from mooncake_jax.conductor.api import Admission, RejectReason, Strategy
 from mooncake_jax.conductor.costs import decode_step_seconds, prefill_seconds, transfer_seconds
 from mooncake_jax.conductor.instances import Role
@@ -167,8 +168,16 @@ def check(decision, expected: dict) -> None:
         assert decision.transfer.seconds == pytest.approx(expected["transfer"][3], rel=1e-9)
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def compiled(request) -> bool:
+    """The decode choice compiled (numba) or on the numpy path."""
+    if request.param == "compiled" and kernels.decode_choice() is None:
+        pytest.skip("numba is not installed: no compiled decode choice to check")
+    return request.param == "compiled"
+
+
 def replay(cfg: PolicyConfig, n_requests: int, speed: float, capacity: int, seed: int,
-           batch_slots: bool = True) -> dict:
+           batch_slots: bool = True, compiled: bool = False) -> dict:
     """Replay the conversation trace's first ``n_requests`` (arrivals ``speed`` times faster) through a state of 6
     prefill and 5 decode instances of three hardware kinds, checking every decision against the oracle; returns how
     often each outcome occurred. Between decisions: decode starts and finishes reported a little off their
@@ -176,7 +185,8 @@ def replay(cfg: PolicyConfig, n_requests: int, speed: float, capacity: int, seed
     load reports (queue, prefill slowdown). ``batch_slots``: some decode instances register a batch limit (without
     any, the policy counts no requests per instance: that path is checked too)."""
     rng = np.random.default_rng(seed)
-    state, policy = ClusterState(cfg), Policy(cfg)
+    state, policy = ClusterState(cfg), Policy(cfg, compiled=compiled)
+    assert (policy._decode_kernel is not None) == compiled
     costs = {kind: instance_costs(kind, "llama2-70b") for kind in KINDS}
     for i in range(6):
         state.add_instance(f"p{i}", "prefill", costs[KINDS[i % 3]], 0.0)
@@ -224,10 +234,10 @@ CASES = [  # strategy, admission, balancing threshold, speed-up, TBT SLO, decode
 
 @pytest.mark.parametrize("strategy, admission, threshold, speed, tbt_slo, capacity, must_see", CASES)
 def test_decisions_equal_a_per_instance_recomputation(strategy, admission, threshold, speed, tbt_slo, capacity,
-                                                      must_see):
+                                                      must_see, compiled):
     cfg = PolicyConfig(strategy=strategy, admission=admission, block_size=BLOCK, kvcache_balancing_threshold=threshold,
                        ttft_slo_s=8.0, tbt_slo_s=tbt_slo)
-    outcomes = replay(cfg, 600, speed, capacity, seed=len(strategy) + len(admission))
+    outcomes = replay(cfg, 600, speed, capacity, seed=len(strategy) + len(admission), compiled=compiled)
     assert sum(outcomes.values()) == 600
     # the check means something only where the replay reached these branches
     assert must_see <= set(outcomes), outcomes
@@ -235,11 +245,11 @@ def test_decisions_equal_a_per_instance_recomputation(strategy, admission, thres
 
 @pytest.mark.parametrize("admission, must_see", [("predictive", {"accepted", "decode_capacity", "tbt_slo"}),
                                                  ("early", {"accepted", "decode_capacity", "tbt_slo"})])
-def test_decisions_equal_the_recomputation_without_batch_limits(admission, must_see):
+def test_decisions_equal_the_recomputation_without_batch_limits(admission, must_see, compiled):
     """No decode instance registers its batch slots: the policy skips counting requests per instance
     (``InstanceTable.batch_limited``), and its decisions must still be the oracle's."""
     cfg = PolicyConfig(strategy="kvcache-centric", admission=admission, block_size=BLOCK, ttft_slo_s=8.0,
                        tbt_slo_s=0.011)
-    outcomes = replay(cfg, 600, 2.0, 12_000, seed=7, batch_slots=False)
+    outcomes = replay(cfg, 600, 2.0, 12_000, seed=7, batch_slots=False, compiled=compiled)
     assert sum(outcomes.values()) == 600
     assert must_see <= set(outcomes), outcomes

@@ -7,10 +7,11 @@ The pieces, each in its own module:
 - ``instances``, ``ledger``: per-instance columns and in-flight decode requests, read by the policy.
 - ``api``: the policy's contract (``PolicyConfig``, ``Request``, ``Snapshot``, ``Decision``).
 - ``policy``: ``Policy.decide(request, snapshot, now)``, pure; ``admission``: the overload policies.
+- ``kernels``: the policy's decode choice compiled with numba, where it is installed (the same decisions).
 - ``state``: ``ClusterState``, which applies decisions and reports and hands out snapshots.
 - ``service``: the gRPC service around one ``ClusterState`` + ``Policy``; ``profile``: ``mooncake-jax profile``.
 
-Importing this package pulls in numpy only (no JAX, no gRPC).
+Importing this package pulls in numpy only (no JAX, no gRPC; numba, where installed, when a ``Policy`` is made).
 
 Driving it (the simulator does exactly what the gRPC service does)::
 

@@ -48,6 +48,7 @@ class DecodeLedger:
         self._entry_of: dict[str, int] = {}
         self._free: list[int] = []
         self._used = 0  # entries [0, _used) have ever been taken; the rest are untouched
+        self._views = None  # the columns' [0, _used) views for decision_loads, while _used and the arrays stay
 
     def __len__(self) -> int:
         return len(self._entry_of)
@@ -66,6 +67,7 @@ class DecodeLedger:
                 self._grow()
             entry = self._used
             self._used += 1
+            self._views = None
         self._slot[entry], self._start[entry], self._tokens[entry] = slot, start, tokens
         if self._instances is not None:
             coef = self._instances.decode_coef
@@ -156,24 +158,25 @@ class DecodeLedger:
         return (np.bincount(bucket, weights=mask, minlength=n_slots + 1)[1 : n_slots + 1],
                 np.bincount(bucket, weights=self._tokens[: self._used] * mask, minlength=n_slots + 1)[1 : n_slots + 1])
 
-    def decision_loads(self, now: float, when: float, decode_s, n_slots: int, seen_now: bool, count: bool = True):
+    def decision_loads(self, now: float, when: float, decode_s, n_slots: int, seen_now: bool, count: bool = True,
+                       routed_kv: bool = True):
         """The per-slot loads one decision reads, from one pass over the entries: the routed load
         (``committed(when, ...)``: every entry not predicted finished by ``when``) and the load admission judges
         (``at(when, ...)``, or ``active(now)`` when ``seen_now``). Returns (routed step shares, routed kv tokens,
         seen step shares, seen kv tokens, seen requests), float arrays of length ``n_slots`` (a slot's step time
         with a batch is c0 + c1 + its step shares' sum: see the class docstring); seen requests None unless
-        ``count`` (only a batch limit needs them: one sum fewer).
+        ``count`` (only a batch limit needs them: one sum fewer), routed kv tokens None unless ``routed_kv`` (only
+        the admission policies that leave the decode checks to the decode instance read it).
 
         The same masks and sums as ``window`` / ``committed`` / ``at`` / ``per_slot`` (whose docstrings say why),
         written once inline: on the policy's hot path a decision is a fixed count of numpy calls on short arrays,
         each costing its fixed overhead (twice that with a Python scalar operand), and the Python around them
         (method calls, re-slicing the columns per view) cost as much again."""
-        used = self._used
-        if not used:  # (bincount of nothing gives integers)
+        if not self._used:  # (bincount of nothing gives integers)
             return (*(np.zeros(n_slots) for _ in range(4)), np.zeros(n_slots) if count else None)
-        start, started = self._start[:used], self._started[:used]
+        start, started, slots, tokens, step, pair_bucket, ones = self.columns()
         if isinstance(decode_s, np.ndarray):
-            decode_s = decode_s.take(self._slot[:used])
+            decode_s = decode_s.take(slots)
         begin = np.maximum(start, now)
         np.copyto(begin, start, where=started)
         end = begin + decode_s
@@ -181,29 +184,41 @@ class DecodeLedger:
         overdue = end <= now  # decoding past t_d: its end is +inf (the module docstring says why)
         overdue &= started
         committed |= overdue
-        tokens, step = self._tokens[:used], self._step[:used]
         stop = n_slots + 1
         if seen_now:  # the current load, not a part of the routed one: each entry in bucket 4 * (slot + 1)
             seen = start <= now  # + 2 * committed + seen (free entries: 0 to 3, dropped)
-            code = self._pair_bucket[:used] + committed
+            code = pair_bucket + committed
             code += code
             code += seen
             shares, kv = (np.bincount(code, weights, 4 * stop).reshape(stop, 4)[1:] for weights in (step, tokens))
-            counts = np.bincount(code, self._ones[:used], 4 * stop).reshape(stop, 4)[1:] if count else None
-            return (shares[:, 2] + shares[:, 3], kv[:, 2] + kv[:, 3], shares[:, 1] + shares[:, 3],
-                    kv[:, 1] + kv[:, 3], counts[:, 1] + counts[:, 3] if count else None)
+            counts = np.bincount(code, ones, 4 * stop).reshape(stop, 4)[1:] if count else None
+            return (shares[:, 2] + shares[:, 3], kv[:, 2] + kv[:, 3] if routed_kv else None,
+                    shares[:, 1] + shares[:, 3], kv[:, 1] + kv[:, 3], counts[:, 1] + counts[:, 3] if count else None)
         # begun by ``when``: begin <= when, and begin = max(start, now) or start, so start <= when
         seen = start <= when if when >= now else begin <= when
         # a part of the routed load: each routed entry in bucket 2 * (slot + 1) + seen, the others in bucket 0,
         # dropped; counts weighted by ones, so that the policy's arithmetic on them is float with float (mixed
         # integer and float operations cost more than the weights)
-        code = self._pair_bucket[:used] + seen
+        # (slot s's routed-not-seen sum at flat index 2 * s + 2, its seen sum at 2 * s + 3: strided slices of the
+        # flat sums, no reshape)
+        code = pair_bucket + seen
         code *= committed
-        shares = np.bincount(code, step, 2 * stop).reshape(stop, 2)[1:]
-        kv = np.bincount(code, tokens, 2 * stop).reshape(stop, 2)[1:]
-        seen_shares, seen_kv = shares[:, 1], kv[:, 1]
-        return (shares[:, 0] + seen_shares, kv[:, 0] + seen_kv, seen_shares, seen_kv,
-                np.bincount(code, self._ones[:used], 2 * stop)[3 :: 2] if count else None)
+        shares = np.bincount(code, step, 2 * stop)
+        kv = np.bincount(code, tokens, 2 * stop)
+        seen_shares, seen_kv = shares[3::2], kv[3::2]
+        return (shares[2::2] + seen_shares, kv[2::2] + seen_kv if routed_kv else None, seen_shares, seen_kv,
+                np.bincount(code, ones, 2 * stop)[3::2] if count else None)
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        """Views of the used entries' columns (start, started, slot, tokens, step share, 2 * (slot + 1), ones), the
+        same objects while the ledger's high-water mark and arrays stay (slicing seven columns costs about two numpy
+        calls' time, and the mark moves a few times per thousand decisions). Free entries have slot -1."""
+        views = self._views
+        if views is None:
+            used = self._used
+            views = self._views = tuple(column[:used] for column in (
+                self._start, self._started, self._slot, self._tokens, self._step, self._pair_bucket, self._ones))
+        return views
 
     def on_slot(self, mask: np.ndarray, slot: int) -> tuple[int, float]:
         """(requests, kv_tokens) on one slot over the entries in ``mask``."""
@@ -228,3 +243,4 @@ class DecodeLedger:
         self._ones = np.ones(len(self._tokens))
         self._started = np.concatenate([self._started, np.zeros(extra, bool)])
         self._ids.extend([None] * extra)
+        self._views = None
