@@ -415,11 +415,11 @@ def test_failed_write_is_an_error_and_leaves_no_trace(tmp_path, monkeypatch):
     store = pool._tiers[0].store
     write_slot, failed = store._write_slot, []
 
-    def failing(slot, head, data):
+    def failing(slot, *record):
         if slot == 1 and not failed:  # block 2's
             failed.append(slot)
             raise OSError("No space left on device")
-        return write_slot(slot, head, data)
+        return write_slot(slot, *record)
 
     monkeypatch.setattr(store, "_write_slot", failing)
     with pytest.raises(OSError, match="block 0x0000000000000002 failed: No space left"):
@@ -599,12 +599,12 @@ def test_ssd_writes_in_flight_are_bounded(tmp_path, monkeypatch):
     write_slot, running, most = store._write_slot, [0], [0]
     lock = threading.Lock()
 
-    def slow(slot, head, data):
+    def slow(slot, *record):
         with lock:
             running[0] += 1
             most[0] = max(most[0], len(store._pending))
         time.sleep(0.005)
-        return write_slot(slot, head, data)
+        return write_slot(slot, *record)
 
     monkeypatch.setattr(store, "_write_slot", slow)
     keys = list(range(1, 3 * store.max_in_flight))

@@ -38,6 +38,7 @@ import re
 import shutil
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,8 @@ from mooncake_jax.transfer.frame import (
     record_head,
     verify,
 )
+from mooncake_jax.transfer.shard_file import chunks_in_index, index_bytes
+from mooncake_jax.transfer.shard_writer import ShardImage, ShardWriter
 from mooncake_jax.transfer.slots import as_store
 from mooncake_jax.transfer.spec import BlockSpec
 
@@ -152,7 +155,7 @@ class FileStore:
     record still being written is ordered after its write here, so a call's puts that each evict a block still
     go out as one shard."""
 
-    def __init__(self, root: Path, spec: BlockSpec, *, max_in_flight: int = 8) -> None:
+    def __init__(self, root: Path, spec: BlockSpec, *, max_in_flight: int = 8, direct_io: bool = False) -> None:
         self.root = root
         self.spec = spec
         self.record_bytes = record_bytes(spec)
@@ -165,11 +168,11 @@ class FileStore:
         self._dead = 0  # slots written whose record is gone, in shards still on disk
         self._next_shard = 0
         self._open_shard: int | None = None  # the shard the writes of this call fill
-        self._transaction: ts.Transaction | None = None
+        self._writer = ShardWriter(direct_io)
+        self._image: ShardImage | None = None  # the open shard's data file being written
         self._staged: list[BlockKey] = []
-        self._open_data: ts.TensorStore | None = None  # the data array in the open shard's transaction
         self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)  # its heads, written at seal
-        self._pending: deque[tuple[list[BlockKey], int, ts.Future]] = deque()
+        self._pending: deque[tuple[list[BlockKey], int, Future | ts.Future]] = deque()
         self._failed: list[tuple[BlockKey, Exception]] = []
         self._heads: dict[BlockKey, tuple[ts.Future, int]] = {}  # heads read ahead of ``read_into`` (a
         # run's read and the row of this key's head in it)
@@ -232,11 +235,11 @@ class FileStore:
         return present
 
     def _records_in_file(self, shard: int) -> int:
-        """How many records the data shard file holds (inner chunks after its index), by its size."""
+        """How many records the data shard file holds (the chunks its index lists)."""
         path = self.root / DATA_DIR / _shard_key(shard).decode()
-        index_bytes = 16 * self.shard_slots + 4  # an (offset, length) pair per slot and a crc32c
         try:
-            return max(0, path.stat().st_size - index_bytes) // self.spec.nbytes
+            with open(path, "rb") as file:
+                return chunks_in_index(file.read(index_bytes(self.shard_slots)), self.shard_slots)
         except OSError:
             return 0
 
@@ -315,18 +318,19 @@ class FileStore:
     # ---- writes ------------------------------------------------------------------------------------------
 
     def put_block(self, key: BlockKey, data: np.ndarray) -> None:
-        """Store the block whose bytes are ``data`` (flat uint8, untouched until ``settle``)."""
-        self.put(key, (record_head(self.spec, key, checksum(data)), data), owned=True)
+        """Store the block whose bytes are ``data`` (flat uint8, untouched until ``settle``); its head carries the
+        checksum taken as the data is written."""
+        self._store(key, None, data, owned=True)
 
     def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
                     expected: tuple[int, int]) -> None:
         """Store a record whose data must hash to ``expected`` (checked before anything is written)."""
         check_digest(key, expected, checksum(data))
-        self.put(key, (head, data), owned=True)
+        self._store(key, _flat(head), data, owned=True)
 
     def put(self, key: BlockKey, parts: Sequence[Buffer], owned: bool) -> None:
         """Store a record given as consecutive parts into a fresh slot. ``owned``: the parts stay untouched until
-        ``settle`` (TensorStore writes the data from them); else the data is copied first."""
+        ``settle`` (the data may be written straight from them); else the data is copied first."""
         flats = [_flat(part) for part in parts]
         if sum(flat.size for flat in flats) != self.record_bytes:
             raise ValueError(f"record of {sum(flat.size for flat in flats)} bytes, expected {self.record_bytes}")
@@ -335,28 +339,39 @@ class FileStore:
         else:
             record = np.concatenate(flats) if len(flats) > 1 else flats[0]
             head, data = record[:DATA_OFFSET], record[DATA_OFFSET:]
-        if not owned:
+        self._store(key, head, data, owned)
+
+    def _store(self, key: BlockKey, head: np.ndarray | None, data: np.ndarray, owned: bool) -> None:
+        """Write a record (its head, or None to make it from the data's checksum) into a fresh slot."""
+        if not owned and not self._writer.direct:  # direct writes copy it anyway, before ``put`` returns
             data = data.copy()
         self._heads.pop(key, None)
         if key in self._slot_of:  # a record is never rewritten in place: the new one takes a fresh slot
             self._release(self._slot_of.pop(key))
-        slot = self._take_slot()
+        try:
+            slot = self._take_slot()
+        except Exception as err:  # the shard file could not be created: reported by settle
+            self._failed.append((key, err))
+            return
         self._slot_of[key] = slot
         self._staged.append(key)
         try:
-            self._write_slot(slot, head, data)
+            self._write_slot(slot, key, head, data)
         except Exception as err:  # failed before it was under way: reported by settle like one that failed after
             self._failed.append((key, err))
             self.delete(key)
+            self._seal()  # the slots after this one would not match the shard file's chunks
+            return
         if len(self._staged) == self.shard_slots:
             self._seal()
 
     def _take_slot(self) -> int:
         """The next slot of the open shard (a fresh shard if none is open)."""
         if self._open_shard is None:
-            shard, self._next_shard = self._next_shard, self._next_shard + 1
-            self._open_shard, self._transaction = shard, ts.Transaction()
-            self._open_data = self._data_array.with_transaction(self._transaction)
+            shard = self._next_shard
+            self._image = self._writer.open(self.root / DATA_DIR / _shard_key(shard).decode(), self.shard_slots,
+                                            self.spec.nbytes)
+            self._open_shard, self._next_shard = shard, shard + 1
             self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)
             self._live[shard] = self._filled[shard] = 0
         shard = self._open_shard
@@ -365,32 +380,28 @@ class FileStore:
         self._live[shard] += 1
         return slot
 
-    def _write_slot(self, slot: int, head: np.ndarray, data: np.ndarray) -> None:
-        """Stage a record into the open shard's transaction: the data referenced (a whole chunk); the head is kept
-        for the shard's one heads write at seal (a slot whose head is not on disk holds no record)."""
-        self._open_data[slot].write(data, can_reference_source_data_indefinitely=True).result()
+    def _write_slot(self, slot: int, key: BlockKey, head: np.ndarray | None, data: np.ndarray) -> None:
+        """Append a record's data to the open shard's file (referenced until it is finished, or copied into an
+        aligned piece for direct writes); its head is kept for the shard's one heads write after the data."""
+        digest = self._image.append(data)
+        if head is None:
+            head = np.frombuffer(record_head(self.spec, key, digest), np.uint8)
         self._open_heads[slot % self.shard_slots] = head
 
     def _seal(self) -> None:
-        """Start committing the open shard: TensorStore writes its two shard files behind the caller."""
+        """Finish the open shard behind the caller: the rest of its data file and its index, then its heads."""
         if self._open_shard is None:
             return
-        shard, transaction, keys = self._open_shard, self._transaction, self._staged
-        self._open_shard = self._transaction = self._open_data = None
+        shard, image, keys = self._open_shard, self._image, self._staged
+        self._open_shard = self._image = None
         self._staged = []
         if not self._live[shard]:
-            transaction.abort()
+            image.abort().exception()  # the file is closed before it is deleted
             self._delete_shard(shard)
             return
         first, filled = shard * self.shard_slots, self._filled[shard]
-        try:
-            self._heads_array.with_transaction(transaction)[first : first + filled].write(
-                self._open_heads[:filled]).result()
-        except Exception as err:  # the shard's records are not stored: reported by settle
-            transaction.abort()
-            self._in_flight(keys, shard, _failed_future(err))
-            return
-        self._in_flight(keys, shard, transaction.commit_async())
+        heads = self._open_heads[:filled].copy()
+        self._in_flight(keys, shard, image.finish(lambda: self._heads_array[first : first + filled].write(heads)))
 
     def _in_flight(self, keys: list[BlockKey], shard: int, future: ts.Future) -> None:
         while len(self._pending) >= self.max_in_flight:
@@ -400,7 +411,9 @@ class FileStore:
     def _finish_oldest(self) -> None:
         keys, shard, future = self._pending.popleft()
         try:
-            future.result()
+            done = future.result()  # a shard's data written, and its heads write started
+            if isinstance(done, ts.WriteFutures):
+                done.result()
         except Exception as err:
             for key in keys:
                 if self._slot_of.get(key, -1) // self.shard_slots == shard:
@@ -573,5 +586,8 @@ class FileStore:
         return head, (digest >> 64, digest & _LOW)
 
     def close(self) -> None:
-        self.settle()
-        self._drop_reads()
+        try:
+            self.settle()
+        finally:
+            self._writer.close()
+            self._drop_reads()

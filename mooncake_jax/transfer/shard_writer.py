@@ -1,0 +1,203 @@
+"""Writing the SSD tier's data shard files behind the caller, on one writer thread, in the layout of
+``shard_file.py`` (what TensorStore's zarr3 sharding reads).
+
+Two ways, chosen per store (``FileStore(direct_io=...)``), measured side by side in docs/benchmarks.md:
+
+* **buffered** (the default): a shard's blocks are hashed where they lie and written, index first, by one
+  ``pwritev`` straight from the caller's arrays (untouched until the shard is finished): the kernel's copy into
+  the page cache is the only copy, as in a raw ``write`` of the same bytes, and a block read back soon comes from
+  the page cache.
+* **direct** (``O_DIRECT``): a shard's blocks are copied and hashed in one pass into a bounded ring of
+  page-aligned pieces (``PIECE_BYTES`` each, ``PIECES`` of them), and each full piece is written by the thread
+  while the next one fills, so the copy overlaps the device's write and the page cache is neither used nor
+  throttled (``O_DIRECT`` needs offsets, lengths and buffers aligned: the data starts one page into the file and
+  the last piece is padded, then the file is cut to its exact size). A filesystem that refuses ``O_DIRECT``
+  (EINVAL) gets the same bytes written buffered, with one log line.
+
+Durability is that of the TensorStore writes before (no fsync): a record's head is written only after its shard's
+data, and a torn write fails the checksum in the head when read.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, checksum
+from mooncake_jax.transfer.shard_file import data_start, encode_index
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+"""Direct I/O alignment of file offsets, lengths and buffer addresses (a page: what every Linux filesystem
+accepts)."""
+PIECE_BYTES = 4 << 20
+"""Bytes per direct write: large enough that the device sees long sequential writes, small enough that the copy
+of the next piece overlaps the write of this one."""
+PIECES = 4
+"""Direct pieces being filled or written at once: the write-behind bound (16 MiB of staging per store)."""
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_LOW = (1 << 64) - 1
+
+
+def aligned_buffer(size: int) -> np.ndarray:
+    """A zeroed, page-aligned uint8 buffer of ``size`` bytes (an anonymous mapping, freed with the array)."""
+    return np.frombuffer(mmap.mmap(-1, max(size, 1)), np.uint8)[:size]
+
+
+def _write_all(fd: int, buffers: list, offset: int) -> None:
+    """``pwritev`` every byte of ``buffers`` at ``offset`` (a regular file may take fewer bytes per call)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        written = os.pwritev(fd, views[:1024], offset)  # IOV_MAX
+        offset += written
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+
+
+class ShardWriter:
+    """The writer thread of one SSD store and, in direct mode, its ring of aligned pieces."""
+
+    def __init__(self, direct: bool) -> None:
+        self.direct = direct and bool(_O_DIRECT)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ssd-shard-writer")
+        self._pieces = [aligned_buffer(PIECE_BYTES) for _ in range(PIECES)] if self.direct else []
+        self._piece_done: list[Future | None] = [None] * len(self._pieces)
+        self._next_piece = 0
+
+    def open(self, path: Path, slots: int, chunk_bytes: int) -> ShardImage:
+        """Start the shard file ``path`` of ``slots`` slots whose chunks are ``chunk_bytes`` each."""
+        fd = None
+        if self.direct:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT, 0o644)
+            except OSError as err:
+                if err.errno != errno.EINVAL:
+                    raise
+                log.warning("ssd tier: %s refuses O_DIRECT; its shards are written through the page cache",
+                            path.parent)
+                self.direct = False
+        if fd is None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        return ShardImage(self, fd, slots, chunk_bytes)
+
+    def submit(self, job: Callable[[], object]) -> Future:
+        return self._thread.submit(job)
+
+    def take_piece(self) -> tuple[int, np.ndarray]:
+        """The next piece of the ring, once the write of what it last held is done (the write-behind bound)."""
+        index = self._next_piece
+        self._next_piece = (index + 1) % len(self._pieces)
+        done = self._piece_done[index]
+        if done is not None:
+            done.exception()  # its failure is the shard's, reported when that shard finishes
+        return index, self._pieces[index]
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+class ShardImage:
+    """One data shard file being written: blocks appended in slot order, then ``finish``."""
+
+    def __init__(self, writer: ShardWriter, fd: int, slots: int, chunk_bytes: int) -> None:
+        self._writer = writer
+        self._fd = fd
+        self._slots = slots
+        self._chunk_bytes = chunk_bytes
+        self._direct = writer.direct
+        self._start = data_start(slots, ALIGN if self._direct else 1)
+        self._filled = 0
+        self._chunks: list[np.ndarray] = []  # buffered: the blocks, written at finish
+        self._piece: tuple[int, np.ndarray] | None = None  # direct: the piece being filled, and how far
+        self._piece_fill = 0
+        self._piece_offset = self._start
+        self._errors: list[BaseException] = []
+
+    def append(self, data: np.ndarray) -> tuple[int, int]:
+        """Add the next slot's chunk (flat uint8 of ``chunk_bytes``); its checksum. Buffered, ``data`` is written
+        from where it lies, so it must stay untouched until the shard is finished; direct, it is copied here."""
+        if data.size != self._chunk_bytes:
+            raise ValueError(f"chunk of {data.size} bytes, expected {self._chunk_bytes}")
+        if not self._direct:
+            digest = checksum(data)
+            self._chunks.append(data)
+            self._filled += 1
+            return digest
+        hasher = xxhash.xxh3_128()
+        pos, n = 0, data.size
+        while pos < n:
+            if self._piece is None:
+                self._piece, self._piece_fill = self._writer.take_piece(), 0
+            piece = self._piece[1]
+            take = min(n - pos, PIECE_BYTES - self._piece_fill, COPY_CHUNK_BYTES)
+            dst = piece[self._piece_fill : self._piece_fill + take]
+            np.copyto(dst, data[pos : pos + take])
+            hasher.update(dst)
+            pos += take
+            self._piece_fill += take
+            if self._piece_fill == PIECE_BYTES:
+                self._write_piece()
+        self._filled += 1
+        digest = hasher.intdigest()
+        return digest >> 64, digest & _LOW
+
+    def _write_piece(self) -> None:
+        index, piece = self._piece
+        length = -(-self._piece_fill // ALIGN) * ALIGN
+        fd, offset, errors = self._fd, self._piece_offset, self._errors
+
+        def write() -> None:
+            try:
+                _write_all(fd, [piece[:length]], offset)
+            except BaseException as err:
+                errors.append(err)
+                raise
+
+        self._writer._piece_done[index] = self._writer.submit(write)
+        self._piece_offset += length
+        self._piece = None
+
+    def finish(self, then: Callable[[], object]) -> Future:
+        """Write the rest and the index behind the caller, close the file, then call ``then`` (the heads write) on
+        the writer thread; the future gives what ``then`` returned, or raises what failed."""
+        index = encode_index(self._slots, self._start, self._chunk_bytes, self._filled)
+        fd, errors, end = self._fd, self._errors, self._start + self._filled * self._chunk_bytes
+        if self._direct:
+            if self._piece is not None:
+                self._write_piece()
+            head = aligned_buffer(self._start)
+            head[: len(index)] = np.frombuffer(index, np.uint8)
+            buffers = [head]
+        else:
+            buffers = [index, *self._chunks]
+        self._chunks = []
+
+        def finish() -> object:
+            try:
+                if errors:
+                    raise errors[0]
+                _write_all(fd, buffers, 0)
+                if self._direct:
+                    os.ftruncate(fd, end)  # the last piece's padding off
+            finally:
+                os.close(fd)
+            return then()
+
+        return self._writer.submit(finish)
+
+    def abort(self) -> Future:
+        """Close the file without finishing it (its records are all gone); done once the writes before are."""
+        self._chunks = []
+        return self._writer.submit(lambda: os.close(self._fd))
