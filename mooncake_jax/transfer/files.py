@@ -172,7 +172,7 @@ class FileStore:
         self._image: ShardImage | None = None  # the open shard's data file being written
         self._staged: list[BlockKey] = []
         self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)  # its heads, written at seal
-        self._pending: deque[tuple[list[BlockKey], int, Future | ts.Future]] = deque()
+        self._pending: deque[tuple[list[BlockKey], int, tuple[Future | ts.Future, ...]]] = deque()
         self._failed: list[tuple[BlockKey, Exception]] = []
         self._heads: dict[BlockKey, tuple[ts.Future, int]] = {}  # heads read ahead of ``read_into`` (a
         # run's read and the row of this key's head in it)
@@ -400,20 +400,23 @@ class FileStore:
             self._delete_shard(shard)
             return
         first, filled = shard * self.shard_slots, self._filled[shard]
-        heads = self._open_heads[:filled].copy()
-        self._in_flight(keys, shard, image.finish(lambda: self._heads_array[first : first + filled].write(heads)))
+        data = image.finish()
+        try:  # beside the data, as TensorStore's commit of both shard files was: a torn pair fails the checksum
+            heads = self._heads_array[first : first + filled].write(self._open_heads[:filled])
+        except Exception as err:  # the shard's records are not stored: reported by settle
+            heads = _failed_future(err)
+        self._in_flight(keys, shard, data, heads)
 
-    def _in_flight(self, keys: list[BlockKey], shard: int, future: ts.Future) -> None:
+    def _in_flight(self, keys: list[BlockKey], shard: int, *writes: Future | ts.Future) -> None:
         while len(self._pending) >= self.max_in_flight:
             self._finish_oldest()
-        self._pending.append((keys, shard, future))
+        self._pending.append((keys, shard, writes))
 
     def _finish_oldest(self) -> None:
-        keys, shard, future = self._pending.popleft()
+        keys, shard, writes = self._pending.popleft()
         try:
-            done = future.result()  # a shard's data written, and its heads write started
-            if isinstance(done, ts.WriteFutures):
-                done.result()
+            for write in writes:
+                write.result()
         except Exception as err:
             for key in keys:
                 if self._slot_of.get(key, -1) // self.shard_slots == shard:

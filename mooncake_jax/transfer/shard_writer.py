@@ -14,8 +14,9 @@ Two ways, chosen per store (``FileStore(direct_io=...)``), measured side by side
   the last piece is padded, then the file is cut to its exact size). A filesystem that refuses ``O_DIRECT``
   (EINVAL) gets the same bytes written buffered, with one log line.
 
-Durability is that of the TensorStore writes before (no fsync): a record's head is written only after its shard's
-data, and a torn write fails the checksum in the head when read.
+Durability is that of the TensorStore commits before (no fsync; a shard's heads are written beside its data, as
+TensorStore wrote the two shard files of one transaction): a torn or missing write fails the checksum in the
+record's head when read, and a torn index fails its CRC32C.
 """
 
 from __future__ import annotations
@@ -169,9 +170,8 @@ class ShardImage:
         self._piece_offset += length
         self._piece = None
 
-    def finish(self, then: Callable[[], object]) -> Future:
-        """Write the rest and the index behind the caller, close the file, then call ``then`` (the heads write) on
-        the writer thread; the future gives what ``then`` returned, or raises what failed."""
+    def finish(self) -> Future:
+        """Write the rest and the index behind the caller and close the file; the future raises what failed."""
         index = encode_index(self._slots, self._start, self._chunk_bytes, self._filled)
         fd, errors, end = self._fd, self._errors, self._start + self._filled * self._chunk_bytes
         if self._direct:
@@ -184,7 +184,7 @@ class ShardImage:
             buffers = [index, *self._chunks]
         self._chunks = []
 
-        def finish() -> object:
+        def finish() -> None:
             try:
                 if errors:
                     raise errors[0]
@@ -193,7 +193,6 @@ class ShardImage:
                     os.ftruncate(fd, end)  # the last piece's padding off
             finally:
                 os.close(fd)
-            return then()
 
         return self._writer.submit(finish)
 
