@@ -168,7 +168,7 @@ class FileStore:
         self._dead = 0  # slots written whose record is gone, in shards still on disk
         self._next_shard = 0
         self._open_shard: int | None = None  # the shard the writes of this call fill
-        self._writer = ShardWriter(direct_io)
+        self._writer = ShardWriter(root / DATA_DIR, direct_io)
         self._image: ShardImage | None = None  # the open shard's data file being written
         self._staged: list[BlockKey] = []
         self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)  # its heads, written at seal

@@ -54,6 +54,21 @@ def aligned_buffer(size: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, max(size, 1)), np.uint8)[:size]
 
 
+def _takes_direct_io(directory: Path) -> bool:
+    """Whether files in ``directory`` open with ``O_DIRECT`` (tmpfs and some others refuse it: EINVAL)."""
+    probe = directory / ".direct-io-probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | _O_DIRECT, 0o644))
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+        log.warning("ssd tier: %s refuses O_DIRECT; its shards are written through the page cache", directory)
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return True
+
+
 def _write_all(fd: int, buffers: list, offset: int) -> None:
     """``pwritev`` every byte of ``buffers`` at ``offset`` (a regular file may take fewer bytes per call)."""
     views = [memoryview(b).cast("B") for b in buffers]
@@ -70,28 +85,17 @@ def _write_all(fd: int, buffers: list, offset: int) -> None:
 class ShardWriter:
     """The writer thread of one SSD store and, in direct mode, its ring of aligned pieces."""
 
-    def __init__(self, direct: bool) -> None:
-        self.direct = direct and bool(_O_DIRECT)
+    def __init__(self, directory: Path, direct: bool) -> None:
+        self.direct = direct and bool(_O_DIRECT) and _takes_direct_io(directory)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ssd-shard-writer")
         self._pieces = [aligned_buffer(PIECE_BYTES) for _ in range(PIECES)] if self.direct else []
         self._piece_done: list[Future | None] = [None] * len(self._pieces)
         self._next_piece = 0
 
     def open(self, path: Path, slots: int, chunk_bytes: int) -> ShardImage:
-        """Start the shard file ``path`` of ``slots`` slots whose chunks are ``chunk_bytes`` each."""
-        fd = None
-        if self.direct:
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT, 0o644)
-            except OSError as err:
-                if err.errno != errno.EINVAL:
-                    raise
-                log.warning("ssd tier: %s refuses O_DIRECT; its shards are written through the page cache",
-                            path.parent)
-                self.direct = False
-        if fd is None:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        return ShardImage(self, fd, slots, chunk_bytes)
+        """Start the shard file ``path`` (in the writer's directory) of ``slots`` slots whose chunks are
+        ``chunk_bytes`` each; the file is created on the writer thread (about a millisecond on a busy ext4)."""
+        return ShardImage(self, path, slots, chunk_bytes)
 
     def submit(self, job: Callable[[], object]) -> Future:
         return self._thread.submit(job)
@@ -112,9 +116,10 @@ class ShardWriter:
 class ShardImage:
     """One data shard file being written: blocks appended in slot order, then ``finish``."""
 
-    def __init__(self, writer: ShardWriter, fd: int, slots: int, chunk_bytes: int) -> None:
+    def __init__(self, writer: ShardWriter, path: Path, slots: int, chunk_bytes: int) -> None:
         self._writer = writer
-        self._fd = fd
+        self._path = path
+        self._fd: list[int] = []  # the file, once the writer thread has created it
         self._slots = slots
         self._chunk_bytes = chunk_bytes
         self._direct = writer.direct
@@ -125,6 +130,16 @@ class ShardImage:
         self._piece_fill = 0
         self._piece_offset = self._start
         self._errors: list[BaseException] = []
+        if self._direct:  # pieces are written as they fill: create the file first
+            writer.submit(self._create)
+
+    def _create(self) -> None:
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (_O_DIRECT if self._direct else 0)
+            self._fd.append(os.open(self._path, flags, 0o644))
+        except BaseException as err:
+            self._errors.append(err)
+            raise
 
     def append(self, data: np.ndarray) -> tuple[int, int]:
         """Add the next slot's chunk (flat uint8 of ``chunk_bytes``); its checksum. Buffered, ``data`` is written
@@ -157,11 +172,13 @@ class ShardImage:
     def _write_piece(self) -> None:
         index, piece = self._piece
         length = -(-self._piece_fill // ALIGN) * ALIGN
-        fd, offset, errors = self._fd, self._piece_offset, self._errors
+        offset, errors = self._piece_offset, self._errors
 
         def write() -> None:
+            if errors:
+                return  # reported when the shard finishes
             try:
-                _write_all(fd, [piece[:length]], offset)
+                _write_all(self._fd[0], [piece[:length]], offset)
             except BaseException as err:
                 errors.append(err)
                 raise
@@ -173,7 +190,7 @@ class ShardImage:
     def finish(self) -> Future:
         """Write the rest and the index behind the caller and close the file; the future raises what failed."""
         index = encode_index(self._slots, self._start, self._chunk_bytes, self._filled)
-        fd, errors, end = self._fd, self._errors, self._start + self._filled * self._chunk_bytes
+        errors, end = self._errors, self._start + self._filled * self._chunk_bytes
         if self._direct:
             if self._piece is not None:
                 self._write_piece()
@@ -185,18 +202,26 @@ class ShardImage:
         self._chunks = []
 
         def finish() -> None:
+            if not self._direct:
+                self._create()
             try:
                 if errors:
                     raise errors[0]
-                _write_all(fd, buffers, 0)
+                _write_all(self._fd[0], buffers, 0)
                 if self._direct:
-                    os.ftruncate(fd, end)  # the last piece's padding off
+                    os.ftruncate(self._fd[0], end)  # the last piece's padding off
             finally:
-                os.close(fd)
+                if self._fd:
+                    os.close(self._fd.pop())
 
         return self._writer.submit(finish)
 
     def abort(self) -> Future:
         """Close the file without finishing it (its records are all gone); done once the writes before are."""
         self._chunks = []
-        return self._writer.submit(lambda: os.close(self._fd))
+
+        def close() -> None:
+            if self._fd:
+                os.close(self._fd.pop())
+
+        return self._writer.submit(close)
