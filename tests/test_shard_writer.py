@@ -31,11 +31,13 @@ def test_index_lists_the_filled_slots_and_is_refused_when_damaged():
     assert data_start(4, 4096) == 4096 and data_start(4, 1) == 68
 
 
+@pytest.mark.parametrize("pages_per_piece", [3, 1], ids=["blocks-per-piece", "pieces-per-block"])
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
-def test_a_shard_written_here_reads_back_through_tensorstore(tmp_path, monkeypatch, direct):
-    """Chunks that straddle the direct pieces (3 KiB pieces, 5,000-byte chunks, a ring of 2), a last piece cut to
-    the file's exact size; TensorStore reads every slot back, the unfilled ones as the fill value."""
-    monkeypatch.setattr(shard_writer, "PIECE_BYTES", 3 * ALIGN)
+def test_a_shard_written_here_reads_back_through_tensorstore(tmp_path, monkeypatch, direct, pages_per_piece):
+    """5,000-byte chunks in pieces of 3 pages (several chunks to a piece, straddling them) or of one page (a chunk
+    in several pieces), a ring of 2 direct pieces, a last piece cut to the file's exact size; TensorStore reads
+    every slot back, the unfilled ones as the fill value."""
+    monkeypatch.setattr(shard_writer, "PIECE_BYTES", pages_per_piece * ALIGN)
     monkeypatch.setattr(shard_writer, "PIECES", 2)
     width, slots, filled = 5000, 8, 5
     array = open_array(tmp_path / DATA_DIR, width, slots, _DATA_CONTEXT)
@@ -85,3 +87,23 @@ def test_direct_shards_survive_a_restart_and_a_damaged_block_is_a_miss(tmp_path)
         assert sorted(pool.keys()) == [1, 2, 3, 4, 5]
         assert pool.get(4) is None and pool.counters()["ssd"].corrupt == 1
         assert all((pool.get(k) == blocks[k]).all() for k in (1, 2, 3, 5))
+
+
+def test_a_tier_created_with_another_shard_size_keeps_it(tmp_path, monkeypatch):
+    """An SSD directory from a build with smaller shards opens with its own shard size: its blocks read back, new
+    ones are stored beside them, and a restart finds them all."""
+    from mooncake_jax.transfer import files
+
+    spec = BlockSpec((2, 2, 4, 2, 8), np.float32)
+    blocks = {k: np.full(spec.shape, k, np.float32) for k in range(1, 9)}
+    monkeypatch.setattr(files, "SHARD_BYTES", 3 * files.record_bytes(spec))
+    with BlockPool(spec, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many([1, 2, 3, 4], [blocks[k] for k in (1, 2, 3, 4)])
+        assert pool._tiers[0].store.shard_slots == 3
+    monkeypatch.undo()
+    with BlockPool(spec, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert pool._tiers[0].store.shard_slots == 3
+        pool.put_many([5, 6, 7, 8], [blocks[k] for k in (5, 6, 7, 8)])
+    with BlockPool(spec, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == list(blocks) and all((pool.get(k) == b).all() for k, b in blocks.items())
+    assert files.slots_per_shard(files.record_bytes(spec)) == files.MAX_SHARD_SLOTS  # what a new tier would take

@@ -4,7 +4,7 @@ written as whole shards behind the caller.
 Every record of a pool has the same size, so the tier is two ``[slots, width]`` uint8 zarr3 arrays: ``heads.zarr``
 (each slot's 128-byte record head: wire prefix and frame header with the checksum) and ``data.zarr`` (each slot's
 block bytes). Both are sharded alike (``sharding_indexed``: a shard file holds ``slots_per_shard`` slots, up to
-8 MiB of records; one raw inner chunk per slot, the shard index at the start of the file), so a shard file of
+64 MiB of records; one raw inner chunk per slot, the shard index at the start of the file), so a shard file of
 ``data.zarr`` is one large sequential write instead of one file per block.
 
 Why the layout (see docs/benchmarks.md): TensorStore's file kvstore writes a key as a whole file, through a
@@ -76,9 +76,10 @@ LEGACY_SLOTS_FILE = "records.slots"
 """The layout before that: records in page-aligned slots of one file (migrated on open)."""
 MAX_SLOTS = 1 << 40
 """The arrays' extent along slots: shards exist only where records are, so this costs nothing."""
-SHARD_BYTES = 8 << 20
-"""Records per shard file: about this many bytes (a pool call's batch of small blocks in one sequential write;
-64 MiB shards measured no better for 3 MiB blocks, and a shard is the unit that compaction rewrites)."""
+SHARD_BYTES = 64 << 20
+"""Records per shard file: about this many bytes, so a pool call's batch is one sequential write into one new file
+(16 blocks of 3 MiB: one file, not eight of 8 MiB; 1.5x the put rate and 0.65x its CPU per GB, docs/benchmarks.md).
+An array keeps the shard size it was created with (``open_array``)."""
 MAX_SHARD_SLOTS = 64
 _SHARD_KEY = re.compile(rb"c\.(\d+)\.0")
 _LEGACY_CHUNK_KEY = re.compile(rb"c/(\d+)/0")
@@ -117,8 +118,13 @@ def _shard_key(shard: int) -> bytes:
 
 
 def open_array(path: Path, width: int, shard_slots: int, context: ts.Context) -> ts.TensorStore:
-    """The ``[MAX_SLOTS, width]`` uint8 array at ``path`` (created if absent), ``shard_slots`` slots per shard
-    file, one raw inner chunk per slot."""
+    """The ``[MAX_SLOTS, width]`` uint8 array at ``path``: as it was created if it exists (its shard size may be
+    another build's), else created with ``shard_slots`` slots per shard file, one raw inner chunk per slot."""
+    if (path / "zarr.json").exists():
+        found = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}, open=True,
+                        context=context).result()
+        if found.dtype == ts.uint8 and list(found.shape) == [MAX_SLOTS, width]:
+            return found
     return ts.open({
         "driver": "zarr3",
         "kvstore": {"driver": "file", "path": str(path)},
@@ -162,8 +168,10 @@ class FileStore:
         self.spec = spec
         self.record_bytes = record_bytes(spec)
         self.max_in_flight = max_in_flight  # shard commits and head removals in flight
-        self.shard_slots = slots_per_shard(self.record_bytes)
         self._heads_array, self._data_array = record_arrays(root, spec)
+        self.shard_slots = int(self._data_array.chunk_layout.write_chunk.shape[0])
+        if self._heads_array.chunk_layout.write_chunk.shape[0] != self.shard_slots:
+            raise ValueError(f"{root}: the heads and data arrays have shards of different sizes")
         self._slot_of: dict[BlockKey, int] = {}
         self._live: dict[int, int] = {}  # shard -> live records in it
         self._filled: dict[int, int] = {}  # shard -> slots ever written in it

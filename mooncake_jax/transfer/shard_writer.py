@@ -125,13 +125,13 @@ class ShardImage:
         self._direct = writer.direct
         self._start = data_start(slots, ALIGN if self._direct else 1)
         self._filled = 0
-        self._chunks: list[np.ndarray] = []  # buffered: the blocks, written at finish
+        self._chunks: list[np.ndarray] = []  # buffered: parts of blocks not yet handed to the thread
+        self._chunks_bytes = 0
         self._piece: tuple[int, np.ndarray] | None = None  # direct: the piece being filled, and how far
         self._piece_fill = 0
-        self._piece_offset = self._start
+        self._offset = self._start  # where the next write handed to the thread goes
         self._errors: list[BaseException] = []
-        if self._direct:  # pieces are written as they fill: create the file first
-            writer.submit(self._create)
+        writer.submit(self._create)
 
     def _create(self) -> None:
         try:
@@ -147,10 +147,7 @@ class ShardImage:
         if data.size != self._chunk_bytes:
             raise ValueError(f"chunk of {data.size} bytes, expected {self._chunk_bytes}")
         if not self._direct:
-            digest = checksum(data)
-            self._chunks.append(data)
-            self._filled += 1
-            return digest
+            return self._append_in_place(data)
         hasher = xxhash.xxh3_128()
         pos, n = 0, data.size
         while pos < n:
@@ -169,22 +166,53 @@ class ShardImage:
         digest = hasher.intdigest()
         return digest >> 64, digest & _LOW
 
-    def _write_piece(self) -> None:
-        index, piece = self._piece
-        length = -(-self._piece_fill // ALIGN) * ALIGN
-        offset, errors = self._piece_offset, self._errors
+    def _append_in_place(self, data: np.ndarray) -> tuple[int, int]:
+        """Buffered: hash ``data`` where it lies and hand it to the thread by ``PIECE_BYTES`` (several small blocks
+        to one ``pwritev``), so the kernel's copy of one piece runs beside the hashing of the next."""
+        if data.size <= PIECE_BYTES:
+            digest = checksum(data)
+            self._chunks.append(data)
+            self._chunks_bytes += data.size
+        else:
+            hasher = xxhash.xxh3_128()
+            for start in range(0, data.size, PIECE_BYTES):
+                part = data[start : start + PIECE_BYTES]
+                hasher.update(part)
+                self._chunks.append(part)
+                self._chunks_bytes += part.size
+                if self._chunks_bytes >= PIECE_BYTES:
+                    self._write_chunks()
+            value = hasher.intdigest()
+            digest = value >> 64, value & _LOW
+        if self._chunks_bytes >= PIECE_BYTES:
+            self._write_chunks()
+        self._filled += 1
+        return digest
+
+    def _write_chunks(self) -> None:
+        self._submit_write(self._chunks, self._offset)
+        self._offset += self._chunks_bytes
+        self._chunks, self._chunks_bytes = [], 0
+
+    def _submit_write(self, buffers: list, offset: int) -> Future:
+        errors = self._errors
 
         def write() -> None:
             if errors:
-                return  # reported when the shard finishes
+                return  # the shard failed already: reported when it finishes
             try:
-                _write_all(self._fd[0], [piece[:length]], offset)
+                _write_all(self._fd[0], buffers, offset)
             except BaseException as err:
                 errors.append(err)
                 raise
 
-        self._writer._piece_done[index] = self._writer.submit(write)
-        self._piece_offset += length
+        return self._writer.submit(write)
+
+    def _write_piece(self) -> None:
+        index, piece = self._piece
+        length = -(-self._piece_fill // ALIGN) * ALIGN
+        self._writer._piece_done[index] = self._submit_write([piece[:length]], self._offset)
+        self._offset += length
         self._piece = None
 
     def finish(self) -> Future:
@@ -196,18 +224,19 @@ class ShardImage:
                 self._write_piece()
             head = aligned_buffer(self._start)
             head[: len(index)] = np.frombuffer(index, np.uint8)
-            buffers = [head]
+            writes = [([head], 0)]
+        elif self._offset == self._start:  # nothing handed over yet: index and blocks in one pwritev
+            writes = [([index, *self._chunks], 0)]
         else:
-            buffers = [index, *self._chunks]
-        self._chunks = []
+            writes = [(self._chunks, self._offset), ([index], 0)]
+        self._chunks, self._chunks_bytes = [], 0
 
         def finish() -> None:
-            if not self._direct:
-                self._create()
             try:
                 if errors:
                     raise errors[0]
-                _write_all(self._fd[0], buffers, 0)
+                for buffers, offset in writes:
+                    _write_all(self._fd[0], buffers, offset)
                 if self._direct:
                     os.ftruncate(self._fd[0], end)  # the last piece's padding off
             finally:
