@@ -14,8 +14,9 @@ file is written once, whole, behind the caller: by the tier itself, in the layou
 (``shard_file.py``), with one ``pwritev`` straight from the caller's arrays (untouched until ``settle``) or, with
 ``direct_io``, with ``O_DIRECT`` from aligned pieces (``shard_writer.py``). Through TensorStore (a transaction per
 shard committed behind the caller) the same write cost two copies, its chunk encoder's and the kernel's, where a
-raw write costs one: 0.2-0.5 of a raw write. A shard's heads are written through TensorStore beside its data; a
-torn write is caught by the checksum in the head, as fsync is not used (nor was it before). Slots are
+raw write costs one: 0.2-0.5 of a raw write. A shard's heads go to a fresh heads shard file the same way, after its
+data; a torn write is caught by the checksum in the head or the CRC32C of a shard's index, as fsync is not used
+(nor was it before). Removing a record rewrites its heads shard through TensorStore. Slots are
 never reused: a removed block zeroes its head (a rewrite of the small heads shard, atomic); a shard whose records
 are all gone is deleted; and when dead slots outnumber the live blocks, the live records of the emptiest shards
 are moved into fresh ones (compaction), so the disk holds at most about twice the live records.
@@ -105,12 +106,6 @@ def slots_per_shard(record_size: int) -> int:
 
 def _address(buffer: np.ndarray) -> int:
     return buffer.__array_interface__["data"][0]
-
-
-def _failed_future(err: Exception) -> ts.Future:
-    promise, future = ts.Promise.new()
-    promise.set_exception(err)
-    return future
 
 
 def _shard_key(shard: int) -> bytes:
@@ -409,13 +404,14 @@ class FileStore:
             image.abort().exception()  # the file is closed before it is deleted
             self._delete_shard(shard)
             return
-        first, filled = shard * self.shard_slots, self._filled[shard]
         data = image.finish()
-        try:  # beside the data, as TensorStore's commit of both shard files was: a torn pair fails the checksum
-            heads = self._heads_array[first : first + filled].write(self._open_heads[:filled])
-        except Exception as err:  # the shard's records are not stored: reported by settle
-            heads = _failed_future(err)
-        self._in_flight(keys, shard, data, heads)
+        # then the shard's heads: a fresh heads shard file in the same layout, written by the same thread (a
+        # TensorStore write of it cost about as much as the data's pwritev for a call of 16 small blocks)
+        heads = self._writer.open(self.root / HEADS_DIR / _shard_key(shard).decode(), self.shard_slots,
+                                  DATA_OFFSET, direct=False)
+        for head in self._open_heads[: self._filled[shard]].copy():
+            heads.append(head)
+        self._in_flight(keys, shard, data, heads.finish())
 
     def _in_flight(self, keys: list[BlockKey], shard: int, *writes: Future | ts.Future) -> None:
         while len(self._pending) >= self.max_in_flight:

@@ -14,9 +14,9 @@ Two ways, chosen per store (``FileStore(direct_io=...)``), measured side by side
   the last piece is padded, then the file is cut to its exact size). A filesystem that refuses ``O_DIRECT``
   (EINVAL) gets the same bytes written buffered, with one log line.
 
-Durability is that of the TensorStore commits before (no fsync; a shard's heads are written beside its data, as
-TensorStore wrote the two shard files of one transaction): a torn or missing write fails the checksum in the
-record's head when read, and a torn index fails its CRC32C.
+Durability is that of the TensorStore commits before (no fsync; a shard's heads file, written the same way, goes
+after its data file): a torn or missing write fails the checksum in the record's head when read, and a torn index
+fails its CRC32C (a heads shard that fails it drops its records when the tier opens).
 """
 
 from __future__ import annotations
@@ -92,10 +92,11 @@ class ShardWriter:
         self._piece_done: list[Future | None] = [None] * len(self._pieces)
         self._next_piece = 0
 
-    def open(self, path: Path, slots: int, chunk_bytes: int) -> ShardImage:
-        """Start the shard file ``path`` (in the writer's directory) of ``slots`` slots whose chunks are
-        ``chunk_bytes`` each; the file is created on the writer thread (about a millisecond on a busy ext4)."""
-        return ShardImage(self, path, slots, chunk_bytes)
+    def open(self, path: Path, slots: int, chunk_bytes: int, direct: bool | None = None) -> ShardImage:
+        """Start the shard file ``path`` of ``slots`` slots whose chunks are ``chunk_bytes`` each (``direct``: with
+        ``O_DIRECT``, by default as the writer was made); the file is created on the writer thread (about a
+        millisecond on a busy ext4)."""
+        return ShardImage(self, path, slots, chunk_bytes, self.direct if direct is None else direct and self.direct)
 
     def submit(self, job: Callable[[], object]) -> Future:
         return self._thread.submit(job)
@@ -116,13 +117,13 @@ class ShardWriter:
 class ShardImage:
     """One data shard file being written: blocks appended in slot order, then ``finish``."""
 
-    def __init__(self, writer: ShardWriter, path: Path, slots: int, chunk_bytes: int) -> None:
+    def __init__(self, writer: ShardWriter, path: Path, slots: int, chunk_bytes: int, direct: bool) -> None:
         self._writer = writer
         self._path = path
         self._fd: list[int] = []  # the file, once the writer thread has created it
         self._slots = slots
         self._chunk_bytes = chunk_bytes
-        self._direct = writer.direct
+        self._direct = direct
         self._start = data_start(slots, ALIGN if self._direct else 1)
         self._filled = 0
         self._chunks: list[np.ndarray] = []  # buffered: parts of blocks not yet handed to the thread
