@@ -74,6 +74,8 @@ def _write_all(fd: int, buffers: list, offset: int) -> None:
     views = [memoryview(b).cast("B") for b in buffers]
     while views:
         written = os.pwritev(fd, views[:1024], offset)  # IOV_MAX
+        if not written:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
         offset += written
         while views and written >= len(views[0]):
             written -= len(views[0])
