@@ -367,7 +367,7 @@ class FileStore:
             self.delete(key)
             self._seal()  # the slots after this one would not match the shard file's chunks
             return
-        if len(self._staged) == self.shard_slots:
+        if self._filled[self._open_shard] == self.shard_slots:
             self._seal()
 
     def _take_slot(self) -> int:
@@ -393,25 +393,27 @@ class FileStore:
             head = np.frombuffer(record_head(self.spec, key, digest), np.uint8)
         self._open_heads[slot % self.shard_slots] = head
 
-    def _seal(self) -> None:
-        """Finish the open shard behind the caller: the rest of its data file and its index, then its heads."""
+    def _seal(self, keep_open: bool = False) -> None:
+        """Write the open shard behind the caller: the rest of its data file and its index, then its heads file.
+        ``keep_open`` (buffered writes only): the shard takes the next calls' blocks too (no new files per call),
+        its files written so far and readable, the indexes and heads written again as it grows."""
         if self._open_shard is None:
             return
+        keep_open = keep_open and not self._writer.direct and bool(self._live[self._open_shard])
         shard, image, keys = self._open_shard, self._image, self._staged
-        self._open_shard = self._image = None
         self._staged = []
+        if not keep_open:
+            self._open_shard = self._image = None
         if not self._live[shard]:
             image.abort().exception()  # the file is closed before it is deleted
             self._delete_shard(shard)
             return
-        data = image.finish()
-        # then the shard's heads: a fresh heads shard file in the same layout, written by the same thread (a
-        # TensorStore write of it cost about as much as the data's pwritev for a call of 16 small blocks)
-        heads = self._writer.open(self.root / HEADS_DIR / _shard_key(shard).decode(), self.shard_slots,
-                                  DATA_OFFSET, direct=False)
-        for head in self._open_heads[: self._filled[shard]].copy():
-            heads.append(head)
-        self._in_flight(keys, shard, data, heads.finish())
+        if not keys:  # nothing since the shard was last written
+            return
+        data = image.finish(close=not keep_open)
+        heads = self._writer.write_rows(self.root / HEADS_DIR / _shard_key(shard).decode(), self.shard_slots,
+                                        self._open_heads[: self._filled[shard]].copy())
+        self._in_flight(keys, shard, data, heads)
 
     def _in_flight(self, keys: list[BlockKey], shard: int, *writes: Future | ts.Future) -> None:
         while len(self._pending) >= self.max_in_flight:
@@ -434,9 +436,9 @@ class FileStore:
             self._finish_oldest()
 
     def settle(self) -> list[tuple[BlockKey, Exception]]:
-        """Commit the open shard and wait for every write in flight; the ``(key, error)`` of those that failed
-        since the last settle."""
-        self._seal()
+        """Write the open shard (kept open for the next call's blocks) and wait for every write in flight; the
+        ``(key, error)`` of those that failed since the last settle."""
+        self._seal(keep_open=True)
         self._finish_all()
         failed, self._failed = self._failed, []
         return failed
@@ -596,6 +598,7 @@ class FileStore:
 
     def close(self) -> None:
         try:
+            self._seal()
             self.settle()
         finally:
             self._writer.close()

@@ -33,7 +33,7 @@ import numpy as np
 import xxhash
 
 from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, checksum
-from mooncake_jax.transfer.shard_file import data_start, encode_index
+from mooncake_jax.transfer.shard_file import data_start, encode_index, index_bytes
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,23 @@ class ShardWriter:
 
     def submit(self, job: Callable[[], object]) -> Future:
         return self._thread.submit(job)
+
+    def write_rows(self, path: Path, slots: int, rows: np.ndarray) -> Future:
+        """Write in place, behind the caller, the shard file ``path`` of ``slots`` slots whose first ``len(rows)``
+        slots hold the ``rows`` (2-D uint8, a chunk per row, untouched from now on): the rows, then the index (one
+        page), so rewriting a shard that gained rows keeps the rows it listed before readable at every moment."""
+        start = index_bytes(slots)
+        index = encode_index(slots, start, rows.shape[1], len(rows))
+
+        def write() -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                _write_all(fd, [rows], start)
+                _write_all(fd, [index], 0)
+            finally:
+                os.close(fd)
+
+        return self.submit(write)
 
     def take_piece(self) -> tuple[int, np.ndarray]:
         """The next piece of the ring, once the write of what it last held is done (the write-behind bound)."""
@@ -218,11 +235,15 @@ class ShardImage:
         self._offset += length
         self._piece = None
 
-    def finish(self) -> Future:
-        """Write the rest and the index behind the caller and close the file; the future raises what failed."""
+    def finish(self, close: bool = True) -> Future:
+        """Write the rest and the index behind the caller and close the file; the future raises what failed.
+        Buffered, ``close=False`` keeps the shard open for more blocks: what was appended is written, the index
+        last (one page, so a reader never sees it list a chunk not yet written), and written again next time."""
         index = encode_index(self._slots, self._start, self._chunk_bytes, self._filled)
         errors, end = self._errors, self._start + self._filled * self._chunk_bytes
         if self._direct:
+            if not close:
+                raise ValueError("a direct-I/O shard is finished whole (its last piece is padded)")
             if self._piece is not None:
                 self._write_piece()
             head = aligned_buffer(self._start)
@@ -232,6 +253,7 @@ class ShardImage:
             writes = [([index, *self._chunks], 0)]
         else:
             writes = [(self._chunks, self._offset), ([index], 0)]
+        self._offset += self._chunks_bytes
         self._chunks, self._chunks_bytes = [], 0
 
         def finish() -> None:
@@ -243,7 +265,7 @@ class ShardImage:
                 if self._direct:
                     os.ftruncate(self._fd[0], end)  # the last piece's padding off
             finally:
-                if self._fd:
+                if close and self._fd:
                     os.close(self._fd.pop())
 
         return self._writer.submit(finish)
