@@ -9,14 +9,17 @@ block bytes). Both are sharded alike (``sharding_indexed``: a shard file holds `
 
 Why the layout (see docs/benchmarks.md): TensorStore's file kvstore writes a key as a whole file, through a
 temporary file renamed over the old one; one file per block cost 0.1-0.3 of a raw sequential write. Here the
-slots are filled log-structured: the writes of one pool call go to fresh slots of fresh shards, and a data shard
-file is written once, whole, behind the caller: by the tier itself, in the layout TensorStore's sharding codec reads
-(``shard_file.py``), with one ``pwritev`` straight from the caller's arrays (untouched until ``settle``) or, with
-``direct_io``, with ``O_DIRECT`` from aligned pieces (``shard_writer.py``). Through TensorStore (a transaction per
-shard committed behind the caller) the same write cost two copies, its chunk encoder's and the kernel's, where a
-raw write costs one: 0.2-0.5 of a raw write. A shard's heads go to a fresh heads shard file the same way, after its
-data; a torn write is caught by the checksum in the head or the CRC32C of a shard's index, as fsync is not used
-(nor was it before). Removing a record rewrites its heads shard through TensorStore. Slots are
+slots are filled log-structured: writes go to fresh slots of the open shard, whose data file the tier writes itself
+behind the caller, in the layout TensorStore's sharding codec reads (``shard_file.py``): appended with ``pwritev``
+straight from the caller's arrays (untouched until ``settle``), or, with ``direct_io``, with ``O_DIRECT`` from
+aligned pieces (``shard_writer.py``). Through TensorStore (a transaction per shard committed behind the caller) the
+same write cost two copies, its chunk encoder's and the kernel's, where a raw write costs one: 0.2-0.5 of a raw
+write. At every ``settle`` the open shard's index and its heads file (the same layout) are written after the rows
+they list, so each call's blocks are on disk whole when it returns, and the shard stays open for the next call's
+blocks (no new files per call) until it is full or the store closes; a direct-I/O shard is finished per call (its
+last piece is padded). A torn write is caught by the checksum in the head or the CRC32C of a shard's index, as
+fsync is not used (nor was it before). Removing a record of a finished shard rewrites its heads shard through
+TensorStore; one of the open shard is zeroed in its heads file at the next ``settle``. Slots are
 never reused: a removed block zeroes its head (a rewrite of the small heads shard, atomic); a shard whose records
 are all gone is deleted; and when dead slots outnumber the live blocks, the live records of the emptiest shards
 are moved into fresh ones (compaction), so the disk holds at most about twice the live records.

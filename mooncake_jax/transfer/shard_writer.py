@@ -3,10 +3,11 @@
 
 Two ways, chosen per store (``FileStore(direct_io=...)``), measured side by side in docs/benchmarks.md:
 
-* **buffered** (the default): a shard's blocks are hashed where they lie and written, index first, by one
-  ``pwritev`` straight from the caller's arrays (untouched until the shard is finished): the kernel's copy into
-  the page cache is the only copy, as in a raw ``write`` of the same bytes, and a block read back soon comes from
-  the page cache.
+* **buffered** (the default): a shard's blocks are hashed where they lie and written by ``pwritev`` straight
+  from the caller's arrays (untouched until written), several small ones or a 4 MiB piece of a large one at a
+  time, then the index: the kernel's copy into the page cache is the only copy, as in a raw ``write`` of the same
+  bytes, and a block read back soon comes from the page cache. A shard may be written in steps (``finish`` with
+  ``close=False``), each step's blocks before the index that lists them.
 * **direct** (``O_DIRECT``): a shard's blocks are copied and hashed in one pass into a bounded ring of
   page-aligned pieces (``PIECE_BYTES`` each, ``PIECES`` of them), and each full piece is written by the thread
   while the next one fills, so the copy overlaps the device's write and the page cache is neither used nor
