@@ -42,8 +42,9 @@ ALIGN = 4096
 """Direct I/O alignment of file offsets, lengths and buffer addresses (a page: what every Linux filesystem
 accepts)."""
 PIECE_BYTES = 4 << 20
-"""Bytes per direct write: large enough that the device sees long sequential writes, small enough that the copy
-of the next piece overlaps the write of this one."""
+"""Bytes per write handed to the thread (direct: one aligned piece; buffered: small blocks grouped up to this, a
+large block handed over by this much): large enough that the device sees long sequential writes and the thread is
+woken seldom, small enough that the caller's work on the next piece overlaps the write of this one."""
 PIECES = 4
 """Direct pieces being filled or written at once: the write-behind bound (16 MiB of staging per store)."""
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
