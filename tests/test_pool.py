@@ -588,6 +588,8 @@ def test_an_open_shard_grows_over_calls_and_each_call_is_on_disk_when_it_returns
     assert len(shard_files(tmp_path / "ssd")) == 1
     assert pool.remove(3) and pool.put(6, block_of(6))
     assert keys_on_disk_now(tmp_path / "ssd", tmp_path / "copy") == [1, 2, 4, 5, 6]
+    assert pool.remove(4) and pool.get(1) is not None  # a call that writes nothing still writes the zeroed head
+    assert keys_on_disk_now(tmp_path / "ssd", tmp_path / "copy") == [1, 2, 5, 6]
     pool.close()
 
 

@@ -107,3 +107,16 @@ def test_a_tier_created_with_another_shard_size_keeps_it(tmp_path, monkeypatch):
     with BlockPool(spec, dram_blocks=0, ssd_path=tmp_path) as pool:
         assert sorted(pool.keys()) == list(blocks) and all((pool.get(k) == b).all() for k, b in blocks.items())
     assert files.slots_per_shard(files.record_bytes(spec)) == files.MAX_SHARD_SLOTS  # what a new tier would take
+
+
+def test_closing_a_pool_closes_its_shard_files(tmp_path):
+    """The open shard is written at every call and kept open between them; closing the pool closes its file."""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd")
+    spec = BlockSpec((2, 2, 4, 2, 8), np.float32)
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(5):
+        with BlockPool(spec, dram_blocks=0, ssd_path=tmp_path) as pool:
+            pool.put(100 + i, np.full(spec.shape, i, np.float32))
+            assert pool.get(100 + i) is not None  # a call that writes nothing: the shard is not written again
+    assert len(os.listdir("/proc/self/fd")) == before

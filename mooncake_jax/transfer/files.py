@@ -178,7 +178,8 @@ class FileStore:
         self._open_shard: int | None = None  # the shard the writes of this call fill
         self._writer = ShardWriter(root / DATA_DIR, direct_io)
         self._image: ShardImage | None = None  # the open shard's data file being written
-        self._staged: list[BlockKey] = []
+        self._staged: list[BlockKey] = []  # keys written into the open shard since it was last written out
+        self._heads_changed = False  # a head of the open shard zeroed since then
         self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)  # its heads, written at seal
         self._pending: deque[tuple[list[BlockKey], int, tuple[Future | ts.Future, ...]]] = deque()
         self._failed: list[tuple[BlockKey, Exception]] = []
@@ -411,8 +412,9 @@ class FileStore:
             image.abort().exception()  # the file is closed before it is deleted
             self._delete_shard(shard)
             return
-        if not keys:  # nothing since the shard was last written
+        if keep_open and not keys and not self._heads_changed:  # nothing since the shard was last written
             return
+        self._heads_changed = False
         data = image.finish(close=not keep_open)
         heads = self._writer.write_rows(self.root / HEADS_DIR / _shard_key(shard).decode(), self.shard_slots,
                                         self._open_heads[: self._filled[shard]].copy())
@@ -453,6 +455,7 @@ class FileStore:
         self._dead += 1
         if shard == self._open_shard:  # staged, not committed: its head is not written
             self._open_heads[slot % self.shard_slots] = 0
+            self._heads_changed = True
             return
         if any(pending == shard for _, pending, _ in self._pending):
             self._finish_all()  # its shard is being written: remove after, not beside, that write
