@@ -16,7 +16,11 @@ Figures (issue 4, Measure):
   (goal >= 0.3);
 * raw sequential file-write and -read GB/s (one file, no fsync, same bytes and directory; read into a reused
   buffer) and the SSD tier's put and get GB/s (an SSD-only pool, ``put_many`` of 16 until every write is done,
-  ``get_many`` of 16 into a staging buffer): ``ssd_put_ratio`` / ``ssd_get_ratio`` (goal >= 0.7);
+  ``get_many`` of 16 into a staging buffer): ``ssd_put_ratio`` / ``ssd_get_ratio`` (goal >= 0.7); beside them a
+  raw write of the same bytes with ``O_DIRECT`` (copied into a 4 MiB aligned buffer, as ``dd oflag=direct``
+  does) and the tier's put with its shards written ``O_DIRECT`` (``ssd_direct_io=True``):
+  ``ssd_put_vs_direct_raw_ratio``, ``ssd_direct_io_put_ratio`` (against the buffered raw write),
+  ``ssd_direct_io_put_vs_direct_raw_ratio``;
 * Messenger GB/s between two processes on loopback (a fetch into an empty DRAM pool; a push) and a bare gRPC
   stream of the same bytes in the same message sizes from the same peer process and connection (its Probe
   RPC, one prebuilt message sent again and again, read as protobuf ``BlockPiece`` messages; the message size is
@@ -68,6 +72,7 @@ from mooncake_jax.transfer import BlockPool, BlockSpec
 from mooncake_jax.transfer.messenger import MessengerClient
 from mooncake_jax.transfer.peer import PeerProcess
 from mooncake_jax.transfer.pieces import message_bytes, piece_bytes_for
+from mooncake_jax.transfer.shard_writer import ALIGN, PIECE_BYTES, aligned_buffer
 
 SMALL_LAYERS, SMALL_KV_HEADS, SMALL_HEAD_DIM = 12, 4, 64
 BATCH = 16  # blocks per put_many / get_many: a request's new blocks go in together
@@ -248,9 +253,28 @@ def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: 
         path.unlink()
         return gbps(n_bytes, seconds)
 
-    def put() -> float:
+    def raw_write_direct() -> float:  # the same bytes with O_DIRECT, copied into an aligned buffer as dd does
+        path = directory / "raw-direct.bin"
+        staging = aligned_buffer(PIECE_BYTES)
+
+        def write() -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+            offset = 0
+            for i in range(n_ops):
+                block = blocks[i % len(blocks)].reshape(-1).view(np.uint8)
+                for start in range(0, block.size, PIECE_BYTES):
+                    piece = block[start : start + PIECE_BYTES]
+                    np.copyto(staging[: piece.size], piece)
+                    offset += os.pwrite(fd, staging[: -(-piece.size // ALIGN) * ALIGN], offset)
+            os.close(fd)
+
+        seconds = timed(write)
+        path.unlink()
+        return gbps(n_bytes, seconds)
+
+    def put(direct_io: bool = False) -> float:
         root = directory / "ssd"
-        pool = BlockPool(spec, dram_blocks=0, ssd_path=root)
+        pool = BlockPool(spec, dram_blocks=0, ssd_path=root, ssd_direct_io=direct_io)
         keys = list(range(n_ops))
         seconds = timed(each(n_ops // size, lambda b: pool.put_many(*batch(keys, blocks, b, size))))
         pool.close()
@@ -268,8 +292,9 @@ def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: 
         return gbps(n_bytes, seconds)
 
     raw_write()  # the first write to a fresh filesystem area is slow for everyone: do not measure it
+    direct = {"raw_write_direct_gbps": raw_write_direct, "ssd_put_direct_io_gbps": lambda: put(direct_io=True)}
     trials, log = costed({"raw_write_gbps": raw_write, "ssd_put_gbps": put, "raw_read_gbps": raw_read,
-                          "ssd_get_gbps": get}, n_bytes)
+                          "ssd_get_gbps": get, **(direct if hasattr(os, "O_DIRECT") else {})}, n_bytes)
     return with_cpu(alternate(repeats, **trials), log)
 
 
@@ -398,6 +423,9 @@ def ratios(med: dict[str, float]) -> dict[str, float]:
         "dram_get_ratio": ("dram_get_gbps", "memcpy_gbps"),
         "ssd_put_ratio": ("ssd_put_gbps", "raw_write_gbps"),
         "ssd_get_ratio": ("ssd_get_gbps", "raw_read_gbps"),
+        "ssd_put_vs_direct_raw_ratio": ("ssd_put_gbps", "raw_write_direct_gbps"),
+        "ssd_direct_io_put_ratio": ("ssd_put_direct_io_gbps", "raw_write_gbps"),
+        "ssd_direct_io_put_vs_direct_raw_ratio": ("ssd_put_direct_io_gbps", "raw_write_direct_gbps"),
         "messenger_ratio": ("messenger_fetch_gbps", "grpc_stream_gbps"),
         "messenger_push_ratio": ("messenger_push_gbps", "grpc_upload_stream_gbps"),  # the same method kind
         "messenger_push_download_ratio": ("messenger_push_gbps", "grpc_stream_gbps"),
@@ -448,8 +476,10 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default") 
     sections = [results[label]["ratios"] for label in ("block128", "block16", "llama70b_block512")]
     for name in ("dram_put_ratio", "dram_get_ratio", "ssd_put_ratio", "ssd_get_ratio", "messenger_ratio",
                  "messenger_push_ratio", "ssd_put_cpu_ratio", "ssd_get_cpu_ratio", "messenger_cpu_ratio",
-                 "messenger_push_cpu_ratio"):
-        results[name] = round(min(r[name] for r in sections if name in r), 3)
+                 "messenger_push_cpu_ratio", "ssd_put_vs_direct_raw_ratio", "ssd_direct_io_put_ratio",
+                 "ssd_direct_io_put_vs_direct_raw_ratio"):
+        if any(name in r for r in sections):
+            results[name] = round(min(r[name] for r in sections if name in r), 3)
     results["transfer_engine_gbps"] = results["block128"]["messenger_fetch_gbps"]["median"]  # the gRPC Messenger
     results["jax_plane_fetch_gbps"] = results["block128"]["jax_plane_fetch_gbps"]["median"]
     results["jax_plane_push_gbps"] = results["block128"]["jax_plane_push_gbps"]["median"]

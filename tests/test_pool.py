@@ -415,11 +415,11 @@ def test_failed_write_is_an_error_and_leaves_no_trace(tmp_path, monkeypatch):
     store = pool._tiers[0].store
     write_slot, failed = store._write_slot, []
 
-    def failing(slot, head, data):
+    def failing(slot, *record):
         if slot == 1 and not failed:  # block 2's
             failed.append(slot)
             raise OSError("No space left on device")
-        return write_slot(slot, head, data)
+        return write_slot(slot, *record)
 
     monkeypatch.setattr(store, "_write_slot", failing)
     with pytest.raises(OSError, match="block 0x0000000000000002 failed: No space left"):
@@ -507,7 +507,7 @@ def test_writer_killed_mid_write_never_serves_a_torn_block(tmp_path):
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
     try:
         deadline = time.monotonic() + 30
-        while len(shard_files(tmp_path)) < 21:  # one shard per single put; the last may be half written
+        while len(shard_files(tmp_path)) < 2:  # 64 puts fill a shard; the second is growing when it is killed
             assert writer.poll() is None and time.monotonic() < deadline, "writer did not get going"
             time.sleep(0.02)
     finally:
@@ -547,16 +547,50 @@ def test_a_corrupt_record_from_a_peer_stores_nothing_and_frees_its_slot():
 
 def test_a_removed_ssd_block_stays_removed_and_empty_shards_are_deleted(tmp_path):
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
-        pool.put_many([1, 2, 3], [block_of(1), block_of(2), block_of(3)])  # one call: one shard file
+        pool.put_many([1, 2], [block_of(1), block_of(2)])  # one call: one shard file
         assert len(shard_files(tmp_path)) == 1
-        pool.put(4, block_of(4))  # a later call writes a fresh shard, never rewrites the first
+        pool.put(3, block_of(3))  # a later call fills the same open shard: no new file
+        assert len(shard_files(tmp_path)) == 1 and all(same_bits(pool.get(k), block_of(k)) for k in (1, 2, 3))
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        assert sorted(pool.keys()) == [1, 2, 3]
+        pool.put(4, block_of(4))  # a reopened tier never rewrites a shard it found: a fresh one
         assert len(shard_files(tmp_path)) == 2
         assert pool.remove(2) and len(shard_files(tmp_path)) == 2  # its head is zeroed, the shard stays
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         assert sorted(pool.keys()) == [1, 3, 4]  # removed: not listed again
         assert pool.remove(4) and len(shard_files(tmp_path)) == 1  # the last record of a shard: file deleted
+        pool.put(5, block_of(5))
+        assert pool.remove(5)  # the last record of the open shard: deleted when it is sealed
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         assert sorted(pool.keys()) == [1, 3] and all(same_bits(pool.get(k), block_of(k)) for k in (1, 3))
+        assert len(shard_files(tmp_path)) == 1
+
+
+def keys_on_disk_now(root, copy):
+    """The blocks another pool finds in a copy of the SSD directory ``root`` taken now (as after a crash)."""
+    import shutil
+
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(root, copy)
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=copy) as seen:
+        keys = sorted(seen.keys())
+        assert all(same_bits(seen.get(k), block_of(k)) for k in keys)
+        return keys
+
+
+def test_an_open_shard_grows_over_calls_and_each_call_is_on_disk_when_it_returns(tmp_path):
+    """Calls fill one shard (its data and heads files rewritten in place, the index last): after every call the
+    blocks so far are on disk whole, and a removal in the open shard is on disk after the next call."""
+    pool = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path / "ssd")
+    for key in range(1, 6):
+        pool.put(key, block_of(key))
+        assert keys_on_disk_now(tmp_path / "ssd", tmp_path / "copy") == list(range(1, key + 1))
+    assert len(shard_files(tmp_path / "ssd")) == 1
+    assert pool.remove(3) and pool.put(6, block_of(6))
+    assert keys_on_disk_now(tmp_path / "ssd", tmp_path / "copy") == [1, 2, 4, 5, 6]
+    assert pool.remove(4) and pool.get(1) is not None  # a call that writes nothing still writes the zeroed head
+    assert keys_on_disk_now(tmp_path / "ssd", tmp_path / "copy") == [1, 2, 5, 6]
+    pool.close()
 
 
 def test_ssd_churn_is_compacted_so_the_disk_holds_about_twice_the_live_blocks(tmp_path, monkeypatch):
@@ -599,12 +633,12 @@ def test_ssd_writes_in_flight_are_bounded(tmp_path, monkeypatch):
     write_slot, running, most = store._write_slot, [0], [0]
     lock = threading.Lock()
 
-    def slow(slot, head, data):
+    def slow(slot, *record):
         with lock:
             running[0] += 1
             most[0] = max(most[0], len(store._pending))
         time.sleep(0.005)
-        return write_slot(slot, head, data)
+        return write_slot(slot, *record)
 
     monkeypatch.setattr(store, "_write_slot", slow)
     keys = list(range(1, 3 * store.max_in_flight))

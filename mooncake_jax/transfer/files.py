@@ -4,16 +4,22 @@ written as whole shards behind the caller.
 Every record of a pool has the same size, so the tier is two ``[slots, width]`` uint8 zarr3 arrays: ``heads.zarr``
 (each slot's 128-byte record head: wire prefix and frame header with the checksum) and ``data.zarr`` (each slot's
 block bytes). Both are sharded alike (``sharding_indexed``: a shard file holds ``slots_per_shard`` slots, up to
-8 MiB of records; one raw inner chunk per slot, the shard index at the start of the file), so a shard file of
+64 MiB of records; one raw inner chunk per slot, the shard index at the start of the file), so a shard file of
 ``data.zarr`` is one large sequential write instead of one file per block.
 
 Why the layout (see docs/benchmarks.md): TensorStore's file kvstore writes a key as a whole file, through a
 temporary file renamed over the old one; one file per block cost 0.1-0.3 of a raw sequential write. Here the
-slots are filled log-structured: the writes of one pool call go to fresh slots of fresh shards, staged in one
-TensorStore transaction per shard (the block is referenced, not copied: the caller's arrays stay untouched until
-``settle``) and committed behind the caller, so a shard file is written once, whole, with one ``writev``. The data
-array writes in place without the rename (``file_io_locking`` ``non_atomic``): a data shard is never rewritten, and
-a torn write is caught by the checksum in the head, as fsync is not used either (``file_io_sync`` off). Slots are
+slots are filled log-structured: writes go to fresh slots of the open shard, whose data file the tier writes itself
+behind the caller, in the layout TensorStore's sharding codec reads (``shard_file.py``): appended with ``pwritev``
+straight from the caller's arrays (untouched until ``settle``), or, with ``direct_io``, with ``O_DIRECT`` from
+aligned pieces (``shard_writer.py``). Through TensorStore (a transaction per shard committed behind the caller) the
+same write cost two copies, its chunk encoder's and the kernel's, where a raw write costs one: 0.2-0.5 of a raw
+write. At every ``settle`` the open shard's index and its heads file (the same layout) are written after the rows
+they list, so each call's blocks are on disk whole when it returns, and the shard stays open for the next call's
+blocks (no new files per call) until it is full or the store closes; a direct-I/O shard is finished per call (its
+last piece is padded). A torn write is caught by the checksum in the head or the CRC32C of a shard's index, as
+fsync is not used (nor was it before). Removing a record of a finished shard rewrites its heads shard through
+TensorStore; one of the open shard is zeroed in its heads file at the next ``settle``. Slots are
 never reused: a removed block zeroes its head (a rewrite of the small heads shard, atomic); a shard whose records
 are all gone is deleted; and when dead slots outnumber the live blocks, the live records of the emptiest shards
 are moved into fresh ones (compaction), so the disk holds at most about twice the live records.
@@ -38,6 +44,7 @@ import re
 import shutil
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +64,8 @@ from mooncake_jax.transfer.frame import (
     record_head,
     verify,
 )
+from mooncake_jax.transfer.shard_file import chunks_in_index, index_bytes
+from mooncake_jax.transfer.shard_writer import ShardImage, ShardWriter
 from mooncake_jax.transfer.slots import as_store
 from mooncake_jax.transfer.spec import BlockSpec
 
@@ -71,9 +80,10 @@ LEGACY_SLOTS_FILE = "records.slots"
 """The layout before that: records in page-aligned slots of one file (migrated on open)."""
 MAX_SLOTS = 1 << 40
 """The arrays' extent along slots: shards exist only where records are, so this costs nothing."""
-SHARD_BYTES = 8 << 20
-"""Records per shard file: about this many bytes (a pool call's batch of small blocks in one sequential write;
-64 MiB shards measured no better for 3 MiB blocks, and a shard is the unit that compaction rewrites)."""
+SHARD_BYTES = 64 << 20
+"""Records per shard file: about this many bytes, so a pool call's batch is one sequential write into one new file
+(16 blocks of 3 MiB: one file, not eight of 8 MiB; 1.5x the put rate and 0.65x its CPU per GB, docs/benchmarks.md).
+An array keeps the shard size it was created with (``open_array``)."""
 MAX_SHARD_SLOTS = 64
 _SHARD_KEY = re.compile(rb"c\.(\d+)\.0")
 _LEGACY_CHUNK_KEY = re.compile(rb"c/(\d+)/0")
@@ -101,19 +111,18 @@ def _address(buffer: np.ndarray) -> int:
     return buffer.__array_interface__["data"][0]
 
 
-def _failed_future(err: Exception) -> ts.Future:
-    promise, future = ts.Promise.new()
-    promise.set_exception(err)
-    return future
-
-
 def _shard_key(shard: int) -> bytes:
     return b"c.%d.0" % shard
 
 
 def open_array(path: Path, width: int, shard_slots: int, context: ts.Context) -> ts.TensorStore:
-    """The ``[MAX_SLOTS, width]`` uint8 array at ``path`` (created if absent), ``shard_slots`` slots per shard
-    file, one raw inner chunk per slot."""
+    """The ``[MAX_SLOTS, width]`` uint8 array at ``path``: as it was created if it exists (its shard size may be
+    another build's), else created with ``shard_slots`` slots per shard file, one raw inner chunk per slot."""
+    if (path / "zarr.json").exists():
+        found = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}, open=True,
+                        context=context).result()
+        if found.dtype == ts.uint8 and list(found.shape) == [MAX_SLOTS, width]:
+            return found
     return ts.open({
         "driver": "zarr3",
         "kvstore": {"driver": "file", "path": str(path)},
@@ -152,24 +161,27 @@ class FileStore:
     record still being written is ordered after its write here, so a call's puts that each evict a block still
     go out as one shard."""
 
-    def __init__(self, root: Path, spec: BlockSpec, *, max_in_flight: int = 8) -> None:
+    def __init__(self, root: Path, spec: BlockSpec, *, max_in_flight: int = 8, direct_io: bool = False) -> None:
         self.root = root
         self.spec = spec
         self.record_bytes = record_bytes(spec)
         self.max_in_flight = max_in_flight  # shard commits and head removals in flight
-        self.shard_slots = slots_per_shard(self.record_bytes)
         self._heads_array, self._data_array = record_arrays(root, spec)
+        self.shard_slots = int(self._data_array.chunk_layout.write_chunk.shape[0])
+        if self._heads_array.chunk_layout.write_chunk.shape[0] != self.shard_slots:
+            raise ValueError(f"{root}: the heads and data arrays have shards of different sizes")
         self._slot_of: dict[BlockKey, int] = {}
         self._live: dict[int, int] = {}  # shard -> live records in it
         self._filled: dict[int, int] = {}  # shard -> slots ever written in it
         self._dead = 0  # slots written whose record is gone, in shards still on disk
         self._next_shard = 0
         self._open_shard: int | None = None  # the shard the writes of this call fill
-        self._transaction: ts.Transaction | None = None
-        self._staged: list[BlockKey] = []
-        self._open_data: ts.TensorStore | None = None  # the data array in the open shard's transaction
+        self._writer = ShardWriter(root / DATA_DIR, direct_io)
+        self._image: ShardImage | None = None  # the open shard's data file being written
+        self._staged: list[BlockKey] = []  # keys written into the open shard since it was last written out
+        self._heads_changed = False  # a head of the open shard zeroed since then
         self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)  # its heads, written at seal
-        self._pending: deque[tuple[list[BlockKey], int, ts.Future]] = deque()
+        self._pending: deque[tuple[list[BlockKey], int, tuple[Future | ts.Future, ...]]] = deque()
         self._failed: list[tuple[BlockKey, Exception]] = []
         self._heads: dict[BlockKey, tuple[ts.Future, int]] = {}  # heads read ahead of ``read_into`` (a
         # run's read and the row of this key's head in it)
@@ -232,11 +244,11 @@ class FileStore:
         return present
 
     def _records_in_file(self, shard: int) -> int:
-        """How many records the data shard file holds (inner chunks after its index), by its size."""
+        """How many records the data shard file holds (the chunks its index lists)."""
         path = self.root / DATA_DIR / _shard_key(shard).decode()
-        index_bytes = 16 * self.shard_slots + 4  # an (offset, length) pair per slot and a crc32c
         try:
-            return max(0, path.stat().st_size - index_bytes) // self.spec.nbytes
+            with open(path, "rb") as file:
+                return chunks_in_index(file.read(index_bytes(self.shard_slots)), self.shard_slots)
         except OSError:
             return 0
 
@@ -315,18 +327,19 @@ class FileStore:
     # ---- writes ------------------------------------------------------------------------------------------
 
     def put_block(self, key: BlockKey, data: np.ndarray) -> None:
-        """Store the block whose bytes are ``data`` (flat uint8, untouched until ``settle``)."""
-        self.put(key, (record_head(self.spec, key, checksum(data)), data), owned=True)
+        """Store the block whose bytes are ``data`` (flat uint8, untouched until ``settle``); its head carries the
+        checksum taken as the data is written."""
+        self._store(key, None, data, owned=True)
 
     def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
                     expected: tuple[int, int]) -> None:
         """Store a record whose data must hash to ``expected`` (checked before anything is written)."""
         check_digest(key, expected, checksum(data))
-        self.put(key, (head, data), owned=True)
+        self._store(key, _flat(head), data, owned=True)
 
     def put(self, key: BlockKey, parts: Sequence[Buffer], owned: bool) -> None:
         """Store a record given as consecutive parts into a fresh slot. ``owned``: the parts stay untouched until
-        ``settle`` (TensorStore writes the data from them); else the data is copied first."""
+        ``settle`` (the data may be written straight from them); else the data is copied first."""
         flats = [_flat(part) for part in parts]
         if sum(flat.size for flat in flats) != self.record_bytes:
             raise ValueError(f"record of {sum(flat.size for flat in flats)} bytes, expected {self.record_bytes}")
@@ -335,28 +348,39 @@ class FileStore:
         else:
             record = np.concatenate(flats) if len(flats) > 1 else flats[0]
             head, data = record[:DATA_OFFSET], record[DATA_OFFSET:]
-        if not owned:
+        self._store(key, head, data, owned)
+
+    def _store(self, key: BlockKey, head: np.ndarray | None, data: np.ndarray, owned: bool) -> None:
+        """Write a record (its head, or None to make it from the data's checksum) into a fresh slot."""
+        if not owned and not self._writer.direct:  # direct writes copy it anyway, before ``put`` returns
             data = data.copy()
         self._heads.pop(key, None)
         if key in self._slot_of:  # a record is never rewritten in place: the new one takes a fresh slot
             self._release(self._slot_of.pop(key))
-        slot = self._take_slot()
+        try:
+            slot = self._take_slot()
+        except Exception as err:  # the shard file could not be created: reported by settle
+            self._failed.append((key, err))
+            return
         self._slot_of[key] = slot
         self._staged.append(key)
         try:
-            self._write_slot(slot, head, data)
+            self._write_slot(slot, key, head, data)
         except Exception as err:  # failed before it was under way: reported by settle like one that failed after
             self._failed.append((key, err))
             self.delete(key)
-        if len(self._staged) == self.shard_slots:
+            self._seal()  # the slots after this one would not match the shard file's chunks
+            return
+        if self._filled[self._open_shard] == self.shard_slots:
             self._seal()
 
     def _take_slot(self) -> int:
         """The next slot of the open shard (a fresh shard if none is open)."""
         if self._open_shard is None:
-            shard, self._next_shard = self._next_shard, self._next_shard + 1
-            self._open_shard, self._transaction = shard, ts.Transaction()
-            self._open_data = self._data_array.with_transaction(self._transaction)
+            shard = self._next_shard
+            self._image = self._writer.open(self.root / DATA_DIR / _shard_key(shard).decode(), self.shard_slots,
+                                            self.spec.nbytes)
+            self._open_shard, self._next_shard = shard, shard + 1
             self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)
             self._live[shard] = self._filled[shard] = 0
         shard = self._open_shard
@@ -365,42 +389,47 @@ class FileStore:
         self._live[shard] += 1
         return slot
 
-    def _write_slot(self, slot: int, head: np.ndarray, data: np.ndarray) -> None:
-        """Stage a record into the open shard's transaction: the data referenced (a whole chunk); the head is kept
-        for the shard's one heads write at seal (a slot whose head is not on disk holds no record)."""
-        self._open_data[slot].write(data, can_reference_source_data_indefinitely=True).result()
+    def _write_slot(self, slot: int, key: BlockKey, head: np.ndarray | None, data: np.ndarray) -> None:
+        """Append a record's data to the open shard's file (referenced until it is finished, or copied into an
+        aligned piece for direct writes); its head is kept for the shard's one heads write after the data."""
+        digest = self._image.append(data)
+        if head is None:
+            head = np.frombuffer(record_head(self.spec, key, digest), np.uint8)
         self._open_heads[slot % self.shard_slots] = head
 
-    def _seal(self) -> None:
-        """Start committing the open shard: TensorStore writes its two shard files behind the caller."""
+    def _seal(self, keep_open: bool = False) -> None:
+        """Write the open shard behind the caller: the rest of its data file and its index, then its heads file.
+        ``keep_open`` (buffered writes only): the shard takes the next calls' blocks too (no new files per call),
+        its files written so far and readable, the indexes and heads written again as it grows."""
         if self._open_shard is None:
             return
-        shard, transaction, keys = self._open_shard, self._transaction, self._staged
-        self._open_shard = self._transaction = self._open_data = None
+        keep_open = keep_open and not self._writer.direct and bool(self._live[self._open_shard])
+        shard, image, keys = self._open_shard, self._image, self._staged
         self._staged = []
+        if not keep_open:
+            self._open_shard = self._image = None
         if not self._live[shard]:
-            transaction.abort()
+            image.abort().exception()  # the file is closed before it is deleted
             self._delete_shard(shard)
             return
-        first, filled = shard * self.shard_slots, self._filled[shard]
-        try:
-            self._heads_array.with_transaction(transaction)[first : first + filled].write(
-                self._open_heads[:filled]).result()
-        except Exception as err:  # the shard's records are not stored: reported by settle
-            transaction.abort()
-            self._in_flight(keys, shard, _failed_future(err))
+        if keep_open and not keys and not self._heads_changed:  # nothing since the shard was last written
             return
-        self._in_flight(keys, shard, transaction.commit_async())
+        self._heads_changed = False
+        data = image.finish(close=not keep_open)
+        heads = self._writer.write_rows(self.root / HEADS_DIR / _shard_key(shard).decode(), self.shard_slots,
+                                        self._open_heads[: self._filled[shard]].copy())
+        self._in_flight(keys, shard, data, heads)
 
-    def _in_flight(self, keys: list[BlockKey], shard: int, future: ts.Future) -> None:
+    def _in_flight(self, keys: list[BlockKey], shard: int, *writes: Future | ts.Future) -> None:
         while len(self._pending) >= self.max_in_flight:
             self._finish_oldest()
-        self._pending.append((keys, shard, future))
+        self._pending.append((keys, shard, writes))
 
     def _finish_oldest(self) -> None:
-        keys, shard, future = self._pending.popleft()
+        keys, shard, writes = self._pending.popleft()
         try:
-            future.result()
+            for write in writes:
+                write.result()
         except Exception as err:
             for key in keys:
                 if self._slot_of.get(key, -1) // self.shard_slots == shard:
@@ -412,9 +441,9 @@ class FileStore:
             self._finish_oldest()
 
     def settle(self) -> list[tuple[BlockKey, Exception]]:
-        """Commit the open shard and wait for every write in flight; the ``(key, error)`` of those that failed
-        since the last settle."""
-        self._seal()
+        """Write the open shard (kept open for the next call's blocks) and wait for every write in flight; the
+        ``(key, error)`` of those that failed since the last settle."""
+        self._seal(keep_open=True)
         self._finish_all()
         failed, self._failed = self._failed, []
         return failed
@@ -426,6 +455,7 @@ class FileStore:
         self._dead += 1
         if shard == self._open_shard:  # staged, not committed: its head is not written
             self._open_heads[slot % self.shard_slots] = 0
+            self._heads_changed = True
             return
         if any(pending == shard for _, pending, _ in self._pending):
             self._finish_all()  # its shard is being written: remove after, not beside, that write
@@ -573,5 +603,9 @@ class FileStore:
         return head, (digest >> 64, digest & _LOW)
 
     def close(self) -> None:
-        self.settle()
-        self._drop_reads()
+        try:
+            self._seal()
+            self.settle()
+        finally:
+            self._writer.close()
+            self._drop_reads()

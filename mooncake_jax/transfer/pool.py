@@ -63,6 +63,8 @@ class BlockPool:
             tier.
         ssd_path: directory of the SSD tier (created, or reopened with the blocks it holds); None for no SSD.
         ssd_blocks / ssd_bytes: SSD capacity; None means unbounded.
+        ssd_direct_io: write the SSD tier's shard files with ``O_DIRECT`` (copied into aligned pieces, the page
+            cache bypassed) instead of through the page cache (``shard_writer.py`` says when each pays).
         eviction: ``"lru"`` (default), ``"lfu"``, or a factory of ``EvictionPolicy`` (one instance per tier).
         on_event: called with a ``BlockEvent`` whenever a block enters the pool, moves to another fastest tier
             or leaves the pool, under the pool's lock: keep it quick (queue the event), do not call back.
@@ -77,6 +79,7 @@ class BlockPool:
         ssd_path: str | os.PathLike | None = None,
         ssd_blocks: int | None = None,
         ssd_bytes: int | None = None,
+        ssd_direct_io: bool = False,
         eviction: PolicyChoice = "lru",
         on_event: EventListener | None = None,
     ) -> None:
@@ -94,7 +97,7 @@ class BlockPool:
         if dram_capacity != 0:
             self._tiers.append(memory_tier(spec, dram_capacity, make_policy(eviction)))
         if ssd_path is not None:
-            self._tiers.append(file_tier(ssd_path, spec, ssd_capacity, make_policy(eviction)))
+            self._tiers.append(file_tier(ssd_path, spec, ssd_capacity, make_policy(eviction), ssd_direct_io))
         if not self._tiers:
             raise ValueError("the pool has no tier: dram capacity is 0 and there is no ssd_path")
         self._listeners: list[EventListener] = [on_event] if on_event is not None else []

@@ -150,8 +150,10 @@ def memory_tier(spec: BlockSpec, capacity_blocks: int | None, policy: EvictionPo
     return Tier("dram", SlotStore(spec, capacity_blocks), capacity_blocks, policy)
 
 
-def file_tier(path: str | os.PathLike, spec: BlockSpec, capacity_blocks: int | None, policy: EvictionPolicy) -> Tier:
-    """The SSD tier in directory ``path``: created with ``spec``, or reopened with the blocks it already holds.
+def file_tier(path: str | os.PathLike, spec: BlockSpec, capacity_blocks: int | None, policy: EvictionPolicy,
+              direct_io: bool = False) -> Tier:
+    """The SSD tier in directory ``path``: created with ``spec``, or reopened with the blocks it already holds
+    (``direct_io``: its shard files written with ``O_DIRECT``).
 
     Reopening with another spec is a ValueError (its blocks could never be decoded). Recency is not kept across
     a restart: reopened blocks start in key order, and those beyond a smaller ``capacity_blocks`` are deleted.
@@ -169,7 +171,7 @@ def file_tier(path: str | os.PathLike, spec: BlockSpec, capacity_blocks: int | N
         tmp = spec_path.with_suffix(".tmp")
         tmp.write_text(spec.to_json())
         tmp.replace(spec_path)
-    store = FileStore(root, spec)
+    store = FileStore(root, spec, direct_io=direct_io)
     present = store.present
     excess = present[capacity_blocks:] if capacity_blocks is not None else []
     for key in excess:
