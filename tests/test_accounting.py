@@ -234,3 +234,67 @@ def test_the_probe_reads_scale_delivery_slowdown_and_stall_from_classed_gaps():
     assert read["decode_step_spread"] == pytest.approx([1.0] * 20)  # every steady gap exactly its regime's
     # joins one at a time: A's 10 ms, B's 7.6 ms from its KV (204.9 ms); their median less the median gap (3 ms)
     assert read["decode_join_s_bursts"] == pytest.approx(8.8 * ms - 3 * ms)
+
+
+def test_off_engine_time_delays_the_first_token_but_holds_no_instance():
+    """Two 1,000-token requests at 0 s on one prefill instance (2 s of compute each), pushed after the prefill (1 s
+    each over the link). Each spends 0.5 s off the engine (RPCs, staging, store): A is released at 2.5 s and its
+    first token is at 3.5 s; B computes from 2 s (the engine is free), is released at 4.5 s, its push waits for
+    nothing (the link is free from 3.5 s): first token at 5.5 s. The same 0.5 s held on the engine
+    (``request_overhead_s``) delays B's start to 2.5 s: its first token at 6 s."""
+    two = Trace([TraceRequest(0.0, 1000, 11, (1, 2)), TraceRequest(0.0, 1000, 11, (3, 4))])
+    a, b = simulate(two, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                    prefill_off_engine_s=0.5).requests
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(3.5), pytest.approx(5.5))
+    assert b.prefill_start == pytest.approx(2.0)
+    held_a, held_b = simulate(two, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                              request_overhead_s=0.5).requests
+    assert (held_a.ttft_s, held_b.ttft_s) == (pytest.approx(3.5), pytest.approx(6.0))
+    one = simulate(Trace([TraceRequest(0.0, 1000, 1, (1, 2))]), prefill=1, decode=1, hardware=SLOW_LINK,
+                   release_timing=LAYERWISE, prefill_off_engine_s=0.5).requests[0]
+    assert one.ttft_s == pytest.approx(2.5)  # no decode: released after its compute and its time off the engine
+    with pytest.raises(ValueError, match="prefill_off_engine_s"):
+        SimConfig(prefill_off_engine_s=-0.1)
+
+
+def test_the_replay_window_reads_the_prefill_scale_and_the_time_off_the_engine():
+    """Three replayed requests whose instances reported, by hand: the profile predicts 1 s + 1 ms per computed
+    token, so 2.0 s (1,000 tokens, none cached), 1.5 s (500) and 2.0 s (2,000 tokens, 1,000 cached); the engine
+    took 0.1 + 2x that (4.1, 3.1, 4.1 s): scale 2, fixed 0.1 s. Their TTFTs hold queues of 0, 1 and 0.5 s and 0.3,
+    0.2 and 0.4 s off the engine: median 0.3 s. One token each: no decode reading."""
+    bench = _sim_to_real()
+    items = [(0.0, [1] * 1000, 1, ()), (0.0, [1] * 500, 1, ()), (1.0, [1] * 2000, 1, ())]
+    assert [prefill_work_s(SLOW_LINK.prefill, len(it[1]), c) for it, c in zip(items, (0, 0, 1000))] == \
+        pytest.approx([2.0, 1.5, 2.0])
+    records = [{"submitted": s, "times": [q + c + off], "cached_tokens": cached, "queue_s": q, "compute_s": c}
+               for s, q, c, off, cached in ((0.002, 0.0, 4.1, 0.3, 0), (0.001, 1.0, 3.1, 0.2, 0),
+                                            (1.0, 0.5, 4.1, 0.4, 1000))]
+    read = bench.replay_window(items, records, SLOW_LINK)
+    assert read["prefill_scale"] == pytest.approx(2.0)
+    assert read["request_overhead_s"] == pytest.approx(0.1)
+    assert read["prefill_off_engine_s"] == pytest.approx(0.3)
+    assert read["prefill_queue_s_p50"] == pytest.approx(0.5)
+    assert "decode_scale" not in read
+    # times that shrink as the work grows fit no line through a positive intercept: the ratio of the sums
+    flat = [dict(r, compute_s=c) for r, c in zip(records, (4.0, 4.5, 3.0))]
+    assert bench.replay_window(items, flat, SLOW_LINK)["prefill_scale"] == pytest.approx(11.5 / 5.5)
+    with pytest.raises(ValueError, match="at least 2"):
+        bench.replay_window(items, [records[0], None, None], SLOW_LINK)
+
+
+def test_the_simulator_takes_a_burst_in_the_order_it_reached_the_gateway():
+    """Two 1,000-token requests of one burst (both at 0 s in the trace) on one prefill instance; the second reached
+    the gateway 1 ms before the first. Taken in that order, the second is prefilled first (first token 3 s after
+    it arrived, pushed after its 2 s prefill) and the first queues behind it (5 s after 0.002 s); in trace order,
+    the other way round."""
+    bench = _sim_to_real()
+    items = [(0.0, [1] * 1000, 11, (1, 2)), (0.0, [2] * 1000, 11, (3, 4))]
+    records = [{"submitted": 0.002}, {"submitted": 0.001}]
+    order, figures = bench.arrival_order(items, records)
+    assert order == [1, 0] and figures["arrival_order_moved"] == 2
+    overheads = {"prefill_scale": 1.0, "decode_scale": 1.0, "request_overhead_s": 0.0}
+    slo = {"ttft_slo_s": 30.0, "tbt_slo_s": 1.0}
+    _, measured = bench.simulated(items, SLOW_LINK, overheads, 1, 1, 1.0, 10**6, slo, arrivals=[0.002, 0.001])
+    assert (measured[0].ttft_s, measured[1].ttft_s) == (pytest.approx(5.0 - 0.001), pytest.approx(3.0))
+    _, traced = bench.simulated(items, SLOW_LINK, overheads, 1, 1, 1.0, 10**6, slo)
+    assert (traced[0].ttft_s, traced[1].ttft_s) == (pytest.approx(3.0), pytest.approx(5.0))

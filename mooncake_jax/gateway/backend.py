@@ -74,6 +74,10 @@ class Finished:
     cached_tokens: int  # prompt tokens whose KV was reused instead of computed
     ttft_s: float
     tbt_s: float  # the paper's TBT: mean of the longest 10% of the request's token gaps (0 with < 2 tokens)
+    # what its prefill instance reported (0 where no prefill instance served it): seconds it waited for the
+    # engine and seconds of the engine's prefill compute; the parts of its TTFT that are queue and work
+    prefill_queue_s: float = 0.0
+    prefill_compute_s: float = 0.0
 
 
 class InvalidRequest(ValueError):

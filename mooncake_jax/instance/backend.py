@@ -323,7 +323,8 @@ class ClusterBackend:
     @staticmethod
     def _finished(reason, request, count, prefill, times) -> Finished:
         return Finished(reason=reason, prompt_tokens=len(request.prompt), output_tokens=count,
-                        cached_tokens=prefill.cached_tokens, ttft_s=times[0], tbt_s=paper_tbt(times))
+                        cached_tokens=prefill.cached_tokens, ttft_s=times[0], tbt_s=paper_tbt(times),
+                        prefill_queue_s=prefill.queue_s, prefill_compute_s=prefill.prefill_s)
 
     def close(self) -> None:
         for channel in list(self._channels.values()):

@@ -51,6 +51,11 @@ class SimConfig:
     decode RPC, staging the KV from its pool, loading it into pages: measured on a real cluster as the first token
     gap's excess over a steady one, 0 for datasheet studies), of which ``decode_join_stall_s`` runs on the instance's engine loop
     and stalls the requests already decoding (loading the KV into pages; at most ``decode_join_s``).
+    ``prefill_off_engine_s``: the part of a prefilled request's path to its first token spent off its prefill
+    instance's engine (the RPCs to the Conductor and to the instance, staging its prefix from the pool, storing
+    and pushing its KV, the reply: measured on a real cluster as TTFT less the instance's reported queue and
+    compute): it delays the request's first token and its KV's push but holds no instance (on a real instance those
+    run on other threads while the engine computes the next request; ``request_overhead_s`` holds the engine).
     ``shared_host_decode_slowdown``: the instances share one host's cores (a local cluster): while any prefill
     instance computes, decode steps take this factor times the cost model's time (1: separate machines).
     ``decode_step_spread``: measured factors (any scale; normalized to mean 1) of a decode token gap over the mean
@@ -82,6 +87,7 @@ class SimConfig:
     sample_interval_s: float = 10.0
     release_timing: ReleaseTiming = LAYERWISE
     request_overhead_s: float = 0.0
+    prefill_off_engine_s: float = 0.0
     decode_join_s: float = 0.0
     decode_join_stall_s: float = 0.0
     shared_host_decode_slowdown: float = 1.0
@@ -117,6 +123,8 @@ class SimConfig:
             raise ValueError(f"release_timing must be a ReleaseTiming, got {self.release_timing!r}")
         if not (math.isfinite(self.request_overhead_s) and self.request_overhead_s >= 0):
             raise ValueError(f"request_overhead_s must be a non-negative number, got {self.request_overhead_s!r}")
+        if not (math.isfinite(self.prefill_off_engine_s) and self.prefill_off_engine_s >= 0):
+            raise ValueError(f"prefill_off_engine_s must be a non-negative number, got {self.prefill_off_engine_s!r}")
         if not (math.isfinite(self.decode_join_s) and self.decode_join_s >= 0):
             raise ValueError(f"decode_join_s must be a non-negative number, got {self.decode_join_s!r}")
         if not (math.isfinite(self.decode_join_stall_s) and 0 <= self.decode_join_stall_s <= self.decode_join_s):

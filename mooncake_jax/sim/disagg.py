@@ -172,11 +172,12 @@ class DisaggregatedSim(ClusterSim):
         req.prefix_blocks, req.prefix_tokens = prefix, min(prefix * self.block, n)
         p.running, p.busy_until = req, now + duration
         timing = self.config.release_timing
-        req.kv_ready_at = p.busy_until
+        released = p.busy_until + self.config.prefill_off_engine_s  # its path off the engine (RPCs, staging, store)
+        req.kv_ready_at = released
         if req.output_tokens > 1:
             d = self.by_id[req.decode_id]
-            stream_end = self._send(p, d, timing.push_start(now, p.busy_until), n * p.costs.kv_bytes_per_token)
-            req.kv_ready_at = max(p.busy_until, stream_end)
+            stream_end = self._send(p, d, timing.push_start(now, released), n * p.costs.kv_bytes_per_token)
+            req.kv_ready_at = max(released, stream_end)
         self.state.heartbeat(p.id, now, queued_s=duration + p.queued_s,
                              send_backlog_s=max(p.out_free - now, 0.0))
         self.events.at(p.busy_until, self._prefill_end, p, req)
@@ -184,7 +185,8 @@ class DisaggregatedSim(ClusterSim):
 
     def _prefill_end(self, p: PrefillNode, req: SimRequest) -> None:
         now = self.events.now
-        req.first_token_at = self.config.release_timing.first_token_at(now, req.kv_ready_at)
+        req.first_token_at = self.config.release_timing.first_token_at(now + self.config.prefill_off_engine_s,
+                                                                       req.kv_ready_at)
         req.staged = frozenset()
         p.running = None
         evicted = p.cache.insert(req.keys)
