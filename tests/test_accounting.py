@@ -298,3 +298,14 @@ def test_the_simulator_takes_a_burst_in_the_order_it_reached_the_gateway():
     assert (measured[0].ttft_s, measured[1].ttft_s) == (pytest.approx(5.0 - 0.001), pytest.approx(3.0))
     _, traced = bench.simulated(items, SLOW_LINK, overheads, 1, 1, 1.0, 10**6, slo)
     assert (traced[0].ttft_s, traced[1].ttft_s) == (pytest.approx(3.0), pytest.approx(5.0))
+
+
+def test_a_push_after_the_prefill_takes_the_link_when_the_prefill_ends():
+    """A (3,000 tokens: 4 s of prefill, its KV 3 s on the link) starts at 0 s on one instance; B (500 tokens: 1.5 s,
+    0.5 s of KV) arrives at 0.1 s and goes to the other. Pushed after the prefill, B's KV takes the decode
+    instance's link at 1.6 s, first token at 2.1 s (2.0 s after it arrived); A's from 4 s, first token at 7 s. (A
+    push booked when its prefill starts would hold the link for 4-7 s and put B's first token at 7.5 s.)"""
+    two = Trace([TraceRequest(0.0, 3000, 11, (1, 2)), TraceRequest(0.1, 500, 11, (3,))])
+    a, b = simulate(two, prefill=2, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES).requests
+    assert a.prefill_id != b.prefill_id
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(7.0), pytest.approx(2.0))

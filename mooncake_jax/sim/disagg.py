@@ -174,17 +174,27 @@ class DisaggregatedSim(ClusterSim):
         timing = self.config.release_timing
         released = p.busy_until + self.config.prefill_off_engine_s  # its path off the engine (RPCs, staging, store)
         req.kv_ready_at = released
-        if req.output_tokens > 1:
-            d = self.by_id[req.decode_id]
-            stream_end = self._send(p, d, timing.push_start(now, released), n * p.costs.kv_bytes_per_token)
-            req.kv_ready_at = max(released, stream_end)
+        if req.output_tokens > 1 and timing.push_start(now, released) <= now:  # streamed from now on
+            self._push(p, req, now)
         self.state.heartbeat(p.id, now, queued_s=duration + p.queued_s,
                              send_backlog_s=max(p.out_free - now, 0.0))
         self.events.at(p.busy_until, self._prefill_end, p, req)
         self._host_load_changed()
 
+    def _push(self, p: PrefillNode, req: SimRequest, ready: float) -> None:
+        """Book the request's KV on the links to its decode instance from ``ready`` on (links are FIFOs in booking
+        order, so a push is booked when it may start: at the prefill's start when streamed layer by layer, at its
+        end when pushed after it; booked at a long prefill's start, a push after it would hold the decode
+        instance's link against every shorter prefill that ends first)."""
+        stream_end = self._send(p, self.by_id[req.decode_id], ready, req.input_tokens * p.costs.kv_bytes_per_token)
+        req.kv_ready_at = max(req.kv_ready_at, stream_end)
+
     def _prefill_end(self, p: PrefillNode, req: SimRequest) -> None:
         now = self.events.now
+        released = now + self.config.prefill_off_engine_s
+        push_at = self.config.release_timing.push_start(req.prefill_start, released)
+        if req.output_tokens > 1 and push_at > req.prefill_start:  # pushed after the prefill: booked now
+            self._push(p, req, push_at)
         req.first_token_at = self.config.release_timing.first_token_at(now + self.config.prefill_off_engine_s,
                                                                        req.kv_ready_at)
         req.staged = frozenset()
