@@ -16,9 +16,9 @@
    model as ``mooncake-jax demo`` does: a 512-token trace block becomes one 16-token engine block) through the real
    cluster, recording every token's time at the client, when each request actually reached the gateway's backend,
    and what its prefill instance reported (cached tokens, time queued for the engine, the engine's compute).
-4. Measure the simulator's inputs over the replay's own window (``replay_window``: prefill scale and fixed engine
-   cost from the reported compute against the profile's prediction, the time off the engine from TTFT less queue
-   and compute, the decode side from the replay's token gaps), so the machine's drift between a probe and the
+4. Measure the simulator's inputs over the replay's own window (``replay_window``: the prefill cost model refitted
+   to the engines' reported compute, the time off the engine from TTFT less queue and compute, the decode side
+   from the replay's token gaps), so the machine's drift between a probe and the
    replay does not set the comparison's scale; the probe's readings are kept beside them (``*_probe``).
 5. Simulate the same slice (same prompts' lengths and block ids, same instance counts, policy and cache size) on
    the profile scaled by those readings, plus the pairs' decode join time, with the real instances' accounting
@@ -47,8 +47,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_model  # noqa: E402
 
-from mooncake_jax.conductor.accounting import REAL_INSTANCES, prefill_work_s  # noqa: E402
-from mooncake_jax.conductor.costs import DecodeCost, PrefillCost  # noqa: E402
+from mooncake_jax.conductor.accounting import REAL_INSTANCES, prefill_work_s, reused_tokens  # noqa: E402
+from mooncake_jax.conductor.costs import DecodeCost, PrefillCost, fit_prefill_poly  # noqa: E402
 from mooncake_jax.conductor.profile import costs_from_profile  # noqa: E402
 from mooncake_jax.slo import tbt_of_times  # noqa: E402
 
@@ -278,31 +278,36 @@ def replay_window(items, records, costs) -> dict:
     before the replay reads the shared host at another minute: the real TTFT p90 moved 0.41-0.67 s over three quiet
     runs of the same code while the probe-calibrated simulation held at 0.33-0.35 s).
 
-    - ``prefill_scale`` and ``request_overhead_s``: the engine's prefill compute (``compute_s``) against the
-      profile's prediction of the same work (``prefill_work_s`` over the cached tokens the instance reported), a
-      least-squares line ``overhead + scale * predicted``: its residuals sum to zero, so the simulated engines are
-      busy as long in all as the real ones were, which is what the queues (and the TTFT tail) follow; a negative
-      intercept falls back to the ratio of the sums (``request_overhead_s`` 0);
+    - ``prefill_coef``: the prefill cost model refitted to the engine's reported compute (``compute_s``) of every
+      replayed request over the tokens it computed (its cached prefix as the instance reported it, chunks padded to
+      their buckets as ``prefill_work_s`` counts them), by the start-up calibration's own fitter
+      (``fit_prefill_poly``: relative error, coefficients >= 0). Not the start-up profile times one scale: on a
+      loaded host the long prompts ran 8x the profile and the short ones 2-5x (run ``s5_1``), and one scale fitted
+      to the engines' total time made every short request of a burst as slow as the longest's share, the queues
+      behind them too long (TTFT p50 / p90 56% / 42% high); with fewer than four requests, the profile scaled by
+      the ratio of the sums (``prefill_scale``, reported either way);
     - ``prefill_off_engine_s``: the median of each request's TTFT less its reported queue and compute (the RPCs,
       staging its prefix, storing and pushing its KV, the reply: off the engine, it holds no instance);
     - the decode side as ``decode_in_bursts`` reads it, on the replay's own token times (same classes, same fit);
-    - what the simulator gets of the queue is not fed in: ``prefill_queue_s_p50`` / ``_p90`` are reported for
-      comparison with the simulated queue.
+    - the queue is not fed in: ``prefill_queue_s_p50`` / ``_p90`` are reported beside the simulated queue.
     """
     done = [(it, r) for it, r in zip(items, records) if r is not None]
     if len(done) < 2:
         raise ValueError(f"replay_window needs at least 2 completed requests, got {len(done)}")
-    predicted = np.array([prefill_work_s(costs.prefill, len(it[1]), r["cached_tokens"]) for it, r in done])
-    compute = np.array([r["compute_s"] for _, r in done])
-    a = np.stack([np.ones(len(predicted)), predicted], axis=1)
-    (overhead, scale), *_ = np.linalg.lstsq(a, compute, rcond=None)
-    if overhead < 0 or scale <= 0:
-        overhead, scale = 0.0, float(compute.sum() / predicted.sum())
+    points = []
+    for (_, prompt, _, _), r in done:
+        reused = reused_tokens(len(prompt), r["cached_tokens"])
+        points.append((reused + costs.prefill.computed_tokens(len(prompt) - reused), reused, r["compute_s"]))
+    predicted = np.array([float(costs.prefill.seconds(n, p)) for n, p, _ in points])
+    compute = np.array([t for _, _, t in points])
+    read = {"prefill_scale": float(compute.sum() / predicted.sum()), "request_overhead_s": 0.0}
+    measured = [pt for pt in points if pt[2] > 0]
+    if len(measured) >= 4:
+        read["prefill_coef"] = [float(c) for c in fit_prefill_poly(measured).coef]
     off_engine = [r["times"][0] - r["queue_s"] - r["compute_s"] for _, r in done]
     queue = [r["queue_s"] for _, r in done]
     runs = [(r["submitted"], len(it[1]), r["submitted"] + np.array(r["times"])) for it, r in done]
-    return {"prefill_scale": float(scale), "request_overhead_s": float(overhead),
-            "prefill_off_engine_s": max(0.0, float(np.median(off_engine))),
+    return {**read, "prefill_off_engine_s": max(0.0, float(np.median(off_engine))),
             "prefill_queue_s_p50": float(np.percentile(queue, 50)),
             "prefill_queue_s_p90": float(np.percentile(queue, 90)),
             **decode_in_bursts(runs, costs)}
@@ -321,10 +326,11 @@ def arrival_order(items, records) -> tuple[list[int], dict]:
 
 
 def profiled_costs(costs, overheads: dict):
-    """The start-up profile as the probes measured the cluster now: prefill and decode scaled, and each token's
-    delivery to the client added per request in the batch to every decode step (the step model's batch term)."""
-    return costs.replace(prefill=PrefillCost([c * overheads["prefill_scale"] for c in costs.prefill.coef],
-                                             costs.prefill.chunk_buckets),
+    """The start-up profile as the probes measured the cluster now: prefill scaled (or refitted, ``prefill_coef``)
+    and decode scaled, and each token's delivery to the client added per request in the batch to every decode step
+    (the step model's batch term)."""
+    prefill = overheads.get("prefill_coef") or [c * overheads["prefill_scale"] for c in costs.prefill.coef]
+    return costs.replace(prefill=PrefillCost(prefill, costs.prefill.chunk_buckets),
                          decode=DecodeCost(tuple(np.array(costs.decode.coef) * overheads["decode_scale"]
                                                  + (0.0, overheads.get("decode_token_delivery_s", 0.0), 0.0))))
 

@@ -257,29 +257,34 @@ def test_off_engine_time_delays_the_first_token_but_holds_no_instance():
         SimConfig(prefill_off_engine_s=-0.1)
 
 
-def test_the_replay_window_reads_the_prefill_scale_and_the_time_off_the_engine():
-    """Three replayed requests whose instances reported, by hand: the profile predicts 1 s + 1 ms per computed
-    token, so 2.0 s (1,000 tokens, none cached), 1.5 s (500) and 2.0 s (2,000 tokens, 1,000 cached); the engine
-    took 0.1 + 2x that (4.1, 3.1, 4.1 s): scale 2, fixed 0.1 s. Their TTFTs hold queues of 0, 1 and 0.5 s and 0.3,
-    0.2 and 0.4 s off the engine: median 0.3 s. One token each: no decode reading."""
+def test_the_replay_window_refits_the_prefill_and_reads_the_time_off_the_engine():
+    """Replayed requests whose instances reported, by hand: the profile predicts 1 s + 1 ms per computed token; the
+    engine took 2 s + 4 ms per computed token (1,000 tokens none cached: 6 s; 500: 4 s; 2,000 with 1,000 cached:
+    6 s; 250: 3 s), so the refitted model is (2, 0.004, 0, 0) and predicts those exactly, and the ratio of the
+    sums is 19 / 6.75. Their TTFTs hold queues of 0, 1, 0.5 and 0 s and 0.3, 0.2, 0.4 and 0.5 s off the engine:
+    median 0.35 s. One token each: no decode reading. With three requests, no refit: the scale alone."""
     bench = _sim_to_real()
-    items = [(0.0, [1] * 1000, 1, ()), (0.0, [1] * 500, 1, ()), (1.0, [1] * 2000, 1, ())]
-    assert [prefill_work_s(SLOW_LINK.prefill, len(it[1]), c) for it, c in zip(items, (0, 0, 1000))] == \
-        pytest.approx([2.0, 1.5, 2.0])
-    records = [{"submitted": s, "times": [q + c + off], "cached_tokens": cached, "queue_s": q, "compute_s": c}
-               for s, q, c, off, cached in ((0.002, 0.0, 4.1, 0.3, 0), (0.001, 1.0, 3.1, 0.2, 0),
-                                            (1.0, 0.5, 4.1, 0.4, 1000))]
+    items = [(0.0, [1] * 1000, 1, ()), (0.0, [1] * 500, 1, ()), (1.0, [1] * 2000, 1, ()), (2.0, [1] * 250, 1, ())]
+    cached = (0, 0, 1000, 0)
+    assert [prefill_work_s(SLOW_LINK.prefill, len(it[1]), c) for it, c in zip(items, cached)] == \
+        pytest.approx([2.0, 1.5, 2.0, 1.25])
+    records = [{"submitted": s, "times": [q + c + off], "cached_tokens": k, "queue_s": q, "compute_s": c}
+               for s, q, c, off, k in zip((0.002, 0.001, 1.0, 2.0), (0.0, 1.0, 0.5, 0.0), (6.0, 4.0, 6.0, 3.0),
+                                          (0.3, 0.2, 0.4, 0.5), cached)]
     read = bench.replay_window(items, records, SLOW_LINK)
-    assert read["prefill_scale"] == pytest.approx(2.0)
-    assert read["request_overhead_s"] == pytest.approx(0.1)
-    assert read["prefill_off_engine_s"] == pytest.approx(0.3)
-    assert read["prefill_queue_s_p50"] == pytest.approx(0.5)
+    assert read["prefill_coef"] == pytest.approx([2.0, 0.004, 0.0, 0.0], abs=1e-9)
+    assert read["prefill_scale"] == pytest.approx(19 / 6.75)
+    assert read["prefill_off_engine_s"] == pytest.approx(0.35)
+    assert read["prefill_queue_s_p50"] == pytest.approx(0.25)
     assert "decode_scale" not in read
-    # times that shrink as the work grows fit no line through a positive intercept: the ratio of the sums
-    flat = [dict(r, compute_s=c) for r, c in zip(records, (4.0, 4.5, 3.0))]
-    assert bench.replay_window(items, flat, SLOW_LINK)["prefill_scale"] == pytest.approx(11.5 / 5.5)
+    profiled = bench.profiled_costs(SLOW_LINK, {**read, "decode_scale": 1.0})
+    assert prefill_work_s(profiled.prefill, 2000, 1000) == pytest.approx(6.0)
+    three = bench.replay_window(items[:3], records[:3], SLOW_LINK)
+    assert "prefill_coef" not in three and three["prefill_scale"] == pytest.approx(16 / 5.5)
+    assert bench.profiled_costs(SLOW_LINK, {**three, "decode_scale": 1.0}).prefill.coef == \
+        pytest.approx([c * 16 / 5.5 for c in SLOW_LINK.prefill.coef])
     with pytest.raises(ValueError, match="at least 2"):
-        bench.replay_window(items, [records[0], None, None], SLOW_LINK)
+        bench.replay_window(items, [records[0], None, None, None], SLOW_LINK)
 
 
 def test_the_simulator_takes_a_burst_in_the_order_it_reached_the_gateway():
