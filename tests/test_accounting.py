@@ -262,27 +262,34 @@ def test_the_replay_window_refits_the_prefill_and_reads_the_time_off_the_engine(
     engine took 2 s + 4 ms per computed token (1,000 tokens none cached: 6 s; 500: 4 s; 2,000 with 1,000 cached:
     6 s; 250: 3 s), so the refitted model is (2, 0.004, 0, 0) and predicts those exactly, and the ratio of the
     sums is 19 / 6.75. Their TTFTs hold queues of 0, 1, 0.5 and 0 s and 0.3, 0.2, 0.4 and 0.5 s off the engine:
-    median 0.35 s. One token each: no decode reading. With three requests, no refit: the scale alone."""
+    median 0.35 s. Each decoded three tokens, 20 ms then 5 ms and 5 ms after its first: a join of 15 ms. In two
+    12 s slices (the last request submitted at 12 s), both at the refitted model's speed. With three requests, no
+    refit: the profile scaled by 16 / 5.5, and in 1 s slices the first two ran at 10 / (3.5 * 16 / 5.5) = 55 / 56
+    of that, the third at 6 / (2 * 16 / 5.5) = 33 / 32."""
     bench = _sim_to_real()
-    items = [(0.0, [1] * 1000, 1, ()), (0.0, [1] * 500, 1, ()), (1.0, [1] * 2000, 1, ()), (2.0, [1] * 250, 1, ())]
+    items = [(0.0, [1] * 1000, 1, ()), (0.0, [1] * 500, 1, ()), (1.0, [1] * 2000, 1, ()), (12.0, [1] * 250, 1, ())]
     cached = (0, 0, 1000, 0)
     assert [prefill_work_s(SLOW_LINK.prefill, len(it[1]), c) for it, c in zip(items, cached)] == \
         pytest.approx([2.0, 1.5, 2.0, 1.25])
-    records = [{"submitted": s, "times": [q + c + off], "cached_tokens": k, "queue_s": q, "compute_s": c}
-               for s, q, c, off, k in zip((0.002, 0.001, 1.0, 2.0), (0.0, 1.0, 0.5, 0.0), (6.0, 4.0, 6.0, 3.0),
+    records = [{"submitted": s, "times": [q + c + off + g for g in (0.0, 0.02, 0.025, 0.03)], "cached_tokens": k,
+                "queue_s": q, "compute_s": c}
+               for s, q, c, off, k in zip((0.002, 0.001, 1.0, 12.0), (0.0, 1.0, 0.5, 0.0), (6.0, 4.0, 6.0, 3.0),
                                           (0.3, 0.2, 0.4, 0.5), cached)]
     read = bench.replay_window(items, records, SLOW_LINK)
     assert read["prefill_coef"] == pytest.approx([2.0, 0.004, 0.0, 0.0], abs=1e-9)
     assert read["prefill_scale"] == pytest.approx(19 / 6.75)
     assert read["prefill_off_engine_s"] == pytest.approx(0.35)
     assert read["prefill_queue_s_p50"] == pytest.approx(0.25)
-    assert "decode_scale" not in read
+    assert read["decode_join_s"] == pytest.approx(0.015)
+    assert read["prefill_slowdown_steps"] == [(0.0, pytest.approx(1.0)), (12.0, pytest.approx(1.0))]
     profiled = bench.profiled_costs(SLOW_LINK, {**read, "decode_scale": 1.0})
     assert prefill_work_s(profiled.prefill, 2000, 1000) == pytest.approx(6.0)
     three = bench.replay_window(items[:3], records[:3], SLOW_LINK)
     assert "prefill_coef" not in three and three["prefill_scale"] == pytest.approx(16 / 5.5)
     assert bench.profiled_costs(SLOW_LINK, {**three, "decode_scale": 1.0}).prefill.coef == \
         pytest.approx([c * 16 / 5.5 for c in SLOW_LINK.prefill.coef])
+    assert bench.replay_window(items[:3], records[:3], SLOW_LINK, slice_s=1.0)["prefill_slowdown_steps"] == \
+        [(0.0, pytest.approx(55 / 56)), (1.0, pytest.approx(33 / 32))]
     with pytest.raises(ValueError, match="at least 2"):
         bench.replay_window(items, [records[0], None, None, None], SLOW_LINK)
 
@@ -314,3 +321,17 @@ def test_a_push_after_the_prefill_takes_the_link_when_the_prefill_ends():
     a, b = simulate(two, prefill=2, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES).requests
     assert a.prefill_id != b.prefill_id
     assert (a.ttft_s, b.ttft_s) == (pytest.approx(7.0), pytest.approx(2.0))
+
+
+def test_a_prefill_takes_the_measured_slowdown_of_the_slice_it_starts_in():
+    """A 1,000-token request (2 s of prefill by the model, its KV 1 s on the link) starting at 0 s where the host
+    ran prefills at 1.5x: 3 s, first token at 4 s; another at 10 s, where they ran at 0.5x: 1 s, first token 2 s
+    after it arrived."""
+    two = Trace([TraceRequest(0.0, 1000, 11, (1, 2)), TraceRequest(10.0, 1000, 11, (3, 4))])
+    a, b = simulate(two, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                    prefill_slowdown_steps=((0.0, 1.5), (5.0, 0.5))).requests
+    assert (a.prefill_s, b.prefill_s) == (pytest.approx(3.0), pytest.approx(1.0))
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(4.0), pytest.approx(2.0))
+    for bad in (((1.0, 1.0), (0.5, 2.0)), ((0.0, 0.0),), ((0.0,),)):
+        with pytest.raises(ValueError, match="prefill_slowdown_steps"):
+            SimConfig(prefill_slowdown_steps=bad)

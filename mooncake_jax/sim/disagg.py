@@ -164,7 +164,7 @@ class DisaggregatedSim(ClusterSim):
             prefix = cache.prefix(keys)
         cache.touch(keys[:prefix])
         reused = reused_tokens(n, prefix * self.block)
-        compute = prefill_work_s(p.costs.prefill, n, reused)
+        compute = prefill_work_s(p.costs.prefill, n, reused) * self._prefill_slowdown(now)
         duration = compute + self.config.request_overhead_s
         if self.global_cache and reused:  # the pool is spread over all nodes: load it over the NIC, layer-wise
             duration = max(compute, reused * p.costs.kv_bytes_per_token / p.costs.nic_bytes_per_s)
@@ -180,6 +180,16 @@ class DisaggregatedSim(ClusterSim):
                              send_backlog_s=max(p.out_free - now, 0.0))
         self.events.at(p.busy_until, self._prefill_end, p, req)
         self._host_load_changed()
+
+    def _prefill_slowdown(self, now: float) -> float:
+        """The measured factor on the cost model's prefill time for a prefill starting ``now``
+        (``SimConfig.prefill_slowdown_steps``)."""
+        factor = 1.0
+        for from_s, step_factor in self.config.prefill_slowdown_steps:
+            if from_s > now:
+                break
+            factor = step_factor
+        return factor
 
     def _push(self, p: PrefillNode, req: SimRequest, ready: float) -> None:
         """Book the request's KV on the links to its decode instance from ``ready`` on (links are FIFOs in booking
