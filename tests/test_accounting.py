@@ -261,9 +261,10 @@ def test_the_replay_window_refits_the_prefill_and_reads_the_time_off_the_engine(
     """Replayed requests whose instances reported, by hand: the profile predicts 1 s + 1 ms per computed token; the
     engine took 2 s + 4 ms per computed token (1,000 tokens none cached: 6 s; 500: 4 s; 2,000 with 1,000 cached:
     6 s; 250: 3 s), so the refitted model is (2, 0.004, 0, 0) and predicts those exactly, and the ratio of the
-    sums is 19 / 6.75. Their TTFTs hold queues of 0, 1, 0.5 and 0 s and 0.3, 0.2, 0.4 and 0.5 s off the engine:
-    median 0.35 s. Each decoded three tokens, 20 ms then 5 ms and 5 ms after its first: a join of 15 ms. In two
-    12 s slices (the last request submitted at 12 s), both at the refitted model's speed. With three requests, no
+    sums is 19 / 6.75. Their TTFTs hold 10 ms to the Conductor's decision, queues of 0, 1, 0.5 and 0 s and 0.3,
+    0.2, 0.4 and 0.5 s off the engine: median 0.35 s. Each decoded three tokens, 20 ms then 5 ms and 5 ms after
+    its first: a join of 15 ms. In two 12 s slices (the last request submitted at 12 s), both at the refitted
+    model's speed. With three requests, no
     refit: the profile scaled by 16 / 5.5, and in 1 s slices the first two ran at 10 / (3.5 * 16 / 5.5) = 55 / 56
     of that, the third at 6 / (2 * 16 / 5.5) = 33 / 32."""
     bench = _sim_to_real()
@@ -271,8 +272,9 @@ def test_the_replay_window_refits_the_prefill_and_reads_the_time_off_the_engine(
     cached = (0, 0, 1000, 0)
     assert [prefill_work_s(SLOW_LINK.prefill, len(it[1]), c) for it, c in zip(items, cached)] == \
         pytest.approx([2.0, 1.5, 2.0, 1.25])
-    records = [{"submitted": s, "times": [q + c + off + g for g in (0.0, 0.02, 0.025, 0.03)], "cached_tokens": k,
-                "queue_s": q, "compute_s": c}
+    gaps = (0.0, 0.02, 0.025, 0.03)
+    records = [{"submitted": s, "decided_s": 0.01, "times": [0.01 + q + c + off + g for g in gaps],
+                "cached_tokens": k, "queue_s": q, "compute_s": c}
                for s, q, c, off, k in zip((0.002, 0.001, 1.0, 12.0), (0.0, 1.0, 0.5, 0.0), (6.0, 4.0, 6.0, 3.0),
                                           (0.3, 0.2, 0.4, 0.5), cached)]
     read = bench.replay_window(items, records, SLOW_LINK)
@@ -295,19 +297,23 @@ def test_the_replay_window_refits_the_prefill_and_reads_the_time_off_the_engine(
 
 
 def test_the_simulator_takes_a_burst_in_the_order_it_reached_the_gateway():
-    """Two 1,000-token requests of one burst (both at 0 s in the trace) on one prefill instance; the second reached
-    the gateway 1 ms before the first. Taken in that order, the second is prefilled first (first token 3 s after
-    it arrived, pushed after its 2 s prefill) and the first queues behind it (5 s after 0.002 s); in trace order,
-    the other way round."""
+    """Two 1,000-token requests of one burst (both at 0 s in the trace) on one prefill instance; the first reached
+    the gateway 1 ms before the second but the Conductor decided on the second first (at 1 + 2 ms against 0.5 + 3
+    ms). Taken in the Conductor's order, the second is prefilled first (first token 3 s after it arrived, pushed
+    after its 2 s prefill) and the first queues behind it (5 s after 3.5 ms); in trace order, the other way
+    round."""
     bench = _sim_to_real()
     items = [(0.0, [1] * 1000, 11, (1, 2)), (0.0, [2] * 1000, 11, (3, 4))]
-    records = [{"submitted": 0.002}, {"submitted": 0.001}]
+    records = [{"submitted": 0.0005, "decided_s": 0.003}, {"submitted": 0.001, "decided_s": 0.002}]
+    assert bench.decided_at(items, records) == pytest.approx([0.0035, 0.003])
+    assert bench.decided_at(items, [None, records[1]]) == pytest.approx([0.0, 0.003])  # failed: its trace time
     order, figures = bench.arrival_order(items, records)
     assert order == [1, 0] and figures["arrival_order_moved"] == 2
+    assert figures["arrival_order_moved_from_submissions"] == 2
     overheads = {"prefill_scale": 1.0, "decode_scale": 1.0, "request_overhead_s": 0.0}
     slo = {"ttft_slo_s": 30.0, "tbt_slo_s": 1.0}
-    _, measured = bench.simulated(items, SLOW_LINK, overheads, 1, 1, 1.0, 10**6, slo, arrivals=[0.002, 0.001])
-    assert (measured[0].ttft_s, measured[1].ttft_s) == (pytest.approx(5.0 - 0.001), pytest.approx(3.0))
+    _, measured = bench.simulated(items, SLOW_LINK, overheads, 1, 1, 1.0, 10**6, slo, arrivals=[0.0035, 0.003])
+    assert (measured[0].ttft_s, measured[1].ttft_s) == (pytest.approx(5.0 - 0.0005), pytest.approx(3.0))
     _, traced = bench.simulated(items, SLOW_LINK, overheads, 1, 1, 1.0, 10**6, slo)
     assert (traced[0].ttft_s, traced[1].ttft_s) == (pytest.approx(3.0), pytest.approx(5.0))
 

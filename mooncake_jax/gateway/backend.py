@@ -78,6 +78,7 @@ class Finished:
     # engine and seconds of the engine's prefill compute; the parts of its TTFT that are queue and work
     prefill_queue_s: float = 0.0
     prefill_compute_s: float = 0.0
+    decided_s: float = 0.0  # seconds from the backend's receipt of the request to the Conductor's decision on it
 
 
 class InvalidRequest(ValueError):
