@@ -242,7 +242,8 @@ def decode_in_bursts(runs, costs) -> dict:
 def replay(cluster, items, speed: float) -> list[dict | None]:
     """Every request at its arrival time; for each (None when it failed): ``submitted`` (seconds from the replay's
     start to its submission to the gateway's backend: the thread's actual wake-up, not the trace's time),
-    ``decided_s`` (from submission to the Conductor's decision), ``times`` (its token times, seconds from
+    ``decided_s`` (from submission to the Conductor's decision, as the backend got it), ``decision_seq`` (its
+    place in the Conductor's order of decisions), ``times`` (its token times, seconds from
     submission) and what its prefill instance reported: ``cached_tokens``, ``queue_s`` (waiting for the engine)
     and ``compute_s`` (the engine's prefill)."""
     from mooncake_jax.gateway.backend import Finished, TokenOut
@@ -266,7 +267,8 @@ def replay(cluster, items, speed: float) -> list[dict | None]:
             print(f"request {i} failed: {type(e).__name__}: {e}", file=sys.stderr)
             return
         if times and done is not None:
-            results[i] = {"submitted": submitted, "decided_s": done.decided_s, "times": times,
+            results[i] = {"submitted": submitted, "decided_s": done.decided_s, "decision_seq": done.decision_seq,
+                          "times": times,
                           "cached_tokens": done.cached_tokens, "queue_s": done.prefill_queue_s,
                           "compute_s": done.prefill_compute_s}
 
@@ -339,12 +341,20 @@ def replay_window(items, records, costs, slice_s: float = SLICE_S) -> dict:
 
 def decided_at(items, records) -> list[float]:
     """When the Conductor decided on each replayed request (seconds from the replay's start: its submission plus
-    the time to the decision; a failed request keeps its trace time): the simulator's arrivals, whose Conductor
-    decides at arrival. The order matters within a burst: its requests share one trace time, their client threads
-    wake in the order the OS picks, and each hashes its prompt's blocks before asking (a long prompt longer), so
-    the real Conductor sees them in neither the trace's order nor the submissions' (run ``s5_3``: taken in the
-    submissions' order the simulated TTFT p50 / p90 read 35% / 30% high, in the trace's 7% / 9%)."""
-    return [r["submitted"] + r.get("decided_s", 0.0) if r is not None else it[0] for it, r in zip(items, records)]
+    the time until the backend had the decision; a failed request keeps its trace time), in the order the Conductor
+    made its decisions (``decision_seq``: a time out of that order, its reply slower to reach its client thread, is
+    moved to a nanosecond after the previous decision's): the simulator's arrivals, whose Conductor decides at
+    arrival. Within a burst neither the trace's order nor the submissions' nor the replies' is the Conductor's: the
+    requests share one trace time, their client threads wake in the order the OS picks, each hashes its prompt's
+    blocks before asking, and the replies reach 64 client threads on two loaded cores (run ``s5_5``: by the replies'
+    times the burst at 33 s had its short requests decided before its two long ones, while the real instances ran
+    the long ones at once and queued all the short ones behind one of them)."""
+    at = [r["submitted"] + r.get("decided_s", 0.0) if r is not None else it[0] for it, r in zip(items, records)]
+    ranked = sorted((r["decision_seq"], i) for i, r in enumerate(records) if r is not None and r.get("decision_seq"))
+    previous = -math.inf
+    for _, i in ranked:
+        at[i] = previous = max(at[i], previous + 1e-9)
+    return at
 
 
 def arrival_order(items, records) -> tuple[list[int], dict]:

@@ -307,6 +307,11 @@ def test_the_simulator_takes_a_burst_in_the_order_it_reached_the_gateway():
     records = [{"submitted": 0.0005, "decided_s": 0.003}, {"submitted": 0.001, "decided_s": 0.002}]
     assert bench.decided_at(items, records) == pytest.approx([0.0035, 0.003])
     assert bench.decided_at(items, [None, records[1]]) == pytest.approx([0.0, 0.003])  # failed: its trace time
+    # the Conductor's own order: the first decided first, its reply later to reach its thread (4 ms against 3 ms)
+    ranked = [{"submitted": 0.0005, "decided_s": 0.0035, "decision_seq": 7},
+              {"submitted": 0.001, "decided_s": 0.002, "decision_seq": 8}]
+    assert bench.decided_at(items, ranked) == [pytest.approx(0.004), pytest.approx(0.004 + 1e-9, abs=1e-12)]
+    assert bench.arrival_order(items, ranked)[0] == [0, 1]
     order, figures = bench.arrival_order(items, records)
     assert order == [1, 0] and figures["arrival_order_moved"] == 2
     assert figures["arrival_order_moved_from_submissions"] == 2

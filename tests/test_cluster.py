@@ -66,6 +66,7 @@ def test_prefix_reuse_shows_in_the_metrics(cluster, llm):
     for fin in (fin1, fin2):  # the parts of its TTFT: to the Conductor's decision, queued, computed, in order
         assert fin.decided_s > 0 and fin.prefill_queue_s >= 0 and fin.prefill_compute_s > 0
         assert fin.decided_s + fin.prefill_queue_s + fin.prefill_compute_s < fin.ttft_s
+    assert fin2.decision_seq == fin1.decision_seq + 1  # one after the other: the Conductor's next decision
     assert second == llm.generate([base + [7, 8]], max_new_tokens=4)[0]
     stats = cluster.stats()
     assert stats["cluster_cached_tokens_total"] >= 64

@@ -79,6 +79,7 @@ class Finished:
     prefill_queue_s: float = 0.0
     prefill_compute_s: float = 0.0
     decided_s: float = 0.0  # seconds from the backend's receipt of the request to the Conductor's decision on it
+    decision_seq: int = 0  # that decision's place in the order the Conductor made its decisions (0: none)
 
 
 class InvalidRequest(ValueError):

@@ -192,7 +192,7 @@ class ClusterBackend:
             decision = self._conductor.Schedule(conductor_messages.ScheduleRequest(
                 request_id=request.request_id, block_keys=keys, input_tokens=len(request.prompt),
                 output_tokens=request.max_tokens), timeout=min(self.timeout_s, SCHEDULE_TIMEOUT_S))
-            decided_at = time.perf_counter() - t0
+            decided_at = (time.perf_counter() - t0, decision.decision_seq)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.ALREADY_EXISTS:
                 raise DuplicateRequest(e.details()) from None
@@ -323,10 +323,11 @@ class ClusterBackend:
             pass  # already dropped (NOT_FOUND), or the Conductor is gone too
 
     @staticmethod
-    def _finished(reason, request, count, prefill, times, decided_at: float) -> Finished:
+    def _finished(reason, request, count, prefill, times, decided_at: tuple[float, int]) -> Finished:
         return Finished(reason=reason, prompt_tokens=len(request.prompt), output_tokens=count,
                         cached_tokens=prefill.cached_tokens, ttft_s=times[0], tbt_s=paper_tbt(times),
-                        prefill_queue_s=prefill.queue_s, prefill_compute_s=prefill.prefill_s, decided_s=decided_at)
+                        prefill_queue_s=prefill.queue_s, prefill_compute_s=prefill.prefill_s,
+                        decided_s=decided_at[0], decision_seq=decided_at[1])
 
     def close(self) -> None:
         for channel in list(self._channels.values()):
