@@ -21,10 +21,10 @@
    from the replay's token gaps), so the machine's drift between a probe and the
    replay does not set the comparison's scale; the probe's readings are kept beside them (``*_probe``).
 5. Simulate the same slice (same prompts' lengths and block ids, same instance counts, policy and cache size) on
-   the profile scaled by those readings, plus the pairs' decode join time, with the real instances' accounting
+   the profile refitted and scaled by those readings, with the real instances' accounting
    (``REAL_INSTANCES``: KV pushed after the prefill, first token released after the push), its requests arriving
-   when and in the order they reached the gateway (a burst's client threads wake in the order the OS picks, not
-   the trace's; ``*_window_trace_order`` keeps the trace's order).
+   when the real Conductor decided on them, in its order (``decided_at``: a burst's order there is not the
+   trace's; ``*_window_trace_order`` keeps the trace's order).
 6. Report TTFT and TBT p50 / p90 of both side by side with their relative errors (goal <= 25%).
 
     python benchmarks/sim_to_real.py --json /tmp/sim_to_real.json
