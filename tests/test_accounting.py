@@ -234,3 +234,115 @@ def test_the_probe_reads_scale_delivery_slowdown_and_stall_from_classed_gaps():
     assert read["decode_step_spread"] == pytest.approx([1.0] * 20)  # every steady gap exactly its regime's
     # joins one at a time: A's 10 ms, B's 7.6 ms from its KV (204.9 ms); their median less the median gap (3 ms)
     assert read["decode_join_s_bursts"] == pytest.approx(8.8 * ms - 3 * ms)
+
+
+def test_off_engine_time_delays_the_first_token_but_holds_no_instance():
+    """Two 1,000-token requests at 0 s on one prefill instance (2 s of compute each), pushed after the prefill (1 s
+    each over the link). Each spends 0.5 s off the engine (RPCs, staging, store): A is released at 2.5 s and its
+    first token is at 3.5 s; B computes from 2 s (the engine is free), is released at 4.5 s, its push waits for
+    nothing (the link is free from 3.5 s): first token at 5.5 s. The same 0.5 s held on the engine
+    (``request_overhead_s``) delays B's start to 2.5 s: its first token at 6 s."""
+    two = Trace([TraceRequest(0.0, 1000, 11, (1, 2)), TraceRequest(0.0, 1000, 11, (3, 4))])
+    a, b = simulate(two, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                    prefill_off_engine_s=0.5).requests
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(3.5), pytest.approx(5.5))
+    assert b.prefill_start == pytest.approx(2.0)
+    held_a, held_b = simulate(two, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                              request_overhead_s=0.5).requests
+    assert (held_a.ttft_s, held_b.ttft_s) == (pytest.approx(3.5), pytest.approx(6.0))
+    one = simulate(Trace([TraceRequest(0.0, 1000, 1, (1, 2))]), prefill=1, decode=1, hardware=SLOW_LINK,
+                   release_timing=LAYERWISE, prefill_off_engine_s=0.5).requests[0]
+    assert one.ttft_s == pytest.approx(2.5)  # no decode: released after its compute and its time off the engine
+    with pytest.raises(ValueError, match="prefill_off_engine_s"):
+        SimConfig(prefill_off_engine_s=-0.1)
+
+
+def test_the_replay_window_refits_the_prefill_and_reads_the_time_off_the_engine():
+    """Replayed requests whose instances reported, by hand: the profile predicts 1 s + 1 ms per computed token; the
+    engine took 2 s + 4 ms per computed token (1,000 tokens none cached: 6 s; 500: 4 s; 2,000 with 1,000 cached:
+    6 s; 250: 3 s), so the refitted model is (2, 0.004, 0, 0) and predicts those exactly, and the ratio of the
+    sums is 19 / 6.75. Their TTFTs hold 10 ms to the Conductor's decision, queues of 0, 1, 0.5 and 0 s and 0.3,
+    0.2, 0.4 and 0.5 s off the engine: median 0.35 s. Each decoded three tokens, 20 ms then 5 ms and 5 ms after
+    its first: a join of 15 ms. In two 12 s slices (the last request submitted at 12 s), both at the refitted
+    model's speed. With three requests, no
+    refit: the profile scaled by 16 / 5.5, and in 1 s slices the first two ran at 10 / (3.5 * 16 / 5.5) = 55 / 56
+    of that, the third at 6 / (2 * 16 / 5.5) = 33 / 32."""
+    bench = _sim_to_real()
+    items = [(0.0, [1] * 1000, 1, ()), (0.0, [1] * 500, 1, ()), (1.0, [1] * 2000, 1, ()), (12.0, [1] * 250, 1, ())]
+    cached = (0, 0, 1000, 0)
+    assert [prefill_work_s(SLOW_LINK.prefill, len(it[1]), c) for it, c in zip(items, cached)] == \
+        pytest.approx([2.0, 1.5, 2.0, 1.25])
+    gaps = (0.0, 0.02, 0.025, 0.03)
+    records = [{"submitted": s, "decided_s": 0.01, "times": [0.01 + q + c + off + g for g in gaps],
+                "cached_tokens": k, "queue_s": q, "compute_s": c}
+               for s, q, c, off, k in zip((0.002, 0.001, 1.0, 12.0), (0.0, 1.0, 0.5, 0.0), (6.0, 4.0, 6.0, 3.0),
+                                          (0.3, 0.2, 0.4, 0.5), cached)]
+    read = bench.replay_window(items, records, SLOW_LINK)
+    assert read["prefill_coef"] == pytest.approx([2.0, 0.004, 0.0, 0.0], abs=1e-9)
+    assert read["prefill_scale"] == pytest.approx(19 / 6.75)
+    assert read["prefill_off_engine_s"] == pytest.approx(0.35)
+    assert read["prefill_queue_s_p50"] == pytest.approx(0.25)
+    assert read["decode_join_s"] == pytest.approx(0.015)
+    assert read["prefill_slowdown_steps"] == [(0.0, pytest.approx(1.0)), (12.0, pytest.approx(1.0))]
+    profiled = bench.profiled_costs(SLOW_LINK, {**read, "decode_scale": 1.0})
+    assert prefill_work_s(profiled.prefill, 2000, 1000) == pytest.approx(6.0)
+    three = bench.replay_window(items[:3], records[:3], SLOW_LINK)
+    assert "prefill_coef" not in three and three["prefill_scale"] == pytest.approx(16 / 5.5)
+    assert bench.profiled_costs(SLOW_LINK, {**three, "decode_scale": 1.0}).prefill.coef == \
+        pytest.approx([c * 16 / 5.5 for c in SLOW_LINK.prefill.coef])
+    assert bench.replay_window(items[:3], records[:3], SLOW_LINK, slice_s=1.0)["prefill_slowdown_steps"] == \
+        [(0.0, pytest.approx(55 / 56)), (1.0, pytest.approx(33 / 32))]
+    with pytest.raises(ValueError, match="at least 2"):
+        bench.replay_window(items, [records[0], None, None, None], SLOW_LINK)
+
+
+def test_the_simulator_takes_a_burst_in_the_order_it_reached_the_gateway():
+    """Two 1,000-token requests of one burst (both at 0 s in the trace) on one prefill instance; the first reached
+    the gateway 1 ms before the second but the Conductor decided on the second first (at 1 + 2 ms against 0.5 + 3
+    ms). Taken in the Conductor's order, the second is prefilled first (first token 3 s after it arrived, pushed
+    after its 2 s prefill) and the first queues behind it (5 s after 3.5 ms); in trace order, the other way
+    round."""
+    bench = _sim_to_real()
+    items = [(0.0, [1] * 1000, 11, (1, 2)), (0.0, [2] * 1000, 11, (3, 4))]
+    records = [{"submitted": 0.0005, "decided_s": 0.003}, {"submitted": 0.001, "decided_s": 0.002}]
+    assert bench.decided_at(items, records) == pytest.approx([0.0035, 0.003])
+    assert bench.decided_at(items, [None, records[1]]) == pytest.approx([0.0, 0.003])  # failed: its trace time
+    # the Conductor's own order: the first decided first, its reply later to reach its thread (4 ms against 3 ms)
+    ranked = [{"submitted": 0.0005, "decided_s": 0.0035, "decision_seq": 7},
+              {"submitted": 0.001, "decided_s": 0.002, "decision_seq": 8}]
+    assert bench.decided_at(items, ranked) == [pytest.approx(0.004), pytest.approx(0.004 + 1e-9, abs=1e-12)]
+    assert bench.arrival_order(items, ranked)[0] == [0, 1]
+    order, figures = bench.arrival_order(items, records)
+    assert order == [1, 0] and figures["arrival_order_moved"] == 2
+    assert figures["arrival_order_moved_from_submissions"] == 2
+    overheads = {"prefill_scale": 1.0, "decode_scale": 1.0, "request_overhead_s": 0.0}
+    slo = {"ttft_slo_s": 30.0, "tbt_slo_s": 1.0}
+    _, measured = bench.simulated(items, SLOW_LINK, overheads, 1, 1, 1.0, 10**6, slo, arrivals=[0.0035, 0.003])
+    assert (measured[0].ttft_s, measured[1].ttft_s) == (pytest.approx(5.0 - 0.0005), pytest.approx(3.0))
+    _, traced = bench.simulated(items, SLOW_LINK, overheads, 1, 1, 1.0, 10**6, slo)
+    assert (traced[0].ttft_s, traced[1].ttft_s) == (pytest.approx(3.0), pytest.approx(5.0))
+
+
+def test_a_push_after_the_prefill_takes_the_link_when_the_prefill_ends():
+    """A (3,000 tokens: 4 s of prefill, its KV 3 s on the link) starts at 0 s on one instance; B (500 tokens: 1.5 s,
+    0.5 s of KV) arrives at 0.1 s and goes to the other. Pushed after the prefill, B's KV takes the decode
+    instance's link at 1.6 s, first token at 2.1 s (2.0 s after it arrived); A's from 4 s, first token at 7 s. (A
+    push booked when its prefill starts would hold the link for 4-7 s and put B's first token at 7.5 s.)"""
+    two = Trace([TraceRequest(0.0, 3000, 11, (1, 2)), TraceRequest(0.1, 500, 11, (3,))])
+    a, b = simulate(two, prefill=2, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES).requests
+    assert a.prefill_id != b.prefill_id
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(7.0), pytest.approx(2.0))
+
+
+def test_a_prefill_takes_the_measured_slowdown_of_the_slice_it_starts_in():
+    """A 1,000-token request (2 s of prefill by the model, its KV 1 s on the link) starting at 0 s where the host
+    ran prefills at 1.5x: 3 s, first token at 4 s; another at 10 s, where they ran at 0.5x: 1 s, first token 2 s
+    after it arrived."""
+    two = Trace([TraceRequest(0.0, 1000, 11, (1, 2)), TraceRequest(10.0, 1000, 11, (3, 4))])
+    a, b = simulate(two, prefill=1, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                    prefill_slowdown_steps=((0.0, 1.5), (5.0, 0.5))).requests
+    assert (a.prefill_s, b.prefill_s) == (pytest.approx(3.0), pytest.approx(1.0))
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(4.0), pytest.approx(2.0))
+    for bad in (((1.0, 1.0), (0.5, 2.0)), ((0.0, 0.0),), ((0.0,),)):
+        with pytest.raises(ValueError, match="prefill_slowdown_steps"):
+            SimConfig(prefill_slowdown_steps=bad)

@@ -63,6 +63,10 @@ def test_prefix_reuse_shows_in_the_metrics(cluster, llm):
     first, fin1 = cluster.run(base + [1, 2, 3], max_new_tokens=4)
     second, fin2 = cluster.run(base + [7, 8], max_new_tokens=4)
     assert fin1.cached_tokens == 0 and fin2.cached_tokens == 64  # four 16-token blocks reused
+    for fin in (fin1, fin2):  # the parts of its TTFT: to the Conductor's decision, queued, computed, in order
+        assert fin.decided_s > 0 and fin.prefill_queue_s >= 0 and fin.prefill_compute_s > 0
+        assert fin.decided_s + fin.prefill_queue_s + fin.prefill_compute_s < fin.ttft_s
+    assert fin2.decision_seq == fin1.decision_seq + 1  # one after the other: the Conductor's next decision
     assert second == llm.generate([base + [7, 8]], max_new_tokens=4)[0]
     stats = cluster.stats()
     assert stats["cluster_cached_tokens_total"] >= 64

@@ -94,6 +94,7 @@ def test_two_instances_schedule_by_prefix_and_dead_one_is_excluded(conductor):
     assert server.service.sweep() == ["p1"]
     third = schedule(stub, "r3")
     assert third.prefill_id == "p2" and third.prefix_blocks == 0  # p1's blocks are purged with it
+    assert [r.decision_seq for r in (first, second, third)] == [1, 2, 3]  # the Conductor's order of decisions
     code, details = code_of(lambda: stub.Heartbeat(messages.HeartbeatRequest(instance_id="p1")))
     assert code == grpc.StatusCode.NOT_FOUND and "register" in details
     listed = stub.ListInstances(messages.ListInstancesRequest())

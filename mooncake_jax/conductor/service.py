@@ -82,6 +82,7 @@ class ConductorService(services.ConductorServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.lock = threading.Lock()
+        self.decisions = 0  # decisions made so far: each reply carries its place in their order (decision_seq)
         self.kv_layout: KVLayout | None = None  # the first registered instance's: every other must exchange KV
         self.prefill_kv_layout: KVLayout | None = None  # the first prefill instance's: the others share its blocks
         self.adopt_block_size = config is None or adopt_block_size
@@ -219,7 +220,10 @@ class ConductorService(services.ConductorServicer):
         req = Request(request.request_id, request.block_keys, request.input_tokens, request.output_tokens)
         with self.lock:
             decision = self.state.schedule(self.policy, req, self.clock())
-            return self._reply(decision)
+            self.decisions += 1
+            reply = self._reply(decision)
+            reply.decision_seq = self.decisions
+            return reply
 
     def _reply(self, decision: Decision):
         table = self.state.instances

@@ -74,6 +74,12 @@ class Finished:
     cached_tokens: int  # prompt tokens whose KV was reused instead of computed
     ttft_s: float
     tbt_s: float  # the paper's TBT: mean of the longest 10% of the request's token gaps (0 with < 2 tokens)
+    # what its prefill instance reported (0 where no prefill instance served it): seconds it waited for the
+    # engine and seconds of the engine's prefill compute; the parts of its TTFT that are queue and work
+    prefill_queue_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    decided_s: float = 0.0  # seconds from the backend's receipt of the request to the Conductor's decision on it
+    decision_seq: int = 0  # that decision's place in the order the Conductor made its decisions (0: none)
 
 
 class InvalidRequest(ValueError):

@@ -192,6 +192,7 @@ class ClusterBackend:
             decision = self._conductor.Schedule(conductor_messages.ScheduleRequest(
                 request_id=request.request_id, block_keys=keys, input_tokens=len(request.prompt),
                 output_tokens=request.max_tokens), timeout=min(self.timeout_s, SCHEDULE_TIMEOUT_S))
+            decided_at = (time.perf_counter() - t0, decision.decision_seq)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.ALREADY_EXISTS:
                 raise DuplicateRequest(e.details()) from None
@@ -231,7 +232,8 @@ class ClusterBackend:
             self._report_dropped(request.request_id)  # no decode: the Conductor's ledger lets it go
             self._count(ttft_seconds=first_at, **ttft_parts)
             yield first_out
-            yield self._finished("stop" if params.max_new_tokens > 1 else "length", request, 1, prefill, times)
+            yield self._finished("stop" if params.max_new_tokens > 1 else "length", request, 1, prefill, times,
+                                 decided_at)
             return
         stream = self.instance_stub(decision.decode_address).Decode(instance_messages.DecodeRequest(
             request_id=request.request_id, prompt=request.prompt, sampling=sampling,
@@ -273,7 +275,7 @@ class ClusterBackend:
                         self._count(failed=1)
                         failure = failure.error
                     raise failure from None
-            yield self._finished(reason, request, count, prefill, times)
+            yield self._finished(reason, request, count, prefill, times, decided_at)
         finally:
             stream.cancel()
             if watcher is not None:
@@ -321,9 +323,11 @@ class ClusterBackend:
             pass  # already dropped (NOT_FOUND), or the Conductor is gone too
 
     @staticmethod
-    def _finished(reason, request, count, prefill, times) -> Finished:
+    def _finished(reason, request, count, prefill, times, decided_at: tuple[float, int]) -> Finished:
         return Finished(reason=reason, prompt_tokens=len(request.prompt), output_tokens=count,
-                        cached_tokens=prefill.cached_tokens, ttft_s=times[0], tbt_s=paper_tbt(times))
+                        cached_tokens=prefill.cached_tokens, ttft_s=times[0], tbt_s=paper_tbt(times),
+                        prefill_queue_s=prefill.queue_s, prefill_compute_s=prefill.prefill_s,
+                        decided_s=decided_at[0], decision_seq=decided_at[1])
 
     def close(self) -> None:
         for channel in list(self._channels.values()):

@@ -51,6 +51,14 @@ class SimConfig:
     decode RPC, staging the KV from its pool, loading it into pages: measured on a real cluster as the first token
     gap's excess over a steady one, 0 for datasheet studies), of which ``decode_join_stall_s`` runs on the instance's engine loop
     and stalls the requests already decoding (loading the KV into pages; at most ``decode_join_s``).
+    ``prefill_off_engine_s``: the part of a prefilled request's path to its first token spent off its prefill
+    instance's engine (the RPCs to the Conductor and to the instance, staging its prefix from the pool, storing
+    and pushing its KV, the reply: measured on a real cluster as TTFT less the instance's reported queue and
+    compute): it delays the request's first token and its KV's push but holds no instance (on a real instance those
+    run on other threads while the engine computes the next request; ``request_overhead_s`` holds the engine).
+    ``prefill_slowdown_steps``: ``(from_s, factor)`` pairs, ``from_s`` increasing: a prefill that starts at or after
+    ``from_s`` (and before the next step) takes ``factor`` times its cost model's time (a shared host's speed as
+    measured over slices of a replay; empty: 1). The Conductor's predictions keep the cost model's.
     ``shared_host_decode_slowdown``: the instances share one host's cores (a local cluster): while any prefill
     instance computes, decode steps take this factor times the cost model's time (1: separate machines).
     ``decode_step_spread``: measured factors (any scale; normalized to mean 1) of a decode token gap over the mean
@@ -82,6 +90,8 @@ class SimConfig:
     sample_interval_s: float = 10.0
     release_timing: ReleaseTiming = LAYERWISE
     request_overhead_s: float = 0.0
+    prefill_off_engine_s: float = 0.0
+    prefill_slowdown_steps: tuple[tuple[float, float], ...] = ()
     decode_join_s: float = 0.0
     decode_join_stall_s: float = 0.0
     shared_host_decode_slowdown: float = 1.0
@@ -117,6 +127,13 @@ class SimConfig:
             raise ValueError(f"release_timing must be a ReleaseTiming, got {self.release_timing!r}")
         if not (math.isfinite(self.request_overhead_s) and self.request_overhead_s >= 0):
             raise ValueError(f"request_overhead_s must be a non-negative number, got {self.request_overhead_s!r}")
+        if not (math.isfinite(self.prefill_off_engine_s) and self.prefill_off_engine_s >= 0):
+            raise ValueError(f"prefill_off_engine_s must be a non-negative number, got {self.prefill_off_engine_s!r}")
+        steps = self.prefill_slowdown_steps
+        if not all(len(step) == 2 and math.isfinite(step[0]) and math.isfinite(step[1]) and step[1] > 0
+                   for step in steps) or any(a[0] >= b[0] for a, b in zip(steps, steps[1:])):
+            raise ValueError(f"prefill_slowdown_steps must be (from_s, factor > 0) pairs with from_s increasing, "
+                             f"got {steps!r}")
         if not (math.isfinite(self.decode_join_s) and self.decode_join_s >= 0):
             raise ValueError(f"decode_join_s must be a non-negative number, got {self.decode_join_s!r}")
         if not (math.isfinite(self.decode_join_stall_s) and 0 <= self.decode_join_stall_s <= self.decode_join_s):

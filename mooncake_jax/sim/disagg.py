@@ -164,7 +164,7 @@ class DisaggregatedSim(ClusterSim):
             prefix = cache.prefix(keys)
         cache.touch(keys[:prefix])
         reused = reused_tokens(n, prefix * self.block)
-        compute = prefill_work_s(p.costs.prefill, n, reused)
+        compute = prefill_work_s(p.costs.prefill, n, reused) * self._prefill_slowdown(now)
         duration = compute + self.config.request_overhead_s
         if self.global_cache and reused:  # the pool is spread over all nodes: load it over the NIC, layer-wise
             duration = max(compute, reused * p.costs.kv_bytes_per_token / p.costs.nic_bytes_per_s)
@@ -172,19 +172,41 @@ class DisaggregatedSim(ClusterSim):
         req.prefix_blocks, req.prefix_tokens = prefix, min(prefix * self.block, n)
         p.running, p.busy_until = req, now + duration
         timing = self.config.release_timing
-        req.kv_ready_at = p.busy_until
-        if req.output_tokens > 1:
-            d = self.by_id[req.decode_id]
-            stream_end = self._send(p, d, timing.push_start(now, p.busy_until), n * p.costs.kv_bytes_per_token)
-            req.kv_ready_at = max(p.busy_until, stream_end)
+        released = p.busy_until + self.config.prefill_off_engine_s  # its path off the engine (RPCs, staging, store)
+        req.kv_ready_at = released
+        if req.output_tokens > 1 and timing.push_start(now, released) <= now:  # streamed from now on
+            self._push(p, req, now)
         self.state.heartbeat(p.id, now, queued_s=duration + p.queued_s,
                              send_backlog_s=max(p.out_free - now, 0.0))
         self.events.at(p.busy_until, self._prefill_end, p, req)
         self._host_load_changed()
 
+    def _prefill_slowdown(self, now: float) -> float:
+        """The measured factor on the cost model's prefill time for a prefill starting ``now``
+        (``SimConfig.prefill_slowdown_steps``)."""
+        factor = 1.0
+        for from_s, step_factor in self.config.prefill_slowdown_steps:
+            if from_s > now:
+                break
+            factor = step_factor
+        return factor
+
+    def _push(self, p: PrefillNode, req: SimRequest, ready: float) -> None:
+        """Book the request's KV on the links to its decode instance from ``ready`` on (links are FIFOs in booking
+        order, so a push is booked when it may start: at the prefill's start when streamed layer by layer, at its
+        end when pushed after it; booked at a long prefill's start, a push after it would hold the decode
+        instance's link against every shorter prefill that ends first)."""
+        stream_end = self._send(p, self.by_id[req.decode_id], ready, req.input_tokens * p.costs.kv_bytes_per_token)
+        req.kv_ready_at = max(req.kv_ready_at, stream_end)
+
     def _prefill_end(self, p: PrefillNode, req: SimRequest) -> None:
         now = self.events.now
-        req.first_token_at = self.config.release_timing.first_token_at(now, req.kv_ready_at)
+        released = now + self.config.prefill_off_engine_s
+        push_at = self.config.release_timing.push_start(req.prefill_start, released)
+        if req.output_tokens > 1 and push_at > req.prefill_start:  # pushed after the prefill: booked now
+            self._push(p, req, push_at)
+        req.first_token_at = self.config.release_timing.first_token_at(now + self.config.prefill_off_engine_s,
+                                                                       req.kv_ready_at)
         req.staged = frozenset()
         p.running = None
         evicted = p.cache.insert(req.keys)
