@@ -339,9 +339,10 @@ def replay_window(items, records, costs, slice_s: float = SLICE_S) -> dict:
             **decode_in_bursts(runs, costs)}
 
 
-def decided_at(items, records) -> list[float]:
+def decided_at(items, records, speed: float = 1.0) -> list[float]:
     """When the Conductor decided on each replayed request (seconds from the replay's start: its submission plus
-    the time until the backend had the decision; a failed request keeps its trace time), in the order the Conductor
+    the time until the backend had the decision; a failed request keeps its time in the replay, trace time over
+    ``speed``), in the order the Conductor
     made its decisions (``decision_seq``: a time out of that order, its reply slower to reach its client thread, is
     moved to a nanosecond after the previous decision's): the simulator's arrivals, whose Conductor decides at
     arrival. Within a burst neither the trace's order nor the submissions' nor the replies' is the Conductor's: the
@@ -349,7 +350,7 @@ def decided_at(items, records) -> list[float]:
     blocks before asking, and the replies reach 64 client threads on two loaded cores (run ``s5_5``: by the replies'
     times the burst at 33 s had its short requests decided before its two long ones, while the real instances ran
     the long ones at once and queued all the short ones behind one of them)."""
-    at = [r["submitted"] + r.get("decided_s", 0.0) if r is not None else it[0] for it, r in zip(items, records)]
+    at = [r["submitted"] + r.get("decided_s", 0.0) if r is not None else it[0] / speed for it, r in zip(items, records)]
     ranked = sorted((r["decision_seq"], i) for i, r in enumerate(records) if r is not None and r.get("decision_seq"))
     previous = -math.inf
     for _, i in ranked:
@@ -357,13 +358,14 @@ def decided_at(items, records) -> list[float]:
     return at
 
 
-def arrival_order(items, records) -> tuple[list[int], dict]:
+def arrival_order(items, records, speed: float = 1.0) -> tuple[list[int], dict]:
     """The order of the Conductor's decisions (``decided_at``) and how it differs from the trace's and from the
     submissions'."""
-    at = decided_at(items, records)
+    at = decided_at(items, records, speed)
     order = sorted(range(len(items)), key=lambda i: (at[i], i))
-    submitted = sorted(range(len(items)), key=lambda i: (records[i]["submitted"] if records[i] else items[i][0], i))
-    late = [r["submitted"] - it[0] for it, r in zip(items, records) if r is not None]
+    submitted = sorted(range(len(items)),
+                       key=lambda i: (records[i]["submitted"] if records[i] else items[i][0] / speed, i))
+    late = [r["submitted"] - it[0] / speed for it, r in zip(items, records) if r is not None]
     decided = [r.get("decided_s", 0.0) for r in records if r is not None]
     return order, {"arrival_order_moved": sum(int(i != k) for k, i in enumerate(order)),
                    "arrival_order_moved_from_submissions": sum(int(i != k) for i, k in zip(order, submitted)),
@@ -467,8 +469,8 @@ def main() -> None:
     window = replay_window(items, real, costs)
     window.setdefault("decode_join_s", overheads["decode_join_s"])  # the pairs' where no request decoded 3 tokens
     window["decode_join_stall_s"] = min(window.get("decode_join_stall_s", 0.0), window["decode_join_s"])
-    order, order_figures = arrival_order(items, real)
-    arrivals = decided_at(items, real)
+    order, order_figures = arrival_order(items, real, args.speed)
+    arrivals = decided_at(items, real, args.speed)
     done = [i for i, r in enumerate(real) if r is not None]
     decoding = [i for i in done if len(real[i]["times"]) > 1]
     real_figures = {"ttft": percentiles([real[i]["times"][0] for i in done]),

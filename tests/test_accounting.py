@@ -307,6 +307,9 @@ def test_the_simulator_takes_a_burst_in_the_order_it_reached_the_gateway():
     records = [{"submitted": 0.0005, "decided_s": 0.003}, {"submitted": 0.001, "decided_s": 0.002}]
     assert bench.decided_at(items, records) == pytest.approx([0.0035, 0.003])
     assert bench.decided_at(items, [None, records[1]]) == pytest.approx([0.0, 0.003])  # failed: its trace time
+    # at speed 2 a failed request arrives at half its trace time (items[0] is at trace time 0: use a later one)
+    later = [(0.01, *items[0][1:]), items[1]]
+    assert bench.decided_at(later, [None, records[1]], speed=2.0)[0] == pytest.approx(0.005)
     # the Conductor's own order: the first decided first, its reply later to reach its thread (4 ms against 3 ms)
     ranked = [{"submitted": 0.0005, "decided_s": 0.0035, "decision_seq": 7},
               {"submitted": 0.001, "decided_s": 0.002, "decision_seq": 8}]

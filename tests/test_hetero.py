@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import mooncake_jax as mj
-from mooncake_jax.conductor.profile import build_profile
 from mooncake_jax.instance.cluster_spec import check_cluster, file_configs, role_configs
 from mooncake_jax.instance.config import InstanceConfig
 from mooncake_jax.instance.main import parse_args
@@ -16,11 +15,8 @@ from mooncake_jax.model.sequence import SamplingParams
 from mooncake_jax.transfer.offload import request_keys
 from mooncake_jax.transfer.relayout import convert
 from reference_model import random_prompts
+from tiny_profile import PROFILE
 
-PROFILE = json.dumps(build_profile(
-    "tiny@test", "tiny", [(16, 0, 0.01), (64, 0, 0.012), (256, 0, 0.02), (256, 128, 0.015), (512, 0, 0.04)],
-    [(1, 64, 0.003), (4, 256, 0.004), (16, 2048, 0.008)], kv_bytes_per_token=16384, nic_bytes_per_s=5e8,
-    kv_capacity_tokens=100000))
 FAST = dict(warmup=False, compile_cache=None, profile_json=PROFILE)
 TOL = 2e-2  # bfloat16 KV against float32: relative error of the logits
 

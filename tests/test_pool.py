@@ -431,6 +431,32 @@ def test_failed_write_is_an_error_and_leaves_no_trace(tmp_path, monkeypatch):
     assert sorted(BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path).keys()) == [1, 2, 3]
 
 
+def test_a_failed_data_write_abandons_the_open_shard(tmp_path, monkeypatch):
+    """A disk error writing the open shard's file (ENOSPC, EIO) fails that call's blocks; the shard is not kept
+    open with the error in it, so the next call's blocks go to a fresh shard file and are stored."""
+    from mooncake_jax.transfer import shard_writer
+
+    pool = BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path)
+    pool.put_many([1], [block_of(1)])  # the open shard, kept open across calls
+    write_all, calls = shard_writer._write_all, []
+
+    def failing(fd, buffers, offset):
+        if not calls:
+            calls.append(fd)
+            raise OSError(28, "No space left on device")
+        return write_all(fd, buffers, offset)
+
+    monkeypatch.setattr(shard_writer, "_write_all", failing)
+    monkeypatch.setattr(shard_writer, "PIECE_BYTES", 1)  # each block handed to the writer as it is appended
+    with pytest.raises(OSError, match="No space left"):
+        pool.put_many([2, 3], [block_of(2), block_of(3)])
+    assert 2 not in pool and 3 not in pool
+    pool.put_many([4, 5], [block_of(4), block_of(5)])  # once the disk has room again
+    assert same_bits(pool.get(4), block_of(4)) and same_bits(pool.get(5), block_of(5))
+    pool.close()
+    assert {4, 5} <= set(BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path).keys())
+
+
 def test_closed_pool_refuses_reads_and_writes(tmp_path):
     pool = BlockPool(SPEC, ssd_path=tmp_path)
     pool.put(1, block_of(1))

@@ -18,7 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import mooncake_jax as mj
+from mooncake_jax.instance.serve import _profile_json
 from mooncake_jax.proto import load
+from tiny_profile import PROFILE
 
 gateway_messages, gateway_services = load("gateway")
 SERVED_AS = "tiny-served"  # --served-model-name: the id in /v1/models, which requests must name
@@ -33,9 +35,12 @@ def children_of(pid: int) -> set[int]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
+    profile = log.parent / "profile.json"  # given, so the instances skip measuring their engine at start
+    profile.write_text(PROFILE)
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "mooncake_jax.cli", "serve", "--model", "tiny", "--prefill",
                                  "1", "--decode", "1", "--no-warmup", "--compile-cache", "none",
+                                 "--profile-file", str(profile),
                                  "--drain-grace-s", "3", "--log-dir", str(log.parent / "instances"),
                                  "--served-model-name", SERVED_AS],
                                 stdout=subprocess.PIPE, stderr=err, text=True)
@@ -172,3 +177,14 @@ def test_sigterm_drains_and_stops_everything(served):
         except ChildProcessError:
             pass
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_a_bad_profile_file_is_refused_by_name(tmp_path):
+    assert _profile_json(None) is None
+    with pytest.raises(ValueError, match="--profile-file .*missing.json"):
+        _profile_json(tmp_path / "missing.json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        _profile_json(tmp_path / "list.json")
+    (tmp_path / "p.json").write_text(PROFILE)
+    assert _profile_json(tmp_path / "p.json") == PROFILE

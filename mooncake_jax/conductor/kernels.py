@@ -21,6 +21,7 @@ Without numba (an optional dependency: ``pip install mooncake-jax[fast]``), ``de
 from __future__ import annotations
 
 import functools
+import logging
 
 import numpy as np
 
@@ -131,11 +132,10 @@ def prefill_slot():
     numba = _numba()
     if numba is None:
         return None
-    kernel = numba.njit(cache=True)(_prefill_slot)
     groups = np.arange(2)
     groups.flags.writeable = False  # (as index.slot_groups hands them out)
-    kernel(np.ones((1, 7)), np.ones((7, 2)), np.zeros(2), np.zeros(2), np.zeros(2), 0.0, groups, False)
-    return kernel
+    return _compiled(numba, _prefill_slot, np.ones((1, 7)), np.ones((7, 2)), np.zeros(2), np.zeros(2), np.zeros(2),
+                     0.0, groups, False)
 
 
 @functools.cache
@@ -146,10 +146,22 @@ def decode_choice():
     numba = _numba()
     if numba is None:
         return None
-    kernel = numba.njit(cache=True)(_decode_choice)
     one, ones = np.zeros(1), np.ones(2)
-    kernel(one, np.zeros(1, np.bool_), np.zeros(1, np.int64), one, one, ones, 0.0, 1.0, False, False, True, 1.0,
-           ones, ones, ones, ones, ones, np.ones(2, np.bool_), ones, 1.0)
+    return _compiled(numba, _decode_choice, one, np.zeros(1, np.bool_), np.zeros(1, np.int64), one, one, ones, 0.0,
+                     1.0, False, False, True, 1.0, ones, ones, ones, ones, ones, np.ones(2, np.bool_), ones, 1.0)
+
+
+def _compiled(numba, function, *example):
+    """``function`` compiled by numba and called once on ``example`` arguments, or None (one log line) where numba
+    is installed but cannot compile it (a numba / numpy mismatch, no writable cache directory): the numpy path
+    decides the same, so a broken optional accelerator never stops a Conductor or a simulation."""
+    try:
+        kernel = numba.njit(cache=True)(function)
+        kernel(*example)
+    except Exception as err:  # noqa: BLE001 - any failure of the optional compiler falls back
+        logging.getLogger(__name__).warning("numba could not compile %s (%s); using the numpy path",
+                                            function.__name__, err)
+        return None
     return kernel
 
 

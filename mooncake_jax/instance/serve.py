@@ -8,11 +8,13 @@ SIGINT/SIGTERM, then stops everything (instances are tied to this process and ex
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 log = logging.getLogger("mooncake_jax.serve")
 
@@ -64,6 +66,9 @@ def add_arguments(p) -> None:
                    help="write each instance's log here (default: a new folder per run in the temporary directory)")
     p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start, "
                                                             "and send no warm-up requests through the cluster")
+    p.add_argument("--profile-file", type=Path, default=None,
+                   help="cost profile JSON (from `mooncake-jax profile`) for every instance (default: each distinct "
+                        "engine is measured at start, some seconds per engine)")
     p.add_argument("--compile-cache", default="", help="persistent XLA cache folder ('none' to disable; default: "
                                                           "the user's cache directory)")
 
@@ -135,8 +140,22 @@ def _cluster(args):
                         for w in ("shape", "dtype", "block_size", "cpus")})
     return Cluster.local(args.model, processes=not args.in_process, policy=args.policy, admission=args.admission,
                          ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s, cluster_file=args.cluster_file,
+                         profile_json=_profile_json(args.profile_file),
                          log_dir=args.log_dir, host=args.host, warmup=not args.no_warmup, auth_token=args.auth_token,
                          compile_cache=None if args.compile_cache == "none" else args.compile_cache, **roles)
+
+
+def _profile_json(path: Path | None) -> str | None:
+    """The text of ``--profile-file``, checked to be a JSON object before anything starts."""
+    if path is None:
+        return None
+    try:
+        text = path.read_text()
+        if not isinstance(json.loads(text), dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--profile-file {path}: {e}") from None
+    return text
 
 
 def _coupled(args):

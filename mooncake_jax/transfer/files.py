@@ -15,10 +15,10 @@ straight from the caller's arrays (untouched until ``settle``), or, with ``direc
 aligned pieces (``shard_writer.py``). Through TensorStore (a transaction per shard committed behind the caller) the
 same write cost two copies, its chunk encoder's and the kernel's, where a raw write costs one: 0.2-0.5 of a raw
 write. At every ``settle`` the open shard's index and its heads file (the same layout) are written after the rows
-they list, so each call's blocks are on disk whole when it returns, and the shard stays open for the next call's
+they list, so each call's blocks are whole in the page cache when it returns (no fsync), and the shard stays open for the next call's
 blocks (no new files per call) until it is full or the store closes; a direct-I/O shard is finished per call (its
 last piece is padded). A torn write is caught by the checksum in the head or the CRC32C of a shard's index, as
-fsync is not used (nor was it before). Removing a record of a finished shard rewrites its heads shard through
+fsync is not used (nor was it before); a torn rewrite of the open shard's index costs every record of that shard. Removing a record of a finished shard rewrites its heads shard through
 TensorStore; one of the open shard is zeroed in its heads file at the next ``settle``. Slots are
 never reused: a removed block zeroes its head (a rewrite of the small heads shard, atomic); a shard whose records
 are all gone is deleted; and when dead slots outnumber the live blocks, the live records of the emptiest shards
@@ -188,10 +188,16 @@ class FileStore:
         self._copies: dict[BlockKey, tuple[np.ndarray, ts.Future]] = {}  # data being copied ahead of it
         self.corrupt_at_open = 0
         self.moved_by_compaction = 0  # records moved into fresh shards (``_compact``)
-        self.present = self._scan()
-        self.present += self._migrate_chunk_per_slot()
-        self.present += self._migrate_slot_file()
-        self.present += self._migrate_block_files()
+        try:
+            self.present = self._scan()
+            self.present += self._migrate_chunk_per_slot()
+            self.present += self._migrate_slot_file()
+            self.present += self._migrate_block_files()
+        except BaseException:  # no writer thread or open shard file left behind by a store that did not open
+            if self._image is not None:
+                self._image.abort()
+            self._writer.close()
+            raise
 
     # ---- opening -----------------------------------------------------------------------------------------
 
@@ -415,6 +421,8 @@ class FileStore:
         if keep_open and not keys and not self._heads_changed:  # nothing since the shard was last written
             return
         self._heads_changed = False
+        if keep_open:
+            self._wait_reads()  # the shard's index and heads are rewritten in place: no read may be beside that
         data = image.finish(close=not keep_open)
         heads = self._writer.write_rows(self.root / HEADS_DIR / _shard_key(shard).decode(), self.shard_slots,
                                         self._open_heads[: self._filled[shard]].copy())
@@ -431,6 +439,11 @@ class FileStore:
             for write in writes:
                 write.result()
         except Exception as err:
+            if shard == self._open_shard:  # its file keeps the error: later calls' blocks go to a new shard,
+                image, self._open_shard, self._image = self._image, None, None  # those staged in it fail too
+                keys, self._staged = keys + self._staged, []
+                with contextlib.suppress(Exception):
+                    image.abort().exception()
             for key in keys:
                 if self._slot_of.get(key, -1) // self.shard_slots == shard:
                     self._failed.append((key, err))
@@ -559,6 +572,13 @@ class FileStore:
         copy = as_store(target).write(self._data_array[first : first + len(run)])
         for key, _, out in run:
             self._copies[key] = (out, copy)
+
+    def _wait_reads(self) -> None:
+        """Let the reads started ahead of ``read_into`` land (kept, not dropped): a read beside a rewrite of the
+        open shard's index or heads could see a half-written page, fail its CRC and drop a healthy block."""
+        for future in [f for f, _ in self._heads.values()] + [c for _, c in self._copies.values()]:
+            with contextlib.suppress(Exception):
+                future.result()
 
     def _drop_reads(self) -> None:
         self._heads.clear()

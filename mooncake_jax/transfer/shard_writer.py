@@ -15,9 +15,10 @@ Two ways, chosen per store (``FileStore(direct_io=...)``), measured side by side
   the last piece is padded, then the file is cut to its exact size). A filesystem that refuses ``O_DIRECT``
   (EINVAL) gets the same bytes written buffered, with one log line.
 
-Durability is that of the TensorStore commits before (no fsync; a shard's heads file, written the same way, goes
-after its data file): a torn or missing write fails the checksum in the record's head when read, and a torn index
-fails its CRC32C (a heads shard that fails it drops its records when the tier opens).
+Durability: no fsync, and a shard kept open across calls has its index and heads file rewritten in place as it
+grows (TensorStore replaced a heads file whole). "On disk" when a call returns means in the page cache. A torn or
+missing write fails the checksum in the record's head when read, and a torn index fails its CRC32C: a heads shard
+that fails it drops every record of that shard (up to a whole shard's) when the tier opens.
 """
 
 from __future__ import annotations
@@ -59,8 +60,12 @@ def aligned_buffer(size: int) -> np.ndarray:
 def _takes_direct_io(directory: Path) -> bool:
     """Whether files in ``directory`` open with ``O_DIRECT`` (tmpfs and some others refuse it: EINVAL)."""
     probe = directory / ".direct-io-probe"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | _O_DIRECT, 0o644))
+    try:  # opened and written: some filesystems take the flag at open and refuse the aligned write (EINVAL)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | _O_DIRECT, 0o644)
+        try:
+            os.pwrite(fd, aligned_buffer(ALIGN), 0)
+        finally:
+            os.close(fd)
     except OSError as err:
         if err.errno != errno.EINVAL:
             raise
