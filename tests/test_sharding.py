@@ -23,9 +23,11 @@ def single():
 
 
 @pytest.mark.parametrize("tensor, stages", [
-    # tensor in the default suite; stages with tensor there too, unrolled in test_hetero.py's tensor=2,stage=2
-    # prefill instance and scanned below (the suite's 10-minute budget); this 8-device mesh and wider ones: -m slow
-    (2, 1), pytest.param(1, 2, marks=pytest.mark.slow), pytest.param(4, 2, marks=pytest.mark.slow),
+    # -m slow (the suite's 10-minute budget): tensor and stages stay in the default suite together, scanned below,
+    # layer-wise in test_offload.py's tensor=2,stages=2 case and unrolled in test_hetero.py's tensor=2,stage=2
+    # prefill instance beside a tensor=4 decode instance
+    pytest.param(2, 1, marks=pytest.mark.slow), pytest.param(1, 2, marks=pytest.mark.slow),
+    pytest.param(4, 2, marks=pytest.mark.slow),
     pytest.param(4, 1, marks=pytest.mark.slow), pytest.param(8, 1, marks=pytest.mark.slow),
     pytest.param(1, 4, marks=pytest.mark.slow)])
 def test_sharded_engine_equals_single_device(single, tensor, stages):
