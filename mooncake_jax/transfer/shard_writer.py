@@ -244,8 +244,9 @@ class ShardImage:
 
     def finish(self, close: bool = True) -> Future:
         """Write the rest and the index behind the caller and close the file; the future raises what failed.
-        Buffered, ``close=False`` keeps the shard open for more blocks: what was appended is written, the index
-        last (one page, so a reader never sees it list a chunk not yet written), and written again next time."""
+        Buffered, ``close=False`` keeps the shard open for more blocks: what was appended is written, then the
+        index, written again next time (a shard's first write is its index and blocks in one ``pwritev``, index
+        first; no reader looks at a shard before the settle that waits for it)."""
         index = encode_index(self._slots, self._start, self._chunk_bytes, self._filled)
         errors, end = self._errors, self._start + self._filled * self._chunk_bytes
         if self._direct:
