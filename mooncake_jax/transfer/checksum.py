@@ -16,12 +16,17 @@ import xxhash
 _LOW = (1 << 64) - 1
 
 
+def split_digest(digest: int) -> tuple[int, int]:
+    """A 128-bit XXH3 digest as the ``(high, low)`` 64-bit words the frame header stores."""
+    return digest >> 64, digest & _LOW
+
+
 def checksum(data: memoryview | bytes | np.ndarray) -> tuple[int, int]:
     """The XXH3-128 digest of ``data``'s bytes as ``(high, low)`` 64-bit words (what the frame header stores)."""
     if isinstance(data, np.ndarray):
         data = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
     digest = xxhash.xxh3_128_intdigest(data)
-    return digest >> 64, digest & _LOW
+    return split_digest(digest)
 
 
 COPY_CHUNK_BYTES = 1 << 20
@@ -40,11 +45,11 @@ def copy_with_checksum(dst: np.ndarray, src: np.ndarray) -> tuple[int, int]:
     if n <= COPY_CHUNK_BYTES:  # one chunk: no streaming state to set up
         np.copyto(dst, src)
         digest = xxhash.xxh3_128_intdigest(dst)
-        return digest >> 64, digest & _LOW
+        return split_digest(digest)
     hasher = xxhash.xxh3_128()
     for start in range(0, n, COPY_CHUNK_BYTES):
         chunk = dst[start : start + COPY_CHUNK_BYTES]
         np.copyto(chunk, src[start : start + COPY_CHUNK_BYTES])
         hasher.update(chunk)
     digest = hasher.intdigest()
-    return digest >> 64, digest & _LOW
+    return split_digest(digest)

@@ -52,7 +52,7 @@ import tensorstore as ts
 import xxhash
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.transfer.checksum import checksum
+from mooncake_jax.transfer.checksum import checksum, split_digest
 from mooncake_jax.transfer.frame import (
     DATA_OFFSET,
     PREFIX_BYTES,
@@ -88,7 +88,6 @@ MAX_SHARD_SLOTS = 64
 _SHARD_KEY = re.compile(rb"c\.(\d+)\.0")
 _LEGACY_CHUNK_KEY = re.compile(rb"c/(\d+)/0")
 _KEY_IN_HEAD = slice(PREFIX_BYTES + 16, PREFIX_BYTES + 24)  # the key field of the frame header
-_LOW = (1 << 64) - 1
 _DATA_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "non_atomic"},
                             "file_io_mode": {"mode": "memmap"}})
 _HEADS_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "none"}})
@@ -620,7 +619,7 @@ class FileStore:
         except Exception:  # a shard file of the wrong size, or unreadable: a damaged record
             return b"", (0, 0)
         digest = xxhash.xxh3_128_intdigest(out)
-        return head, (digest >> 64, digest & _LOW)
+        return head, split_digest(digest)
 
     def close(self) -> None:
         try:

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, checksum
+from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, checksum, split_digest
 from mooncake_jax.transfer.shard_file import data_start, encode_index, index_bytes
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,6 @@ woken seldom, small enough that the caller's work on the next piece overlaps the
 PIECES = 4
 """Direct pieces being filled or written at once: the write-behind bound (16 MiB of staging per store)."""
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_LOW = (1 << 64) - 1
 
 
 def aligned_buffer(size: int) -> np.ndarray:
@@ -191,7 +190,7 @@ class ShardImage:
                 self._write_piece()
         self._filled += 1
         digest = hasher.intdigest()
-        return digest >> 64, digest & _LOW
+        return split_digest(digest)
 
     def _append_in_place(self, data: np.ndarray) -> tuple[int, int]:
         """Buffered: hash ``data`` where it lies and hand it to the thread by ``PIECE_BYTES`` (several small blocks
@@ -210,7 +209,7 @@ class ShardImage:
                 if self._chunks_bytes >= PIECE_BYTES:
                     self._write_chunks()
             value = hasher.intdigest()
-            digest = value >> 64, value & _LOW
+            digest = split_digest(value)
         if self._chunks_bytes >= PIECE_BYTES:
             self._write_chunks()
         self._filled += 1
