@@ -27,8 +27,8 @@ Figures (issue 4, Measure):
   the one the Messenger sends, ``message_bytes`` in the JSON: five 16-token blocks joined, one 128-token block):
   ``messenger_ratio`` (goal >= 0.7); a push against a bare stream the other way, the same bytes and message sizes
   sent to the peer by a client-streaming call as a push is (its ProbeUpload RPC): ``messenger_push_ratio``
-  (``messenger_push_download_ratio``: against the download stream, as before). For context, measured alongside too: the same stream read as raw bytes,
-  the way the Messenger reads (``messenger_raw_stream_ratio``), and in pieces of at most 2 MiB, the piece size
+  (``messenger_push_download_ratio``: against the download stream, as before). For context, measured alongside
+  too: the same stream read as raw bytes, the way the Messenger reads (``messenger_raw_stream_ratio``), and in pieces of at most 2 MiB, the piece size
   before blocks travelled whole (``grpc_stream_2mib_gbps``: this machine's loopback moves 1.5 MiB messages faster
   than 3 MiB ones, but sending a block whole saves a copy at each end);
 * the same fetch and push over the device-native data plane (``data_plane="jax"``: records pulled as device

@@ -49,8 +49,8 @@ class SimConfig:
     model (RPCs, scheduling: measured on a real cluster, 0 for datasheet studies); ``decode_join_s`` is the time a
     decode instance takes from a request's KV arriving to the request joining its batch, one request at a time (the
     decode RPC, staging the KV from its pool, loading it into pages: measured on a real cluster as the first token
-    gap's excess over a steady one, 0 for datasheet studies), of which ``decode_join_stall_s`` runs on the instance's engine loop
-    and stalls the requests already decoding (loading the KV into pages; at most ``decode_join_s``).
+    gap's excess over a steady one, 0 for datasheet studies), of which ``decode_join_stall_s`` runs on the instance's
+    engine loop and stalls the requests already decoding (loading the KV into pages; at most ``decode_join_s``).
     ``prefill_off_engine_s``: the part of a prefilled request's path to its first token spent off its prefill
     instance's engine (the RPCs to the Conductor and to the instance, staging its prefix from the pool, storing
     and pushing its KV, the reply: measured on a real cluster as TTFT less the instance's reported queue and

@@ -100,11 +100,11 @@ class ShardWriter:
         self._piece_done: list[Future | None] = [None] * len(self._pieces)
         self._next_piece = 0
 
-    def open(self, path: Path, slots: int, chunk_bytes: int, direct: bool | None = None) -> ShardImage:
-        """Start the shard file ``path`` of ``slots`` slots whose chunks are ``chunk_bytes`` each (``direct``: with
-        ``O_DIRECT``, by default as the writer was made); the file is created on the writer thread (about a
-        millisecond on a busy ext4)."""
-        return ShardImage(self, path, slots, chunk_bytes, self.direct if direct is None else direct and self.direct)
+    def open(self, path: Path, slots: int, chunk_bytes: int) -> ShardImage:
+        """Start the shard file ``path`` of ``slots`` slots whose chunks are ``chunk_bytes`` each (with ``O_DIRECT``
+        where the writer writes so); the file is created on the writer thread (about a millisecond on a busy
+        ext4)."""
+        return ShardImage(self, path, slots, chunk_bytes, self.direct)
 
     def submit(self, job: Callable[[], object]) -> Future:
         return self._thread.submit(job)
@@ -189,8 +189,7 @@ class ShardImage:
             if self._piece_fill == PIECE_BYTES:
                 self._write_piece()
         self._filled += 1
-        digest = hasher.intdigest()
-        return split_digest(digest)
+        return split_digest(hasher.intdigest())
 
     def _append_in_place(self, data: np.ndarray) -> tuple[int, int]:
         """Buffered: hash ``data`` where it lies and hand it to the thread by ``PIECE_BYTES`` (several small blocks
@@ -208,8 +207,7 @@ class ShardImage:
                 self._chunks_bytes += part.size
                 if self._chunks_bytes >= PIECE_BYTES:
                     self._write_chunks()
-            value = hasher.intdigest()
-            digest = split_digest(value)
+            digest = split_digest(hasher.intdigest())
         if self._chunks_bytes >= PIECE_BYTES:
             self._write_chunks()
         self._filled += 1
