@@ -185,8 +185,9 @@ class BlockPool:
     def put_record(self, key: BlockKey, record: bytes | bytearray | memoryview) -> bool:
         """Store a block's record (as received from a peer) after verifying it; False if already held.
 
-        The pool keeps a copy, so the caller may reuse ``record``. A record that fails verification raises
-        ``CorruptBlockError`` (a ValueError) and stores nothing.
+        The pool keeps a copy, so the caller may reuse ``record``; a ``bytes`` record, which no one can change, the
+        DRAM tier may keep as it is instead (``SlotStore.adopt_checked``: no copy). A record that fails verification
+        raises ``CorruptBlockError`` (a ValueError) and stores nothing.
         """
         key = check_key(key)
         if not isinstance(record, (bytes, bytearray, memoryview)):
@@ -205,7 +206,8 @@ class BlockPool:
                 check_digest(key, expected, checksum(data))
                 return False
             # verified while it is copied in: a record that fails leaves nothing behind
-            self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected))
+            whole = record if type(record) is bytes else None  # noqa: E721 (a bytes subclass might be mutable)
+            self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected, whole))
             return True
 
     def remove(self, key: BlockKey) -> bool:
