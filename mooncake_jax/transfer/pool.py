@@ -206,7 +206,7 @@ class BlockPool:
                 check_digest(key, expected, checksum(data))
                 return False
             # verified while it is copied in: a record that fails leaves nothing behind
-            whole = record if type(record) is bytes else None  # noqa: E721 (a bytes subclass might be mutable)
+            whole = record if type(record) is bytes else None  # exactly bytes: a subclass might be mutable
             self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected, whole))
             return True
 
@@ -445,8 +445,8 @@ class BlockPool:
             try:
                 if record is None:
                     raise CorruptBlockError(f"block {key:#018x}: lost from the {tier.name} tier")
-                # copied first (a DRAM record is a view of a slot a later write may reuse), then verified: the
-                # copy is still in cache, so the hash costs less than on the slot
+                # copied first (a DRAM record is a view of a slot a later write may reuse; an adopted one is
+                # immutable bytes, which bytes() returns as it is), then verified: the copy is still in cache
                 record = bytes(record)
                 verify(self.spec, key, record)
             except CorruptBlockError as err:
