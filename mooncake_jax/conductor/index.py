@@ -68,9 +68,11 @@ class BlockIndex:
             elif key in on_ssd:
                 self._clear(on_ssd, key, bit)
 
-    def expect(self, slot: int, keys: Iterable[int], ready_at: float) -> None:
-        """``slot`` will hold those of ``keys`` it lacks from ``ready_at`` on (a request routed there computes or
-        fetches them); those it holds already are left as they are."""
+    def expect(self, slot: int, keys: Sequence[int], ready_at: float, first: int = 0) -> None:
+        """``slot`` will hold those of ``keys[first:]`` it lacks from ``ready_at`` on (a request routed there computes
+        or fetches them); those it holds already are left as they are."""
+        if first:
+            keys = keys[first:]
         bit = 1 << slot
         get = self._holders.get
         # the holder mask says whether the slot has it (as its key set does): one lookup a key; the new masks are

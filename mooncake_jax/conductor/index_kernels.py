@@ -1,0 +1,305 @@
+"""The block index's table operations, compiled with numba where it is installed (``FlatBlockIndex``).
+
+Why: with the decode and prefill choices compiled (``kernels.py``), the dict ``BlockIndex`` was the largest part of a
+decision: recording ~17 expected keys in a 10^6-key dict, the slot's key set and its expected times, and the prefix
+walk's lookups, each a few cache misses through a dict's index, its entries and the key objects. A flat table walked
+by compiled code costs one or two cache lines a key and no Python step per key. (The same table in pure numpy was
+tried and was slower than the dict: ~10 numpy calls of fixed cost per request; docs/benchmarks.md, sixth pass.)
+
+The table is one ``uint64`` array of ``capacity + 1`` rows: column 0 the key, then ``width`` words of the holding
+slots' bit mask, then ``width`` words of the subset holding it on SSD. Open addressing with linear probing from a
+mixed hash of the key; exact (keys compared in full, a hash table and not a filter); an empty row holds
+``EMPTY`` (2^64 - 1) as its key, so the one real key of that value lives in the spare last row, whose mask says
+whether anyone holds it. A row whose mask becomes zero is deleted by backward shifting (no tombstones): a lookup
+stops at the first empty row. ``stats[0]``: distinct keys held; ``counts[slot]``: keys a slot holds.
+
+These functions take and return arrays and integers only; ``compiled()`` gives them compiled, or None (the dict
+index then decides the same).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+
+from mooncake_jax.conductor import kernels
+
+EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
+_ZERO, _ONE = np.uint64(0), np.uint64(1)
+_S6, _S33, _B63 = np.uint64(6), np.uint64(33), np.uint64(63)
+_M1, _M2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
+
+
+def _home(key, capmask):
+    """The row a key's probe starts at: its bits mixed (murmur3's finaliser: trace ids and other near-consecutive
+    keys spread over the table) and cut to the table's size (a power of two)."""
+    h = key ^ (key >> _S33)
+    h = h * _M1
+    h = h ^ (h >> _S33)
+    h = h * _M2
+    h = h ^ (h >> _S33)
+    return np.int64(h & capmask)
+
+
+def _find(table, key):
+    """The row holding ``key``, or -1 (the spare row for the key ``EMPTY``, held or not)."""
+    spare = table.shape[0] - 1
+    if key == EMPTY:
+        return spare
+    capmask = np.uint64(spare - 1)
+    i = _home(key, capmask)
+    while True:
+        k = table[i, 0]
+        if k == key:
+            return i
+        if k == EMPTY:
+            return -1
+        i = (i + 1) & (spare - 1)
+
+
+def _find_or_add(table, key, stats):
+    """The row holding ``key``, added (zero masks) where it is absent; counts a new key in ``stats[0]`` (the spare
+    row: counted when its first holder is set, by the caller)."""
+    spare = table.shape[0] - 1
+    if key == EMPTY:
+        return spare
+    capmask = np.uint64(spare - 1)
+    i = _home(key, capmask)
+    while True:
+        k = table[i, 0]
+        if k == key:
+            return i
+        if k == EMPTY:
+            table[i, 0] = key
+            stats[0] += 1
+            return i
+        i = (i + 1) & (spare - 1)
+
+
+def _delete(table, i):
+    """Empty row ``i`` (its masks zero already) and shift back the rows of its probe run that would no longer be
+    found past the gap (linear probing's deletion: lookups stop at the first empty row, so no tombstones)."""
+    spare = table.shape[0] - 1
+    if i == spare:
+        return
+    last = spare - 1
+    capmask = np.uint64(last)
+    j = i
+    while True:
+        j = (j + 1) & last
+        k = table[j, 0]
+        if k == EMPTY:
+            break
+        h = _home(k, capmask)
+        # the row at j stays where it is when its home lies cyclically in (i, j]
+        if (i < j and i < h <= j) or (j < i and (h > i or h <= j)):
+            continue
+        table[i, :] = table[j, :]
+        i = j
+    table[i, 0] = EMPTY
+    table[i, 1:] = _ZERO
+
+
+def _held(table, row, width):
+    for w in range(width):
+        if table[row, 1 + w] != _ZERO:
+            return True
+    return False
+
+
+def match_levels(table, width, keys, out):
+    """The prefix walk (``BlockIndex.match_levels``): writes levels as rows of ``out`` (length, then the mask's
+    ``width`` words), returns how many."""
+    n = keys.shape[0]
+    if n == 0:
+        return 0
+    running = np.zeros(width, np.uint64)
+    row = _find(table, keys[0])
+    alive = False
+    if row >= 0:
+        for w in range(width):
+            running[w] = table[row, 1 + w]
+            if running[w] != _ZERO:
+                alive = True
+    levels = 0
+    i = 1
+    while alive and i < n:
+        row = _find(table, keys[i])
+        changed = False
+        alive = False
+        for w in range(width):
+            still = running[w] & table[row, 1 + w] if row >= 0 else _ZERO
+            if still != running[w]:
+                changed = True
+            if still != _ZERO:
+                alive = True
+        if changed:
+            out[levels, 0] = np.uint64(i)
+            for w in range(width):
+                still = running[w] & table[row, 1 + w] if row >= 0 else _ZERO
+                out[levels, 1 + w] = running[w] & ~still
+                running[w] = still
+            levels += 1
+        i += 1
+    if alive:
+        out[levels, 0] = np.uint64(n)
+        for w in range(width):
+            out[levels, 1 + w] = running[w]
+        levels += 1
+    return levels
+
+
+def expect(table, width, keys, first, slot, counts, stats, out):
+    """``slot`` will hold ``keys[first:]``: sets its bit where it lacks it and writes those keys to ``out`` (the new
+    expectations, in order, each once), returns how many. The caller made room (``grow``)."""
+    word, bit = 1 + (slot >> 6), _ONE << np.uint64(slot & 63)
+    spare = table.shape[0] - 1
+    new = 0
+    for i in range(first, keys.shape[0]):
+        key = keys[i]
+        row = _find_or_add(table, key, stats)
+        if table[row, word] & bit:
+            continue
+        if row == spare and not _held(table, row, width):
+            stats[0] += 1
+        table[row, word] |= bit
+        counts[slot] += 1
+        out[new] = key
+        new += 1
+    return new
+
+
+def store(table, width, keys, slot, to_ssd, counts, stats):
+    """``slot`` holds ``keys`` now, in DRAM or (``to_ssd``) on SSD (``BlockIndex.store``). The caller made room."""
+    word, bit = 1 + (slot >> 6), _ONE << np.uint64(slot & 63)
+    spare = table.shape[0] - 1
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        row = _find_or_add(table, key, stats)
+        if not table[row, word] & bit:
+            if row == spare and not _held(table, row, width):
+                stats[0] += 1
+            table[row, word] |= bit
+            counts[slot] += 1
+        if to_ssd:
+            table[row, word + width] |= bit
+        else:
+            table[row, word + width] &= ~bit
+
+
+def remove(table, width, keys, slot, counts, stats):
+    """``slot`` no longer holds ``keys`` (``BlockIndex.remove``); keys it never held are ignored. Returns how many
+    it held."""
+    word, bit = 1 + (slot >> 6), _ONE << np.uint64(slot & 63)
+    removed = 0
+    for i in range(keys.shape[0]):
+        row = _find(table, keys[i])
+        if row < 0 or not table[row, word] & bit:
+            continue
+        table[row, word] &= ~bit
+        table[row, word + width] &= ~bit
+        counts[slot] -= 1
+        removed += 1
+        if not _held(table, row, width):
+            stats[0] -= 1
+            _delete(table, row)
+    return removed
+
+
+def purge(table, width, slot, counts, stats):
+    """Forget everything ``slot`` holds: one pass clearing its bits, then the rows left without holders deleted
+    (found again by key: deleting shifts rows, so not during the pass). Returns how many keys it held."""
+    word, bit = 1 + (slot >> 6), _ONE << np.uint64(slot & 63)
+    spare = table.shape[0] - 1
+    emptied = np.empty(counts[slot], np.uint64)
+    found = 0
+    empty_rows = 0
+    for row in range(spare + 1):
+        if (row == spare or table[row, 0] != EMPTY) and table[row, word] & bit:
+            table[row, word] &= ~bit
+            table[row, word + width] &= ~bit
+            found += 1
+            if not _held(table, row, width):
+                stats[0] -= 1
+                if row != spare:
+                    emptied[empty_rows] = table[row, 0]
+                    empty_rows += 1
+    for k in range(empty_rows):
+        _delete(table, _find(table, emptied[k]))
+    counts[slot] = 0
+    return found
+
+
+def find(table, key):
+    """``_find`` for the Python side (``holders``, ``tier``)."""
+    return _find(table, key)
+
+
+def rehash(old, new):
+    """Every held row of ``old`` into the empty table ``new`` (twice the rows, or as many: growth), masks as they
+    are (the same width)."""
+    spare, new_spare = old.shape[0] - 1, new.shape[0] - 1
+    capmask = np.uint64(new_spare - 1)
+    new[new_spare, :] = old[spare, :]
+    for row in range(spare):
+        key = old[row, 0]
+        if key == EMPTY:
+            continue
+        i = _home(key, capmask)
+        while new[i, 0] != EMPTY:
+            i = (i + 1) & (new_spare - 1)
+        new[i, :] = old[row, :]
+
+
+_FUNCTIONS = (match_levels, expect, store, remove, purge, find, rehash)
+
+
+class Compiled:
+    """The table operations, compiled: one attribute per function of ``_FUNCTIONS``."""
+
+    def __init__(self, numba):
+        # the helpers are compiled first and stay so in this module's globals: numba resolves a kernel's globals
+        # when it compiles it (numba's cache makes a later process's compile a read)
+        jit = numba.njit(cache=True)
+        for name in ("_home", "_find", "_find_or_add", "_delete", "_held"):
+            function = globals()[name]
+            globals()[name] = function if hasattr(function, "py_func") else jit(function)
+        table = empty_table(4, 1)
+        keys, stats, counts = np.array([1, 2], np.uint64), np.zeros(1, np.int64), np.zeros(64, np.int64)
+        out, levels = np.empty(2, np.uint64), np.empty((65, 2), np.uint64)
+        for name, example in (
+                ("store", (table, 1, keys, 0, False, counts, stats)),
+                ("expect", (table, 1, keys, 0, 1, counts, stats, out)),
+                ("match_levels", (table, 1, keys, levels)),
+                ("find", (table, keys[0])),
+                ("remove", (table, 1, keys, 0, counts, stats)),
+                ("purge", (table, 1, 1, counts, stats)),
+                ("rehash", (table, empty_table(8, 1)))):
+            kernel = kernels._compiled(numba, globals()[name], *example)
+            if kernel is None:
+                raise RuntimeError(name)
+            setattr(self, name, kernel)
+
+
+def empty_table(capacity: int, width: int) -> np.ndarray:
+    """A table of ``capacity`` rows (a power of two) and the spare row, every key ``EMPTY``, every mask zero."""
+    table = np.zeros((capacity + 1, 1 + 2 * width), np.uint64)
+    table[:, 0] = EMPTY
+    return table
+
+
+@functools.cache
+def compiled() -> Compiled | None:
+    """The compiled table operations, or None without numba (or where it cannot compile them: one log line, from
+    ``kernels._compiled``); compiled (or read from numba's cache) on the first call, by calls on arrays of the real
+    ones' types."""
+    numba = kernels._numba()
+    if numba is None:
+        return None
+    try:
+        return Compiled(numba)
+    except Exception as err:  # noqa: BLE001 - a helper that cannot compile: the dict index decides the same
+        logging.getLogger(__name__).warning("numba could not compile the block index (%s); using the dict index", err)
+        return None
