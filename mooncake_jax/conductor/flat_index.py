@@ -38,6 +38,7 @@ class FlatBlockIndex(BlockIndex):
         self._ops = ops
         self._width = 1  # 64-bit words of a mask: slots 0..63 per word
         self._table = empty_table(capacity, self._width)
+        self._limit = int(_MAX_LOAD * capacity)  # most keys the table holds before it doubles
         self._stats = np.zeros(1, np.int64)  # distinct keys held
         self._counts = np.zeros(64, np.int64)  # keys each slot holds
         self._levels = np.empty((65, 2), np.uint64)  # the prefix walk's levels: at most one per slot
@@ -49,25 +50,25 @@ class FlatBlockIndex(BlockIndex):
         return int(self._stats[0])
 
     def blocks_of(self, slot: int) -> int:
-        return int(self._counts[slot]) if slot < self._counts.shape[0] else 0
+        return int(self._counts[slot]) if 0 <= slot < self._counts.shape[0] else 0
 
     def store(self, slot: int, keys: Iterable[int], tier: Tier = Tier.DRAM) -> None:
         array = self._array(keys)
-        self._fit(slot, len(array))
-        self._ops.store(self._table, self._width, array, slot, tier == Tier.SSD, self._counts, self._stats)
+        while not self._ops.store(self._table, array, slot, tier == Tier.SSD, self._counts, self._stats, self._limit):
+            self._make_room(slot, len(array))
         pending = self._ready.get(slot)
         if pending:
             for key in array.tolist():
                 pending.pop(key, None)
 
     def expect(self, slot: int, keys: Sequence[int], ready_at: float, first: int = 0) -> None:
-        array = self._array(keys)
-        if first >= len(array):
-            return
-        self._fit(slot, len(array) - first)
-        if self._new.shape[0] < len(array):
-            self._new = np.empty(2 * len(array), np.uint64)
-        new = self._ops.expect(self._table, self._width, array, first, slot, self._counts, self._stats, self._new)
+        # the hot path (once per accepted request, with the request's tuple: converted already by its prefix walk)
+        array = self._last_array if keys is self._last_keys else self._array(keys)
+        new = self._ops.expect(self._table, array, first, slot, self._counts, self._stats, self._new, self._limit)
+        while new < 0:
+            self._make_room(slot, len(array) - first)
+            new = self._ops.expect(self._table, array, first, slot, self._counts, self._stats, self._new,
+                                   self._limit)
         if not new:
             return
         pending = self._ready.get(slot)
@@ -81,7 +82,7 @@ class FlatBlockIndex(BlockIndex):
         if not self.blocks_of(slot):
             return
         array = self._array(keys)
-        self._ops.remove(self._table, self._width, array, slot, self._counts, self._stats)
+        self._ops.remove(self._table, array, slot, self._counts, self._stats)
         pending = self._ready.get(slot)
         if pending:
             for key in array.tolist():
@@ -93,7 +94,7 @@ class FlatBlockIndex(BlockIndex):
         self._latest_ready.pop(slot, None)
         if not self.blocks_of(slot):
             return 0
-        return int(self._ops.purge(self._table, self._width, slot, self._counts, self._stats))
+        return int(self._ops.purge(self._table, slot, self._counts, self._stats))
 
     def holders(self, key: int) -> list[int]:
         row = self._row(key)
@@ -105,18 +106,18 @@ class FlatBlockIndex(BlockIndex):
     def tier(self, key: int, slot: int) -> Tier | None:
         row = self._row(key)
         word, bit = 1 + (slot >> 6), 1 << (slot & 63)
-        if row < 0 or word > self._width or not int(self._table[row, word]) & bit:
+        if row < 0 or not 0 < word <= self._width or not int(self._table[row, word]) & bit:
             return None
         return Tier.SSD if int(self._table[row, word + self._width]) & bit else Tier.DRAM
 
     def match_levels(self, keys: Sequence[int]) -> list[tuple[int, int]]:
-        array = self._array(keys)
-        count = self._ops.match_levels(self._table, self._width, array, self._levels)
+        array = self._last_array if keys is self._last_keys else self._array(keys)
+        count = self._ops.match_levels(self._table, array, self._levels)
         if not count:
             return []
         rows = self._levels[:count].tolist()
         if self._width == 1:
-            return [(length, mask) for length, mask in rows]
+            return list(map(tuple, rows))
         return [(row[0], sum(word << (64 * w) for w, word in enumerate(row[1:]))) for row in rows]
 
     # ------------------------------------------------------------------------------------------ the table
@@ -144,20 +145,21 @@ class FlatBlockIndex(BlockIndex):
             return -1
         return int(self._ops.find(self._table, np.uint64(key)))
 
-    def _fit(self, slot: int, adding: int) -> None:
-        """Room for ``adding`` more keys within the load bound (the table doubles), and mask words for ``slot``."""
+    def _make_room(self, slot: int, adding: int) -> None:
+        """Mask words for ``slot``, and room for ``adding`` more keys within the load bound (the table doubles)."""
         if slot < 0:
             raise ValueError(f"slot must be non-negative, got {slot}")
         if slot >= 64 * self._width:
             self._widen(slot // 64 + 1)
+        if self._new.shape[0] < adding:
+            self._new = np.empty(2 * adding, np.uint64)
         rows = self._table.shape[0] - 1
-        if self._stats[0] + adding > _MAX_LOAD * rows:
-            grown = rows
-            while self._stats[0] + adding > _MAX_LOAD * grown:
-                grown *= 2
-            table = empty_table(grown, self._width)
+        if len(self) + adding > self._limit:
+            while len(self) + adding > _MAX_LOAD * rows:
+                rows *= 2
+            table = empty_table(rows, self._width)
             self._ops.rehash(self._table, table)
-            self._table = table
+            self._table, self._limit = table, int(_MAX_LOAD * rows)
 
     def _widen(self, width: int) -> None:
         """Masks of ``width`` words (a slot beyond the last word): rows stay where they are (the hash is the key's)."""
