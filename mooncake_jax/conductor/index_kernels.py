@@ -29,6 +29,7 @@ from mooncake_jax.conductor import kernels
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 _ZERO, _ONE = np.uint64(0), np.uint64(1)
 _S3, _S33, _L7 = np.uint64(3), np.uint64(33), np.uint64(7)
+_MP = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
 
 
@@ -116,10 +117,75 @@ def _held(table, row, width):
     return False
 
 
-def _room(table, slot, adding, stats, limit):
-    """Whether ``slot`` has a word in the masks and ``adding`` more keys stay within ``limit`` (the load bound)."""
-    return 0 <= slot < 32 * (table.shape[1] - 1) and stats[0] + adding <= limit
+def _room(table, slot, adding, stats):
+    """Whether ``slot`` has a word in the masks, and ``adding`` more keys (and as many expectations) stay within
+    both tables' load bounds (``stats[2]``, ``stats[3]``)."""
+    return (0 <= slot < 32 * (table.shape[1] - 1) and stats[0] + adding <= stats[2]
+            and stats[1] + adding <= stats[3])
 
+
+# ------------------------------------------------------------------------------ expected blocks: (key, slot) -> time
+
+def _phome(key, s1, capmask):
+    """An expectation's home row: its key combined with its slot (+1) (a constant per slot: a slot's consecutive keys
+    keep their groups of eight)."""
+    return _home(key ^ (s1 * _MP), capmask)
+
+
+def _pfind(pend, key, s1):
+    """The row of the expectation (``key``, slot ``s1 - 1``), or -1. Column 1 holds slot + 1: 0 marks an empty row."""
+    last = pend.shape[0] - 1
+    i = _phome(key, s1, np.uint64(last))
+    while True:
+        if pend[i, 1] == _ZERO:
+            return -1
+        if pend[i, 0] == key and pend[i, 1] == s1:
+            return i
+        i = (i + 1) & last
+
+
+def _padd(pend, ptime, key, s1, ready_at):
+    """Record (or move) an expectation; returns whether it is new."""
+    last = pend.shape[0] - 1
+    i = _phome(key, s1, np.uint64(last))
+    while pend[i, 1] != _ZERO:
+        if pend[i, 0] == key and pend[i, 1] == s1:
+            ptime[i] = ready_at
+            return False
+        i = (i + 1) & last
+    pend[i, 0], pend[i, 1], ptime[i] = key, s1, ready_at
+    return True
+
+
+def _pdelete(pend, ptime, i):
+    """``_delete`` for the expectations' table."""
+    last = pend.shape[0] - 1
+    capmask = np.uint64(last)
+    j = i
+    while True:
+        j = (j + 1) & last
+        if pend[j, 1] == _ZERO:
+            break
+        h = _phome(pend[j, 0], pend[j, 1], capmask)
+        if (i < j and i < h <= j) or (j < i and (h > i or h <= j)):
+            continue
+        pend[i, 0], pend[i, 1], ptime[i] = pend[j, 0], pend[j, 1], ptime[j]
+        i = j
+    pend[i, 0], pend[i, 1] = _ZERO, _ZERO
+
+
+def _pdrop(pend, ptime, key, slot, counts, stats):
+    """Forget the expectation (``key``, ``slot``) if there is one (confirmed, or the block gone)."""
+    if counts[1, slot] == 0:
+        return
+    i = _pfind(pend, key, np.uint64(slot + 1))
+    if i >= 0:
+        _pdelete(pend, ptime, i)
+        counts[1, slot] -= 1
+        stats[1] -= 1
+
+
+# ------------------------------------------------------------------------------------------------- operations
 
 def match_levels(table, keys, out):
     """The prefix walk (``BlockIndex.match_levels``): writes levels as rows of ``out`` (length, then the mask's
@@ -164,15 +230,17 @@ def match_levels(table, keys, out):
     return levels
 
 
-def expect(table, keys, first, slot, counts, stats, out, limit):
-    """``slot`` will hold ``keys[first:]``: sets its bit where it lacks it and writes those keys to ``out`` (the new
-    expectations, in order, each once), returns how many; -1, changing nothing, when the table needs room first
-    (``_room``, or ``out`` too short)."""
-    if not _room(table, slot, keys.shape[0] - first, stats, limit) or out.shape[0] < keys.shape[0] - first:
+def expect(table, keys, first, slot, ready_at, counts, latest, stats, pend, ptime):
+    """``slot`` will hold ``keys[first:]`` from ``ready_at`` on: sets its bit where it lacks it and records those keys
+    as expected then (each once); returns how many; -1, changing nothing, when a table needs room first (``_room``).
+    ``counts``: per slot, keys held (row 0) and expected (row 1); ``latest``: per slot, the latest ready time ever
+    expected there (since a purge)."""
+    if not _room(table, slot, keys.shape[0] - first, stats):
         return -1
     width = (table.shape[1] - 1) // 2
     word, bit = 1 + (slot >> 6), _ONE << np.uint64(slot & 63)
     spare = table.shape[0] - 1
+    s1 = np.uint64(slot + 1)
     new = 0
     for i in range(first, keys.shape[0]):
         key = keys[i]
@@ -182,16 +250,20 @@ def expect(table, keys, first, slot, counts, stats, out, limit):
         if row == spare and not _held(table, row, width):
             stats[0] += 1
         table[row, word] |= bit
-        counts[slot] += 1
-        out[new] = key
+        counts[0, slot] += 1
+        if _padd(pend, ptime, key, s1, ready_at):
+            counts[1, slot] += 1
+            stats[1] += 1
         new += 1
+    if new and ready_at > latest[slot]:
+        latest[slot] = ready_at
     return new
 
 
-def store(table, keys, slot, to_ssd, counts, stats, limit):
-    """``slot`` holds ``keys`` now, in DRAM or (``to_ssd``) on SSD (``BlockIndex.store``); False, changing nothing,
-    when the table needs room first (``_room``)."""
-    if not _room(table, slot, keys.shape[0], stats, limit):
+def store(table, keys, slot, to_ssd, counts, stats, pend, ptime):
+    """``slot`` holds ``keys`` now, in DRAM or (``to_ssd``) on SSD (``BlockIndex.store``): their expectations there
+    are confirmed (forgotten); False, changing nothing, when the table needs room first (``_room``)."""
+    if not _room(table, slot, keys.shape[0], stats):
         return False
     width = (table.shape[1] - 1) // 2
     word, bit = 1 + (slot >> 6), _ONE << np.uint64(slot & 63)
@@ -203,19 +275,20 @@ def store(table, keys, slot, to_ssd, counts, stats, limit):
             if row == spare and not _held(table, row, width):
                 stats[0] += 1
             table[row, word] |= bit
-            counts[slot] += 1
+            counts[0, slot] += 1
         if to_ssd:
             table[row, word + width] |= bit
         else:
             table[row, word + width] &= ~bit
+        _pdrop(pend, ptime, key, slot, counts, stats)
     return True
 
 
-def remove(table, keys, slot, counts, stats):
+def remove(table, keys, slot, counts, stats, pend, ptime):
     """``slot`` no longer holds ``keys`` (``BlockIndex.remove``); keys it never held are ignored. Returns how many
     it held."""
     width = (table.shape[1] - 1) // 2
-    if slot >= 64 * width:
+    if not 0 <= slot < 64 * width:
         return 0
     word, bit = 1 + (slot >> 6), _ONE << np.uint64(slot & 63)
     removed = 0
@@ -225,23 +298,25 @@ def remove(table, keys, slot, counts, stats):
             continue
         table[row, word] &= ~bit
         table[row, word + width] &= ~bit
-        counts[slot] -= 1
+        counts[0, slot] -= 1
         removed += 1
+        _pdrop(pend, ptime, keys[i], slot, counts, stats)
         if not _held(table, row, width):
             stats[0] -= 1
             _delete(table, row)
     return removed
 
 
-def purge(table, slot, counts, stats):
-    """Forget everything ``slot`` holds: one pass clearing its bits, then the rows left without holders deleted
-    (found again by key: deleting shifts rows, so not during the pass). Returns how many keys it held."""
+def purge(table, slot, counts, latest, stats, pend, ptime):
+    """Forget everything ``slot`` holds and expects: one pass clearing its bits, then the rows left without holders
+    deleted (found again by key: deleting shifts rows, so not during the pass); the same for its expectations.
+    Returns how many keys it held."""
     width = (table.shape[1] - 1) // 2
-    if slot >= 64 * width:
+    if not 0 <= slot < 64 * width:
         return 0
     word, bit = 1 + (slot >> 6), _ONE << np.uint64(slot & 63)
     spare = table.shape[0] - 1
-    emptied = np.empty(counts[slot], np.uint64)
+    emptied = np.empty(counts[0, slot], np.uint64)
     found = 0
     empty_rows = 0
     for row in range(spare + 1):
@@ -256,8 +331,48 @@ def purge(table, slot, counts, stats):
                     empty_rows += 1
     for k in range(empty_rows):
         _delete(table, _find(table, emptied[k]))
-    counts[slot] = 0
+    counts[0, slot] = 0
+    s1 = np.uint64(slot + 1)
+    expected = np.empty(counts[1, slot], np.uint64)
+    n = 0
+    for row in range(pend.shape[0]):
+        if pend[row, 1] == s1:
+            expected[n] = pend[row, 0]
+            n += 1
+    for k in range(n):
+        _pdrop(pend, ptime, expected[k], slot, counts, stats)
+    latest[slot] = -np.inf
     return found
+
+
+def ready_times(pend, ptime, slot, keys, counts, out):
+    """For each key, the time ``slot`` is expected to have it (-inf: it has it now or it is not expected) into
+    ``out``."""
+    none = slot < 0 or slot >= counts.shape[1] or counts[1, slot] == 0
+    s1 = np.uint64(slot + 1)
+    for k in range(keys.shape[0]):
+        i = -1 if none else _pfind(pend, keys[k], s1)
+        out[k] = ptime[i] if i >= 0 else -np.inf
+
+
+def sweep(pend, ptime, now, counts, stats):
+    """Forget every expectation due by ``now`` (landed, or as good as landed: a send waits for none of them):
+    survivors gathered, the table cleared, survivors put back. Returns how many survive."""
+    n = stats[1]
+    keys, slots, times = np.empty(n, np.uint64), np.empty(n, np.uint64), np.empty(n)
+    kept = 0
+    for row in range(pend.shape[0]):
+        if pend[row, 1] != _ZERO:
+            if ptime[row] > now:
+                keys[kept], slots[kept], times[kept] = pend[row, 0], pend[row, 1], ptime[row]
+                kept += 1
+            pend[row, 0], pend[row, 1] = _ZERO, _ZERO
+    counts[1, :] = 0
+    for k in range(kept):
+        _padd(pend, ptime, keys[k], slots[k], times[k])
+        counts[1, np.int64(slots[k]) - 1] += 1
+    stats[1] = kept
+    return kept
 
 
 def find(table, key):
@@ -281,7 +396,14 @@ def rehash(old, new):
         new[i, :] = old[row, :]
 
 
-_FUNCTIONS = (match_levels, expect, store, remove, purge, find, rehash)
+def prehash(pend, ptime, new_pend, new_ptime):
+    """Every expectation of ``pend`` into the empty, larger ``new_pend`` (growth)."""
+    for row in range(pend.shape[0]):
+        if pend[row, 1] != _ZERO:
+            _padd(new_pend, new_ptime, pend[row, 0], pend[row, 1], ptime[row])
+
+
+_FUNCTIONS = (match_levels, expect, store, remove, purge, find, rehash, ready_times, sweep, prehash)
 
 
 class Compiled:
@@ -291,20 +413,25 @@ class Compiled:
         # the helpers are compiled first and stay so in this module's globals: numba resolves a kernel's globals
         # when it compiles it (numba's cache makes a later process's compile a read)
         jit = numba.njit(cache=True)
-        for name in ("_home", "_find", "_find_or_add", "_delete", "_held", "_room"):
+        for name in ("_home", "_find", "_find_or_add", "_delete", "_held", "_room", "_phome", "_pfind", "_padd",
+                     "_pdelete", "_pdrop"):
             function = globals()[name]
             globals()[name] = function if hasattr(function, "py_func") else jit(function)
-        table = empty_table(4, 1)
-        keys, stats, counts = np.array([1, 2], np.uint64), np.zeros(1, np.int64), np.zeros(64, np.int64)
-        out, levels = np.empty(2, np.uint64), np.empty((65, 2), np.uint64)
+        table, (pend, ptime) = empty_table(4, 1), empty_expectations(4)
+        keys, stats = np.array([1, 2], np.uint64), np.array([0, 0, 3, 3], np.int64)
+        counts, latest = np.zeros((2, 64), np.int64), np.full(64, -np.inf)
+        levels, times = np.empty((65, 2), np.uint64), np.empty(2)
         for name, example in (
-                ("store", (table, keys, 0, False, counts, stats, 3)),
-                ("expect", (table, keys, 0, 1, counts, stats, out, 3)),
+                ("store", (table, keys, 0, False, counts, stats, pend, ptime)),
+                ("expect", (table, keys, 0, 1, 1.0, counts, latest, stats, pend, ptime)),
                 ("match_levels", (table, keys, levels)),
                 ("find", (table, keys[0])),
-                ("remove", (table, keys, 0, counts, stats)),
-                ("purge", (table, 1, counts, stats)),
-                ("rehash", (table, empty_table(8, 1)))):
+                ("ready_times", (pend, ptime, 1, keys, counts, times)),
+                ("sweep", (pend, ptime, 0.0, counts, stats)),
+                ("remove", (table, keys, 0, counts, stats, pend, ptime)),
+                ("purge", (table, 1, counts, latest, stats, pend, ptime)),
+                ("rehash", (table, empty_table(8, 1))),
+                ("prehash", (pend, ptime) + empty_expectations(8))):
             kernel = kernels._compiled(numba, globals()[name], *example)
             if kernel is None:
                 raise RuntimeError(name)
@@ -316,6 +443,12 @@ def empty_table(capacity: int, width: int) -> np.ndarray:
     table = np.zeros((capacity + 1, 1 + 2 * width), np.uint64)
     table[:, 0] = EMPTY
     return table
+
+
+def empty_expectations(capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """The expectations' table of ``capacity`` rows (a power of two): (key, slot + 1) rows, all empty, and their
+    ready times."""
+    return np.zeros((capacity, 2), np.uint64), np.full(capacity, -np.inf)
 
 
 @functools.cache
