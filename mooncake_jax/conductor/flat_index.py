@@ -82,9 +82,10 @@ class FlatBlockIndex(BlockIndex):
                                    self._ptime))
 
     def has_pending(self, slot: int) -> bool:
-        return 0 <= slot < self._counts.shape[1] and bool(self._counts[1, slot])
+        return 0 <= slot < self._counts.shape[1] and self._counts.item(1, slot) > 0
 
     def pending_until(self, slot: int) -> float:
+        # (on the decision path whenever a group fetches: ``item`` reads a number without making a numpy scalar)
         return self._latest.item(slot) if self.has_pending(slot) else -math.inf
 
     def ready_times(self, slot: int, keys: Sequence[int]) -> list[float]:
@@ -125,10 +126,10 @@ class FlatBlockIndex(BlockIndex):
         count = self._ops.match_levels(self._table, array, self._levels)
         if not count:
             return []
-        rows = self._levels[:count].tolist()
         if self._width == 1:
-            return list(map(tuple, rows))
-        return [(row[0], sum(word << (64 * w) for w, word in enumerate(row[1:]))) for row in rows]
+            return list(map(tuple, self._levels[:count].tolist()))
+        return [(row[0], sum(word << (64 * w) for w, word in enumerate(row[1:])))
+                for row in self._levels[:count].tolist()]
 
     # ------------------------------------------------------------------------------------------ the table
 
