@@ -73,7 +73,9 @@ def agree(index, model, keys_seen, slots, queries):
         assert index.match(keys) == model.match(keys)
         for slot in slots:
             pending = model.ready.get(slot, {})
-            assert index.ready_times(slot, keys) == [pending.get(k, -math.inf) for k in keys]
+            expected = [pending.get(k, -math.inf) for k in keys]
+            assert index.ready_times(slot, keys) == expected
+            assert index.ready_times(slot, tuple(keys), 2) == expected[:2]  # the first two (the request's tuple)
 
 
 @pytest.mark.parametrize("index", indexes(), ids=lambda i: type(i).__name__)

@@ -88,8 +88,10 @@ class FlatBlockIndex(BlockIndex):
         # (on the decision path whenever a group fetches: ``item`` reads a number without making a numpy scalar)
         return self._latest.item(slot) if self.has_pending(slot) else -math.inf
 
-    def ready_times(self, slot: int, keys: Sequence[int]) -> list[float]:
-        array = self._array(keys)
+    def ready_times(self, slot: int, keys: Sequence[int], count: int | None = None) -> list[float]:
+        array = self._last_array if keys is self._last_keys else self._array(keys)
+        if count is not None:
+            array = array[:count]
         if self._times.shape[0] < len(array):
             self._times = np.empty(2 * len(array))
         self._ops.ready_times(self._pend, self._ptime, slot, array, self._counts, self._times)

@@ -133,10 +133,11 @@ class BlockIndex:
         there; -inf when none was): when it is already past, no key needs looking up (``ready_times``)."""
         return self._latest_ready.get(slot, -math.inf) if self._ready.get(slot) else -math.inf
 
-    def ready_times(self, slot: int, keys: Sequence[int]) -> list[float]:
-        """For each key, the clock time ``slot`` is expected to have it (-inf: it has it now or not expected)."""
+    def ready_times(self, slot: int, keys: Sequence[int], count: int | None = None) -> list[float]:
+        """For each key (the first ``count`` only, when given), the clock time ``slot`` is expected to have it (-inf:
+        it has it now or not expected)."""
         pending = self._ready.get(slot, {})
-        return [pending.get(key, -math.inf) for key in keys]
+        return [pending.get(key, -math.inf) for key in (keys if count is None else keys[:count])]
 
     def settle(self, slot: int, now: float) -> None:
         """Forget expectations already due by ``now`` on ``slot``, once their number has doubled since the last
