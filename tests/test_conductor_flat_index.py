@@ -152,3 +152,19 @@ def test_growth_keeps_every_key_and_bad_keys_are_refused():
         with pytest.raises(ValueError, match="unsigned 64-bit"):
             index.store(1, bad)
     assert index.holders(-1) == [] and index.tier(1 << 64, 7) is None
+
+
+@needs_numba
+def test_a_kernel_that_cannot_compile_leaves_the_dict_index(monkeypatch, caplog):
+    """numba installed but failing on a kernel: one log line, no compiled index, and ``ClusterState`` keeps the
+    dict index (decisions the same: the oracle runs that path)."""
+    from mooncake_jax.conductor import ClusterState, kernels
+
+    def fails(numba, function, *example):
+        kernels.logging.getLogger(kernels.__name__).warning("numba could not compile %s", function.__name__)
+
+    monkeypatch.setattr(kernels, "_compiled", fails)
+    assert index_kernels.compiled.__wrapped__() is None
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+    monkeypatch.setattr(index_kernels, "compiled", lambda: None)
+    assert type(ClusterState().index) is BlockIndex

@@ -11,10 +11,20 @@ slots' bit mask, then ``width`` words of the subset holding it on SSD. Open addr
 mixed hash of the key; exact (keys compared in full, a hash table and not a filter); an empty row holds
 ``EMPTY`` (2^64 - 1) as its key, so the one real key of that value lives in the spare last row, whose mask says
 whether anyone holds it. A row whose mask becomes zero is deleted by backward shifting (no tombstones): a lookup
-stops at the first empty row. ``stats[0]``: distinct keys held; ``counts[slot]``: keys a slot holds.
+stops at the first empty row.
 
-These functions take and return arrays and integers only; ``compiled()`` gives them compiled, or None (the dict
-index then decides the same).
+The expected blocks (``BlockIndex.expect``: a block a routed request will leave on a slot, with the time it lands)
+are a second table of the same kind, keyed by (key, slot): rows of key and slot + 1 (0: empty), and a parallel
+array of ready times. ``expect`` records them in the same pass that sets the holder bits, ``store`` (a KV event
+confirming them) and ``remove`` forget them in theirs, so an accepted request's blocks cost no Python step each.
+
+Book-keeping shared with the Python side: ``stats`` = [keys held, expectations kept, the key table's load bound,
+the expectations' load bound]; ``counts[0, slot]`` keys a slot holds, ``counts[1, slot]`` keys expected there;
+``latest[slot]`` the latest ready time ever expected there (since a purge). A kernel that would pass a load bound
+changes nothing and says so (-1 / False): the caller grows the table and calls again.
+
+These functions take and return arrays and numbers only; ``compiled()`` gives them compiled, or None (the dict
+index then answers the same).
 """
 
 from __future__ import annotations
@@ -461,6 +471,8 @@ def compiled() -> Compiled | None:
         return None
     try:
         return Compiled(numba)
-    except Exception as err:  # noqa: BLE001 - a helper that cannot compile: the dict index decides the same
+    except RuntimeError:  # a kernel that did not compile (kernels._compiled logged it): the dict index answers the same
+        return None
+    except Exception as err:  # noqa: BLE001 - a helper that cannot compile: the dict index answers the same
         logging.getLogger(__name__).warning("numba could not compile the block index (%s); using the dict index", err)
         return None
