@@ -19,6 +19,9 @@ apply and reports, spread over the whole decision), applying it ~14-16 us (~17 n
 the index). Sixth pass (docs/benchmarks.md): with numba installed the decode choice and the prefill slot's argmin
 run compiled (conductor/kernels.py, the same decisions; ``decode_choice_compiled`` says which path ran): decode choice
 ~3-4 us, prefill TTFT ~9-10, ``decide`` once ~26-27, apply ~15-16; 26,000-28,000 decisions per CPU second at load 7-8.
+Seventh pass: the block index as flat hash tables walked by numba (conductor/flat_index.py; ``index_compiled`` says
+which index ran, ``--numpy-path`` runs both the policy and the index as without numba): apply ~8-10 us, -18 / -21%
+CPU a decision paired, ~30,000-33,000 decisions per CPU second at load 20-24.
 ``benchmarks/conductor_ab.py`` compares two source trees on the same decisions in one process. At 128 columns every
 numpy call costs its fixed ~0.35-2 us, not its length, so the decision is a fixed number of such calls
 (``decision_in_numpy_ops`` says how many, in units of the ``numpy_op_us`` measured in the same run).
