@@ -18,9 +18,9 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from mooncake_jax.conductor import index_kernels
 from mooncake_jax.conductor.api import Decision, PolicyConfig, Request, Snapshot
 from mooncake_jax.conductor.costs import InstanceCosts, transfer_seconds
-from mooncake_jax.conductor import index_kernels
 from mooncake_jax.conductor.flat_index import FlatBlockIndex
 from mooncake_jax.conductor.index import BlockIndex, Tier
 from mooncake_jax.conductor.instances import InstanceTable, Role
@@ -36,7 +36,7 @@ class ClusterState:
     """Instances, block index, decode ledger and the tracked decode time t_d."""
 
     def __init__(self, config: PolicyConfig | None = None, compiled: bool = True):
-        """``compiled``: keep the block index in the compiled flat table (``FlatBlockIndex``) where numba is installed
+        """``compiled``: keep the block index in compiled flat tables (``FlatBlockIndex``) where numba is installed
         (compiled, or read from numba's cache, here); the dict ``BlockIndex`` answers the same, at a few microseconds
         more a decision."""
         self.config = config or PolicyConfig()
