@@ -1,0 +1,104 @@
+"""Reading the SSD tier's records out of its data shard files: ``preadv`` of each chunk, at the offset the tier
+knows, straight into the caller's buffer, hashed (XXH3-128) as it lands.
+
+Why the tier reads its own shards (docs/benchmarks.md, "Issue 15, SSD get and DRAM put, seventh pass"): through
+TensorStore a read of one 384 KiB record cost a few hundred microseconds of thread hand-offs and decoding beside a
+~75 us copy out of the page cache, so a 16-token get ran at 0.2-0.5 of a raw read of the same bytes. The tier wrote
+every shard itself (``shard_writer.py``), or found its index when it opened the shard (TensorStore may have
+rewritten it: the chunks may lie anywhere after the index), so a record's offset is known in memory and a read is
+one ``preadv`` per ``COPY_CHUNK_BYTES``, each hashed from the core's cache right after it lands: the same kernel copy
+a raw ``read`` makes, plus the hash. The files stay TensorStore's zarr3 shards (TensorStore still opens, lists and
+reads them: tested). A location that is wrong (a shard rewritten behind the tier's back) reads other bytes, which
+fail the checksum: never served.
+
+Open files are kept in a small LRU (``MAX_OPEN_FILES``): a tier of many shards does not run out of descriptors, and
+a deleted shard's descriptor is closed with it (``forget``) so its space is freed at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, split_digest
+
+MAX_OPEN_FILES = 32
+"""Shard files kept open for reading at once (least recently read closed first)."""
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+
+
+def read_with_checksum(fd: int, out: np.ndarray, offset: int) -> tuple[int, int] | None:
+    """Read ``out.size`` bytes of ``fd`` at ``offset`` into ``out`` (flat uint8) and return their XXH3-128 digest
+    as ``(high, low)``; None when the file ends first (a shard file cut short)."""
+    n = out.size
+    if n <= COPY_CHUNK_BYTES:  # one chunk: no streaming state to set up
+        if os.preadv(fd, [out], offset) != n:
+            return None
+        return split_digest(xxhash.xxh3_128_intdigest(out))
+    hasher = xxhash.xxh3_128()
+    for start in range(0, n, COPY_CHUNK_BYTES):
+        chunk = out[start : start + COPY_CHUNK_BYTES]
+        if os.preadv(fd, [chunk], offset + start) != chunk.size:
+            return None
+        hasher.update(chunk)
+    return split_digest(hasher.intdigest())
+
+
+class ShardReader:
+    """Descriptors of one store's shard files, opened for reading on first use (``path_of(shard)`` names them)."""
+
+    def __init__(self, path_of: Callable[[int], Path]) -> None:
+        self._path_of = path_of
+        self._open: OrderedDict[int, int] = OrderedDict()  # shard -> descriptor, least recently read first
+
+    def _fd(self, shard: int) -> int:
+        fd = self._open.get(shard)
+        if fd is not None:
+            self._open.move_to_end(shard)
+            return fd
+        fd = os.open(self._path_of(shard), os.O_RDONLY | os.O_CLOEXEC)
+        self._open[shard] = fd
+        if len(self._open) > MAX_OPEN_FILES:
+            os.close(self._open.popitem(last=False)[1])
+        return fd
+
+    def read(self, shard: int, offset: int, out: np.ndarray) -> tuple[int, int] | None:
+        """Read a chunk of ``shard`` at ``offset`` into ``out`` (flat uint8); its digest, or None when the file is
+        missing, unreadable or too short (a damaged record)."""
+        try:
+            return read_with_checksum(self._fd(shard), out, offset)
+        except OSError:
+            return None
+
+    def read_exact(self, shard: int, offset: int, out: np.ndarray) -> bool:
+        """Read a chunk of ``shard`` at ``offset`` into ``out`` unhashed (the caller verifies it); False when the
+        file is missing, unreadable or too short."""
+        try:
+            return os.preadv(self._fd(shard), [out], offset) == out.size
+        except OSError:
+            return False
+
+    def advise(self, shard: int, offset: int, length: int) -> None:
+        """Tell the kernel these bytes are wanted soon (``POSIX_FADV_WILLNEED``): a part not in the page cache is
+        read from the device in the background while the chunks before it are copied and hashed."""
+        if _WILLNEED is None:
+            return
+        try:
+            os.posix_fadvise(self._fd(shard), offset, length, _WILLNEED)
+        except OSError:
+            pass  # only advice: the read will say what is wrong
+
+    def forget(self, shard: int) -> None:
+        """Close ``shard``'s descriptor (it is being deleted)."""
+        fd = self._open.pop(shard, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        while self._open:
+            os.close(self._open.popitem()[1])
