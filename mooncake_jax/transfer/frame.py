@@ -38,6 +38,7 @@ HEADER_BYTES = 64  # a cache line; keeps the data aligned inside the frame
 PREFIX_BYTES = 64  # the record's wire prefix
 DATA_OFFSET = PREFIX_BYTES + HEADER_BYTES  # where a block's data starts in its record
 _HEADER = struct.Struct("<4sHHQQQQQ")
+_HEADER_PADDING = bytes(HEADER_BYTES - _HEADER.size)
 _MAX_KEY = (1 << 64) - 1
 
 # BlockPiece field tags (field number << 3 | wire type): see messenger.proto
@@ -110,9 +111,9 @@ def record_prefix(spec: BlockSpec, key: BlockKey) -> bytes:
 def record_head(spec: BlockSpec, key: BlockKey, digest: tuple[int, int]) -> bytes:
     """The first ``DATA_OFFSET`` bytes of ``key``'s record (wire prefix and frame header) for data of checksum
     ``digest``: a tier writes these beside the data, which it copies or writes straight from the caller's array."""
-    high, low = digest
-    header = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, spec.fingerprint, key, spec.nbytes, high, low)
-    return b"".join((record_prefix(spec, key), header, bytes(HEADER_BYTES - _HEADER.size)))
+    key_field = varint(key)  # record_prefix written out: this runs once per block stored
+    header = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, spec.fingerprint, key, spec.nbytes, *digest)
+    return b"".join((b"\x08", key_field, _prefix_tails(spec)[len(key_field)], header, _HEADER_PADDING))
 
 
 def data_bytes(block: np.ndarray) -> np.ndarray:

@@ -386,7 +386,7 @@ class BlockPool:
             raise PoolFullError(
                 f"cannot store block {key:#018x}: all {tier.capacity_blocks} blocks of the {tier.name} tier are pinned"
             )
-        before = self.tier_of(key)
+        before = self.tier_of(key) if self._listeners else None
         write(tier)
         self._announce(key, before)
         return level
@@ -480,12 +480,15 @@ class BlockPool:
             raise ValueError("the block pool is closed")
 
     def _drop(self, tier: Tier, key: BlockKey) -> None:
-        before = self.tier_of(key)
+        before = self.tier_of(key) if self._listeners else None
         tier.delete(key)
         self._announce(key, before)
 
     def _announce(self, key: BlockKey, before: str | None) -> None:
-        """Tell listeners if the fastest tier holding ``key`` is no longer ``before`` (see ``BlockEvent``)."""
+        """Tell listeners if the fastest tier holding ``key`` is no longer ``before`` (see ``BlockEvent``); nothing
+        to work out when none listens (the callers skip ``before`` then: a put of a small block is mostly Python)."""
+        if not self._listeners:
+            return
         after = self.tier_of(key)
         if after == before:
             return
