@@ -1,6 +1,6 @@
 """KVCache pool and Messenger throughput against this machine's physical baselines, measured in the same run.
 
-    python benchmarks/pool.py --json /tmp/pool.json [--quick] [--skip-layerwise | --full-layerwise]
+    python benchmarks/pool.py --json /tmp/pool.json [--quick] [--skip-layerwise | --full-layerwise] [--tiers-only]
 
 The default run finishes within 10 minutes on 2 cores (the layer-wise section on 1K and 2K-token prompts; the
 1K-16K sweep behind ``--full-layerwise``). The headline figures are flat at the top level of the JSON
@@ -441,8 +441,9 @@ def ratios(med: dict[str, float]) -> dict[str, float]:
     return {name: med[a] / med[b] for name, (a, b) in pairs.items() if a in med and b in med}
 
 
-def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default") -> dict:
-    """All sections; ``layerwise`` is ``"skip"``, ``"default"`` (1K and 2K tokens) or ``"full"`` (1K-16K)."""
+def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", tiers_only: bool = False) -> dict:
+    """All sections; ``layerwise`` is ``"skip"``, ``"default"`` (1K and 2K tokens) or ``"full"`` (1K-16K);
+    ``tiers_only``: the DRAM and SSD sections alone (no Messenger, no layer-wise prefill)."""
     scale = 4 if quick else 1
     started = time.perf_counter()
     results: dict = {"cpu_model": cpu_model(), "cpus": os.cpu_count(), "load_average_start": os.getloadavg(),
@@ -454,7 +455,8 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default") 
         section = {"spec": spec.describe(), "block_bytes": spec.nbytes}
         section.update(measure_dram(spec, blocks, capacity=n_blocks, n_ops=2 * n_blocks, repeats=repeats))
         section.update(measure_ssd(spec, blocks, n_ops=n_blocks, repeats=repeats, directory=directory))
-        section.update(measure_messenger(spec, blocks, n_blocks=n_blocks, repeats=repeats))
+        if not tiers_only:
+            section.update(measure_messenger(spec, blocks, n_blocks=n_blocks, repeats=repeats))
         results[label] = section
         section["done_at_s"] = round(time.perf_counter() - started, 1)
     spec = llama70b_spec()  # one 160 MiB block per call, as a 70B prefill hands over one 512-token block
@@ -469,7 +471,7 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default") 
         section = results[label]
         medians = {k: v["median"] for k, v in section.items() if isinstance(v, dict) and "median" in v}
         section["ratios"] = ratios(medians)
-    if layerwise != "skip":
+    if layerwise != "skip" and not tiers_only:
         lengths = (1024, 2048) if layerwise == "default" else (1024, 2048, 4096, 8192, 16384)
         results["layerwise_prefill"] = measure_layerwise_prefill(lengths[:1] if quick else lengths,
                                                                  repeats=1 if quick or layerwise == "default" else 2)
@@ -480,10 +482,11 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default") 
                  "ssd_direct_io_put_vs_direct_raw_ratio"):
         if any(name in r for r in sections):
             results[name] = round(min(r[name] for r in sections if name in r), 3)
-    results["transfer_engine_gbps"] = results["block128"]["messenger_fetch_gbps"]["median"]  # the gRPC Messenger
-    results["jax_plane_fetch_gbps"] = results["block128"]["jax_plane_fetch_gbps"]["median"]
-    results["jax_plane_push_gbps"] = results["block128"]["jax_plane_push_gbps"]["median"]
-    results["layerwise_speedup"] = results["layerwise_prefill"]["layerwise_speedup"] if layerwise != "skip" else None
+    if not tiers_only:
+        results["transfer_engine_gbps"] = results["block128"]["messenger_fetch_gbps"]["median"]  # gRPC Messenger
+        results["jax_plane_fetch_gbps"] = results["block128"]["jax_plane_fetch_gbps"]["median"]
+        results["jax_plane_push_gbps"] = results["block128"]["jax_plane_push_gbps"]["median"]
+    results["layerwise_speedup"] = results.get("layerwise_prefill", {}).get("layerwise_speedup")
     results["block_keys_ms_per_1k_tokens"] = results["block_keys"]["ms_per_1k_tokens_block16"]
     results["goals"] = {"dram_put_ratio": 0.6, "dram_get_ratio": 0.6, "ssd_put_ratio": 0.7, "ssd_get_ratio": 0.7,
                         "messenger_ratio": 0.85, "messenger_push_ratio": 0.85}
@@ -500,11 +503,13 @@ def main() -> None:
     layerwise = parser.add_mutually_exclusive_group()
     layerwise.add_argument("--skip-layerwise", action="store_true", help="leave out the layer-wise prefill section")
     layerwise.add_argument("--full-layerwise", action="store_true", help="layer-wise prefill on 1K-16K tokens")
+    parser.add_argument("--tiers-only", action="store_true",
+                        help="only the DRAM and SSD sections (no Messenger, no layer-wise prefill)")
     parser.add_argument("--dir", type=Path, default=None, help="directory for SSD-tier files (default: a temp dir)")
     args = parser.parse_args()
     mode = "skip" if args.skip_layerwise else "full" if args.full_layerwise else "default"
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
-        results = run(args.quick, args.repeats, Path(scratch), layerwise=mode)
+        results = run(args.quick, args.repeats, Path(scratch), layerwise=mode, tiers_only=args.tiers_only)
     text = json.dumps(results, indent=2)
     if args.json:
         args.json.write_text(text)
