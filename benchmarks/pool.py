@@ -112,10 +112,16 @@ def batch(keys: list[int], blocks: list[np.ndarray], index: int, size: int = BAT
     return [keys[i % len(keys)] for i in span], [blocks[i % len(blocks)] for i in span]
 
 
+_TIMED_CPU: list[float] = []
+"""CPU seconds of this process in each ``timed`` region so far (``costed(..., timed_only=True)`` sums them)."""
+
+
 def timed(fn: Callable[[], object]) -> float:
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    _TIMED_CPU.append(time.process_time() - cpu)
+    return seconds
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -130,14 +136,17 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def costed(trials: dict[str, Callable[[], float]], n_bytes: int,
-           pids: tuple[int, ...] = ()) -> tuple[dict[str, Callable[[], float]], dict[str, list[float]]]:
+def costed(trials: dict[str, Callable[[], float]], n_bytes: int, pids: tuple[int, ...] = (),
+           timed_only: bool = False) -> tuple[dict[str, Callable[[], float]], dict[str, list[float]]]:
     """The trials, each also logging the CPU seconds per GB of ``n_bytes`` it cost (this process and ``pids``,
-    the whole trial): unlike GB/s on a shared machine, CPU per byte hardly moves with the load, so its ratio to the
-    baseline's says whether a change did less work."""
+    the whole trial; ``timed_only``: this process in the trial's ``timed`` regions alone, so the setup of a read,
+    writing what it reads, is not counted): unlike GB/s on a shared machine, CPU per byte hardly moves with the
+    load, so its ratio to the baseline's says whether a change did less work."""
     log: dict[str, list[float]] = {name: [] for name in trials}
 
     def spent() -> float:
+        if timed_only:
+            return sum(_TIMED_CPU)
         return cpu_seconds() + sum(cpu_seconds(pid) for pid in pids)
 
     def logging(name: str, trial: Callable[[], float]) -> Callable[[], float]:
@@ -212,7 +221,9 @@ def measure_dram(spec: BlockSpec, blocks: list[np.ndarray], capacity: int, n_ops
         return gbps(n_bytes, timed(each(n_ops // size, lambda b: pool.get_many(batch(held, blocks, b, size)[0],
                                                                                  staging))))
 
-    figures = alternate(repeats, memcpy_gbps=memcpy, dram_put_gbps=put, dram_get_gbps=get)
+    trials, log = costed({"memcpy_gbps": memcpy, "dram_put_gbps": put, "dram_get_gbps": get}, n_bytes,
+                         timed_only=True)
+    figures = with_cpu(alternate(repeats, **trials), log)
     assert pool.counters()["dram"].corrupt == 0 and pool.counters()["dram"].evictions >= n_ops
     pool.close()
     return figures
@@ -294,7 +305,8 @@ def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: 
     raw_write()  # the first write to a fresh filesystem area is slow for everyone: do not measure it
     direct = {"raw_write_direct_gbps": raw_write_direct, "ssd_put_direct_io_gbps": lambda: put(direct_io=True)}
     trials, log = costed({"raw_write_gbps": raw_write, "ssd_put_gbps": put, "raw_read_gbps": raw_read,
-                          "ssd_get_gbps": get, **(direct if hasattr(os, "O_DIRECT") else {})}, n_bytes)
+                          "ssd_get_gbps": get, **(direct if hasattr(os, "O_DIRECT") else {})}, n_bytes,
+                         timed_only=True)
     return with_cpu(alternate(repeats, **trials), log)
 
 
@@ -432,7 +444,10 @@ def ratios(med: dict[str, float]) -> dict[str, float]:
         "messenger_raw_stream_ratio": ("messenger_fetch_gbps", "grpc_raw_stream_gbps"),
         "jax_plane_fetch_ratio": ("jax_plane_fetch_gbps", "grpc_stream_gbps"),
         "jax_plane_push_ratio": ("jax_plane_push_gbps", "grpc_stream_gbps"),
-        # the same pairs in CPU seconds per GB, baseline over tier (both processes for a transfer)
+        # the same pairs in CPU seconds per GB, baseline over tier (both processes for a transfer; for the tiers,
+        # the timed region alone: a put until its writes are done, a get without the writing before it)
+        "dram_put_cpu_ratio": ("memcpy_cpu_s_per_gb", "dram_put_cpu_s_per_gb"),
+        "dram_get_cpu_ratio": ("memcpy_cpu_s_per_gb", "dram_get_cpu_s_per_gb"),
         "ssd_put_cpu_ratio": ("raw_write_cpu_s_per_gb", "ssd_put_cpu_s_per_gb"),
         "ssd_get_cpu_ratio": ("raw_read_cpu_s_per_gb", "ssd_get_cpu_s_per_gb"),
         "messenger_cpu_ratio": ("grpc_stream_cpu_s_per_gb", "messenger_fetch_cpu_s_per_gb"),
@@ -477,7 +492,7 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", 
                                                                  repeats=1 if quick or layerwise == "default" else 2)
     sections = [results[label]["ratios"] for label in ("block128", "block16", "llama70b_block512")]
     for name in ("dram_put_ratio", "dram_get_ratio", "ssd_put_ratio", "ssd_get_ratio", "messenger_ratio",
-                 "messenger_push_ratio", "ssd_put_cpu_ratio", "ssd_get_cpu_ratio", "messenger_cpu_ratio",
+                 "messenger_push_ratio", "dram_put_cpu_ratio", "dram_get_cpu_ratio", "ssd_put_cpu_ratio", "ssd_get_cpu_ratio", "messenger_cpu_ratio",
                  "messenger_push_cpu_ratio", "ssd_put_vs_direct_raw_ratio", "ssd_direct_io_put_ratio",
                  "ssd_direct_io_put_vs_direct_raw_ratio"):
         if any(name in r for r in sections):
