@@ -25,13 +25,15 @@ never reused: a removed block zeroes its head (a rewrite of the small heads shar
 are all gone is deleted; and when dead slots outnumber the live blocks, the live records of the emptiest shards
 are moved into fresh ones (compaction), so the disk holds at most about twice the live records.
 
-A read copies the slot's data from the array straight into the caller's staging buffer (a TensorStore view of it)
-while the head is read, hashed as it lands; a batch read starts all its heads and copies at once (``prefetch``), a
-run of consecutive slots going to adjacent staging buffers (a batch written by one call, read back in order) as one
-read of its heads and one copy of its data, so TensorStore's fixed cost per read (a few hundred microseconds of
-thread hand-offs here) is paid once per run; a damaged record in a run is read again alone. The data array
-reads through memory maps (``file_io_mode`` ``memmap``): the copy goes from the page cache straight into the
-staging buffer, where reading the file would first land it in a fresh buffer.
+A read is the tier's own too (``shard_reader.py``): the offset of every record's data is known in memory (the tier
+wrote the shard, or read its index on open), so a get is one ``preadv`` straight into the caller's staging buffer,
+hashed (XXH3) from cache as it lands, and a record's head comes from memory (kept since it was written, or read and
+checked on open; 128 bytes per record). Through TensorStore the same read cost a few hundred microseconds of
+thread hand-offs and chunk decoding per record: a 16-token get at 0.2-0.5 of a raw read of the same bytes
+(docs/benchmarks.md, seventh pass). A batch read first asks the kernel for each run of chunks lying end to end
+(``POSIX_FADV_WILLNEED``), so records not in the page cache come in from the device while earlier ones are hashed.
+The shards stay TensorStore's zarr3 arrays: TensorStore creates and opens them, reads every head on open, lists and
+deletes shards and rewrites a finished shard's heads, and can read every record the tier wrote (tested).
 On open every head is read and checked (a damaged head is counted corrupt and zeroed; the data is checked when the
 block is read). Directories of the three layouts before this one are migrated on open with one log line: one
 chunk file per slot (``records.zarr``), the slot file ``records.slots`` and one file per record.

@@ -5,7 +5,8 @@ Why the tier lays these bytes out itself (``shard_writer.py`` writes them): Tens
 value only by copying it into its own buffers first (the chunk encoder's copy, then ``writev`` of 64 KiB Cord
 blocks), and its ``file_io_mode`` ``direct`` applies to reads only (tensorstore ``kvstore/file/schema.yml``), so
 through TensorStore an SSD put costs two copies where a raw write costs one (docs/benchmarks.md). The array stays
-TensorStore's: it creates and opens it, reads every record, writes the heads and deletes shards; a shard file laid
+TensorStore's: it creates and opens it, reads the heads on open, rewrites them and deletes shards (the tier reads
+the records itself, at offsets its index gives: ``chunk_offsets``, ``shard_reader.py``); a shard file laid
 out here is byte for byte one that TensorStore reads (tested by reading it back through TensorStore, which checks
 the index's CRC32C).
 

@@ -40,7 +40,7 @@ CACHE_LINE_BYTES = 64
 SLAB_BYTES = 256 << 20
 """Most bytes allocated at once when the tier grows (one slot if a record is larger)."""
 _CONTEXT = ts.Context({"data_copy_concurrency": {"limit": 1}})
-"""TensorStore copies on one thread (records moved between tiers here, the SSD tier's reads in ``files.py``): more
+"""TensorStore copies on one thread (records moved between tiers here): more
 copy threads only add hand-offs on a 2-core host."""
 
 
