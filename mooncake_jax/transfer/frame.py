@@ -23,7 +23,6 @@ with one log line instead of counting it as corrupt.
 
 from __future__ import annotations
 
-import functools
 import struct
 
 import numpy as np
@@ -88,9 +87,18 @@ def record_bytes(spec: BlockSpec) -> int:
     return PREFIX_BYTES + frame_bytes(spec)
 
 
-@functools.cache
+_TAILS: dict[int, tuple[bytes, ...]] = {}  # by spec fingerprint: hashing a BlockSpec hashes its numpy dtype
+
+
 def _prefix_tails(spec: BlockSpec) -> tuple[bytes, ...]:
     """What follows the key in a record prefix, by the key's varint length (1 to 10 bytes)."""
+    tails = _TAILS.get(spec.fingerprint)
+    if tails is None:
+        tails = _TAILS[spec.fingerprint] = _make_prefix_tails(spec)
+    return tails
+
+
+def _make_prefix_tails(spec: BlockSpec) -> tuple[bytes, ...]:
     n_frame = frame_bytes(spec)
     fields = bytes((TAG_FRAME_BYTES,)) + varint(n_frame) + bytes((TAG_SPEC,)) + varint(spec.fingerprint)
     data_field = bytes((TAG_DATA,)) + varint(n_frame)

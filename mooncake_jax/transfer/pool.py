@@ -245,12 +245,13 @@ class BlockPool:
                 raise ValueError("out must be writable")
         blocks: list[np.ndarray | None] = []
         targets = list(out) if out is not None else [np.empty(self.spec.shape, self.spec.dtype) for _ in keys]
+        flats = [data_bytes(block) for block in targets]
         with self._operation():
             for level, tier in enumerate(self._tiers):  # disk tiers read ahead of the copies
                 below = [i for i, key in enumerate(keys) if not any(key in upper for upper in self._tiers[:level])]
-                tier.prefetch([keys[i] for i in below], [data_bytes(targets[i]) for i in below])
-            for key, block in zip(keys, targets):
-                found = self._read_into(key, data_bytes(block))
+                tier.prefetch([keys[i] for i in below], [flats[i] for i in below])
+            for key, block, flat in zip(keys, targets, flats):
+                found = self._read_into(key, flat)
                 if out is None:
                     block.flags.writeable = False
                 blocks.append(block if found else None)
