@@ -86,3 +86,30 @@ def test_open_shard_files_are_bounded_and_a_deleted_shard_is_closed(tmp_path, mo
         assert not list((tmp_path / DATA_DIR).glob("c.*"))
         assert len(os.listdir("/proc/self/fd")) <= before + 1
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv2 RWF_NOWAIT")
+def test_a_batch_is_asked_for_only_when_a_read_finds_the_page_cache_cold(tmp_path, monkeypatch):
+    """Warm reads make no advice call; a read that the page cache cannot serve at once (RWF_NOWAIT short) asks the
+    kernel for the batch's runs once, then reads the rest waiting: the bytes are the same either way."""
+    keys = list(range(1, 9))
+    advised, cold = [], [False]
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset, flags=0):
+        if flags and cold[0]:
+            raise BlockingIOError("not cached")
+        return real_preadv(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(shard_reader.os, "preadv", preadv)
+    monkeypatch.setattr(shard_reader.os, "posix_fadvise", lambda fd, offset, length, advice: advised.append(
+        (offset, length, advice)))
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many(keys, [block_of(k) for k in keys])
+        staging = np.zeros((8, *SPEC.shape), SPEC.dtype)
+        for is_cold in (False, True):
+            cold[0] = is_cold
+            got = pool.get_many(keys, staging)
+            assert all(g.tobytes() == block_of(k).tobytes() for g, k in zip(got, keys))
+            start = pool._tiers[0].store._offsets[0][0]
+            assert advised == ([(start, 8 * SPEC.nbytes, os.POSIX_FADV_WILLNEED)] if is_cold else [])

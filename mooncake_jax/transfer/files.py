@@ -30,8 +30,9 @@ wrote the shard, or read its index on open), so a get is one ``preadv`` straight
 hashed (XXH3) from cache as it lands, and a record's head comes from memory (kept since it was written, or read and
 checked on open; 128 bytes per record). Through TensorStore the same read cost a few hundred microseconds of
 thread hand-offs and chunk decoding per record: a 16-token get at 0.2-0.5 of a raw read of the same bytes
-(docs/benchmarks.md, seventh pass). A batch read first asks the kernel for each run of chunks lying end to end
-(``POSIX_FADV_WILLNEED``), so records not in the page cache come in from the device while earlier ones are hashed.
+(docs/benchmarks.md, seventh pass). A batch read names its runs of chunks lying end to end to the reader, which
+asks the kernel for them (``POSIX_FADV_WILLNEED``) once a read finds the page cache cold, so records not in the page
+cache come in from the device while earlier ones are hashed.
 The shards stay TensorStore's zarr3 arrays: TensorStore creates and opens them, reads every head on open, lists and
 deletes shards and rewrites a finished shard's heads, and can read every record the tier wrote (tested).
 On open every head is read and checked (a damaged head is counted corrupt and zeroed; the data is checked when the
@@ -551,24 +552,20 @@ class FileStore:
         return record
 
     def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None) -> None:
-        """A batch read of these records is coming: ask the kernel for their data now (``POSIX_FADV_WILLNEED``),
-        one request per run of chunks lying end to end in one shard (a batch written by one call, read back in
-        order), so what is not in the page cache is read from the device while the records before it are copied
-        and hashed. (``outs``: where ``read_into`` will put them; the reads themselves are ``read_into``'s.)"""
-        run: tuple[int, int, int] | None = None  # shard, start, end
+        """A batch read of these records is coming: name its runs of chunks lying end to end in one shard (a batch
+        written by one call, read back in order) to the reader, which asks the kernel for them once a read finds
+        the page cache cold (``shard_reader.py``). (``outs``: where ``read_into`` will put them.)"""
+        runs: list[tuple[int, int, int]] = []  # shard, offset, length
         for key in keys:
             where = self._location(key)
             if where is None or where[2] < 0:
                 continue
             shard, _, offset = where
-            if run is not None and run[0] == shard and run[2] == offset:
-                run = (shard, run[1], offset + self.spec.nbytes)
-                continue
-            if run is not None:
-                self._reader.advise(*run[:2], run[2] - run[1])
-            run = (shard, offset, offset + self.spec.nbytes)
-        if run is not None:
-            self._reader.advise(*run[:2], run[2] - run[1])
+            if runs and runs[-1][0] == shard and runs[-1][1] + runs[-1][2] == offset:
+                runs[-1] = (shard, runs[-1][1], runs[-1][2] + self.spec.nbytes)
+            else:
+                runs.append((shard, offset, self.spec.nbytes))
+        self._reader.want(runs)
 
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes, tuple[int, int]] | None:
         """Read the record's data from its shard file straight into ``out`` (flat uint8), hashed as it lands; the

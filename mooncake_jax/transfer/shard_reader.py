@@ -11,6 +11,12 @@ a raw ``read`` makes, plus the hash. The files stay TensorStore's zarr3 shards (
 reads them: tested). A location that is wrong (a shard rewritten behind the tier's back) reads other bytes, which
 fail the checksum: never served.
 
+A batch read names the runs of chunks it will read (``want``); they are handed to the kernel as
+``POSIX_FADV_WILLNEED`` only once a read finds its bytes not in the page cache (``preadv`` with ``RWF_NOWAIT``
+comes back short), so a cold batch has its later records read from the device while the first ones are copied and
+hashed, and a warm one (the records just written, most gets) pays nothing for it: asking for cached pages cost
+about 7% of a 16-token get's CPU.
+
 Open files are kept in a small LRU (``MAX_OPEN_FILES``): a tier of many shards does not run out of descriptors, and
 a deleted shard's descriptor is closed with it (``forget``) so its space is freed at once.
 """
@@ -30,20 +36,38 @@ from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, split_digest
 MAX_OPEN_FILES = 32
 """Shard files kept open for reading at once (least recently read closed first)."""
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 
 
-def read_with_checksum(fd: int, out: np.ndarray, offset: int) -> tuple[int, int] | None:
+def _pread(fd: int, chunk: np.ndarray, offset: int, on_cold: Callable[[], None] | None) -> int:
+    """``preadv`` of ``chunk`` at ``offset``; with ``on_cold``, first without waiting for the device, calling
+    ``on_cold`` (once) when the page cache did not hold it all."""
+    if on_cold is None or _NOWAIT is None:
+        return os.preadv(fd, [chunk], offset)
+    try:
+        got = os.preadv(fd, [chunk], offset, _NOWAIT)
+    except OSError:  # EAGAIN: nothing cached at offset; EOPNOTSUPP: a filesystem without it
+        got = 0
+    if got == chunk.size:
+        return got
+    on_cold()
+    return got + os.preadv(fd, [chunk[got:]], offset + got)
+
+
+def read_with_checksum(fd: int, out: np.ndarray, offset: int,
+                       on_cold: Callable[[], None] | None = None) -> tuple[int, int] | None:
     """Read ``out.size`` bytes of ``fd`` at ``offset`` into ``out`` (flat uint8) and return their XXH3-128 digest
-    as ``(high, low)``; None when the file ends first (a shard file cut short)."""
+    as ``(high, low)``; None when the file ends first (a shard file cut short). ``on_cold``: called when a part is
+    not in the page cache, before it is read from the device."""
     n = out.size
     if n <= COPY_CHUNK_BYTES:  # one chunk: no streaming state to set up
-        if os.preadv(fd, [out], offset) != n:
+        if _pread(fd, out, offset, on_cold) != n:
             return None
         return split_digest(xxhash.xxh3_128_intdigest(out))
     hasher = xxhash.xxh3_128()
     for start in range(0, n, COPY_CHUNK_BYTES):
         chunk = out[start : start + COPY_CHUNK_BYTES]
-        if os.preadv(fd, [chunk], offset + start) != chunk.size:
+        if _pread(fd, chunk, offset + start, on_cold) != chunk.size:
             return None
         hasher.update(chunk)
     return split_digest(hasher.intdigest())
@@ -55,6 +79,7 @@ class ShardReader:
     def __init__(self, path_of: Callable[[int], Path]) -> None:
         self._path_of = path_of
         self._open: OrderedDict[int, int] = OrderedDict()  # shard -> descriptor, least recently read first
+        self._wanted: list[tuple[int, int, int]] = []  # (shard, offset, length) runs a batch is about to read
 
     def _fd(self, shard: int) -> int:
         fd = self._open.get(shard)
@@ -71,7 +96,7 @@ class ShardReader:
         """Read a chunk of ``shard`` at ``offset`` into ``out`` (flat uint8); its digest, or None when the file is
         missing, unreadable or too short (a damaged record)."""
         try:
-            return read_with_checksum(self._fd(shard), out, offset)
+            return read_with_checksum(self._fd(shard), out, offset, self._advise_wanted if self._wanted else None)
         except OSError:
             return None
 
@@ -83,15 +108,20 @@ class ShardReader:
         except OSError:
             return False
 
-    def advise(self, shard: int, offset: int, length: int) -> None:
-        """Tell the kernel these bytes are wanted soon (``POSIX_FADV_WILLNEED``): a part not in the page cache is
-        read from the device in the background while the chunks before it are copied and hashed."""
-        if _WILLNEED is None:
-            return
-        try:
-            os.posix_fadvise(self._fd(shard), offset, length, _WILLNEED)
-        except OSError:
-            pass  # only advice: the read will say what is wrong
+    def want(self, runs: list[tuple[int, int, int]]) -> None:
+        """The ``(shard, offset, length)`` runs a batch is about to read, replacing those of the batch before:
+        asked for from the kernel if a read finds the page cache cold."""
+        self._wanted = runs
+
+    def _advise_wanted(self) -> None:
+        """Tell the kernel the wanted runs are needed soon (``POSIX_FADV_WILLNEED``): what is not in the page cache
+        is read from the device in the background while the records before it are copied and hashed."""
+        runs, self._wanted = self._wanted, []
+        for shard, offset, length in runs if _WILLNEED is not None else ():
+            try:
+                os.posix_fadvise(self._fd(shard), offset, length, _WILLNEED)
+            except OSError:
+                pass  # only advice: the read will say what is wrong
 
     def forget(self, shard: int) -> None:
         """Close ``shard``'s descriptor (it is being deleted)."""
