@@ -492,8 +492,9 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", 
                                                                  repeats=1 if quick or layerwise == "default" else 2)
     sections = [results[label]["ratios"] for label in ("block128", "block16", "llama70b_block512")]
     for name in ("dram_put_ratio", "dram_get_ratio", "ssd_put_ratio", "ssd_get_ratio", "messenger_ratio",
-                 "messenger_push_ratio", "dram_put_cpu_ratio", "dram_get_cpu_ratio", "ssd_put_cpu_ratio", "ssd_get_cpu_ratio", "messenger_cpu_ratio",
-                 "messenger_push_cpu_ratio", "ssd_put_vs_direct_raw_ratio", "ssd_direct_io_put_ratio",
+                 "messenger_push_ratio", "dram_put_cpu_ratio", "dram_get_cpu_ratio", "ssd_put_cpu_ratio",
+                 "ssd_get_cpu_ratio", "messenger_cpu_ratio", "messenger_push_cpu_ratio", "ssd_put_vs_direct_raw_ratio",
+                 "ssd_direct_io_put_ratio",
                  "ssd_direct_io_put_vs_direct_raw_ratio"):
         if any(name in r for r in sections):
             results[name] = round(min(r[name] for r in sections if name in r), 3)

@@ -28,9 +28,9 @@ are moved into fresh ones (compaction), so the disk holds at most about twice th
 A read is the tier's own too (``shard_reader.py``): the offset of every record's data is known in memory (the tier
 wrote the shard, or read its index on open), so a get is one ``preadv`` straight into the caller's staging buffer,
 hashed (XXH3) from cache as it lands, and a record's head comes from memory (kept since it was written, or read and
-checked on open; 128 bytes per record). Through TensorStore the same read cost a few hundred microseconds of
-thread hand-offs and chunk decoding per record: a 16-token get at 0.2-0.5 of a raw read of the same bytes
-(docs/benchmarks.md, seventh pass). A batch read names its runs of chunks lying end to end to the reader, which
+checked on open; 128 bytes per record). Through TensorStore the same read cost about 0.1 ms of CPU per 384 KiB
+record beyond the copy (thread hand-offs, chunk decoding): a 16-token get at 0.22-0.27 of a raw read's CPU, 0.41-0.57
+now (docs/benchmarks.md, seventh pass). A batch read names its runs of chunks lying end to end to the reader, which
 asks the kernel for them (``POSIX_FADV_WILLNEED``) once a read finds the page cache cold, so records not in the page
 cache come in from the device while earlier ones are hashed.
 The shards stay TensorStore's zarr3 arrays: TensorStore creates and opens them, reads every head on open, lists and

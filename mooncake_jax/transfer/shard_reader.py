@@ -2,8 +2,8 @@
 knows, straight into the caller's buffer, hashed (XXH3-128) as it lands.
 
 Why the tier reads its own shards (docs/benchmarks.md, "Issue 15, SSD get and DRAM put, seventh pass"): through
-TensorStore a read of one 384 KiB record cost a few hundred microseconds of thread hand-offs and decoding beside a
-~75 us copy out of the page cache, so a 16-token get ran at 0.2-0.5 of a raw read of the same bytes. The tier wrote
+TensorStore a 16-token get cost 0.31-0.40 CPU s/GB (thread hand-offs and chunk decoding, about 0.1 ms per 384 KiB
+record beyond the copy) where a raw read of the same bytes cost 0.07-0.10; read here, 0.13-0.20. The tier wrote
 every shard itself (``shard_writer.py``), or found its index when it opened the shard (TensorStore may have
 rewritten it: the chunks may lie anywhere after the index), so a record's offset is known in memory and a read is
 one ``preadv`` per ``COPY_CHUNK_BYTES``, each hashed from the core's cache right after it lands: the same kernel copy
