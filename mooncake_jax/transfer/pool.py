@@ -245,12 +245,13 @@ class BlockPool:
                 raise ValueError("out must be writable")
         blocks: list[np.ndarray | None] = []
         targets = list(out) if out is not None else [np.empty(self.spec.shape, self.spec.dtype) for _ in keys]
+        flats = [data_bytes(block) for block in targets]
         with self._operation():
             for level, tier in enumerate(self._tiers):  # disk tiers read ahead of the copies
                 below = [i for i, key in enumerate(keys) if not any(key in upper for upper in self._tiers[:level])]
-                tier.prefetch([keys[i] for i in below], [data_bytes(targets[i]) for i in below])
-            for key, block in zip(keys, targets):
-                found = self._read_into(key, data_bytes(block))
+                tier.prefetch([keys[i] for i in below], [flats[i] for i in below])
+            for key, block, flat in zip(keys, targets, flats):
+                found = self._read_into(key, flat)
                 if out is None:
                     block.flags.writeable = False
                 blocks.append(block if found else None)
@@ -386,7 +387,7 @@ class BlockPool:
             raise PoolFullError(
                 f"cannot store block {key:#018x}: all {tier.capacity_blocks} blocks of the {tier.name} tier are pinned"
             )
-        before = self.tier_of(key)
+        before = self.tier_of(key) if self._listeners else None
         write(tier)
         self._announce(key, before)
         return level
@@ -480,12 +481,15 @@ class BlockPool:
             raise ValueError("the block pool is closed")
 
     def _drop(self, tier: Tier, key: BlockKey) -> None:
-        before = self.tier_of(key)
+        before = self.tier_of(key) if self._listeners else None
         tier.delete(key)
         self._announce(key, before)
 
     def _announce(self, key: BlockKey, before: str | None) -> None:
-        """Tell listeners if the fastest tier holding ``key`` is no longer ``before`` (see ``BlockEvent``)."""
+        """Tell listeners if the fastest tier holding ``key`` is no longer ``before`` (see ``BlockEvent``); nothing
+        to work out when none listens (the callers skip ``before`` then: a put of a small block is mostly Python)."""
+        if not self._listeners:
+            return
         after = self.tier_of(key)
         if after == before:
             return
