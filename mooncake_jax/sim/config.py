@@ -65,6 +65,12 @@ class SimConfig:
     step on a shared host (disaggregated clusters); each reported gap's step part is scaled by one drawn from
     them (seeded by ``seed``), so a request's TBT (its longest gaps) sees the real steps' tail; the clock keeps
     the mean step (empty: exact steps).
+    ``host_cores``: the instances share one host with this many cores (a local cluster; None: each instance on its
+    own machine, the default). Every busy instance (a prefill instance computing, a decode instance with requests in
+    its batch) is one runnable process; while more are busy than there are cores, each runs at ``cores / busy`` of
+    its cost model's speed: a running prefill's remaining work is re-timed at once, a decode batch's steps from its
+    next boundary. Cost models are then read as each instance measured alone (``mooncake-jax profile``); with
+    ``shared_host_decode_slowdown`` too, both factors apply (disaggregated clusters only).
     """
 
     prefill: int = 8
@@ -96,6 +102,7 @@ class SimConfig:
     decode_join_stall_s: float = 0.0
     shared_host_decode_slowdown: float = 1.0
     decode_step_spread: tuple[float, ...] = ()
+    host_cores: int | None = None
 
     def __post_init__(self):
         for name in ("prefill", "decode", "chunk_tokens", "prefill_batch_tokens"):
@@ -146,6 +153,11 @@ class SimConfig:
         if not all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in spread):
             raise ValueError(f"decode_step_spread must be positive numbers, got {self.decode_step_spread!r}")
         object.__setattr__(self, "decode_step_spread", tuple(float(f) for f in spread))  # frozen and hashable
+        if self.host_cores is not None:
+            if not isinstance(self.host_cores, int) or isinstance(self.host_cores, bool) or self.host_cores < 1:
+                raise ValueError(f"host_cores must be a positive integer or None, got {self.host_cores!r}")
+            if self.architecture != "disaggregated":
+                raise ValueError("host_cores applies to the disaggregated architecture only")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {list(EVICTIONS)}")
         for name in ("prefill_hardware", "decode_hardware"):

@@ -1,0 +1,51 @@
+"""The simulator's shared host (``SimConfig.host_cores``): instances as processes on one host's cores, every
+service time stretched by (busy instances / cores) while more are busy than there are cores. Worked by hand on the
+costs of ``test_accounting``: prefill 1 s + 1 ms per token (a 1,000-token prompt: 2 s alone), decode step 10 ms,
+a 1,000-token KV pushed in 1 s."""
+
+import pytest
+
+from mooncake_jax.conductor.accounting import REAL_INSTANCES
+from mooncake_jax.sim import SimConfig, simulate
+from mooncake_jax.sim.trace import Trace, TraceRequest
+
+from test_accounting import SLOW_LINK
+
+
+def test_two_prefills_on_one_core_share_it_from_the_moment_both_run():
+    """A arrives at 0 s, B at 1 s, each 2 s of work, on two prefill instances (single-token outputs: no decode).
+    One core: A runs alone for 1 s (1 s of work left), then both at half speed: A's last second of work takes 2 s
+    (ends at 3 s), by when B has done 1 s; alone again, B ends at 4 s. Two cores: each keeps its own (2 s, 3 s)."""
+    trace = Trace([TraceRequest(0.0, 1000, 1, (1, 2)), TraceRequest(1.0, 1000, 1, (3, 4))])
+    a, b = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, host_cores=1).requests
+    assert a.prefill_id != b.prefill_id
+    assert (a.first_token_at, b.first_token_at) == (pytest.approx(3.0), pytest.approx(4.0))
+    a, b = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, host_cores=2).requests
+    assert (a.first_token_at, b.first_token_at) == (pytest.approx(2.0), pytest.approx(3.0))
+    a, b = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK).requests  # separate machines: the same
+    assert (a.first_token_at, b.first_token_at) == (pytest.approx(2.0), pytest.approx(3.0))
+
+
+def test_a_decode_batch_counts_as_a_busy_process():
+    """A: prefill 0-2 s, KV pushed 2-3 s, then 200 decode steps. B and C arrive at 3 s and prefill on the two
+    instances. Two cores, three busy (two prefills, A's batch): everything at 2/3 speed from 3 s, so B and C take
+    3 s (end at 6 s) and A's steps 15 ms: its 200 steps end at 6 s (5 s on separate machines). B's and C's KV then
+    go over the decode instance's link one after the other: first tokens at 7 and 8 s (4 and 5 s after arrival)."""
+    trace = Trace([TraceRequest(0.0, 1000, 201, (1, 2)), TraceRequest(3.0, 1000, 2, (3, 4)),
+                   TraceRequest(3.0, 1000, 2, (5, 6))])
+    alone = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES).requests
+    assert alone[0].finished_at == pytest.approx(5.0)
+    a, b, c = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                       host_cores=2).requests
+    assert a.ttft_s == pytest.approx(3.0)
+    assert b.prefill_start == c.prefill_start == pytest.approx(3.0)
+    assert a.finished_at == pytest.approx(6.0, abs=0.016)  # the change waits for a step boundary
+    assert sorted((b.ttft_s, c.ttft_s)) == [pytest.approx(4.0), pytest.approx(5.0)]
+
+
+def test_host_cores_is_checked():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="host_cores"):
+            SimConfig(host_cores=bad)
+    with pytest.raises(ValueError, match="host_cores"):
+        SimConfig(architecture="coupled", host_cores=2)
