@@ -235,13 +235,26 @@ class DisaggregatedSim(ClusterSim):
             # the decode instance takes the request into its batch decode_join_s after its KV is there, the last
             # decode_join_stall_s of it on its engine loop (``_join``), one request at a time
             cfg, d = self.config, self.by_id[req.decode_id]
-            taken_in = req.kv_ready_at + cfg.decode_join_s
-            if cfg.decode_join_s:
-                taken_in = max(req.kv_ready_at, d.join_free_at) + cfg.decode_join_s
+            join_s = cfg.decode_join_s * self._join_stretch(d)
+            taken_in = req.kv_ready_at + join_s
+            if join_s:
+                taken_in = max(req.kv_ready_at, d.join_free_at) + join_s
                 d.join_free_at = taken_in
             self.events.at(taken_in - cfg.decode_join_stall_s, self._kv_arrived, d, req)
         self._try_start(p)
         self._host_load_changed()
+
+    def _join_stretch(self, d: DecodeNode) -> float:
+        """How much longer than ``decode_join_s`` a join booked now takes on a shared host (``SimConfig.host_cores``):
+        the decode instance is busy taking the request in, so it counts with the prefills computing and the other
+        decode instances decoding, as the host's load is when the join is booked (its KV's push, at the prefill's
+        end; the part that stalls the batch, ``decode_join_stall_s``, is not stretched)."""
+        cores = self.config.host_cores
+        if cores is None:
+            return 1.0
+        busy = sum(p.running is not None for p in self.prefill) + sum(
+            e is d or e.batch.batch > 0 for e in self.decode)
+        return max(1.0, busy / cores)
 
     def _host_load_changed(self) -> None:
         """Instances sharing one host. ``SimConfig.host_cores``: with ``busy`` instances busy (prefills computing,
