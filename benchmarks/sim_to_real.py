@@ -170,17 +170,19 @@ def engine_in_pairs(reported, costs) -> dict:
             "off_engine_s": max(0.0, float(np.median([r[3] for r in reported]))), "engine_probe_requests": len(reported)}
 
 
-def bursts(cluster, items, vocab_size: int) -> list[tuple[float, int, np.ndarray]]:
+def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.ndarray]], list[float]]:
     """The replay's regime, by fresh prompts (not the trace's) shaped like the slice's: a long request decodes while
     a burst of ``BURST`` requests arrives at once (prompt and output lengths drawn from the slice's decoding
     requests), as the trace's bursts do; so the decode batch reaches the sizes the replay reaches, the two prefill
     instances compute side by side and beside it on the same cores, and the burst's requests join it one after
-    another. ``BURST_ROUNDS`` rounds; per request (submitted, prompt tokens, token times), one clock."""
-    from mooncake_jax.gateway.backend import TokenOut
+    another. ``BURST_ROUNDS`` rounds; per request (submitted, prompt tokens, token times), one clock; and each
+    request's time off its prefill engine (TTFT less the decision, queue and compute its instance reported: the
+    burst's RPCs, staging and pushes contend on the same cores as the replay's do)."""
+    from mooncake_jax.gateway.backend import Finished, TokenOut
 
     rng = np.random.default_rng(24680)
     decoding = [it for it in items if it[2] > 1]
-    runs = []
+    runs, off_engine = [], []
     for _ in range(BURST_ROUNDS):
         started = threading.Event()
 
@@ -191,6 +193,9 @@ def bursts(cluster, items, vocab_size: int) -> list[tuple[float, int, np.ndarray
                     times.append(start + item.time_s)
                     if signal is not None and len(times) == 2:
                         signal.set()
+                elif isinstance(item, Finished) and times:
+                    off_engine.append(times[0] - start - item.decided_s - item.prefill_queue_s
+                                      - item.prefill_compute_s)
             if signal is not None:
                 signal.set()
             return start, len(prompt), np.array(times)
@@ -202,7 +207,7 @@ def bursts(cluster, items, vocab_size: int) -> list[tuple[float, int, np.ndarray
             futures += [pool.submit(run, rng.integers(0, vocab_size, len(prompt)).tolist(), max_tokens)
                         for _, prompt, max_tokens, _ in picks]
             runs += [f.result() for f in futures]
-    return runs
+    return runs, off_engine
 
 
 def decode_in_bursts(runs, costs) -> dict:
@@ -437,12 +442,15 @@ def from_profile(costs, probed: dict, cores: int) -> dict:
     at a join, the step spread), the pairs' decode join (``probe``: taken in with no prefill beside it; the bursts'
     joins ran beside two prefills, where the simulator stretches the pairs' reading itself) and the host's core count, with which the simulator shares
     the cores between its busy instances (``SimConfig.host_cores``) in place of the bursts' measured decode slowdown
-    beside a prefill. Nothing here is read from the replay."""
+    beside a prefill. The time off the engine is the bursts' (``off_engine_s_bursts``; the pairs' where none): a
+    replayed request's ran 30-40 ms at every prompt length and output (quiet runs ``s5_seq_*``) where a pair's,
+    two requests at a time, ran 14 ms (run ``s6_dev1``): it is RPCs and copies in Python threads of every process
+    on the same cores, and a burst's requests queue for them. Nothing here is read from the replay."""
     scale, fixed = probed.get("engine_scale", probed["prefill_scale"]), probed.get("engine_fixed_s", 0.0)
     join = probed["decode_join_s"]  # the pairs': taken in with no prefill beside (the bursts' ran 3 busy on 2 cores)
     return {"prefill_coef": [costs.prefill.coef[0] * scale + fixed] + [c * scale for c in costs.prefill.coef[1:]],
             "prefill_scale": scale, "request_overhead_s": 0.0,
-            "prefill_off_engine_s": probed.get("off_engine_s", 0.0),
+            "prefill_off_engine_s": probed.get("off_engine_s_bursts", probed.get("off_engine_s", 0.0)),
             "decode_scale": probed["decode_scale"], "decode_token_delivery_s": probed.get("decode_token_delivery_s", 0.0),
             "decode_join_s": join, "decode_join_stall_s": min(probed.get("decode_join_stall_s", 0.0), join),
             "shared_host_decode_slowdown": 1.0, "decode_step_spread": list(probed.get("decode_step_spread", ())),
@@ -520,8 +528,10 @@ def main() -> None:
         profile_json = getattr(first, "profile_json", None) or first.info["profile_json"]
         costs = costs_from_profile(profile_json)
         overheads = probe(cluster, costs, cfg.vocab_size)
-        burst_runs = bursts(cluster, items, cfg.vocab_size)
+        burst_runs, burst_off_engine = bursts(cluster, items, cfg.vocab_size)
         overheads.update(decode_in_bursts(burst_runs, costs))
+        if burst_off_engine:
+            overheads["off_engine_s_bursts"] = max(0.0, float(np.median(burst_off_engine)))
         overheads["decode_join_stall_s"] = min(overheads.get("decode_join_stall_s", 0.0), overheads["decode_join_s"])
         print(f"profile: {costs.name}; probed overheads {overheads}", flush=True)
         t_replay = time.perf_counter()

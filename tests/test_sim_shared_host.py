@@ -56,7 +56,8 @@ def test_the_profile_reading_takes_the_pairs_engine_and_the_host_cores():
     (profile 2 s) the engine took 5.0, 4.9 and 9.0 s (median 5 s: the 9 s one preempted), at 500 (1.5 s) 4 s
     twice: the line through the medians is 1 s + 2x the profile. TTFT less decision, queue and compute: 0.1, 0.2,
     0.3, 0.4, 0.5 s, median 0.3 s. The simulator's inputs: the profile times 2 plus 1 s per request (3 s + 2 ms per
-    token), that time off the engine, the pairs' join, the bursts' decode, two cores shared; no slowdown read."""
+    token), the bursts' time off the engine (the pairs' where none), the pairs' join, the bursts' decode, two cores
+    shared; no slowdown read."""
     from test_accounting import _sim_to_real
 
     bench = _sim_to_real()
@@ -65,12 +66,14 @@ def test_the_profile_reading_takes_the_pairs_engine_and_the_host_cores():
     pairs = bench.engine_in_pairs(reported, SLOW_LINK)
     assert (pairs["engine_fixed_s"], pairs["engine_scale"]) == (pytest.approx(1.0), pytest.approx(2.0))
     assert pairs["off_engine_s"] == pytest.approx(0.3)
-    probed = {**pairs, "prefill_scale": 7.0, "decode_scale": 1.5, "decode_token_delivery_s": 0.001,
+    probed = {**pairs, "prefill_scale": 7.0, "off_engine_s_bursts": 0.04, "decode_scale": 1.5, "decode_token_delivery_s": 0.001,
               "decode_join_s": 0.01, "decode_join_s_bursts": 0.02, "decode_join_stall_s": 0.05,
               "shared_host_decode_slowdown": 1.4, "decode_step_spread": [0.5, 1.5]}
     inputs = bench.from_profile(SLOW_LINK, probed, 2)
     assert inputs["prefill_coef"] == pytest.approx([3.0, 0.002, 0.0, 0.0])
-    assert inputs["prefill_off_engine_s"] == pytest.approx(0.3)
+    assert inputs["prefill_off_engine_s"] == pytest.approx(0.04)  # the bursts' where read
+    pairs_only = {k: v for k, v in probed.items() if k != "off_engine_s_bursts"}
+    assert bench.from_profile(SLOW_LINK, pairs_only, 2)["prefill_off_engine_s"] == pytest.approx(0.3)  # else the pairs'
     assert inputs["decode_join_s"] == inputs["decode_join_stall_s"] == pytest.approx(0.01)  # stall <= join
     assert inputs["shared_host_decode_slowdown"] == 1.0 and inputs["host_cores"] == 2
     assert bench.engine_in_pairs(reported[:3], SLOW_LINK) == {}  # too few to read
