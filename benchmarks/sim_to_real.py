@@ -53,6 +53,8 @@ from mooncake_jax.conductor.profile import costs_from_profile  # noqa: E402
 from mooncake_jax.slo import tbt_of_times  # noqa: E402
 
 from mooncake_jax.demo import ENGINE_BLOCK  # noqa: E402
+from mooncake_jax.instance.cluster import PREFILL_NICENESS  # noqa: E402
+from mooncake_jax.sim.host import cfs_weight  # noqa: E402
 PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 512, 1024), 16, 3
 BURST, BURST_ROUNDS, BURST_LONG_TOKENS, SPREAD_QUANTILES = 8, 6, 200, 20
 SLICE_S = 12.0  # the replay's slices over which the prefill's speed is read again (four of the trace's bursts)
@@ -442,7 +444,8 @@ def from_profile(costs, probed: dict, cores: int) -> dict:
     at a join, the step spread), the pairs' decode join (``probe``: taken in with no prefill beside it; the bursts'
     joins ran beside two prefills, where the simulator stretches the pairs' reading itself) and the host's core count, with which the simulator shares
     the cores between its busy instances (``SimConfig.host_cores``) in place of the bursts' measured decode slowdown
-    beside a prefill. The time off the engine is the bursts' (``off_engine_s_bursts``; the pairs' where none): a
+    beside a prefill, each prefill process weighing what its lower priority gives it against the decode process
+    (``PREFILL_NICENESS``, Linux's weights: ~0.33). The time off the engine is the bursts' (``off_engine_s_bursts``; the pairs' where none): a
     replayed request's ran 30-40 ms at every prompt length and output (quiet runs ``s5_seq_*``) where a pair's,
     two requests at a time, ran 14 ms (run ``s6_dev1``): it is RPCs and copies in Python threads of every process
     on the same cores, and a burst's requests queue for them. Nothing here is read from the replay."""
@@ -454,7 +457,7 @@ def from_profile(costs, probed: dict, cores: int) -> dict:
             "decode_scale": probed["decode_scale"], "decode_token_delivery_s": probed.get("decode_token_delivery_s", 0.0),
             "decode_join_s": join, "decode_join_stall_s": min(probed.get("decode_join_stall_s", 0.0), join),
             "shared_host_decode_slowdown": 1.0, "decode_step_spread": list(probed.get("decode_step_spread", ())),
-            "host_cores": cores}
+            "host_cores": cores, "host_prefill_weight": cfs_weight(PREFILL_NICENESS)}
 
 
 def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: float, cache_tokens: int,
@@ -482,7 +485,8 @@ def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: f
                       decode_join_stall_s=overheads.get("decode_join_stall_s", 0.0),
                       shared_host_decode_slowdown=overheads.get("shared_host_decode_slowdown", 1.0),
                       decode_step_spread=tuple(overheads.get("decode_step_spread", ())),
-                      host_cores=overheads.get("host_cores"), **slo)
+                      host_cores=overheads.get("host_cores"),
+                      host_prefill_weight=overheads.get("host_prefill_weight", 1.0), **slo)
     by_item = [None] * len(items)
     for req, i in zip(result.requests, order):
         by_item[i] = req

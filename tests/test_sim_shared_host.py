@@ -77,3 +77,33 @@ def test_the_profile_reading_takes_the_pairs_engine_and_the_host_cores():
     assert inputs["decode_join_s"] == inputs["decode_join_stall_s"] == pytest.approx(0.01)  # stall <= join
     assert inputs["shared_host_decode_slowdown"] == 1.0 and inputs["host_cores"] == 2
     assert bench.engine_in_pairs(reported[:3], SLOW_LINK) == {}  # too few to read
+
+
+def test_the_cores_are_shared_by_weight_each_process_at_most_one():
+    """By hand: two cores, two prefills and a decode busy. Equal weights: each gets 2/3 of a core. A prefill weighing
+    a third of a decode (nice +5): the decode's share, 2 * 1 / (1 + 2/3) = 1.2 cores, is more than the one it can
+    use, so it keeps one and the two prefills split the other (1/2 each). One core, a prefill and a decode at
+    weights 1/3 and 1: 1/4 and 3/4. Linux's weight for 5 nice levels lower: 335/1024 of nice 0's."""
+    from mooncake_jax.sim.host import cfs_weight, shared_rates
+
+    assert shared_rates(2, 2, 1) == (pytest.approx(2 / 3), pytest.approx(2 / 3))
+    assert shared_rates(2, 2, 1, 1 / 3) == (pytest.approx(0.5), pytest.approx(1.0))
+    assert shared_rates(1, 1, 1, 1 / 3) == (pytest.approx(0.25), pytest.approx(0.75))
+    assert shared_rates(2, 1, 1, 1 / 3) == (1.0, 1.0) and shared_rates(2, 0, 0) == (1.0, 1.0)
+    assert cfs_weight(5) == pytest.approx(335 / 1024, rel=0.01)
+
+
+def test_a_lower_priority_prefill_leaves_the_decode_its_core():
+    """As ``test_a_decode_batch_counts_as_a_busy_process`` with the prefills weighing a third of the decode: the
+    decode keeps a whole core (A's 200 steps end at 5 s as on separate machines) and B and C share the other at
+    half speed until then (1 s of their 2 s of work done each), then have a core each: both end at 6 s, their KV
+    over the link at 7 and 8 s (4 and 5 s after arrival; with equal weights A ended at 6 s instead)."""
+    trace = Trace([TraceRequest(0.0, 1000, 201, (1, 2)), TraceRequest(3.0, 1000, 2, (3, 4)),
+                   TraceRequest(3.0, 1000, 2, (5, 6))])
+    a, b, c = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                       host_cores=2, host_prefill_weight=1 / 3).requests
+    assert a.finished_at == pytest.approx(5.0, abs=0.011)
+    assert sorted((b.ttft_s, c.ttft_s)) == [pytest.approx(4.0), pytest.approx(5.0)]
+    assert b.prefill_start == c.prefill_start == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="host_prefill_weight"):
+        SimConfig(host_prefill_weight=0.0)

@@ -67,9 +67,11 @@ class SimConfig:
     the mean step (empty: exact steps).
     ``host_cores``: the instances share one host with this many cores (a local cluster; None: each instance on its
     own machine, the default). Every busy instance (a prefill instance computing, a decode instance with requests in
-    its batch) is one runnable process; while more are busy than there are cores, each runs at ``cores / busy`` of
-    its cost model's speed: a running prefill's remaining work is re-timed at once, a decode batch's steps from its
-    next boundary. Cost models are then read as each instance measured alone (``mooncake-jax profile``); with
+    its batch) is one runnable process of at most one core; the cores are shared by weight (``sim/host.py``), a
+    prefill process weighing ``host_prefill_weight`` against a decode process's 1 (``host.cfs_weight(n)`` for a
+    prefill run ``n`` nice levels lower, as a local cluster does; 1: equal, each at ``cores / busy`` of its speed
+    while more are busy than there are cores): a running prefill's remaining work is re-timed at once, a decode
+    batch's steps from its next boundary. Cost models are then read as each instance measured alone (``mooncake-jax profile``); with
     ``shared_host_decode_slowdown`` too, both factors apply (disaggregated clusters only).
     """
 
@@ -103,6 +105,7 @@ class SimConfig:
     shared_host_decode_slowdown: float = 1.0
     decode_step_spread: tuple[float, ...] = ()
     host_cores: int | None = None
+    host_prefill_weight: float = 1.0
 
     def __post_init__(self):
         for name in ("prefill", "decode", "chunk_tokens", "prefill_batch_tokens"):
@@ -158,6 +161,9 @@ class SimConfig:
                 raise ValueError(f"host_cores must be a positive integer or None, got {self.host_cores!r}")
             if self.architecture != "disaggregated":
                 raise ValueError("host_cores applies to the disaggregated architecture only")
+        if not (isinstance(self.host_prefill_weight, (int, float)) and math.isfinite(self.host_prefill_weight)
+                and self.host_prefill_weight > 0):
+            raise ValueError(f"host_prefill_weight must be a positive number, got {self.host_prefill_weight!r}")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {list(EVICTIONS)}")
         for name in ("prefill_hardware", "decode_hardware"):

@@ -31,6 +31,7 @@ from mooncake_jax.conductor.accounting import prefill_work_s, reused_tokens
 from mooncake_jax.conductor.costs import transfer_seconds
 from mooncake_jax.sim.batch import ContinuousBatch
 from mooncake_jax.sim.cache import make_cache
+from mooncake_jax.sim.host import shared_rates
 from mooncake_jax.slo import tbt_of_gaps
 from mooncake_jax.sim.records import COMPLETED, REJECTED_EARLY, REJECTED_LATE, SimRequest
 from mooncake_jax.sim.runner import ClusterSim
@@ -252,14 +253,14 @@ class DisaggregatedSim(ClusterSim):
         cores = self.config.host_cores
         if cores is None:
             return 1.0
-        busy = sum(p.running is not None for p in self.prefill) + sum(
-            e is d or e.batch.batch > 0 for e in self.decode)
-        return max(1.0, busy / cores)
+        prefills = sum(p.running is not None for p in self.prefill)
+        decodes = sum(e is d or e.batch.batch > 0 for e in self.decode)
+        return 1.0 / shared_rates(cores, prefills, decodes, self.config.host_prefill_weight)[1]
 
     def _host_load_changed(self) -> None:
-        """Instances sharing one host. ``SimConfig.host_cores``: with ``busy`` instances busy (prefills computing,
-        decode batches not empty) on ``cores`` cores, every one runs ``max(1, busy / cores)`` times slower than its
-        cost model: a running prefill's remaining work is re-timed now, decode steps from each batch's next
+        """Instances sharing one host. ``SimConfig.host_cores``: the busy instances (prefills computing, decode
+        batches not empty) share the cores by weight (``host.shared_rates``), each slower than its cost model by
+        its share: a running prefill's remaining work is re-timed now, decode steps from each batch's next
         boundary. ``SimConfig.shared_host_decode_slowdown`` (> 1): decode steps that much slower again while any
         prefill computes."""
         cores, slowdown = self.config.host_cores, self.config.shared_host_decode_slowdown
@@ -273,14 +274,15 @@ class DisaggregatedSim(ClusterSim):
                 now, prefilling = self.events.now, any(p.running is not None for p in self.prefill)
                 stretch = 1.0
                 if cores is not None:
-                    busy = sum(p.running is not None for p in self.prefill) + sum(d.batch.batch > 0
-                                                                                 for d in self.decode)
-                    stretch = max(1.0, busy / cores)
+                    prefill_rate, decode_rate = shared_rates(
+                        cores, sum(p.running is not None for p in self.prefill),
+                        sum(d.batch.batch > 0 for d in self.decode), self.config.host_prefill_weight)
+                    stretch = 1.0 / decode_rate
                     for p in self.prefill:
-                        if p.running is not None and p.rate != 1.0 / stretch:
+                        if p.running is not None and p.rate != prefill_rate:
                             p.work_left = max(0.0, p.work_left - (now - p.rated_at) * p.rate)
-                            p.rated_at, p.rate = now, 1.0 / stretch
-                            p.busy_until = now + p.work_left * stretch
+                            p.rated_at, p.rate = now, prefill_rate
+                            p.busy_until = now + p.work_left / prefill_rate
                             p.end_version += 1
                             self.events.at(p.busy_until, self._prefill_end, p, p.running, p.end_version)
                 factor = stretch * (slowdown if prefilling else 1.0)
