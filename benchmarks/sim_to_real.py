@@ -26,6 +26,9 @@
    when the real Conductor decided on them, in its order (``decided_at``: a burst's order there is not the
    trace's; ``*_window_trace_order`` keeps the trace's order).
 6. Report TTFT and TBT p50 / p90 of both side by side with their relative errors (goal <= 25%).
+7. Beside it, the prediction from what was measured before the replay only (``from_profile``, ``*_profile``): the
+   start-up profile, the pairs' reported engine compute and decode join, the bursts' decode and time off the
+   engine, and the host's core count, its cores shared between the simulated instances (``SimConfig.host_cores``).
 
     python benchmarks/sim_to_real.py --json /tmp/sim_to_real.json
 """
