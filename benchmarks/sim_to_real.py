@@ -172,7 +172,8 @@ def engine_in_pairs(reported, costs) -> dict:
         else:
             fixed = 0.0
     return {"engine_fixed_s": float(fixed), "engine_scale": scale,
-            "off_engine_s": max(0.0, float(np.median([r[3] for r in reported]))), "engine_probe_requests": len(reported)}
+            "off_engine_s": max(0.0, float(np.median([r[3] for r in reported]))),
+            "engine_probe_requests": len(reported)}
 
 
 def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.ndarray]], list[float]]:
@@ -440,27 +441,33 @@ def profiled_costs(costs, overheads: dict):
 
 
 def from_profile(costs, probed: dict, cores: int) -> dict:
-    """The simulator's inputs from what was measured before the replay only: the start-up profile (each instance's
-    engine alone), the pairs' reading of the served engine (``engine_in_pairs``: the profile's prefill times
-    ``engine_scale`` plus ``engine_fixed_s`` per request; the time off the engine), the bursts' reading of decode
-    (``decode_in_bursts``: step scale and per-request delivery from the gaps with no prefill beside them, the stall
-    at a join, the step spread), the pairs' decode join (``probe``: taken in with no prefill beside it; the bursts'
-    joins ran beside two prefills, where the simulator stretches the pairs' reading itself) and the host's core count, with which the simulator shares
-    the cores between its busy instances (``SimConfig.host_cores``) in place of the bursts' measured decode slowdown
-    beside a prefill, every busy process weighing the same (``_profile_weighted`` beside it: each prefill at what its
-    lower priority, ``PREFILL_NICENESS``, gives it in Linux's weights, ~0.33, a process at most one core; that kept
-    the decode at full speed beside two prefills, where the replays' steps ran 1.3-1.7x slower beside a prefill:
-    XLA runs each process on a thread pool the size of the host, so a process is not one core's demand, and its TBT
-    came out further in the three runs of ``docs/benchmarks.md``). The time off the engine is the bursts' (``off_engine_s_bursts``; the pairs' where none): a
-    replayed request's ran 30-40 ms at every prompt length and output (quiet runs ``s5_seq_*``) where a pair's,
-    two requests at a time, ran 14 ms (run ``s6_dev1``): it is RPCs and copies in Python threads of every process
-    on the same cores, and a burst's requests queue for them. Nothing here is read from the replay."""
+    """The simulator's inputs from what was measured before the replay only:
+
+    - the start-up profile (each instance's engine alone), its prefill times ``engine_scale`` plus ``engine_fixed_s``
+      per request, both from the pairs' reported engine compute (``engine_in_pairs``);
+    - the time off the engine from the bursts' requests (``off_engine_s_bursts``; the pairs' where none): replayed
+      requests took 30-40 ms at every prompt and output length on the quiet host (``s5_seq_*``), pairs 15-27 ms in
+      the sixth pass's less loaded runs and the bursts 37-54 ms: RPCs and copies in Python threads of every process
+      on the same cores, for which a burst's requests queue;
+    - the pairs' decode join (``probe``: taken in with no prefill beside it; the bursts' joins ran beside two
+      prefills, where the simulator stretches the pairs' reading itself) and the bursts' decode (``decode_in_bursts``:
+      step scale and per-request delivery from the gaps with no prefill beside them, the stall at a join, the spread);
+    - the host's core count, over which the simulator shares the cores between its busy instances
+      (``SimConfig.host_cores``) in place of the bursts' measured decode slowdown beside a prefill, every busy
+      process weighing the same. (``_profile_weighted`` beside it gives each prefill what its lower priority,
+      ``PREFILL_NICENESS``, gives it in Linux's weights, ~0.33, a process at most one core: that kept the decode at
+      full speed beside two prefills where the replays' steps ran 1.3-1.7x slower beside one; XLA runs each process
+      on a thread pool the size of the host, so a process is not one core's demand. Its TBT came out further in
+      most runs, ``docs/benchmarks.md``.)
+
+    Nothing here is read from the replay."""
     scale, fixed = probed.get("engine_scale", probed["prefill_scale"]), probed.get("engine_fixed_s", 0.0)
     join = probed["decode_join_s"]  # the pairs': taken in with no prefill beside (the bursts' ran 3 busy on 2 cores)
     return {"prefill_coef": [costs.prefill.coef[0] * scale + fixed] + [c * scale for c in costs.prefill.coef[1:]],
             "prefill_scale": scale, "request_overhead_s": 0.0,
             "prefill_off_engine_s": probed.get("off_engine_s_bursts", probed.get("off_engine_s", 0.0)),
-            "decode_scale": probed["decode_scale"], "decode_token_delivery_s": probed.get("decode_token_delivery_s", 0.0),
+            "decode_scale": probed["decode_scale"],
+            "decode_token_delivery_s": probed.get("decode_token_delivery_s", 0.0),
             "decode_join_s": join, "decode_join_stall_s": min(probed.get("decode_join_stall_s", 0.0), join),
             "shared_host_decode_slowdown": 1.0, "decode_step_spread": list(probed.get("decode_step_spread", ())),
             "host_cores": cores, "host_prefill_weight": 1.0}

@@ -66,7 +66,8 @@ def test_the_profile_reading_takes_the_pairs_engine_and_the_host_cores():
     pairs = bench.engine_in_pairs(reported, SLOW_LINK)
     assert (pairs["engine_fixed_s"], pairs["engine_scale"]) == (pytest.approx(1.0), pytest.approx(2.0))
     assert pairs["off_engine_s"] == pytest.approx(0.3)
-    probed = {**pairs, "prefill_scale": 7.0, "off_engine_s_bursts": 0.04, "decode_scale": 1.5, "decode_token_delivery_s": 0.001,
+    probed = {**pairs, "prefill_scale": 7.0, "off_engine_s_bursts": 0.04, "decode_scale": 1.5,
+              "decode_token_delivery_s": 0.001,
               "decode_join_s": 0.01, "decode_join_s_bursts": 0.02, "decode_join_stall_s": 0.05,
               "shared_host_decode_slowdown": 1.4, "decode_step_spread": [0.5, 1.5]}
     inputs = bench.from_profile(SLOW_LINK, probed, 2)

@@ -71,8 +71,8 @@ class SimConfig:
     prefill process weighing ``host_prefill_weight`` against a decode process's 1 (``host.cfs_weight(n)`` for a
     prefill run ``n`` nice levels lower, as a local cluster does; 1: equal, each at ``cores / busy`` of its speed
     while more are busy than there are cores): a running prefill's remaining work is re-timed at once, a decode
-    batch's steps from its next boundary. Cost models are then read as each instance measured alone (``mooncake-jax profile``); with
-    ``shared_host_decode_slowdown`` too, both factors apply (disaggregated clusters only).
+    batch's steps from its next boundary. Cost models are then read as each instance measured alone (``mooncake-jax
+    profile``); with ``shared_host_decode_slowdown`` too, both factors apply (disaggregated clusters only).
     """
 
     prefill: int = 8
