@@ -113,3 +113,25 @@ def test_a_batch_is_asked_for_only_when_a_read_finds_the_page_cache_cold(tmp_pat
             assert all(g.tobytes() == block_of(k).tobytes() for g, k in zip(got, keys))
             start = pool._tiers[0].store._offsets[0][0]
             assert advised == ([(start, 8 * SPEC.nbytes, os.POSIX_FADV_WILLNEED)] if is_cold else [])
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv2 RWF_NOWAIT")
+def test_a_cold_batch_over_more_shards_than_open_files_keeps_its_descriptor(tmp_path, monkeypatch):
+    """Asking the kernel for a cold batch's runs in more shards than there are cached descriptors must not close
+    the descriptor the read is using (every block was dropped as corrupt when the advice went through the cache)."""
+    monkeypatch.setattr(files, "SHARD_BYTES", record_bytes(SPEC))  # one record per shard file
+    monkeypatch.setattr(shard_reader, "MAX_OPEN_FILES", 2)
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset, flags=0):  # the page cache cold: RWF_NOWAIT finds nothing
+        if flags:
+            raise BlockingIOError("not cached")
+        return real_preadv(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(shard_reader.os, "preadv", preadv)
+    keys = list(range(1, 9))
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many(keys, [block_of(k) for k in keys])
+        got = pool.get_many(keys, np.zeros((len(keys), *SPEC.shape), SPEC.dtype))
+        assert [g is not None and g.tobytes() == block_of(k).tobytes() for g, k in zip(got, keys)] == [True] * 8
+        assert pool.counters()["ssd"].corrupt == 0 and len(pool) == len(keys)

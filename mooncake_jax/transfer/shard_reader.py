@@ -119,9 +119,23 @@ class ShardReader:
         runs, self._wanted = self._wanted, []
         for shard, offset, length in runs if _WILLNEED is not None else ():
             try:
-                os.posix_fadvise(self._fd(shard), offset, length, _WILLNEED)
+                self._advise(shard, offset, length)
             except OSError:
                 pass  # only advice: the read will say what is wrong
+
+    def _advise(self, shard: int, offset: int, length: int) -> None:
+        """Advise on an open descriptor, or on one opened for it alone: never through ``_fd``, whose cache would
+        close the least recently read descriptor, possibly the one the read asking for advice is using (the advice
+        is on the file's page cache, so it outlives the descriptor it was given on)."""
+        fd = self._open.get(shard)
+        if fd is not None:
+            os.posix_fadvise(fd, offset, length, _WILLNEED)
+            return
+        fd = os.open(self._path_of(shard), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fadvise(fd, offset, length, _WILLNEED)
+        finally:
+            os.close(fd)
 
     def forget(self, shard: int) -> None:
         """Close ``shard``'s descriptor (it is being deleted)."""
