@@ -243,6 +243,8 @@ class BlockPool:
                 raise ValueError(f"out must be a {self.spec.dtype.name}{list(expected)} array, got {got}")
             if not out.flags.writeable:
                 raise ValueError("out must be writable")
+            if not out.flags.c_contiguous:  # a block lands as flat bytes: a strided view would be a copy
+                raise ValueError("out must be C-contiguous (np.ascontiguousarray, or a slice of whole blocks)")
         blocks: list[np.ndarray | None] = []
         targets = list(out) if out is not None else [np.empty(self.spec.shape, self.spec.dtype) for _ in keys]
         flats = [data_bytes(block) for block in targets]
