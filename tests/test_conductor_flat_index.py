@@ -143,7 +143,9 @@ def test_colliding_keys_survive_deletions_in_their_probe_run():
 def test_growth_keeps_every_key_and_bad_keys_are_refused():
     index = FlatBlockIndex(OPS, capacity=2)
     keys = list(range(5000))
+    expectation_rows = index._pend.shape[0]
     index.store(7, keys[:2500])
+    assert index._pend.shape[0] == expectation_rows  # a store adds no expectation: that table does not grow
     index.expect(9, tuple(keys), 1.0)
     assert len(index) == 5000 and index.blocks_of(7) == 2500 and index.blocks_of(9) == 5000
     assert index._table.shape[0] - 1 >= 5000 / 0.7

@@ -62,14 +62,14 @@ class FlatBlockIndex(BlockIndex):
         array = self._array(keys)
         while not self._ops.store(self._table, array, slot, tier == Tier.SSD, self._counts, self._stats, self._pend,
                                   self._ptime):
-            self._make_room(slot, len(array))
+            self._make_room(slot, len(array), 0)
 
     def expect(self, slot: int, keys: Sequence[int], ready_at: float, first: int = 0) -> None:
         # the hot path (once per accepted request, with the request's tuple: converted already by its prefix walk)
         array = self._last_array if keys is self._last_keys else self._array(keys)
         while self._ops.expect(self._table, array, first, slot, float(ready_at), self._counts, self._latest,
                                self._stats, self._pend, self._ptime) < 0:
-            self._make_room(slot, len(array) - first)
+            self._make_room(slot, len(array) - first, len(array) - first)
 
     def remove(self, slot: int, keys: Iterable[int]) -> None:
         if self.blocks_of(slot):
@@ -158,9 +158,9 @@ class FlatBlockIndex(BlockIndex):
             return -1
         return int(self._ops.find(self._table, np.uint64(key)))
 
-    def _make_room(self, slot: int, adding: int) -> None:
-        """Mask words for ``slot``, and room for ``adding`` more keys and expectations within the load bounds (a
-        table doubles as often as needed)."""
+    def _make_room(self, slot: int, adding: int, expecting: int) -> None:
+        """Mask words for ``slot``, and room for ``adding`` more keys and ``expecting`` more expectations within the
+        load bounds (a table doubles as often as needed)."""
         if slot < 0:
             raise ValueError(f"slot must be non-negative, got {slot}")
         if slot >= 64 * self._width:
@@ -174,8 +174,8 @@ class FlatBlockIndex(BlockIndex):
             self._ops.rehash(self._table, table)
             self._table, stats[2] = table, int(_MAX_LOAD * rows)
         rows = self._pend.shape[0]
-        if stats[1] + adding > stats[3]:
-            while stats[1] + adding > _MAX_EXPECTED_LOAD * rows:
+        if stats[1] + expecting > stats[3]:
+            while stats[1] + expecting > _MAX_EXPECTED_LOAD * rows:
                 rows *= 2
             pend, ptime = empty_expectations(rows)
             self._ops.prehash(self._pend, self._ptime, pend, ptime)

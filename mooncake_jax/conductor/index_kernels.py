@@ -127,11 +127,11 @@ def _held(table, row, width):
     return False
 
 
-def _room(table, slot, adding, stats):
-    """Whether ``slot`` has a word in the masks, and ``adding`` more keys (and as many expectations) stay within
-    both tables' load bounds (``stats[2]``, ``stats[3]``)."""
+def _room(table, slot, adding, expecting, stats):
+    """Whether ``slot`` has a word in the masks, and ``adding`` more keys and ``expecting`` more expectations stay
+    within the two tables' load bounds (``stats[2]``, ``stats[3]``)."""
     return (0 <= slot < 32 * (table.shape[1] - 1) and stats[0] + adding <= stats[2]
-            and stats[1] + adding <= stats[3])
+            and stats[1] + expecting <= stats[3])
 
 
 # ------------------------------------------------------------------------------ expected blocks: (key, slot) -> time
@@ -245,7 +245,7 @@ def expect(table, keys, first, slot, ready_at, counts, latest, stats, pend, ptim
     as expected then (each once); returns how many; -1, changing nothing, when a table needs room first (``_room``).
     ``counts``: per slot, keys held (row 0) and expected (row 1); ``latest``: per slot, the latest ready time ever
     expected there (since a purge)."""
-    if not _room(table, slot, keys.shape[0] - first, stats):
+    if not _room(table, slot, keys.shape[0] - first, keys.shape[0] - first, stats):
         return -1
     width = (table.shape[1] - 1) // 2
     word, bit = 1 + (slot >> 6), _ONE << np.uint64(slot & 63)
@@ -273,7 +273,7 @@ def expect(table, keys, first, slot, ready_at, counts, latest, stats, pend, ptim
 def store(table, keys, slot, to_ssd, counts, stats, pend, ptime):
     """``slot`` holds ``keys`` now, in DRAM or (``to_ssd``) on SSD (``BlockIndex.store``): their expectations there
     are confirmed (forgotten); False, changing nothing, when the table needs room first (``_room``)."""
-    if not _room(table, slot, keys.shape[0], stats):
+    if not _room(table, slot, keys.shape[0], 0, stats):  # a store confirms expectations, adds none
         return False
     width = (table.shape[1] - 1) // 2
     word, bit = 1 + (slot >> 6), _ONE << np.uint64(slot & 63)
