@@ -416,6 +416,10 @@ def prehash(pend, ptime, new_pend, new_ptime):
 _FUNCTIONS = (match_levels, expect, store, remove, purge, find, rehash, ready_times, sweep, prehash)
 
 
+class KernelNotCompiled(RuntimeError):
+    """A kernel numba could not compile (``kernels._compiled`` logged why)."""
+
+
 class Compiled:
     """The table operations, compiled: one attribute per function of ``_FUNCTIONS``."""
 
@@ -444,7 +448,7 @@ class Compiled:
                 ("prehash", (pend, ptime) + empty_expectations(8))):
             kernel = kernels._compiled(numba, globals()[name], *example)
             if kernel is None:
-                raise RuntimeError(name)
+                raise KernelNotCompiled(name)
             setattr(self, name, kernel)
 
 
@@ -471,7 +475,7 @@ def compiled() -> Compiled | None:
         return None
     try:
         return Compiled(numba)
-    except RuntimeError:  # a kernel that did not compile (kernels._compiled logged it): the dict index answers the same
+    except KernelNotCompiled:  # kernels._compiled logged why: the dict index answers the same
         return None
     except Exception as err:  # noqa: BLE001 - a helper that cannot compile: the dict index answers the same
         logging.getLogger(__name__).warning("numba could not compile the block index (%s); using the dict index", err)
