@@ -567,17 +567,15 @@ class FileStore:
                 runs.append((shard, offset, self.spec.nbytes))
         self._reader.want(runs)
 
-    def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes, tuple[int, int]] | None:
+    def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes, tuple[int, int] | None] | None:
         """Read the record's data from its shard file straight into ``out`` (flat uint8), hashed as it lands; the
-        head (kept in memory since it was written or found on open) and the checksum of what landed (a shard file
-        cut short or unreadable reads as a damaged record)."""
+        head (kept in memory since it was written or found on open) and the checksum of what landed, None when the
+        shard file is cut short or unreadable (the head still says whether the record is of an older format)."""
         where = self._location(key)
         if where is None:
             return None
         shard, row, offset = where
         digest = self._reader.read(shard, offset, out) if offset >= 0 else None
-        if digest is None:
-            return b"", (0, 0)
         return self._shard_heads[shard][row].tobytes(), digest
 
     def close(self) -> None:

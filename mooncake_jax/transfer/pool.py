@@ -426,7 +426,10 @@ class BlockPool:
                 if found is None:
                     raise CorruptBlockError(f"block {key:#018x}: lost from the {tier.name} tier")
                 head, digest = found
-                check_digest(key, check_head(self.spec, key, head), digest)
+                expected = check_head(self.spec, key, head)  # an older format is stale, whatever its data
+                if digest is None:
+                    raise CorruptBlockError(f"block {key:#018x}: its data is cut short or unreadable")
+                check_digest(key, expected, digest)
             except CorruptBlockError as err:
                 self._bad_block(tier, key, err)
                 continue
