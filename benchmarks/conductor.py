@@ -19,6 +19,9 @@ apply and reports, spread over the whole decision), applying it ~14-16 us (~17 n
 the index). Sixth pass (docs/benchmarks.md): with numba installed the decode choice and the prefill slot's argmin
 run compiled (conductor/kernels.py, the same decisions; ``decode_choice_compiled`` says which path ran): decode choice
 ~3-4 us, prefill TTFT ~9-10, ``decide`` once ~26-27, apply ~15-16; 26,000-28,000 decisions per CPU second at load 7-8.
+Seventh pass: the block index as flat hash tables walked by numba (conductor/flat_index.py; ``index_compiled`` says
+which index ran, ``--numpy-path`` runs both the policy and the index as without numba): apply ~8-10 us, -18 / -21%
+CPU a decision paired, ~30,000-33,000 decisions per CPU second at load 20-24.
 ``benchmarks/conductor_ab.py`` compares two source trees on the same decisions in one process. At 128 columns every
 numpy call costs its fixed ~0.35-2 us, not its length, so the decision is a fixed number of such calls
 (``decision_in_numpy_ops`` says how many, in units of the ``numpy_op_us`` measured in the same run).
@@ -68,9 +71,9 @@ def as_request(i: int, row: dict) -> Request:
 class Replay:
     """A cluster state fed by the trace, with decode milestones reported as the decisions predicted them."""
 
-    def __init__(self, n_instances: int, config: PolicyConfig):
-        self.state = ClusterState(config)
-        self.policy = Policy(config)
+    def __init__(self, n_instances: int, config: PolicyConfig, compiled: bool = True):
+        self.state = ClusterState(config, compiled=compiled)
+        self.policy = Policy(config, compiled=compiled)
         costs = [instance_costs(hardware, "llama2-70b") for hardware in HARDWARE_MIX]
         for i in range(n_instances):
             self.state.add_instance(f"p{i}", "prefill", costs[i % len(costs)], 0.0)
@@ -114,12 +117,13 @@ class Replay:
             self.state.index.store(slot, keys[slots == slot].tolist())
 
 
-def warmed_replay(trace: list[dict], n_instances: int, target_blocks: int, warm: int) -> Replay:
+def warmed_replay(trace: list[dict], n_instances: int, target_blocks: int, warm: int, compiled: bool = True) -> Replay:
     """A replay of ``n_instances`` prefill + decode instances after ``warm`` trace requests, its block index filled
-    to ``target_blocks``: the state every timed decision starts from."""
+    to ``target_blocks``: the state every timed decision starts from. ``compiled=False``: the numpy path and the
+    dict index, as without numba."""
     config = PolicyConfig(strategy="kvcache-centric", admission="predictive", block_size=TRACE_BLOCK,
                           ttft_slo_s=30.0, tbt_slo_s=0.1)
-    replay = Replay(n_instances, config)
+    replay = Replay(n_instances, config, compiled)
     for i in range(warm):
         now = trace[i]["timestamp"] / 1000
         replay.report_until(now)
@@ -128,9 +132,10 @@ def warmed_replay(trace: list[dict], n_instances: int, target_blocks: int, warm:
     return replay
 
 
-def measure(trace: list[dict], n_instances: int, target_blocks: int, warm: int, timed: int) -> dict:
+def measure(trace: list[dict], n_instances: int, target_blocks: int, warm: int, timed: int,
+            compiled: bool = True) -> dict:
     """One run: warm, fill, then time ``timed`` decisions (wall clock, and CPU time of this thread)."""
-    replay = warmed_replay(trace, n_instances, target_blocks, warm)
+    replay = warmed_replay(trace, n_instances, target_blocks, warm, compiled)
     blocks_at_start = len(replay.state.index)
     requests = [(trace[i]["timestamp"] / 1000, as_request(i, trace[i])) for i in range(warm, warm + timed)]
     replay.accepted = replay.transfers = 0
@@ -158,7 +163,8 @@ def measure(trace: list[dict], n_instances: int, target_blocks: int, warm: int, 
     }
 
 
-def phases(trace: list[dict], n_instances: int, target_blocks: int, warm: int, sample: int = 300) -> dict:
+def phases(trace: list[dict], n_instances: int, target_blocks: int, warm: int, sample: int = 300,
+           compiled: bool = True) -> dict:
     """Where a decision's time goes, in microseconds of this thread's CPU time per request (what other processes'
     load inflates least), on the state reached after warming and filling.
 
@@ -173,7 +179,7 @@ def phases(trace: list[dict], n_instances: int, target_blocks: int, warm: int, s
 
     from mooncake_jax.conductor.instances import Role
 
-    replay = warmed_replay(trace, n_instances, target_blocks, warm)
+    replay = warmed_replay(trace, n_instances, target_blocks, warm, compiled)
     state, policy = replay.state, replay.policy
     clock = time.thread_time
 
@@ -239,6 +245,8 @@ def main() -> None:
                         help="block index sizes, comma-separated (the headline figure needs 1e6)")
     parser.add_argument("--runs", type=int, default=3,
                         help="runs per configuration; the least disturbed (lowest p99) is reported")
+    parser.add_argument("--numpy-path", dest="compiled", action="store_false",
+                        help="decide on the numpy path with the dict block index, as where numba is not installed")
     parser.add_argument("--no-phases", dest="phases", action="store_false",
                         help="skip the per-phase breakdown of a decision (64 + 64 instances, the largest index)")
     args = parser.parse_args()
@@ -248,13 +256,15 @@ def main() -> None:
     results: dict = {"policy": "kvcache-centric+predictive", "hardware": "+".join(HARDWARE_MIX) + "/llama2-70b",
                      "cpu_model": cpu_model(),
                      # whether the decode choice and the prefill argmin ran compiled (numba: conductor/kernels.py)
-                     "decode_choice_compiled": Policy(PolicyConfig())._decode_kernel is not None,
+                     "decode_choice_compiled": Policy(PolicyConfig(), args.compiled)._decode_kernel is not None,
+                     # whether the block index was the compiled flat table (numba: conductor/flat_index.py)
+                     "index_compiled": type(ClusterState(compiled=args.compiled).index).__name__ == "FlatBlockIndex",
                      "trace_requests_timed": args.timed, "runs_per_configuration": args.runs,
                      "load_average_at_start": os.getloadavg()[0], "cpus": os.cpu_count(),
                      "goal_decisions_per_s": GOAL_DECISIONS_PER_S, "goal_p99_decision_ms": GOAL_P99_MS}
     for n_instances in args.instances:
         for target in args.blocks:
-            runs = [measure(trace, n_instances, target, args.warm, args.timed) for _ in range(args.runs)]
+            runs = [measure(trace, n_instances, target, args.warm, args.timed, args.compiled) for _ in range(args.runs)]
             figures = min(runs, key=lambda run: run["p99_decision_ms"])
             tag = f"p{n_instances}_b{target:.0e}".replace("+0", "")
             for name, value in figures.items():
@@ -265,7 +275,7 @@ def main() -> None:
                   f"with a transfer {figures['transfer_fraction']:.1%}",
                   flush=True)
     if args.phases and 64 in args.instances:
-        figures = phases(trace, 64, max(args.blocks), args.warm)
+        figures = phases(trace, 64, max(args.blocks), args.warm, compiled=args.compiled)
         results.update({f"{name}_p64": value for name, value in figures.items()})
         print("where a decision's time goes (64 + 64 instances, CPU us): "
               + ", ".join(f"{name[6:-3]} {value:.1f}" for name, value in figures.items() if name.endswith("_us")))

@@ -1,6 +1,6 @@
 """KVCache pool and Messenger throughput against this machine's physical baselines, measured in the same run.
 
-    python benchmarks/pool.py --json /tmp/pool.json [--quick] [--skip-layerwise | --full-layerwise]
+    python benchmarks/pool.py --json /tmp/pool.json [--quick] [--skip-layerwise | --full-layerwise] [--tiers-only]
 
 The default run finishes within 10 minutes on 2 cores (the layer-wise section on 1K and 2K-token prompts; the
 1K-16K sweep behind ``--full-layerwise``). The headline figures are flat at the top level of the JSON
@@ -112,10 +112,16 @@ def batch(keys: list[int], blocks: list[np.ndarray], index: int, size: int = BAT
     return [keys[i % len(keys)] for i in span], [blocks[i % len(blocks)] for i in span]
 
 
+_TIMED_CPU: list[float] = []
+"""CPU seconds of this process in each ``timed`` region so far (``costed(..., timed_only=True)`` sums them)."""
+
+
 def timed(fn: Callable[[], object]) -> float:
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    _TIMED_CPU.append(time.process_time() - cpu)
+    return seconds
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -131,14 +137,18 @@ def cpu_seconds(pid: int | None = None) -> float:
 
 
 def costed(trials: dict[str, Callable[[], float]], n_bytes: int, pids: tuple[int, ...] = (),
-           set_up: Callable[[], float] = lambda: 0.0) -> tuple[dict[str, Callable[[], float]], dict[str, list[float]]]:
+           timed_only: bool = False, set_up: Callable[[], float] = lambda: 0.0
+           ) -> tuple[dict[str, Callable[[], float]], dict[str, list[float]]]:
     """The trials, each also logging the CPU seconds per GB of ``n_bytes`` it cost (this process and ``pids``,
-    the whole trial less what ``set_up`` says its preparation took: a running total of CPU seconds): unlike GB/s on
-    a shared machine, CPU per byte hardly moves with the load, so its ratio to the baseline's says whether a change
-    did less work."""
+    the whole trial less what ``set_up`` says its preparation took, a running total of CPU seconds; ``timed_only``:
+    this process in the trial's ``timed`` regions alone, so the setup of a read, writing what it reads, is not
+    counted): unlike GB/s on a shared machine, CPU per byte hardly moves with the load, so its ratio to the
+    baseline's says whether a change did less work."""
     log: dict[str, list[float]] = {name: [] for name in trials}
 
     def spent() -> float:
+        if timed_only:
+            return sum(_TIMED_CPU)
         return cpu_seconds() + sum(cpu_seconds(pid) for pid in pids) - set_up()
 
     def logging(name: str, trial: Callable[[], float]) -> Callable[[], float]:
@@ -213,7 +223,9 @@ def measure_dram(spec: BlockSpec, blocks: list[np.ndarray], capacity: int, n_ops
         return gbps(n_bytes, timed(each(n_ops // size, lambda b: pool.get_many(batch(held, blocks, b, size)[0],
                                                                                  staging))))
 
-    figures = alternate(repeats, memcpy_gbps=memcpy, dram_put_gbps=put, dram_get_gbps=get)
+    trials, log = costed({"memcpy_gbps": memcpy, "dram_put_gbps": put, "dram_get_gbps": get}, n_bytes,
+                         timed_only=True)
+    figures = with_cpu(alternate(repeats, **trials), log)
     assert pool.counters()["dram"].corrupt == 0 and pool.counters()["dram"].evictions >= n_ops
     pool.close()
     return figures
@@ -295,7 +307,8 @@ def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: 
     raw_write()  # the first write to a fresh filesystem area is slow for everyone: do not measure it
     direct = {"raw_write_direct_gbps": raw_write_direct, "ssd_put_direct_io_gbps": lambda: put(direct_io=True)}
     trials, log = costed({"raw_write_gbps": raw_write, "ssd_put_gbps": put, "raw_read_gbps": raw_read,
-                          "ssd_get_gbps": get, **(direct if hasattr(os, "O_DIRECT") else {})}, n_bytes)
+                          "ssd_get_gbps": get, **(direct if hasattr(os, "O_DIRECT") else {})}, n_bytes,
+                         timed_only=True)
     return with_cpu(alternate(repeats, **trials), log)
 
 
@@ -445,7 +458,10 @@ def ratios(med: dict[str, float]) -> dict[str, float]:
         "messenger_raw_stream_ratio": ("messenger_fetch_gbps", "grpc_raw_stream_gbps"),
         "jax_plane_fetch_ratio": ("jax_plane_fetch_gbps", "grpc_stream_gbps"),
         "jax_plane_push_ratio": ("jax_plane_push_gbps", "grpc_stream_gbps"),
-        # the same pairs in CPU seconds per GB, baseline over tier (both processes for a transfer)
+        # the same pairs in CPU seconds per GB, baseline over tier (both processes for a transfer; for the tiers,
+        # the timed region alone: a put until its writes are done, a get without the writing before it)
+        "dram_put_cpu_ratio": ("memcpy_cpu_s_per_gb", "dram_put_cpu_s_per_gb"),
+        "dram_get_cpu_ratio": ("memcpy_cpu_s_per_gb", "dram_get_cpu_s_per_gb"),
         "ssd_put_cpu_ratio": ("raw_write_cpu_s_per_gb", "ssd_put_cpu_s_per_gb"),
         "ssd_get_cpu_ratio": ("raw_read_cpu_s_per_gb", "ssd_get_cpu_s_per_gb"),
         "messenger_cpu_ratio": ("grpc_stream_cpu_s_per_gb", "messenger_fetch_cpu_s_per_gb"),
@@ -454,9 +470,11 @@ def ratios(med: dict[str, float]) -> dict[str, float]:
     return {name: med[a] / med[b] for name, (a, b) in pairs.items() if a in med and b in med}
 
 
-def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", only: str | None = None) -> dict:
-    """All sections; ``layerwise`` is ``"skip"``, ``"default"`` (1K and 2K tokens) or ``"full"`` (1K-16K); ``only``
-    (``"dram"``, ``"ssd"``, ``"messenger"``) measures that section alone on the blocks it applies to."""
+def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", tiers_only: bool = False,
+        only: str | None = None) -> dict:
+    """All sections; ``layerwise`` is ``"skip"``, ``"default"`` (1K and 2K tokens) or ``"full"`` (1K-16K);
+    ``tiers_only``: the DRAM and SSD sections alone (no Messenger, no layer-wise prefill); ``only`` (``"dram"``,
+    ``"ssd"``, ``"messenger"``): that section alone on the blocks it applies to."""
     scale = 4 if quick else 1
     started = time.perf_counter()
     results: dict = {"cpu_model": cpu_model(), "cpus": os.cpu_count(), "load_average_start": os.getloadavg(),
@@ -470,7 +488,7 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", 
             section.update(measure_dram(spec, blocks, capacity=n_blocks, n_ops=2 * n_blocks, repeats=repeats))
         if only in (None, "ssd"):
             section.update(measure_ssd(spec, blocks, n_ops=n_blocks, repeats=repeats, directory=directory))
-        if only in (None, "messenger"):
+        if not tiers_only and only in (None, "messenger"):
             section.update(measure_messenger(spec, blocks, n_blocks=n_blocks, repeats=repeats))
         results[label] = section
         section["done_at_s"] = round(time.perf_counter() - started, 1)
@@ -489,14 +507,15 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", 
         section = results[label]
         medians = {k: v["median"] for k, v in section.items() if isinstance(v, dict) and "median" in v}
         section["ratios"] = ratios(medians)
-    if layerwise != "skip":
+    if layerwise != "skip" and not tiers_only:
         lengths = (1024, 2048) if layerwise == "default" else (1024, 2048, 4096, 8192, 16384)
         results["layerwise_prefill"] = measure_layerwise_prefill(lengths[:1] if quick else lengths,
                                                                  repeats=1 if quick or layerwise == "default" else 2)
     sections = [results[label]["ratios"] for label in ("block128", "block16", "llama70b_block512")]
     for name in ("dram_put_ratio", "dram_get_ratio", "ssd_put_ratio", "ssd_get_ratio", "messenger_ratio",
-                 "messenger_push_ratio", "ssd_put_cpu_ratio", "ssd_get_cpu_ratio", "messenger_cpu_ratio",
-                 "messenger_push_cpu_ratio", "ssd_put_vs_direct_raw_ratio", "ssd_direct_io_put_ratio",
+                 "messenger_push_ratio", "dram_put_cpu_ratio", "dram_get_cpu_ratio", "ssd_put_cpu_ratio",
+                 "ssd_get_cpu_ratio", "messenger_cpu_ratio", "messenger_push_cpu_ratio", "ssd_put_vs_direct_raw_ratio",
+                 "ssd_direct_io_put_ratio",
                  "ssd_direct_io_put_vs_direct_raw_ratio"):
         if any(name in r for r in sections):
             results[name] = round(min(r[name] for r in sections if name in r), 3)
@@ -505,7 +524,7 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", 
                          ("jax_plane_push_gbps", "jax_plane_push_gbps")):
         if figure in results["block128"]:
             results[name] = results["block128"][figure]["median"]
-    results["layerwise_speedup"] = results["layerwise_prefill"]["layerwise_speedup"] if layerwise != "skip" else None
+    results["layerwise_speedup"] = results.get("layerwise_prefill", {}).get("layerwise_speedup")
     results["block_keys_ms_per_1k_tokens"] = results["block_keys"]["ms_per_1k_tokens_block16"]
     results["goals"] = {"dram_put_ratio": 0.6, "dram_get_ratio": 0.6, "ssd_put_ratio": 0.7, "ssd_get_ratio": 0.7,
                         "messenger_ratio": 0.85, "messenger_push_ratio": 0.85}
@@ -522,12 +541,15 @@ def main() -> None:
     layerwise = parser.add_mutually_exclusive_group()
     layerwise.add_argument("--skip-layerwise", action="store_true", help="leave out the layer-wise prefill section")
     layerwise.add_argument("--full-layerwise", action="store_true", help="layer-wise prefill on 1K-16K tokens")
+    parser.add_argument("--tiers-only", action="store_true",
+                        help="only the DRAM and SSD sections (no Messenger, no layer-wise prefill)")
     parser.add_argument("--only", choices=("dram", "ssd", "messenger"), help="that section alone (no layer-wise)")
     parser.add_argument("--dir", type=Path, default=None, help="directory for SSD-tier files (default: a temp dir)")
     args = parser.parse_args()
     mode = "skip" if args.skip_layerwise or args.only else "full" if args.full_layerwise else "default"
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
-        results = run(args.quick, args.repeats, Path(scratch), layerwise=mode, only=args.only)
+        results = run(args.quick, args.repeats, Path(scratch), layerwise=mode, tiers_only=args.tiers_only,
+                      only=args.only)
     text = json.dumps(results, indent=2)
     if args.json:
         args.json.write_text(text)

@@ -19,9 +19,11 @@ import zlib
 import numpy as np
 import pytest
 
-from mooncake_jax.conductor import ClusterState, Policy, PolicyConfig, Request, instance_costs, kernels
+from mooncake_jax.conductor import (ClusterState, Policy, PolicyConfig, Request, index_kernels, instance_costs,
+                                   kernels)
 from mooncake_jax.conductor.api import Admission, RejectReason, Strategy
 from mooncake_jax.conductor.costs import decode_step_seconds, prefill_seconds, transfer_seconds
+from mooncake_jax.conductor.flat_index import FlatBlockIndex
 from mooncake_jax.conductor.instances import Role
 from mooncake_jax.sim.trace import load_trace
 
@@ -170,8 +172,8 @@ def check(decision, expected: dict) -> None:
 
 @pytest.fixture(params=["compiled", "numpy"])
 def compiled(request) -> bool:
-    """The decode choice compiled (numba) or on the numpy path."""
-    if request.param == "compiled" and kernels.decode_choice() is None:
+    """The decode choice and the block index compiled (numba) or on the numpy / dict path."""
+    if request.param == "compiled" and (kernels.decode_choice() is None or index_kernels.compiled() is None):
         pytest.skip("numba is not installed: no compiled decode choice to check")
     return request.param == "compiled"
 
@@ -185,8 +187,9 @@ def replay(cfg: PolicyConfig, n_requests: int, speed: float, capacity: int, seed
     load reports (queue, prefill slowdown). ``batch_slots``: some decode instances register a batch limit (without
     any, the policy counts no requests per instance: that path is checked too)."""
     rng = np.random.default_rng(seed)
-    state, policy = ClusterState(cfg), Policy(cfg, compiled=compiled)
+    state, policy = ClusterState(cfg, compiled=compiled), Policy(cfg, compiled=compiled)
     assert (policy._decode_kernel is not None) == compiled
+    assert isinstance(state.index, FlatBlockIndex) == compiled
     costs = {kind: instance_costs(kind, "llama2-70b") for kind in KINDS}
     for i in range(6):
         state.add_instance(f"p{i}", "prefill", costs[KINDS[i % 3]], 0.0)

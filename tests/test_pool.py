@@ -60,6 +60,8 @@ def test_get_many_into_a_staging_buffer():
     assert np.shares_memory(got[0], staging) and np.shares_memory(got[2], staging)
     with pytest.raises(ValueError, match=r"out must be a float32\[2, 2, 2, 4, 2, 8\] array, got float32\[3"):
         pool.get_many([1, 2], out=staging)
+    with pytest.raises(ValueError, match="C-contiguous"):  # blocks would land in a copy, the view left as it was
+        pool.get_many([1, 2, 9], out=np.asfortranarray(staging))
     with pytest.raises(ValueError, match="writable"):
         staging.flags.writeable = False
         pool.get_many([1, 2, 9], out=staging)

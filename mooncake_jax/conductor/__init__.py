@@ -3,7 +3,8 @@
 The pieces, each in its own module:
 
 - ``costs``: prefill / decode / transfer cost models and their fitting; ``hardware``: datasheet profiles.
-- ``index``: the global block index (key -> instances and tier), prefix match for all instances in one walk.
+- ``index``: the global block index (key -> instances and tier), prefix match for all instances in one walk;
+  ``flat_index`` / ``index_kernels``: the same index as flat hash tables walked by numba, where it is installed.
 - ``instances``, ``ledger``: per-instance columns and in-flight decode requests, read by the policy.
 - ``api``: the policy's contract (``PolicyConfig``, ``Request``, ``Snapshot``, ``Decision``).
 - ``policy``: ``Policy.decide(request, snapshot, now)``, pure; ``admission``: the overload policies.
@@ -11,7 +12,8 @@ The pieces, each in its own module:
 - ``state``: ``ClusterState``, which applies decisions and reports and hands out snapshots.
 - ``service``: the gRPC service around one ``ClusterState`` + ``Policy``; ``profile``: ``mooncake-jax profile``.
 
-Importing this package pulls in numpy only (no JAX, no gRPC; numba, where installed, when a ``Policy`` is made).
+Importing this package pulls in numpy only (no JAX, no gRPC; numba, where installed, when a ``Policy`` or a
+``ClusterState`` is made).
 
 Driving it (the simulator does exactly what the gRPC service does)::
 

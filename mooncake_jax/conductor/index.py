@@ -68,9 +68,11 @@ class BlockIndex:
             elif key in on_ssd:
                 self._clear(on_ssd, key, bit)
 
-    def expect(self, slot: int, keys: Iterable[int], ready_at: float) -> None:
-        """``slot`` will hold those of ``keys`` it lacks from ``ready_at`` on (a request routed there computes or
-        fetches them); those it holds already are left as they are."""
+    def expect(self, slot: int, keys: Sequence[int], ready_at: float, first: int = 0) -> None:
+        """``slot`` will hold those of ``keys[first:]`` it lacks from ``ready_at`` on (a request routed there computes
+        or fetches them); those it holds already are left as they are."""
+        if first:
+            keys = keys[first:]
         bit = 1 << slot
         get = self._holders.get
         # the holder mask says whether the slot has it (as its key set does): one lookup a key; the new masks are
@@ -131,10 +133,11 @@ class BlockIndex:
         there; -inf when none was): when it is already past, no key needs looking up (``ready_times``)."""
         return self._latest_ready.get(slot, -math.inf) if self._ready.get(slot) else -math.inf
 
-    def ready_times(self, slot: int, keys: Sequence[int]) -> list[float]:
-        """For each key, the clock time ``slot`` is expected to have it (-inf: it has it now or not expected)."""
+    def ready_times(self, slot: int, keys: Sequence[int], count: int | None = None) -> list[float]:
+        """For each key (the first ``count`` only, when given), the clock time ``slot`` is expected to have it (-inf:
+        it has it now or not expected)."""
         pending = self._ready.get(slot, {})
-        return [pending.get(key, -math.inf) for key in keys]
+        return [pending.get(key, -math.inf) for key in (keys if count is None else keys[:count])]
 
     def settle(self, slot: int, now: float) -> None:
         """Forget expectations already due by ``now`` on ``slot``, once their number has doubled since the last

@@ -130,7 +130,7 @@ class Policy:
             link_row = table.kv_seconds_per_token[source]  # (unread when no group fetches: their feature is 0)
             if kernel is None:
                 terms[5] = link_row
-            starts = self._send_starts(snapshot, source, keys[:best_len], owns, now)
+            starts = self._send_starts(snapshot, source, keys, best_len, owns, now)
             threshold = cfg.kvcache_balancing_threshold
         rows, fetches = [], []
         for group, own in enumerate(owns):
@@ -186,20 +186,20 @@ class Policy:
         return int(slots[table.send_free_at[slots].argmin()])  # the first of equals, as argmin
 
     @staticmethod
-    def _send_starts(snapshot: Snapshot, source: int, prefix: tuple[int, ...], owns: list[int],
+    def _send_starts(snapshot: Snapshot, source: int, keys: tuple[int, ...], best_len: int, owns: list[int],
                      now: float) -> list[float]:
         """When ``source`` can start sending each group (own prefix ``owns[g]`` blocks) its missing blocks
-        ``prefix[own:]``: after its queued sends, and after those blocks land on it if they are only expected there
-        (computed or fetched by a request still in flight)."""
+        ``keys[own:best_len]``: after its queued sends, and after those blocks land on it if they are only expected
+        there (computed or fetched by a request still in flight)."""
         send_free_at = snapshot.instances.send_free_at.item(source)
         # whatever is expected there lands before it could send (or before now): the sends start as queued (how
         # long any wait is, ``start - now``, counts from now only); on the trace four decisions in five
         if snapshot.index.pending_until(source) <= max(send_free_at, now):
             return [send_free_at] * len(owns)
-        ready = snapshot.index.ready_times(source, prefix)
+        ready = snapshot.index.ready_times(source, keys, best_len)  # (the request's own tuple: no slice made)
         if max(ready) <= send_free_at:  # all landed (or will have) before the source can send anyway
             return [send_free_at] * len(owns)
-        last = len(prefix) - 1
+        last = best_len - 1
         return [max(send_free_at, max(ready[min(own, last):])) for own in owns]
 
     # -------------------------------------------------------------------------------------------- decode

@@ -18,8 +18,10 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from mooncake_jax.conductor import index_kernels
 from mooncake_jax.conductor.api import Decision, PolicyConfig, Request, Snapshot
 from mooncake_jax.conductor.costs import InstanceCosts, transfer_seconds
+from mooncake_jax.conductor.flat_index import FlatBlockIndex
 from mooncake_jax.conductor.index import BlockIndex, Tier
 from mooncake_jax.conductor.instances import InstanceTable, Role
 from mooncake_jax.conductor.ledger import DecodeLedger
@@ -33,10 +35,14 @@ class RequestInFlight(ValueError):
 class ClusterState:
     """Instances, block index, decode ledger and the tracked decode time t_d."""
 
-    def __init__(self, config: PolicyConfig | None = None):
+    def __init__(self, config: PolicyConfig | None = None, compiled: bool = True):
+        """``compiled``: keep the block index in compiled flat tables (``FlatBlockIndex``) where numba is installed
+        (compiled, or read from numba's cache, here); the dict ``BlockIndex`` answers the same, at a few microseconds
+        more a decision."""
         self.config = config or PolicyConfig()
         self.instances = InstanceTable()
-        self.index = BlockIndex()
+        ops = index_kernels.compiled() if compiled else None
+        self.index = BlockIndex() if ops is None else FlatBlockIndex(ops)
         self.ledger = DecodeLedger(instances=self.instances)
         self._tracked_decode_s = self.config.decode_time_init_s
         self._decode_s_of_kind: dict[str, float] = {}  # hardware kind -> its tracked t_d
@@ -111,7 +117,7 @@ class ClusterState:
             held = 0
             if fresh:  # its own matched prefix: the decision's prefix less what it fetches
                 held = decision.prefix_blocks - (len(decision.transfer.keys) if decision.transfer else 0)
-            self.index.expect(prefill, request.block_keys[held:], end)
+            self.index.expect(prefill, request.block_keys, end, held)
             self.index.settle(prefill, now)
 
     # ---------------------------------------------------------------------------------------- membership

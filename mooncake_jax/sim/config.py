@@ -65,6 +65,14 @@ class SimConfig:
     step on a shared host (disaggregated clusters); each reported gap's step part is scaled by one drawn from
     them (seeded by ``seed``), so a request's TBT (its longest gaps) sees the real steps' tail; the clock keeps
     the mean step (empty: exact steps).
+    ``host_cores``: the instances share one host with this many cores (a local cluster; None: each instance on its
+    own machine, the default). Every busy instance (a prefill instance computing, a decode instance with requests in
+    its batch) is one runnable process of at most one core; the cores are shared by weight (``sim/host.py``), a
+    prefill process weighing ``host_prefill_weight`` against a decode process's 1 (``host.cfs_weight(n)`` for a
+    prefill run ``n`` nice levels lower, as a local cluster does; 1: equal, each at ``cores / busy`` of its speed
+    while more are busy than there are cores): a running prefill's remaining work is re-timed at once, a decode
+    batch's steps from its next boundary. Cost models are then read as each instance measured alone (``mooncake-jax
+    profile``); with ``shared_host_decode_slowdown`` too, both factors apply (disaggregated clusters only).
     """
 
     prefill: int = 8
@@ -96,6 +104,8 @@ class SimConfig:
     decode_join_stall_s: float = 0.0
     shared_host_decode_slowdown: float = 1.0
     decode_step_spread: tuple[float, ...] = ()
+    host_cores: int | None = None
+    host_prefill_weight: float = 1.0
 
     def __post_init__(self):
         for name in ("prefill", "decode", "chunk_tokens", "prefill_batch_tokens"):
@@ -146,6 +156,14 @@ class SimConfig:
         if not all(isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in spread):
             raise ValueError(f"decode_step_spread must be positive numbers, got {self.decode_step_spread!r}")
         object.__setattr__(self, "decode_step_spread", tuple(float(f) for f in spread))  # frozen and hashable
+        if self.host_cores is not None:
+            if not isinstance(self.host_cores, int) or isinstance(self.host_cores, bool) or self.host_cores < 1:
+                raise ValueError(f"host_cores must be a positive integer or None, got {self.host_cores!r}")
+            if self.architecture != "disaggregated":
+                raise ValueError("host_cores applies to the disaggregated architecture only")
+        if not (isinstance(self.host_prefill_weight, (int, float)) and math.isfinite(self.host_prefill_weight)
+                and self.host_prefill_weight > 0):
+            raise ValueError(f"host_prefill_weight must be a positive number, got {self.host_prefill_weight!r}")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {list(EVICTIONS)}")
         for name in ("prefill_hardware", "decode_hardware"):

@@ -31,6 +31,7 @@ from mooncake_jax.conductor.accounting import prefill_work_s, reused_tokens
 from mooncake_jax.conductor.costs import transfer_seconds
 from mooncake_jax.sim.batch import ContinuousBatch
 from mooncake_jax.sim.cache import make_cache
+from mooncake_jax.sim.host import shared_rates
 from mooncake_jax.slo import tbt_of_gaps
 from mooncake_jax.sim.records import COMPLETED, REJECTED_EARLY, REJECTED_LATE, SimRequest
 from mooncake_jax.sim.runner import ClusterSim
@@ -54,6 +55,12 @@ class PrefillNode(_Node):
         self.queued_s = 0.0  # predicted seconds of the queued (not yet started) requests
         self.running: SimRequest | None = None
         self.busy_until = 0.0
+        # the running prefill on a shared host (SimConfig.host_cores): its cost-model seconds left as of rated_at,
+        # the speed it runs at since then, and the version of its end event (a re-timed end voids the earlier one)
+        self.work_left = 0.0
+        self.rated_at = 0.0
+        self.rate = 1.0
+        self.end_version = 0
 
 
 class DecodeNode(_Node):
@@ -91,6 +98,7 @@ class DisaggregatedSim(ClusterSim):
         for node in self.decode:
             self.state.add_instance(node.id, "decode", node.costs, self.start)
         self.transferred_bytes = 0.0
+        self._sharing = False  # _host_load_changed is running (its decode advances may call it again)
 
     def cost_per_hour(self) -> float:
         return sum(node.costs.cost_per_hour for node in self.by_id.values())
@@ -171,6 +179,8 @@ class DisaggregatedSim(ClusterSim):
         req.prefill_start, req.prefill_s = now, compute
         req.prefix_blocks, req.prefix_tokens = prefix, min(prefix * self.block, n)
         p.running, p.busy_until = req, now + duration
+        p.work_left, p.rated_at, p.rate = duration, now, 1.0
+        p.end_version += 1
         timing = self.config.release_timing
         released = p.busy_until + self.config.prefill_off_engine_s  # its path off the engine (RPCs, staging, store)
         req.kv_ready_at = released
@@ -178,7 +188,7 @@ class DisaggregatedSim(ClusterSim):
             self._push(p, req, now)
         self.state.heartbeat(p.id, now, queued_s=duration + p.queued_s,
                              send_backlog_s=max(p.out_free - now, 0.0))
-        self.events.at(p.busy_until, self._prefill_end, p, req)
+        self.events.at(p.busy_until, self._prefill_end, p, req, p.end_version)
         self._host_load_changed()
 
     def _prefill_slowdown(self, now: float) -> float:
@@ -199,9 +209,12 @@ class DisaggregatedSim(ClusterSim):
         stream_end = self._send(p, self.by_id[req.decode_id], ready, req.input_tokens * p.costs.kv_bytes_per_token)
         req.kv_ready_at = max(req.kv_ready_at, stream_end)
 
-    def _prefill_end(self, p: PrefillNode, req: SimRequest) -> None:
+    def _prefill_end(self, p: PrefillNode, req: SimRequest, version: int) -> None:
+        if version != p.end_version:  # re-timed since (the host's load changed): a later event ends it
+            return
         now = self.events.now
         released = now + self.config.prefill_off_engine_s
+        req.kv_ready_at = max(req.kv_ready_at, released)  # later than planned at its start when it was stretched
         push_at = self.config.release_timing.push_start(req.prefill_start, released)
         if req.output_tokens > 1 and push_at > req.prefill_start:  # pushed after the prefill: booked now
             self._push(p, req, push_at)
@@ -223,26 +236,65 @@ class DisaggregatedSim(ClusterSim):
             # the decode instance takes the request into its batch decode_join_s after its KV is there, the last
             # decode_join_stall_s of it on its engine loop (``_join``), one request at a time
             cfg, d = self.config, self.by_id[req.decode_id]
-            taken_in = req.kv_ready_at + cfg.decode_join_s
-            if cfg.decode_join_s:
-                taken_in = max(req.kv_ready_at, d.join_free_at) + cfg.decode_join_s
+            join_s = cfg.decode_join_s * self._join_stretch(d)
+            taken_in = req.kv_ready_at + join_s
+            if join_s:
+                taken_in = max(req.kv_ready_at, d.join_free_at) + join_s
                 d.join_free_at = taken_in
             self.events.at(taken_in - cfg.decode_join_stall_s, self._kv_arrived, d, req)
         self._try_start(p)
         self._host_load_changed()
 
+    def _join_stretch(self, d: DecodeNode) -> float:
+        """How much longer than ``decode_join_s`` a join booked now takes on a shared host (``SimConfig.host_cores``):
+        the decode instance is busy taking the request in, so it counts with the prefills computing and the other
+        decode instances decoding, as the host's load is when the join is booked (its KV's push, at the prefill's
+        end; the part that stalls the batch, ``decode_join_stall_s``, is not stretched)."""
+        cores = self.config.host_cores
+        if cores is None:
+            return 1.0
+        prefills = sum(p.running is not None for p in self.prefill)
+        decodes = sum(e is d or e.batch.batch > 0 for e in self.decode)
+        return 1.0 / shared_rates(cores, prefills, decodes, self.config.host_prefill_weight)[1]
+
     def _host_load_changed(self) -> None:
-        """Instances sharing one host (``SimConfig.shared_host_decode_slowdown`` > 1): decode steps slow down while
-        any prefill computes, from each decode batch's next step boundary on."""
-        slowdown = self.config.shared_host_decode_slowdown
-        if slowdown == 1.0:
+        """Instances sharing one host. ``SimConfig.host_cores``: the busy instances (prefills computing, decode
+        batches not empty) share the cores by weight (``host.shared_rates``), each slower than its cost model by
+        its share: a running prefill's remaining work is re-timed now, decode steps from each batch's next
+        boundary. ``SimConfig.shared_host_decode_slowdown`` (> 1): decode steps that much slower again while any
+        prefill computes."""
+        cores, slowdown = self.config.host_cores, self.config.shared_host_decode_slowdown
+        if (cores is None and slowdown == 1.0) or self._sharing:
             return
-        factor = slowdown if any(p.running is not None for p in self.prefill) else 1.0
-        for d in self.decode:
-            if d.batch.slowdown != factor:
-                self._advance_to(d, self.events.now)
-                d.batch.set_slowdown(factor)
-                self._reschedule(d)
+        self._sharing = True
+        try:
+            changed = True
+            while changed:  # a decode batch advanced to now may empty (one fewer busy): rate everything again
+                changed = False
+                now, prefilling = self.events.now, any(p.running is not None for p in self.prefill)
+                stretch = 1.0
+                if cores is not None:
+                    prefill_rate, decode_rate = shared_rates(
+                        cores, sum(p.running is not None for p in self.prefill),
+                        sum(d.batch.batch > 0 for d in self.decode), self.config.host_prefill_weight)
+                    stretch = 1.0 / decode_rate
+                    for p in self.prefill:
+                        if p.running is not None and p.rate != prefill_rate:
+                            p.work_left = max(0.0, p.work_left - (now - p.rated_at) * p.rate)
+                            p.rated_at, p.rate = now, prefill_rate
+                            p.busy_until = now + p.work_left / prefill_rate
+                            p.end_version += 1
+                            self.events.at(p.busy_until, self._prefill_end, p, p.running, p.end_version)
+                factor = stretch * (slowdown if prefilling else 1.0)
+                for d in self.decode:
+                    if d.batch.slowdown != factor:
+                        was_busy = d.batch.batch > 0
+                        self._advance_to(d, now)
+                        d.batch.set_slowdown(factor)
+                        self._reschedule(d)
+                        changed = changed or (cores is not None and was_busy != (d.batch.batch > 0))
+        finally:
+            self._sharing = False
 
     # --------------------------------------------------------------------------------------------- decode
 
@@ -272,6 +324,8 @@ class DisaggregatedSim(ClusterSim):
         b.join(req, req.input_tokens, req.input_tokens + req.output_tokens, req.output_tokens - 1,
                req.first_token_at)
         self.state.decode_started(req.request_id, b.time)
+        if self.config.host_cores is not None and b.batch == 1:  # one more busy instance on the host
+            self._host_load_changed()
 
     def _advance_to(self, d: DecodeNode, when: float) -> None:
         b = d.batch
@@ -288,6 +342,8 @@ class DisaggregatedSim(ClusterSim):
             self.state.finished(req.request_id, req.finished_at)
         while d.waiting and b.fits(d.waiting[0].input_tokens + d.waiting[0].output_tokens):
             self._join(d, d.waiting.popleft())
+        if self.config.host_cores is not None and done and not b.batch:  # one fewer busy instance on the host
+            self._host_load_changed()
 
     def _reschedule(self, d: DecodeNode) -> None:
         """Put the batch's next finish on the clock (any earlier plan is void)."""

@@ -25,13 +25,16 @@ never reused: a removed block zeroes its head (a rewrite of the small heads shar
 are all gone is deleted; and when dead slots outnumber the live blocks, the live records of the emptiest shards
 are moved into fresh ones (compaction), so the disk holds at most about twice the live records.
 
-A read copies the slot's data from the array straight into the caller's staging buffer (a TensorStore view of it)
-while the head is read, hashed as it lands; a batch read starts all its heads and copies at once (``prefetch``), a
-run of consecutive slots going to adjacent staging buffers (a batch written by one call, read back in order) as one
-read of its heads and one copy of its data, so TensorStore's fixed cost per read (a few hundred microseconds of
-thread hand-offs here) is paid once per run; a damaged record in a run is read again alone. The data array
-reads through memory maps (``file_io_mode`` ``memmap``): the copy goes from the page cache straight into the
-staging buffer, where reading the file would first land it in a fresh buffer.
+A read is the tier's own too (``shard_reader.py``): the offset of every record's data is known in memory (the tier
+wrote the shard, or read its index on open), so a get is one ``preadv`` straight into the caller's staging buffer,
+hashed (XXH3) from cache as it lands, and a record's head comes from memory (kept since it was written, or read and
+checked on open; 128 bytes per record). Through TensorStore the same read cost about 0.1 ms of CPU per 384 KiB
+record beyond the copy (thread hand-offs, chunk decoding): a 16-token get at 0.22-0.27 of a raw read's CPU, 0.41-0.57
+now (docs/benchmarks.md, seventh pass). A batch read names its runs of chunks lying end to end to the reader, which
+asks the kernel for them (``POSIX_FADV_WILLNEED``) once a read finds the page cache cold, so records not in the page
+cache come in from the device while earlier ones are hashed.
+The shards stay TensorStore's zarr3 arrays: TensorStore creates and opens them, reads every head on open, lists and
+deletes shards and rewrites a finished shard's heads, and can read every record the tier wrote (tested).
 On open every head is read and checked (a damaged head is counted corrupt and zeroed; the data is checked when the
 block is read). Directories of the three layouts before this one are migrated on open with one log line: one
 chunk file per slot (``records.zarr``), the slot file ``records.slots`` and one file per record.
@@ -50,10 +53,9 @@ from pathlib import Path
 
 import numpy as np
 import tensorstore as ts
-import xxhash
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.transfer.checksum import checksum, split_digest
+from mooncake_jax.transfer.checksum import checksum
 from mooncake_jax.transfer.frame import (
     DATA_OFFSET,
     PREFIX_BYTES,
@@ -65,9 +67,9 @@ from mooncake_jax.transfer.frame import (
     record_head,
     verify,
 )
-from mooncake_jax.transfer.shard_file import chunks_in_index, index_bytes
+from mooncake_jax.transfer.shard_file import chunk_offsets, index_bytes
+from mooncake_jax.transfer.shard_reader import ShardReader
 from mooncake_jax.transfer.shard_writer import ShardImage, ShardWriter
-from mooncake_jax.transfer.slots import as_store
 from mooncake_jax.transfer.spec import BlockSpec
 
 log = logging.getLogger(__name__)
@@ -105,10 +107,6 @@ def _flat(part: Buffer) -> np.ndarray:
 
 def slots_per_shard(record_size: int) -> int:
     return max(1, min(MAX_SHARD_SLOTS, SHARD_BYTES // record_size))
-
-
-def _address(buffer: np.ndarray) -> int:
-    return buffer.__array_interface__["data"][0]
 
 
 def _shard_key(shard: int) -> bytes:
@@ -181,11 +179,11 @@ class FileStore:
         self._staged: list[BlockKey] = []  # keys written into the open shard since it was last written out
         self._heads_changed = False  # a head of the open shard zeroed since then
         self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)  # its heads, written at seal
+        self._shard_heads: dict[int, np.ndarray] = {}  # shard -> its heads (zeroed where removed), as on disk
+        self._offsets: dict[int, np.ndarray] = {}  # shard -> where each slot's data starts in its file (-1: none)
+        self._reader = ShardReader(self._data_path)
         self._pending: deque[tuple[list[BlockKey], int, tuple[Future | ts.Future, ...]]] = deque()
         self._failed: list[tuple[BlockKey, Exception]] = []
-        self._heads: dict[BlockKey, tuple[ts.Future, int]] = {}  # heads read ahead of ``read_into`` (a
-        # run's read and the row of this key's head in it)
-        self._copies: dict[BlockKey, tuple[np.ndarray, ts.Future]] = {}  # data being copied ahead of it
         self.corrupt_at_open = 0
         self.moved_by_compaction = 0  # records moved into fresh shards (``_compact``)
         try:
@@ -223,6 +221,7 @@ class FileStore:
                 self._delete_shard(shard)
                 continue
             self._live[shard] = 0
+            self._shard_heads[shard] = heads
             for index in np.flatnonzero(heads.any(axis=1)):
                 slot, head = shard * size + int(index), heads[index].tobytes()
                 key = int.from_bytes(head[_KEY_IN_HEAD], "little")
@@ -240,7 +239,7 @@ class FileStore:
                 self._slot_of[key] = slot
                 self._live[shard] += 1
                 present.append(key)
-            self._filled[shard] = max(self._live[shard], self._records_in_file(shard))
+            self._filled[shard] = max(self._live[shard], self._read_index(shard))
             self._dead += self._filled[shard] - self._live[shard]
             if not self._live[shard]:
                 self._delete_shard(shard)
@@ -249,14 +248,20 @@ class FileStore:
         self._finish_all()
         return present
 
-    def _records_in_file(self, shard: int) -> int:
-        """How many records the data shard file holds (the chunks its index lists)."""
-        path = self.root / DATA_DIR / _shard_key(shard).decode()
+    def _data_path(self, shard: int) -> Path:
+        return self.root / DATA_DIR / _shard_key(shard).decode()
+
+    def _read_index(self, shard: int) -> int:
+        """Learn where the data shard file's chunks lie (its index: TensorStore may have rewritten the shard) and
+        how many it holds; a file without a sound index holds none (its records read as damaged)."""
         try:
-            with open(path, "rb") as file:
-                return chunks_in_index(file.read(index_bytes(self.shard_slots)), self.shard_slots)
+            with open(self._data_path(shard), "rb") as file:
+                offsets = chunk_offsets(file.read(index_bytes(self.shard_slots)), self.shard_slots,
+                                        self.spec.nbytes)
         except OSError:
-            return 0
+            offsets = None
+        self._offsets[shard] = np.full(self.shard_slots, -1, np.int64) if offsets is None else offsets
+        return int(np.count_nonzero(self._offsets[shard] >= 0))
 
     def _migrate(self, found: list[tuple[Path, list[tuple[int | None, bytes | None]]]], layout: str) -> list[BlockKey]:
         """Store the verified records of an older layout, drop the rest, delete the old files; one log line."""
@@ -360,7 +365,6 @@ class FileStore:
         """Write a record (its head, or None to make it from the data's checksum) into a fresh slot."""
         if not owned and not self._writer.direct:  # direct writes copy it anyway, before ``put`` returns
             data = data.copy()
-        self._heads.pop(key, None)
         if key in self._slot_of:  # a record is never rewritten in place: the new one takes a fresh slot
             self._release(self._slot_of.pop(key))
         try:
@@ -384,10 +388,10 @@ class FileStore:
         """The next slot of the open shard (a fresh shard if none is open)."""
         if self._open_shard is None:
             shard = self._next_shard
-            self._image = self._writer.open(self.root / DATA_DIR / _shard_key(shard).decode(), self.shard_slots,
-                                            self.spec.nbytes)
+            self._image = self._writer.open(self._data_path(shard), self.shard_slots, self.spec.nbytes)
             self._open_shard, self._next_shard = shard, shard + 1
-            self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)
+            self._open_heads = self._shard_heads[shard] = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)
+            self._offsets[shard] = self._image.start + self.spec.nbytes * np.arange(self.shard_slots, dtype=np.int64)
             self._live[shard] = self._filled[shard] = 0
         shard = self._open_shard
         slot = shard * self.shard_slots + self._filled[shard]
@@ -421,8 +425,6 @@ class FileStore:
         if keep_open and not keys and not self._heads_changed:  # nothing since the shard was last written
             return
         self._heads_changed = False
-        if keep_open:
-            self._wait_reads()  # the shard's index and heads are rewritten in place: no read may be beside that
         data = image.finish(close=not keep_open)
         heads = self._writer.write_rows(self.root / HEADS_DIR / _shard_key(shard).decode(), self.shard_slots,
                                         self._open_heads[: self._filled[shard]].copy())
@@ -478,12 +480,18 @@ class FileStore:
             self._delete_shard(shard)
 
     def _remove_head(self, slot: int) -> None:
+        shard = slot // self.shard_slots
+        if shard in self._shard_heads:
+            self._shard_heads[shard][slot % self.shard_slots] = 0
         self._in_flight([], -1, self._heads_array[slot].write(_NO_HEAD))
 
     def _delete_shard(self, shard: int) -> None:
         """Delete both shard files of ``shard`` (none of its records is live)."""
         self._finish_all()  # a head removal in flight would write the heads shard again after the delete
         self._dead -= self._filled.pop(shard, 0) - self._live.pop(shard, 0)
+        self._shard_heads.pop(shard, None)
+        self._offsets.pop(shard, None)
+        self._reader.forget(shard)
         for array in (self._heads_array, self._data_array):
             try:
                 key = _shard_key(shard)
@@ -492,8 +500,6 @@ class FileStore:
                 log.warning("ssd tier: deleting shard %d of %s failed: %s", shard, self.root, err)
 
     def delete(self, key: BlockKey) -> None:
-        self._heads.pop(key, None)
-        self._started_copy(key, np.empty(0, np.uint8))  # waited for, not used
         slot = self._slot_of.pop(key, None)
         if slot is not None:
             self._release(slot)
@@ -523,104 +529,54 @@ class FileStore:
 
     # ---- reads -------------------------------------------------------------------------------------------
 
-    def _read_head(self, slot: int) -> ts.Future:
-        return self._heads_array[slot].read()
-
-    def record(self, key: BlockKey) -> bytes | None:
-        """The stored record (unverified), or None if the key has no slot or its shard cannot be read."""
+    def _location(self, key: BlockKey) -> tuple[int, int, int] | None:
+        """``(shard, row in it, offset of its data in the shard file)`` of ``key``'s record (offset -1 where the
+        file's index lists none), or None if the key has no slot."""
         slot = self._slot_of.get(key)
         if slot is None:
             return None
-        head, data = self._read_head(slot), self._data_array[slot].read()
-        try:
-            return head.result().tobytes() + data.result().tobytes()
-        except Exception:
+        shard, row = divmod(slot, self.shard_slots)
+        return shard, row, int(self._offsets[shard][row])
+
+    def record(self, key: BlockKey) -> bytearray | None:
+        """The stored record (unverified), or None if the key has no slot or its data cannot be read whole."""
+        where = self._location(key)
+        if where is None:
             return None
+        shard, row, offset = where
+        record = bytearray(self.record_bytes)
+        view = np.frombuffer(record, np.uint8)
+        view[:DATA_OFFSET] = self._shard_heads[shard][row]
+        if offset < 0 or not self._reader.read_exact(shard, offset, view[DATA_OFFSET:]):
+            return None
+        return record
 
     def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None) -> None:
-        """Start reading these records (a batch read is coming): their heads, and their data straight into
-        ``outs`` (flat uint8, one per key, where ``read_into`` will ask for them), all at once on TensorStore's
-        I/O threads. Keys in consecutive slots (a batch written by one call, read back in order) whose buffers
-        are adjacent are read as one run: one heads read and one data copy, not one each per block, so the fixed
-        cost of a TensorStore read is paid once per run."""
-        self._drop_reads()  # what an earlier batch left unread
-        run: list[tuple[BlockKey, int, np.ndarray | None]] = []
-        for i, key in enumerate(keys):
-            slot = self._slot_of.get(key)
-            if slot is None or key in self._heads or (run and slot <= run[-1][1] and key in {k for k, _, _ in run}):
+        """A batch read of these records is coming: name its runs of chunks lying end to end in one shard (a batch
+        written by one call, read back in order) to the reader, which asks the kernel for them once a read finds
+        the page cache cold (``shard_reader.py``). (``outs``: where ``read_into`` will put them.)"""
+        runs: list[tuple[int, int, int]] = []  # shard, offset, length
+        for key in keys:
+            where = self._location(key)
+            if where is None or where[2] < 0:
                 continue
-            out = None if outs is None else outs[i]
-            if run and not (slot == run[-1][1] + 1 and (out is None or _address(out) == _address(run[-1][2])
-                                                        + out.size)):
-                self._read_run(run)
-                run = []
-            run.append((key, slot, out))
-        if run:
-            self._read_run(run)
+            shard, _, offset = where
+            if runs and runs[-1][0] == shard and runs[-1][1] + runs[-1][2] == offset:
+                runs[-1] = (shard, runs[-1][1], runs[-1][2] + self.spec.nbytes)
+            else:
+                runs.append((shard, offset, self.spec.nbytes))
+        self._reader.want(runs)
 
-    def _read_run(self, run: list[tuple[BlockKey, int, np.ndarray | None]]) -> None:
-        """Start reading the heads of a run of consecutive slots, and copying their data into their (adjacent)
-        buffers, each with one TensorStore read."""
-        first = run[0][1]
-        heads = self._heads_array[first : first + len(run)].read()
-        for row, (key, _, _) in enumerate(run):
-            self._heads[key] = (heads, row)
-        if run[0][2] is None:
-            return
-        width = run[0][2].size
-        target = np.lib.stride_tricks.as_strided(run[0][2], shape=(len(run), width), strides=(width, 1))
-        copy = as_store(target).write(self._data_array[first : first + len(run)])
-        for key, _, out in run:
-            self._copies[key] = (out, copy)
-
-    def _wait_reads(self) -> None:
-        """Let the reads started ahead of ``read_into`` land (kept, not dropped): a read beside a rewrite of the
-        open shard's index or heads could see a half-written page, fail its CRC and drop a healthy block."""
-        for future in [f for f, _ in self._heads.values()] + [c for _, c in self._copies.values()]:
-            with contextlib.suppress(Exception):
-                future.result()
-
-    def _drop_reads(self) -> None:
-        self._heads.clear()
-        for _, copy in self._copies.values():  # none may land in a buffer after it is handed back
-            with contextlib.suppress(Exception):
-                copy.result()
-        self._copies.clear()
-
-    def _started_copy(self, key: BlockKey, out: np.ndarray) -> ts.Future | None:
-        started = self._copies.pop(key, None)
-        if started is None:
+    def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes, tuple[int, int] | None] | None:
+        """Read the record's data from its shard file straight into ``out`` (flat uint8), hashed as it lands; the
+        head (kept in memory since it was written or found on open) and the checksum of what landed, None when the
+        shard file is cut short or unreadable (the head still says whether the record is of an older format)."""
+        where = self._location(key)
+        if where is None:
             return None
-        target, copy = started
-        if _address(target) == _address(out) and target.size == out.size:
-            return copy
-        with contextlib.suppress(Exception):
-            copy.result()
-        return None
-
-    def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes, tuple[int, int]] | None:
-        """Copy the record's data from the array straight into ``out`` (flat uint8; already under way if
-        ``prefetch`` was given it) while its head is read; the head and the checksum of what landed (a shard file
-        cut short reads as an error: a damaged record)."""
-        slot = self._slot_of.get(key)
-        if slot is None:
-            return None
-        head_read, row = self._heads.pop(key, None) or (self._read_head(slot), None)
-        copy = self._started_copy(key, out)
-        if copy is not None:
-            try:
-                copy.result()
-            except Exception:  # a run with a damaged record in it: read this one alone
-                copy = None
-        copy = copy or as_store(out).write(self._data_array[slot])
-        try:
-            heads = head_read.result()
-            head = (heads if row is None else heads[row]).tobytes()
-            copy.result()
-        except Exception:  # a shard file of the wrong size, or unreadable: a damaged record
-            return b"", (0, 0)
-        digest = xxhash.xxh3_128_intdigest(out)
-        return head, split_digest(digest)
+        shard, row, offset = where
+        digest = self._reader.read(shard, offset, out) if offset >= 0 else None
+        return self._shard_heads[shard][row].tobytes(), digest
 
     def close(self) -> None:
         try:
@@ -628,4 +584,4 @@ class FileStore:
             self.settle()
         finally:
             self._writer.close()
-            self._drop_reads()
+            self._reader.close()

@@ -23,7 +23,6 @@ with one log line instead of counting it as corrupt.
 
 from __future__ import annotations
 
-import functools
 import struct
 
 import numpy as np
@@ -38,6 +37,7 @@ HEADER_BYTES = 64  # a cache line; keeps the data aligned inside the frame
 PREFIX_BYTES = 64  # the record's wire prefix
 DATA_OFFSET = PREFIX_BYTES + HEADER_BYTES  # where a block's data starts in its record
 _HEADER = struct.Struct("<4sHHQQQQQ")
+_HEADER_PADDING = bytes(HEADER_BYTES - _HEADER.size)
 _MAX_KEY = (1 << 64) - 1
 
 # BlockPiece field tags (field number << 3 | wire type): see messenger.proto
@@ -87,9 +87,18 @@ def record_bytes(spec: BlockSpec) -> int:
     return PREFIX_BYTES + frame_bytes(spec)
 
 
-@functools.cache
+_TAILS: dict[int, tuple[bytes, ...]] = {}  # by spec fingerprint: hashing a BlockSpec hashes its numpy dtype
+
+
 def _prefix_tails(spec: BlockSpec) -> tuple[bytes, ...]:
     """What follows the key in a record prefix, by the key's varint length (1 to 10 bytes)."""
+    tails = _TAILS.get(spec.fingerprint)
+    if tails is None:
+        tails = _TAILS[spec.fingerprint] = _make_prefix_tails(spec)
+    return tails
+
+
+def _make_prefix_tails(spec: BlockSpec) -> tuple[bytes, ...]:
     n_frame = frame_bytes(spec)
     fields = bytes((TAG_FRAME_BYTES,)) + varint(n_frame) + bytes((TAG_SPEC,)) + varint(spec.fingerprint)
     data_field = bytes((TAG_DATA,)) + varint(n_frame)
@@ -110,9 +119,9 @@ def record_prefix(spec: BlockSpec, key: BlockKey) -> bytes:
 def record_head(spec: BlockSpec, key: BlockKey, digest: tuple[int, int]) -> bytes:
     """The first ``DATA_OFFSET`` bytes of ``key``'s record (wire prefix and frame header) for data of checksum
     ``digest``: a tier writes these beside the data, which it copies or writes straight from the caller's array."""
-    high, low = digest
-    header = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, spec.fingerprint, key, spec.nbytes, high, low)
-    return b"".join((record_prefix(spec, key), header, bytes(HEADER_BYTES - _HEADER.size)))
+    key_field = varint(key)  # record_prefix written out: this runs once per block stored
+    header = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, spec.fingerprint, key, spec.nbytes, *digest)
+    return b"".join((b"\x08", key_field, _prefix_tails(spec)[len(key_field)], header, _HEADER_PADDING))
 
 
 def data_bytes(block: np.ndarray) -> np.ndarray:

@@ -245,14 +245,17 @@ class BlockPool:
                 raise ValueError(f"out must be a {self.spec.dtype.name}{list(expected)} array, got {got}")
             if not out.flags.writeable:
                 raise ValueError("out must be writable")
+            if not out.flags.c_contiguous:  # a block lands as flat bytes: a strided view would be a copy
+                raise ValueError("out must be C-contiguous (np.ascontiguousarray, or a slice of whole blocks)")
         blocks: list[np.ndarray | None] = []
         targets = list(out) if out is not None else [np.empty(self.spec.shape, self.spec.dtype) for _ in keys]
+        flats = [data_bytes(block) for block in targets]
         with self._operation():
             for level, tier in enumerate(self._tiers):  # disk tiers read ahead of the copies
                 below = [i for i, key in enumerate(keys) if not any(key in upper for upper in self._tiers[:level])]
-                tier.prefetch([keys[i] for i in below], [data_bytes(targets[i]) for i in below])
-            for key, block in zip(keys, targets):
-                found = self._read_into(key, data_bytes(block))
+                tier.prefetch([keys[i] for i in below], [flats[i] for i in below])
+            for key, block, flat in zip(keys, targets, flats):
+                found = self._read_into(key, flat)
                 if out is None:
                     block.flags.writeable = False
                 blocks.append(block if found else None)
@@ -388,7 +391,7 @@ class BlockPool:
             raise PoolFullError(
                 f"cannot store block {key:#018x}: all {tier.capacity_blocks} blocks of the {tier.name} tier are pinned"
             )
-        before = self.tier_of(key)
+        before = self.tier_of(key) if self._listeners else None
         write(tier)
         self._announce(key, before)
         return level
@@ -425,7 +428,10 @@ class BlockPool:
                 if found is None:
                     raise CorruptBlockError(f"block {key:#018x}: lost from the {tier.name} tier")
                 head, digest = found
-                check_digest(key, check_head(self.spec, key, head), digest)
+                expected = check_head(self.spec, key, head)  # an older format is stale, whatever its data
+                if digest is None:
+                    raise CorruptBlockError(f"block {key:#018x}: its data is cut short or unreadable")
+                check_digest(key, expected, digest)
             except CorruptBlockError as err:
                 self._bad_block(tier, key, err)
                 continue
@@ -482,12 +488,15 @@ class BlockPool:
             raise ValueError("the block pool is closed")
 
     def _drop(self, tier: Tier, key: BlockKey) -> None:
-        before = self.tier_of(key)
+        before = self.tier_of(key) if self._listeners else None
         tier.delete(key)
         self._announce(key, before)
 
     def _announce(self, key: BlockKey, before: str | None) -> None:
-        """Tell listeners if the fastest tier holding ``key`` is no longer ``before`` (see ``BlockEvent``)."""
+        """Tell listeners if the fastest tier holding ``key`` is no longer ``before`` (see ``BlockEvent``); nothing
+        to work out when none listens (the callers skip ``before`` then: a put of a small block is mostly Python)."""
+        if not self._listeners:
+            return
         after = self.tier_of(key)
         if after == before:
             return

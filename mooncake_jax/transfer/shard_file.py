@@ -5,7 +5,8 @@ Why the tier lays these bytes out itself (``shard_writer.py`` writes them): Tens
 value only by copying it into its own buffers first (the chunk encoder's copy, then ``writev`` of 64 KiB Cord
 blocks), and its ``file_io_mode`` ``direct`` applies to reads only (tensorstore ``kvstore/file/schema.yml``), so
 through TensorStore an SSD put costs two copies where a raw write costs one (docs/benchmarks.md). The array stays
-TensorStore's: it creates and opens it, reads every record, writes the heads and deletes shards; a shard file laid
+TensorStore's: it creates and opens it, reads the heads on open, rewrites them and deletes shards (the tier reads
+the records itself, at offsets its index gives: ``chunk_offsets``, ``shard_reader.py``); a shard file laid
 out here is byte for byte one that TensorStore reads (tested by reading it back through TensorStore, which checks
 the index's CRC32C).
 
@@ -68,12 +69,32 @@ def encode_index(slots: int, start: int, chunk_bytes: int, filled: int) -> bytes
     return raw + crc32c(raw).to_bytes(CRC_BYTES, "little")
 
 
-def chunks_in_index(index: bytes, slots: int) -> int:
-    """How many slots a shard index gives a chunk (0 for an index cut short or failing its CRC)."""
+def _entries(index: bytes, slots: int) -> np.ndarray | None:
+    """The ``[slots, 2]`` (offset, nbytes) entries of a shard index; None for one cut short or failing its CRC."""
     if len(index) < index_bytes(slots):
-        return 0
+        return None
     raw = index[: INDEX_ENTRY_BYTES * slots]
     if int.from_bytes(index[len(raw) : len(raw) + CRC_BYTES], "little") != crc32c(raw):
-        return 0
-    offsets = np.frombuffer(raw, np.dtype("<u8"))[0::2]
-    return int(np.count_nonzero(offsets != NO_CHUNK))
+        return None
+    return np.frombuffer(raw, np.dtype("<u8")).reshape(slots, 2)
+
+
+def chunk_offsets(index: bytes, slots: int, chunk_bytes: int) -> np.ndarray | None:
+    """Where each slot's chunk starts in a shard file (int64, -1 for a slot without a chunk) by its index; None
+    for an index cut short, failing its CRC, or listing a chunk of another size. The tier reads records at these
+    offsets (``shard_reader.py``): a shard TensorStore rewrote may hold its chunks in any order."""
+    entries = _entries(index, slots)
+    if entries is None:
+        return None
+    held = entries[:, 0] != NO_CHUNK
+    if np.any(entries[held, 1] != chunk_bytes):
+        return None
+    offsets = np.full(slots, -1, np.int64)
+    offsets[held] = entries[held, 0]
+    return offsets
+
+
+def chunks_in_index(index: bytes, slots: int) -> int:
+    """How many slots a shard index gives a chunk (0 for an index cut short or failing its CRC)."""
+    entries = _entries(index, slots)
+    return 0 if entries is None else int(np.count_nonzero(entries[:, 0] != NO_CHUNK))

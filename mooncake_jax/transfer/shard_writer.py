@@ -159,6 +159,11 @@ class ShardImage:
         self._errors: list[BaseException] = []
         writer.submit(self._create)
 
+    @property
+    def start(self) -> int:
+        """Where the first chunk starts in the file; chunk ``i`` starts ``i * chunk_bytes`` after it."""
+        return self._start
+
     def _create(self) -> None:
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (_O_DIRECT if self._direct else 0)

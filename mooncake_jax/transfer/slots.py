@@ -50,7 +50,7 @@ CACHE_LINE_BYTES = 64
 SLAB_BYTES = 256 << 20
 """Most bytes allocated at once when the tier grows (one slot if a record is larger)."""
 _CONTEXT = ts.Context({"data_copy_concurrency": {"limit": 1}})
-"""TensorStore copies on one thread (records moved between tiers here, the SSD tier's reads in ``files.py``): more
+"""TensorStore copies on one thread (records moved between tiers here): more
 copy threads only add hand-offs on a 2-core host."""
 
 
@@ -63,11 +63,12 @@ class _Slot:
     """One record's place in a slab: its memory as numpy (for hashing and views) and as TensorStore (for I/O); or a
     received record kept as it arrived (``adopted``: the ``bytes`` object, ``memory`` a read-only view of it)."""
 
-    __slots__ = ("memory", "record", "adopted")
+    __slots__ = ("memory", "record", "head", "adopted")
 
     def __init__(self, memory: np.ndarray, store: ts.TensorStore | None, adopted: bytes | None = None) -> None:
         self.memory = memory
         self.record = store
+        self.head = memoryview(memory[:DATA_OFFSET])  # the record head, written from bytes without numpy
         self.adopted = adopted
 
 
@@ -116,7 +117,7 @@ class SlotStore:
         in flight afterwards)."""
         slot = self._slot_for(key)
         digest = copy_with_checksum(slot.memory[DATA_OFFSET:], data)
-        slot.memory[:DATA_OFFSET] = np.frombuffer(record_head(self.spec, key, digest), np.uint8)
+        slot.head[:] = record_head(self.spec, key, digest)
 
     def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
                     expected: tuple[int, int]) -> None:

@@ -52,9 +52,9 @@ class BlockSpec:
         object.__setattr__(self, "shape", dims)
         object.__setattr__(self, "dtype", resolved)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """Bytes of one block's data."""
+        """Bytes of one block's data (cached: it is asked for once per block stored or read)."""
         return math.prod(self.shape) * self.dtype.itemsize
 
     def describe(self) -> str:

@@ -82,9 +82,9 @@ class Tier:
             self.counters.bytes_read += len(record)
         return record
 
-    def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes | memoryview, tuple[int, int]] | None:
+    def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes | memoryview, tuple[int, int] | None] | None:
         """Copy the block's data into ``out`` (flat uint8); its record head (unverified) and the checksum of the
-        bytes copied, or None when the store has lost it."""
+        bytes copied (None when they could not all be read), or None when the store has lost it."""
         self.settle()
         found = self.store.read_into(key, out)
         if found is not None:

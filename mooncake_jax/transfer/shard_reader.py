@@ -1,0 +1,148 @@
+"""Reading the SSD tier's records out of its data shard files: ``preadv`` of each chunk, at the offset the tier
+knows, straight into the caller's buffer, hashed (XXH3-128) as it lands.
+
+Why the tier reads its own shards (docs/benchmarks.md, "Issue 15, SSD get and DRAM put, seventh pass"): through
+TensorStore a 16-token get cost 0.31-0.40 CPU s/GB (thread hand-offs and chunk decoding, about 0.1 ms per 384 KiB
+record beyond the copy) where a raw read of the same bytes cost 0.07-0.10; read here, 0.13-0.20. The tier wrote
+every shard itself (``shard_writer.py``), or found its index when it opened the shard (TensorStore may have
+rewritten it: the chunks may lie anywhere after the index), so a record's offset is known in memory and a read is
+one ``preadv`` per ``COPY_CHUNK_BYTES``, each hashed from the core's cache right after it lands: the same kernel copy
+a raw ``read`` makes, plus the hash. The files stay TensorStore's zarr3 shards (TensorStore still opens, lists and
+reads them: tested). A location that is wrong (a shard rewritten behind the tier's back) reads other bytes, which
+fail the checksum: never served.
+
+A batch read names the runs of chunks it will read (``want``); they are handed to the kernel as
+``POSIX_FADV_WILLNEED`` only once a read finds its bytes not in the page cache (``preadv`` with ``RWF_NOWAIT``
+comes back short), so a cold batch has its later records read from the device while the first ones are copied and
+hashed, and a warm one (the records just written, most gets) pays nothing for it: asking for cached pages cost
+about 7% of a 16-token get's CPU.
+
+Open files are kept in a small LRU (``MAX_OPEN_FILES``): a tier of many shards does not run out of descriptors, and
+a deleted shard's descriptor is closed with it (``forget``) so its space is freed at once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, split_digest
+
+MAX_OPEN_FILES = 32
+"""Shard files kept open for reading at once (least recently read closed first)."""
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+
+
+def _pread(fd: int, chunk: np.ndarray, offset: int, on_cold: Callable[[], None] | None) -> int:
+    """``preadv`` of ``chunk`` at ``offset``; with ``on_cold``, first without waiting for the device, calling
+    ``on_cold`` (once) when the page cache did not hold it all."""
+    if on_cold is None or _NOWAIT is None:
+        return os.preadv(fd, [chunk], offset)
+    try:
+        got = os.preadv(fd, [chunk], offset, _NOWAIT)
+    except OSError:  # EAGAIN: nothing cached at offset; EOPNOTSUPP: a filesystem without it
+        got = 0
+    if got == chunk.size:
+        return got
+    on_cold()
+    return got + os.preadv(fd, [chunk[got:]], offset + got)
+
+
+def read_with_checksum(fd: int, out: np.ndarray, offset: int,
+                       on_cold: Callable[[], None] | None = None) -> tuple[int, int] | None:
+    """Read ``out.size`` bytes of ``fd`` at ``offset`` into ``out`` (flat uint8) and return their XXH3-128 digest
+    as ``(high, low)``; None when the file ends first (a shard file cut short). ``on_cold``: called when a part is
+    not in the page cache, before it is read from the device."""
+    n = out.size
+    if n <= COPY_CHUNK_BYTES:  # one chunk: no streaming state to set up
+        if _pread(fd, out, offset, on_cold) != n:
+            return None
+        return split_digest(xxhash.xxh3_128_intdigest(out))
+    hasher = xxhash.xxh3_128()
+    for start in range(0, n, COPY_CHUNK_BYTES):
+        chunk = out[start : start + COPY_CHUNK_BYTES]
+        if _pread(fd, chunk, offset + start, on_cold) != chunk.size:
+            return None
+        hasher.update(chunk)
+    return split_digest(hasher.intdigest())
+
+
+class ShardReader:
+    """Descriptors of one store's shard files, opened for reading on first use (``path_of(shard)`` names them)."""
+
+    def __init__(self, path_of: Callable[[int], Path]) -> None:
+        self._path_of = path_of
+        self._open: OrderedDict[int, int] = OrderedDict()  # shard -> descriptor, least recently read first
+        self._wanted: list[tuple[int, int, int]] = []  # (shard, offset, length) runs a batch is about to read
+
+    def _fd(self, shard: int) -> int:
+        fd = self._open.get(shard)
+        if fd is not None:
+            self._open.move_to_end(shard)
+            return fd
+        fd = os.open(self._path_of(shard), os.O_RDONLY | os.O_CLOEXEC)
+        self._open[shard] = fd
+        if len(self._open) > MAX_OPEN_FILES:
+            os.close(self._open.popitem(last=False)[1])
+        return fd
+
+    def read(self, shard: int, offset: int, out: np.ndarray) -> tuple[int, int] | None:
+        """Read a chunk of ``shard`` at ``offset`` into ``out`` (flat uint8); its digest, or None when the file is
+        missing, unreadable or too short (a damaged record)."""
+        try:
+            return read_with_checksum(self._fd(shard), out, offset, self._advise_wanted if self._wanted else None)
+        except OSError:
+            return None
+
+    def read_exact(self, shard: int, offset: int, out: np.ndarray) -> bool:
+        """Read a chunk of ``shard`` at ``offset`` into ``out`` unhashed (the caller verifies it); False when the
+        file is missing, unreadable or too short."""
+        try:
+            return os.preadv(self._fd(shard), [out], offset) == out.size
+        except OSError:
+            return False
+
+    def want(self, runs: list[tuple[int, int, int]]) -> None:
+        """The ``(shard, offset, length)`` runs a batch is about to read, replacing those of the batch before:
+        asked for from the kernel if a read finds the page cache cold."""
+        self._wanted = runs
+
+    def _advise_wanted(self) -> None:
+        """Tell the kernel the wanted runs are needed soon (``POSIX_FADV_WILLNEED``): what is not in the page cache
+        is read from the device in the background while the records before it are copied and hashed."""
+        runs, self._wanted = self._wanted, []
+        for shard, offset, length in runs if _WILLNEED is not None else ():
+            try:
+                self._advise(shard, offset, length)
+            except OSError:
+                pass  # only advice: the read will say what is wrong
+
+    def _advise(self, shard: int, offset: int, length: int) -> None:
+        """Advise on an open descriptor, or on one opened for it alone: never through ``_fd``, whose cache would
+        close the least recently read descriptor, possibly the one the read asking for advice is using (the advice
+        is on the file's page cache, so it outlives the descriptor it was given on)."""
+        fd = self._open.get(shard)
+        if fd is not None:
+            os.posix_fadvise(fd, offset, length, _WILLNEED)
+            return
+        fd = os.open(self._path_of(shard), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fadvise(fd, offset, length, _WILLNEED)
+        finally:
+            os.close(fd)
+
+    def forget(self, shard: int) -> None:
+        """Close ``shard``'s descriptor (it is being deleted)."""
+        fd = self._open.pop(shard, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        while self._open:
+            os.close(self._open.popitem()[1])

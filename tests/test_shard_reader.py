@@ -1,0 +1,137 @@
+"""The SSD tier reading its records itself: at the offsets a shard's index gives (whatever order its chunks lie
+in), hashed as they land, with a bounded set of open files that a deleted shard leaves at once."""
+
+import os
+
+import numpy as np
+import pytest
+
+from mooncake_jax.transfer import BlockPool, BlockSpec, files, shard_reader
+from mooncake_jax.transfer.checksum import checksum
+from mooncake_jax.transfer.files import DATA_DIR
+from mooncake_jax.transfer.frame import record_bytes
+from mooncake_jax.transfer.shard_file import NO_CHUNK, chunk_offsets, crc32c, index_bytes
+from mooncake_jax.transfer.shard_reader import read_with_checksum
+
+SPEC = BlockSpec((2, 2, 4, 2, 8), np.float32)
+
+
+def block_of(key: int) -> np.ndarray:
+    return np.random.default_rng(key).standard_normal(SPEC.shape).astype(np.float32)
+
+
+def index_of(entries: list[tuple[int, int]]) -> bytes:
+    raw = np.array(entries, np.dtype("<u8")).tobytes()
+    return raw + crc32c(raw).to_bytes(4, "little")
+
+
+def test_chunk_offsets_follow_the_index_in_any_order():
+    index = index_of([(900, 10), (NO_CHUNK, NO_CHUNK), (100, 10)])
+    assert chunk_offsets(index, 3, 10).tolist() == [900, -1, 100]
+    assert chunk_offsets(index, 3, 11) is None  # a chunk of another size: not this array's shard
+    damaged = bytearray(index)
+    damaged[0] ^= 1
+    assert chunk_offsets(bytes(damaged), 3, 10) is None and chunk_offsets(index[:-1], 3, 10) is None
+
+
+@pytest.mark.parametrize("size", [1000, (1 << 20) + 3, 3 << 20])
+def test_read_with_checksum_is_the_bytes_and_their_hash(tmp_path, size):
+    data = np.random.default_rng(size).integers(0, 256, size + 50, dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(data.tobytes())
+    out = np.zeros(size, np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert read_with_checksum(fd, out, 50) == checksum(data[50:]) and (out == data[50:]).all()
+        assert read_with_checksum(fd, out, 51) is None  # the file ends first
+    finally:
+        os.close(fd)
+
+
+def test_a_shard_rewritten_with_its_chunks_reordered_is_read_by_its_index(tmp_path):
+    """The shard file rewritten by hand with its chunks in reverse order and an index saying so (as another writer,
+    e.g. TensorStore, may lay it out): every block still reads back bit for bit after a restart."""
+    keys = [1, 2, 3]
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many(keys, [block_of(k) for k in keys])
+    path = tmp_path / DATA_DIR / "c.0.0"
+    raw = path.read_bytes()
+    slots, width = files.slots_per_shard(record_bytes(SPEC)), SPEC.nbytes
+    start = index_bytes(slots)
+    chunks = [raw[start + i * width : start + (i + 1) * width] for i in range(len(keys))]
+    entries = [(start + (len(keys) - 1 - i) * width, width) for i in range(len(keys))]
+    entries += [(NO_CHUNK, NO_CHUNK)] * (slots - len(keys))
+    path.write_bytes(index_of(entries) + b"".join(reversed(chunks)))
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        staging = np.zeros((3, *SPEC.shape), SPEC.dtype)
+        got = pool.get_many(keys, staging)
+        assert all(g is not None and g.tobytes() == block_of(k).tobytes() for g, k in zip(got, keys))
+        assert pool.counters()["ssd"].corrupt == 0
+
+
+def test_open_shard_files_are_bounded_and_a_deleted_shard_is_closed(tmp_path, monkeypatch):
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd")
+    monkeypatch.setattr(files, "SHARD_BYTES", record_bytes(SPEC))  # one record per shard file
+    monkeypatch.setattr(shard_reader, "MAX_OPEN_FILES", 2)
+    keys = list(range(1, 7))
+    before = len(os.listdir("/proc/self/fd"))
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many(keys, [block_of(k) for k in keys])
+        for _ in range(2):  # six shards read twice through two descriptors
+            assert all(pool.get(k).tobytes() == block_of(k).tobytes() for k in keys)
+        assert len(os.listdir("/proc/self/fd")) <= before + 2 + 1  # and the writer's open shard
+        for k in keys:
+            pool.remove(k)
+        assert not list((tmp_path / DATA_DIR).glob("c.*"))
+        assert len(os.listdir("/proc/self/fd")) <= before + 1
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv2 RWF_NOWAIT")
+def test_a_batch_is_asked_for_only_when_a_read_finds_the_page_cache_cold(tmp_path, monkeypatch):
+    """Warm reads make no advice call; a read that the page cache cannot serve at once (RWF_NOWAIT short) asks the
+    kernel for the batch's runs once, then reads the rest waiting: the bytes are the same either way."""
+    keys = list(range(1, 9))
+    advised, cold = [], [False]
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset, flags=0):
+        if flags and cold[0]:
+            raise BlockingIOError("not cached")
+        return real_preadv(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(shard_reader.os, "preadv", preadv)
+    monkeypatch.setattr(shard_reader.os, "posix_fadvise", lambda fd, offset, length, advice: advised.append(
+        (offset, length, advice)))
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many(keys, [block_of(k) for k in keys])
+        staging = np.zeros((8, *SPEC.shape), SPEC.dtype)
+        for is_cold in (False, True):
+            cold[0] = is_cold
+            got = pool.get_many(keys, staging)
+            assert all(g.tobytes() == block_of(k).tobytes() for g, k in zip(got, keys))
+            start = pool._tiers[0].store._offsets[0][0]
+            assert advised == ([(start, 8 * SPEC.nbytes, os.POSIX_FADV_WILLNEED)] if is_cold else [])
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv2 RWF_NOWAIT")
+def test_a_cold_batch_over_more_shards_than_open_files_keeps_its_descriptor(tmp_path, monkeypatch):
+    """Asking the kernel for a cold batch's runs in more shards than there are cached descriptors must not close
+    the descriptor the read is using (every block was dropped as corrupt when the advice went through the cache)."""
+    monkeypatch.setattr(files, "SHARD_BYTES", record_bytes(SPEC))  # one record per shard file
+    monkeypatch.setattr(shard_reader, "MAX_OPEN_FILES", 2)
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset, flags=0):  # the page cache cold: RWF_NOWAIT finds nothing
+        if flags:
+            raise BlockingIOError("not cached")
+        return real_preadv(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(shard_reader.os, "preadv", preadv)
+    keys = list(range(1, 9))
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many(keys, [block_of(k) for k in keys])
+        got = pool.get_many(keys, np.zeros((len(keys), *SPEC.shape), SPEC.dtype))
+        assert [g is not None and g.tobytes() == block_of(k).tobytes() for g, k in zip(got, keys)] == [True] * 8
+        assert pool.counters()["ssd"].corrupt == 0 and len(pool) == len(keys)

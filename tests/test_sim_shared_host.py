@@ -1,0 +1,110 @@
+"""The simulator's shared host (``SimConfig.host_cores``): instances as processes on one host's cores, every
+service time stretched by (busy instances / cores) while more are busy than there are cores. Worked by hand on the
+costs of ``test_accounting``: prefill 1 s + 1 ms per token (a 1,000-token prompt: 2 s alone), decode step 10 ms,
+a 1,000-token KV pushed in 1 s."""
+
+import pytest
+
+from mooncake_jax.conductor.accounting import REAL_INSTANCES
+from mooncake_jax.sim import SimConfig, simulate
+from mooncake_jax.sim.trace import Trace, TraceRequest
+
+from test_accounting import SLOW_LINK
+
+
+def test_two_prefills_on_one_core_share_it_from_the_moment_both_run():
+    """A arrives at 0 s, B at 1 s, each 2 s of work, on two prefill instances (single-token outputs: no decode).
+    One core: A runs alone for 1 s (1 s of work left), then both at half speed: A's last second of work takes 2 s
+    (ends at 3 s), by when B has done 1 s; alone again, B ends at 4 s. Two cores: each keeps its own (2 s, 3 s)."""
+    trace = Trace([TraceRequest(0.0, 1000, 1, (1, 2)), TraceRequest(1.0, 1000, 1, (3, 4))])
+    a, b = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, host_cores=1).requests
+    assert a.prefill_id != b.prefill_id
+    assert (a.first_token_at, b.first_token_at) == (pytest.approx(3.0), pytest.approx(4.0))
+    a, b = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, host_cores=2).requests
+    assert (a.first_token_at, b.first_token_at) == (pytest.approx(2.0), pytest.approx(3.0))
+    a, b = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK).requests  # separate machines: the same
+    assert (a.first_token_at, b.first_token_at) == (pytest.approx(2.0), pytest.approx(3.0))
+
+
+def test_a_decode_batch_counts_as_a_busy_process():
+    """A: prefill 0-2 s, KV pushed 2-3 s, then 200 decode steps. B and C arrive at 3 s and prefill on the two
+    instances. Two cores, three busy (two prefills, A's batch): everything at 2/3 speed from 3 s, so B and C take
+    3 s (end at 6 s) and A's steps 15 ms: its 200 steps end at 6 s (5 s on separate machines). B's and C's KV then
+    go over the decode instance's link one after the other: first tokens at 7 and 8 s (4 and 5 s after arrival)."""
+    trace = Trace([TraceRequest(0.0, 1000, 201, (1, 2)), TraceRequest(3.0, 1000, 2, (3, 4)),
+                   TraceRequest(3.0, 1000, 2, (5, 6))])
+    alone = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES).requests
+    assert alone[0].finished_at == pytest.approx(5.0)
+    a, b, c = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                       host_cores=2).requests
+    assert a.ttft_s == pytest.approx(3.0)
+    assert b.prefill_start == c.prefill_start == pytest.approx(3.0)
+    assert a.finished_at == pytest.approx(6.0, abs=0.016)  # the change waits for a step boundary
+    assert sorted((b.ttft_s, c.ttft_s)) == [pytest.approx(4.0), pytest.approx(5.0)]
+
+
+def test_host_cores_is_checked():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="host_cores"):
+            SimConfig(host_cores=bad)
+    with pytest.raises(ValueError, match="host_cores"):
+        SimConfig(architecture="coupled", host_cores=2)
+
+
+def test_the_profile_reading_takes_the_pairs_engine_and_the_host_cores():
+    """Pairs' requests as their instances reported them, by hand (profile: 1 s + 1 ms per token): at 1,000 tokens
+    (profile 2 s) the engine took 5.0, 4.9 and 9.0 s (median 5 s: the 9 s one preempted), at 500 (1.5 s) 4 s
+    twice: the line through the medians is 1 s + 2x the profile. TTFT less decision, queue and compute: 0.1, 0.2,
+    0.3, 0.4, 0.5 s, median 0.3 s. The simulator's inputs: the profile times 2 plus 1 s per request (3 s + 2 ms per
+    token), the bursts' time off the engine (the pairs' where none), the pairs' join, the bursts' decode, two cores
+    shared; no slowdown read."""
+    from test_accounting import _sim_to_real
+
+    bench = _sim_to_real()
+    reported = [(1000, 0, 5.0, 0.1), (1000, 0, 4.9, 0.2), (1000, 0, 9.0, 0.3), (500, 0, 4.0, 0.4),
+                (500, 0, 4.0, 0.5)]
+    pairs = bench.engine_in_pairs(reported, SLOW_LINK)
+    assert (pairs["engine_fixed_s"], pairs["engine_scale"]) == (pytest.approx(1.0), pytest.approx(2.0))
+    assert pairs["off_engine_s"] == pytest.approx(0.3)
+    probed = {**pairs, "prefill_scale": 7.0, "off_engine_s_bursts": 0.04, "decode_scale": 1.5,
+              "decode_token_delivery_s": 0.001,
+              "decode_join_s": 0.01, "decode_join_s_bursts": 0.02, "decode_join_stall_s": 0.05,
+              "shared_host_decode_slowdown": 1.4, "decode_step_spread": [0.5, 1.5]}
+    inputs = bench.from_profile(SLOW_LINK, probed, 2)
+    assert inputs["prefill_coef"] == pytest.approx([3.0, 0.002, 0.0, 0.0])
+    assert inputs["prefill_off_engine_s"] == pytest.approx(0.04)  # the bursts' where read
+    pairs_only = {k: v for k, v in probed.items() if k != "off_engine_s_bursts"}
+    assert bench.from_profile(SLOW_LINK, pairs_only, 2)["prefill_off_engine_s"] == pytest.approx(0.3)  # else the pairs'
+    assert inputs["decode_join_s"] == inputs["decode_join_stall_s"] == pytest.approx(0.01)  # stall <= join
+    assert inputs["shared_host_decode_slowdown"] == 1.0 and inputs["host_cores"] == 2
+    assert bench.engine_in_pairs(reported[:3], SLOW_LINK) == {}  # too few to read
+
+
+def test_the_cores_are_shared_by_weight_each_process_at_most_one():
+    """By hand: two cores, two prefills and a decode busy. Equal weights: each gets 2/3 of a core. A prefill weighing
+    a third of a decode (nice +5): the decode's share, 2 * 1 / (1 + 2/3) = 1.2 cores, is more than the one it can
+    use, so it keeps one and the two prefills split the other (1/2 each). One core, a prefill and a decode at
+    weights 1/3 and 1: 1/4 and 3/4. Linux's weight for 5 nice levels lower: 335/1024 of nice 0's."""
+    from mooncake_jax.sim.host import cfs_weight, shared_rates
+
+    assert shared_rates(2, 2, 1) == (pytest.approx(2 / 3), pytest.approx(2 / 3))
+    assert shared_rates(2, 2, 1, 1 / 3) == (pytest.approx(0.5), pytest.approx(1.0))
+    assert shared_rates(1, 1, 1, 1 / 3) == (pytest.approx(0.25), pytest.approx(0.75))
+    assert shared_rates(2, 1, 1, 1 / 3) == (1.0, 1.0) and shared_rates(2, 0, 0) == (1.0, 1.0)
+    assert cfs_weight(5) == pytest.approx(335 / 1024, rel=0.01)
+
+
+def test_a_lower_priority_prefill_leaves_the_decode_its_core():
+    """As ``test_a_decode_batch_counts_as_a_busy_process`` with the prefills weighing a third of the decode: the
+    decode keeps a whole core (A's 200 steps end at 5 s as on separate machines) and B and C share the other at
+    half speed until then (1 s of their 2 s of work done each), then have a core each: both end at 6 s, their KV
+    over the link at 7 and 8 s (4 and 5 s after arrival; with equal weights A ended at 6 s instead)."""
+    trace = Trace([TraceRequest(0.0, 1000, 201, (1, 2)), TraceRequest(3.0, 1000, 2, (3, 4)),
+                   TraceRequest(3.0, 1000, 2, (5, 6))])
+    a, b, c = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES,
+                       host_cores=2, host_prefill_weight=1 / 3).requests
+    assert a.finished_at == pytest.approx(5.0, abs=0.011)
+    assert sorted((b.ttft_s, c.ttft_s)) == [pytest.approx(4.0), pytest.approx(5.0)]
+    assert b.prefill_start == c.prefill_start == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="host_prefill_weight"):
+        SimConfig(host_prefill_weight=0.0)
