@@ -137,17 +137,19 @@ def cpu_seconds(pid: int | None = None) -> float:
 
 
 def costed(trials: dict[str, Callable[[], float]], n_bytes: int, pids: tuple[int, ...] = (),
-           timed_only: bool = False) -> tuple[dict[str, Callable[[], float]], dict[str, list[float]]]:
+           timed_only: bool = False, set_up: Callable[[], float] = lambda: 0.0
+           ) -> tuple[dict[str, Callable[[], float]], dict[str, list[float]]]:
     """The trials, each also logging the CPU seconds per GB of ``n_bytes`` it cost (this process and ``pids``,
-    the whole trial; ``timed_only``: this process in the trial's ``timed`` regions alone, so the setup of a read,
-    writing what it reads, is not counted): unlike GB/s on a shared machine, CPU per byte hardly moves with the
-    load, so its ratio to the baseline's says whether a change did less work."""
+    the whole trial less what ``set_up`` says its preparation took, a running total of CPU seconds; ``timed_only``:
+    this process in the trial's ``timed`` regions alone, so the setup of a read, writing what it reads, is not
+    counted): unlike GB/s on a shared machine, CPU per byte hardly moves with the load, so its ratio to the
+    baseline's says whether a change did less work."""
     log: dict[str, list[float]] = {name: [] for name in trials}
 
     def spent() -> float:
         if timed_only:
             return sum(_TIMED_CPU)
-        return cpu_seconds() + sum(cpu_seconds(pid) for pid in pids)
+        return cpu_seconds() + sum(cpu_seconds(pid) for pid in pids) - set_up()
 
     def logging(name: str, trial: Callable[[], float]) -> Callable[[], float]:
         def run() -> float:
@@ -320,6 +322,14 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
     sink = BlockPool(spec, dram_blocks=n_blocks)
     peer = PeerProcess(spec, dram_blocks=n_blocks)
     rounds = iter(range(1 << 30))
+    set_up_cpu = [0.0]  # a trial's preparation (this process): left out of its CPU per GB, as out of its GB/s
+
+    def preparing(prepare: Callable[[], list[int]]) -> list[int]:
+        started = cpu_seconds()
+        keys = prepare()
+        set_up_cpu[0] += cpu_seconds() - started
+        return keys
+
     try:
         with MessengerClient(peer.address, source, timeout_s=300) as pusher, MessengerClient(
             peer.address, sink, timeout_s=300
@@ -333,15 +343,18 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
                 return keys
 
             def push(client: MessengerClient = pusher) -> float:
-                result = client.push(fresh_keys())
+                result = client.push(preparing(fresh_keys))
                 assert len(result.moved) == n_blocks
                 return gbps(result.bytes, result.seconds)
 
-            def fetch(client: MessengerClient = fetcher) -> float:
+            def held_by_peer(client: MessengerClient) -> list[int]:
                 keys = [key for key, held in zip(source.keys(), client.has(source.keys())) if held]
                 for key in sink.keys():
                     sink.remove(key)
-                result = client.fetch(keys)
+                return keys
+
+            def fetch(client: MessengerClient = fetcher) -> float:
+                result = client.fetch(preparing(lambda: held_by_peer(client)))
                 assert len(result.moved) == n_blocks
                 return gbps(result.bytes, result.seconds)
 
@@ -364,7 +377,8 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
             push()  # the peer holds blocks to fetch from now on
             for trial in trials.values():  # warm both processes' allocators and connections
                 trial()
-            trials, log = costed(trials, n_blocks * source.frame_bytes, pids=(peer.process.pid,))
+            trials, log = costed(trials, n_blocks * source.frame_bytes, pids=(peer.process.pid,),
+                                 set_up=lambda: set_up_cpu[0])
             figures = with_cpu(alternate(repeats, **trials), log)
             figures["counters"] = {"fetcher": fetcher.counters.as_dict(), "pusher": pusher.counters.as_dict()}
             figures["message_bytes"] = same_pieces
@@ -456,9 +470,11 @@ def ratios(med: dict[str, float]) -> dict[str, float]:
     return {name: med[a] / med[b] for name, (a, b) in pairs.items() if a in med and b in med}
 
 
-def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", tiers_only: bool = False) -> dict:
+def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", tiers_only: bool = False,
+        only: str | None = None) -> dict:
     """All sections; ``layerwise`` is ``"skip"``, ``"default"`` (1K and 2K tokens) or ``"full"`` (1K-16K);
-    ``tiers_only``: the DRAM and SSD sections alone (no Messenger, no layer-wise prefill)."""
+    ``tiers_only``: the DRAM and SSD sections alone (no Messenger, no layer-wise prefill); ``only`` (``"dram"``,
+    ``"ssd"``, ``"messenger"``): that section alone on the blocks it applies to."""
     scale = 4 if quick else 1
     started = time.perf_counter()
     results: dict = {"cpu_model": cpu_model(), "cpus": os.cpu_count(), "load_average_start": os.getloadavg(),
@@ -468,17 +484,22 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", 
         spec = small_spec(block_tokens)
         blocks = make_blocks(spec, 16)
         section = {"spec": spec.describe(), "block_bytes": spec.nbytes}
-        section.update(measure_dram(spec, blocks, capacity=n_blocks, n_ops=2 * n_blocks, repeats=repeats))
-        section.update(measure_ssd(spec, blocks, n_ops=n_blocks, repeats=repeats, directory=directory))
-        if not tiers_only:
+        if only in (None, "dram"):
+            section.update(measure_dram(spec, blocks, capacity=n_blocks, n_ops=2 * n_blocks, repeats=repeats))
+        if only in (None, "ssd"):
+            section.update(measure_ssd(spec, blocks, n_ops=n_blocks, repeats=repeats, directory=directory))
+        if not tiers_only and only in (None, "messenger"):
             section.update(measure_messenger(spec, blocks, n_blocks=n_blocks, repeats=repeats))
         results[label] = section
         section["done_at_s"] = round(time.perf_counter() - started, 1)
     spec = llama70b_spec()  # one 160 MiB block per call, as a 70B prefill hands over one 512-token block
-    blocks = make_blocks(spec, 2)
+    blocks = make_blocks(spec, 2) if only != "messenger" else []
     section = {"spec": spec.describe(), "block_bytes": spec.nbytes}
-    section.update(measure_dram(spec, blocks, capacity=3, n_ops=6 // min(scale, 2), repeats=repeats, size=1))
-    section.update(measure_ssd(spec, blocks, n_ops=4 // min(scale, 2), repeats=repeats, directory=directory, size=1))
+    if only in (None, "dram"):
+        section.update(measure_dram(spec, blocks, capacity=3, n_ops=6 // min(scale, 2), repeats=repeats, size=1))
+    if only in (None, "ssd"):
+        section.update(measure_ssd(spec, blocks, n_ops=4 // min(scale, 2), repeats=repeats, directory=directory,
+                                   size=1))
     results["llama70b_block512"] = section
     section["done_at_s"] = round(time.perf_counter() - started, 1)
     del blocks
@@ -498,10 +519,11 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", 
                  "ssd_direct_io_put_vs_direct_raw_ratio"):
         if any(name in r for r in sections):
             results[name] = round(min(r[name] for r in sections if name in r), 3)
-    if not tiers_only:
-        results["transfer_engine_gbps"] = results["block128"]["messenger_fetch_gbps"]["median"]  # gRPC Messenger
-        results["jax_plane_fetch_gbps"] = results["block128"]["jax_plane_fetch_gbps"]["median"]
-        results["jax_plane_push_gbps"] = results["block128"]["jax_plane_push_gbps"]["median"]
+    for name, figure in (("transfer_engine_gbps", "messenger_fetch_gbps"),  # the gRPC Messenger
+                         ("jax_plane_fetch_gbps", "jax_plane_fetch_gbps"),
+                         ("jax_plane_push_gbps", "jax_plane_push_gbps")):
+        if figure in results["block128"]:
+            results[name] = results["block128"][figure]["median"]
     results["layerwise_speedup"] = results.get("layerwise_prefill", {}).get("layerwise_speedup")
     results["block_keys_ms_per_1k_tokens"] = results["block_keys"]["ms_per_1k_tokens_block16"]
     results["goals"] = {"dram_put_ratio": 0.6, "dram_get_ratio": 0.6, "ssd_put_ratio": 0.7, "ssd_get_ratio": 0.7,
@@ -521,11 +543,13 @@ def main() -> None:
     layerwise.add_argument("--full-layerwise", action="store_true", help="layer-wise prefill on 1K-16K tokens")
     parser.add_argument("--tiers-only", action="store_true",
                         help="only the DRAM and SSD sections (no Messenger, no layer-wise prefill)")
+    parser.add_argument("--only", choices=("dram", "ssd", "messenger"), help="that section alone (no layer-wise)")
     parser.add_argument("--dir", type=Path, default=None, help="directory for SSD-tier files (default: a temp dir)")
     args = parser.parse_args()
-    mode = "skip" if args.skip_layerwise else "full" if args.full_layerwise else "default"
+    mode = "skip" if args.skip_layerwise or args.only else "full" if args.full_layerwise else "default"
     with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
-        results = run(args.quick, args.repeats, Path(scratch), layerwise=mode, tiers_only=args.tiers_only)
+        results = run(args.quick, args.repeats, Path(scratch), layerwise=mode, tiers_only=args.tiers_only,
+                      only=args.only)
     text = json.dumps(results, indent=2)
     if args.json:
         args.json.write_text(text)

@@ -800,3 +800,35 @@ def test_joined_records_are_the_records_and_stop_before_a_corrupt_one():
         assert 3 not in pool and pool.stats()["dram"]["corrupt"] == 1
         assert pool.join_records([3, 4], b"<>") == (b"", 0)  # absent now: nothing joined
         assert pool.join_records([4], b"<>") == (records[4], 1)
+
+
+def test_a_whole_received_record_is_kept_as_it_arrived_when_no_slot_is_free(tmp_path):
+    """A ``bytes`` record (a Messenger message of one record) is kept as that buffer, hashed where it lies, when no
+    slot is free: no copy, and get_record hands the same object on (a sender's ``bytes()`` of it is no copy
+    either). Adopted records count against the capacity when slabs grow; a free slot is filled by a copy instead; a
+    corrupt one stores nothing; an adopted block is demoted to SSD like any other."""
+    from mooncake_jax.transfer import CorruptBlockError
+    from mooncake_jax.transfer.frame import encode
+
+    records = {key: encode(SPEC, key, block_of(key)) for key in range(1, 7)}
+    with BlockPool(SPEC, dram_blocks=3) as pool:
+        store = pool._tiers[0].store
+        assert pool.put_record(1, records[1]) and pool.put_record(2, records[2])
+        assert store._slot_of[1].adopted is records[1] and store._allocated == 0  # no slab: kept as they came
+        assert pool.get_record(2) is records[2] and same_bits(pool.get(1), block_of(1))
+        pool.put(3, block_of(3))  # a local block needs a slot: the slab gets only what the adopted two leave
+        assert store._allocated == 1 and store._adopted == 2
+        damaged = bytearray(records[4])
+        damaged[DATA_OFFSET + 7] ^= 1
+        with pytest.raises(CorruptBlockError, match="checksum mismatch"):
+            pool.put_record(4, bytes(damaged))  # full: block 2 evicted first, then nothing stored
+        assert 4 not in pool and store._adopted == 1 and sorted(pool.keys()) == [1, 3]
+        assert pool.put_record(4, records[4]) and store._slot_of[4].adopted is records[4]
+        pool.remove(3)  # its slot is free now: the next record is copied into it, no new memory
+        assert pool.put_record(5, records[5]) and store._slot_of[5].adopted is None
+        assert store._allocated == 1 and store._adopted == 2
+        assert all(same_bits(pool.get(key), block_of(key)) for key in (1, 4, 5))
+    with BlockPool(SPEC, dram_blocks=1, ssd_path=tmp_path) as pool:
+        pool.put_record(1, records[1])
+        pool.put_record(2, records[2])  # block 1, adopted, is demoted to SSD
+        assert pool.tier_of(1) == "ssd" and pool.tier_of(2) == "dram" and same_bits(pool.get(1), block_of(1))

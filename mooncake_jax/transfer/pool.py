@@ -185,8 +185,9 @@ class BlockPool:
     def put_record(self, key: BlockKey, record: bytes | bytearray | memoryview) -> bool:
         """Store a block's record (as received from a peer) after verifying it; False if already held.
 
-        The pool keeps a copy, so the caller may reuse ``record``. A record that fails verification raises
-        ``CorruptBlockError`` (a ValueError) and stores nothing.
+        The pool keeps a copy, so the caller may reuse ``record``; a ``bytes`` record, which no one can change, the
+        DRAM tier may keep as it is instead (``SlotStore.adopt_checked``: no copy). A record that fails verification
+        raises ``CorruptBlockError`` (a ValueError) and stores nothing.
         """
         key = check_key(key)
         if not isinstance(record, (bytes, bytearray, memoryview)):
@@ -205,7 +206,8 @@ class BlockPool:
                 check_digest(key, expected, checksum(data))
                 return False
             # verified while it is copied in: a record that fails leaves nothing behind
-            self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected))
+            whole = record if type(record) is bytes else None  # exactly bytes: a subclass might be mutable
+            self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected, whole))
             return True
 
     def remove(self, key: BlockKey) -> bool:
@@ -449,8 +451,8 @@ class BlockPool:
             try:
                 if record is None:
                     raise CorruptBlockError(f"block {key:#018x}: lost from the {tier.name} tier")
-                # copied first (a DRAM record is a view of a slot a later write may reuse), then verified: the
-                # copy is still in cache, so the hash costs less than on the slot
+                # copied first (a DRAM record is a view of a slot a later write may reuse; an adopted one is
+                # immutable bytes, which bytes() returns as it is), then verified: the copy is still in cache
                 record = bytes(record)
                 verify(self.spec, key, record)
             except CorruptBlockError as err:

@@ -21,6 +21,16 @@ Slabs are allocated when no slot is free and kept for the life of the tier, so a
 whose pages are already mapped (fresh pages cost more than the copy). A bounded tier allocates at most its
 capacity; a slot starts on a page boundary (on a cache line for records under 64 KiB, so small blocks do not waste
 most of a page each).
+
+A record received whole as one immutable ``bytes`` (a Messenger message holding one record: a 128-token block of
+the ``small`` preset) is kept as that buffer when no slot is free (``adopt_checked``): it is hashed where it lies,
+not copied, and sent on later as it is (``record`` returns the object, so the sender's ``bytes()`` is no copy
+either). That saves a copy of every such block at the receiver and at a later sender; the copy was about a quarter
+of the receiver's CPU per GB (pool benchmark, issue 15 seventh pass). Memory stays within the capacity: an adopted
+record counts against it as a slot does (slabs are only grown into what the adopted records leave), and a free
+slot, already paid for, is filled by a copy instead. Such a record is not in a TensorStore array (it is never
+written; its slot is dropped, not reused, when the block goes). A record joined with others in one message is a
+view into that message and is copied: keeping it would keep the whole message alive.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import numpy as np
 import tensorstore as ts
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.transfer.checksum import copy_with_checksum
+from mooncake_jax.transfer.checksum import checksum, copy_with_checksum
 from mooncake_jax.transfer.frame import DATA_OFFSET, CorruptBlockError, record_bytes, record_head
 from mooncake_jax.transfer.spec import BlockSpec
 
@@ -50,14 +60,16 @@ def as_store(buffer: np.ndarray) -> ts.TensorStore:
 
 
 class _Slot:
-    """One record's place in a slab: its memory as numpy (for hashing and views) and as TensorStore (for I/O)."""
+    """One record's place in a slab: its memory as numpy (for hashing and views) and as TensorStore (for I/O); or a
+    received record kept as it arrived (``adopted``: the ``bytes`` object, ``memory`` a read-only view of it)."""
 
-    __slots__ = ("memory", "record", "head")
+    __slots__ = ("memory", "record", "head", "adopted")
 
-    def __init__(self, memory: np.ndarray, store: ts.TensorStore) -> None:
+    def __init__(self, memory: np.ndarray, store: ts.TensorStore | None, adopted: bytes | None = None) -> None:
         self.memory = memory
         self.record = store
         self.head = memoryview(memory[:DATA_OFFSET])  # the record head, written from bytes without numpy
+        self.adopted = adopted
 
 
 class SlotStore:
@@ -70,6 +82,7 @@ class SlotStore:
         self._stride = -(-self.record_bytes // align) * align
         self._capacity = capacity_blocks
         self._allocated = 0
+        self._adopted = 0  # records kept in the buffers they arrived in: they count against the capacity too
         self._slabs: list[ts.TensorStore] = []
         self._free: list[_Slot] = []
         self._slot_of: dict[BlockKey, _Slot] = {}
@@ -79,7 +92,7 @@ class SlotStore:
         if not self._free:
             count = max(1, SLAB_BYTES // self._stride)
             if self._capacity is not None:
-                count = min(count, self._capacity - self._allocated)
+                count = min(count, self._capacity - self._allocated - self._adopted)
             if count < 1:
                 raise RuntimeError("the DRAM tier has no free slot (the pool evicts before it writes)")
             memory = np.empty((count, self._stride), np.uint8)
@@ -92,6 +105,9 @@ class SlotStore:
 
     def _slot_for(self, key: BlockKey) -> _Slot:
         slot = self._slot_of.get(key)
+        if slot is not None and slot.adopted is not None:  # a received buffer is never written: a slot instead
+            self.delete(key)
+            slot = None
         if slot is None:
             slot = self._slot_of[key] = self._take_slot()
         return slot
@@ -114,6 +130,24 @@ class SlotStore:
             raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
         slot.memory[:DATA_OFFSET] = np.frombuffer(head, np.uint8)
 
+    adopts_records = True
+    """``adopt_checked`` keeps a whole received record in its own buffer (see the module docstring)."""
+
+    def adopt_checked(self, key: BlockKey, record: bytes, expected: tuple[int, int]) -> None:
+        """Store a whole record (its head already checked) whose data must hash to ``expected``, keeping ``record``
+        itself when no slot is free (hashed where it lies, never copied), else copying it into a free slot as
+        ``put_checked`` does. CorruptBlockError, and nothing stored, if the hash differs."""
+        if self._free or self._slot_of.get(key) is not None:
+            self.put_checked(key, memoryview(record)[:DATA_OFFSET], np.frombuffer(record, np.uint8, offset=DATA_OFFSET),
+                             expected)
+            return
+        if len(record) != self.record_bytes:
+            raise ValueError(f"record of {len(record)} bytes, expected {self.record_bytes}")
+        if checksum(memoryview(record)[DATA_OFFSET:]) != expected:
+            raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
+        self._slot_of[key] = _Slot(np.frombuffer(record, np.uint8), None, record)
+        self._adopted += 1
+
     def put(self, key: BlockKey, parts: Sequence[bytes | bytearray | memoryview | np.ndarray], owned: bool) -> None:
         """Store a record given as consecutive parts (already checksummed). ``owned``: the parts stay untouched
         until ``settle`` (else the copies finish before this returns)."""
@@ -129,11 +163,13 @@ class SlotStore:
         if not owned:
             self._finish()
 
-    def record(self, key: BlockKey) -> memoryview | None:
-        """The stored record (a view of the TensorStore array's memory, valid until the slot is reused: the pool
-        copies it before releasing its lock)."""
+    def record(self, key: BlockKey) -> bytes | memoryview | None:
+        """The stored record: a view of the TensorStore array's memory, valid until the slot is reused (the pool
+        copies it before releasing its lock), or an adopted record's own immutable ``bytes``."""
         slot = self._slot_of.get(key)
-        return None if slot is None else memoryview(slot.memory)
+        if slot is None:
+            return None
+        return slot.adopted if slot.adopted is not None else memoryview(slot.memory)
 
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[memoryview, tuple[int, int]] | None:
         """Copy the block's data into ``out`` (flat uint8) and hash the bytes copied, in one pass; its record head
@@ -151,7 +187,9 @@ class SlotStore:
         if self._pending:
             self._finish()
         slot = self._slot_of.pop(key, None)
-        if slot is not None:
+        if slot is not None and slot.adopted is not None:
+            self._adopted -= 1  # its buffer goes with the last reference (a sender may still hold it)
+        elif slot is not None:
             self._free.append(slot)
 
     def _finish(self) -> list[tuple[BlockKey, Exception]]:

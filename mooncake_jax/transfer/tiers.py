@@ -109,10 +109,14 @@ class Tier:
         self._added(key)
 
     def write_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
-                      expected: tuple[int, int]) -> None:
+                      expected: tuple[int, int], whole: bytes | None = None) -> None:
         """Store a record (its checked ``head`` and ``data``, flat uint8) whose data must hash to ``expected``;
-        CorruptBlockError, and nothing stored, if it does not."""
-        self.store.put_checked(key, head, data, expected)
+        CorruptBlockError, and nothing stored, if it does not. ``whole``: the record as one immutable ``bytes``
+        (head then data), which a store that adopts records (DRAM) may keep instead of copying it."""
+        if whole is not None and getattr(self.store, "adopts_records", False):
+            self.store.adopt_checked(key, whole, expected)
+        else:
+            self.store.put_checked(key, head, data, expected)
         self._added(key)
 
     def _added(self, key: BlockKey) -> None:
