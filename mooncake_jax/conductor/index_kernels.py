@@ -61,8 +61,9 @@ def _home(key, capmask):
     return np.int64(((g << _S3) | (key & _L7)) & capmask)
 
 
-def _find(table, key):
-    """The row holding ``key``, or -1 (the spare row for the key ``EMPTY``, held or not)."""
+def _probe(table, key):
+    """The row holding ``key``, else the empty row where its probe run ends (where it would go); the spare row for
+    the key ``EMPTY``."""
     spare = table.shape[0] - 1
     if key == EMPTY:
         return spare
@@ -70,30 +71,25 @@ def _find(table, key):
     i = _home(key, capmask)
     while True:
         k = table[i, 0]
-        if k == key:
+        if k == key or k == EMPTY:
             return i
-        if k == EMPTY:
-            return -1
         i = (i + 1) & (spare - 1)
+
+
+def _find(table, key):
+    """The row holding ``key``, or -1 (the spare row for the key ``EMPTY``, held or not)."""
+    i = _probe(table, key)
+    return i if i == table.shape[0] - 1 or table[i, 0] == key else -1
 
 
 def _find_or_add(table, key, stats):
     """The row holding ``key``, added (zero masks) where it is absent; counts a new key in ``stats[0]`` (the spare
     row: counted when its first holder is set, by the caller)."""
-    spare = table.shape[0] - 1
-    if key == EMPTY:
-        return spare
-    capmask = np.uint64(spare - 1)
-    i = _home(key, capmask)
-    while True:
-        k = table[i, 0]
-        if k == key:
-            return i
-        if k == EMPTY:
-            table[i, 0] = key
-            stats[0] += 1
-            return i
-        i = (i + 1) & (spare - 1)
+    i = _probe(table, key)
+    if i != table.shape[0] - 1 and table[i, 0] == EMPTY:
+        table[i, 0] = key
+        stats[0] += 1
+    return i
 
 
 def _delete(table, i):
@@ -427,8 +423,8 @@ class Compiled:
         # the helpers are compiled first and stay so in this module's globals: numba resolves a kernel's globals
         # when it compiles it (numba's cache makes a later process's compile a read)
         jit = numba.njit(cache=True)
-        for name in ("_home", "_find", "_find_or_add", "_delete", "_held", "_room", "_phome", "_pfind", "_padd",
-                     "_pdelete", "_pdrop"):
+        for name in ("_home", "_probe", "_find", "_find_or_add", "_delete", "_held", "_room", "_phome", "_pfind",
+                     "_padd", "_pdelete", "_pdrop"):
             function = globals()[name]
             globals()[name] = function if hasattr(function, "py_func") else jit(function)
         table, (pend, ptime) = empty_table(4, 1), empty_expectations(4)
