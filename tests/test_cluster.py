@@ -249,6 +249,7 @@ def test_dead_instance_is_drained_and_requests_go_elsewhere(llm):
         assert c.generate(ps, max_new_tokens=3) == llm.generate(ps, max_new_tokens=3)  # all on prefill-1
 
 
+@pytest.mark.slow  # ~9 s; layer-wise prefill in a served cluster stays in test_hetero's unlike cluster (-m slow)
 def test_layerwise_prefill_instances_serve_the_same_tokens(llm):
     """Prefill instances in layer-wise mode (prefix KV loaded from the pool layer by layer, new KV stored layer by
     layer) give the single engine's tokens, and reuse a prefix from their pool."""
