@@ -146,3 +146,23 @@ def test_a_cold_batch_over_more_shards_than_open_files_keeps_its_descriptor(tmp_
         got = pool.get_many(keys, np.zeros((len(keys), *SPEC.shape), SPEC.dtype))
         assert [g is not None and g.tobytes() == block_of(k).tobytes() for g, k in zip(got, keys)] == [True] * 8
         assert pool.counters()["ssd"].corrupt == 0 and len(pool) == len(keys)
+
+
+def test_a_process_out_of_descriptors_misses_but_keeps_its_blocks(tmp_path, monkeypatch):
+    """EMFILE says nothing of the record: the get is a miss this time, nothing is dropped or counted corrupt, and
+    the block is served once descriptors are back (it was deleted as damaged when every OSError read as damage)."""
+    import errno
+
+    keys = [1, 2]
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many(keys, [block_of(k) for k in keys])
+        real_open = shard_reader.os.open
+
+        def out_of_descriptors(*args, **kwargs):
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        monkeypatch.setattr(shard_reader.os, "open", out_of_descriptors)
+        assert pool.get(1) is None and pool.get_record(2) is None
+        assert pool.counters()["ssd"].corrupt == 0 and len(pool) == 2
+        monkeypatch.setattr(shard_reader.os, "open", real_open)
+        assert pool.get(1).tobytes() == block_of(1).tobytes() and pool.get_record(2) is not None

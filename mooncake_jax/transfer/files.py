@@ -519,7 +519,11 @@ class FileStore:
             if self._dead <= len(self._slot_of) // 2 or len(by_shard[shard]) > self.shard_slots // 2:
                 break
             for key in by_shard[shard]:  # the last one moved deletes the shard's files
-                record = self.record(key)
+                try:
+                    record = self.record(key)
+                except OSError:  # the process cannot read now (shard_reader.UNAVAILABLE): compact another time
+                    self._seal()
+                    return
                 if record is not None and len(record) == self.record_bytes:
                     self.put(key, (record,), owned=True)
                     self.moved_by_compaction += 1

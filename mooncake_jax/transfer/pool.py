@@ -288,7 +288,11 @@ class BlockPool:
                         tier = candidate
                         break
                     candidate.counters.misses += 1
-                record = None if tier is None else tier.read_record(key)
+                try:
+                    record = None if tier is None else tier.read_record(key)
+                except OSError as err:
+                    self._unavailable(tier, key, err)
+                    break
                 if record is None or len(record) != self.record_bytes:
                     break
                 if parts:
@@ -423,7 +427,11 @@ class BlockPool:
             if key not in tier:
                 tier.counters.misses += 1
                 continue
-            found = tier.read_into(key, out)
+            try:
+                found = tier.read_into(key, out)
+            except OSError as err:
+                self._unavailable(tier, key, err)
+                continue
             try:
                 if found is None:
                     raise CorruptBlockError(f"block {key:#018x}: lost from the {tier.name} tier")
@@ -447,7 +455,11 @@ class BlockPool:
             if key not in tier:
                 tier.counters.misses += 1
                 continue
-            record = tier.read_record(key)
+            try:
+                record = tier.read_record(key)
+            except OSError as err:
+                self._unavailable(tier, key, err)
+                continue
             try:
                 if record is None:
                     raise CorruptBlockError(f"block {key:#018x}: lost from the {tier.name} tier")
@@ -468,6 +480,12 @@ class BlockPool:
         tier.accessed(key)
         if level > 0 and self._insert(0, key, promote) == 0:
             self._tiers[0].counters.promotions += 1
+
+    def _unavailable(self, tier: Tier, key: BlockKey, err: OSError) -> None:
+        """A read the process could not make now (out of descriptors or memory: ``shard_reader.UNAVAILABLE``): a
+        miss this time, the block kept (it says nothing of the record)."""
+        tier.counters.misses += 1
+        log.warning("block %#018x: the %s tier cannot be read now (%s); a miss, the block kept", key, tier.name, err)
 
     def _bad_block(self, tier: Tier, key: BlockKey, err: CorruptBlockError) -> None:
         """Drop a block that failed its checks: stale (another record format) or corrupt, a miss either way."""

@@ -23,6 +23,7 @@ a deleted shard's descriptor is closed with it (``forget``) so its space is free
 
 from __future__ import annotations
 
+import errno
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -35,6 +36,9 @@ from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, split_digest
 
 MAX_OPEN_FILES = 32
 """Shard files kept open for reading at once (least recently read closed first)."""
+UNAVAILABLE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
+"""Errors that say nothing about the record (the process is out of descriptors or memory, a call interrupted):
+raised to the caller, a miss this time, never taken for a damaged record."""
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)
 
@@ -94,10 +98,12 @@ class ShardReader:
 
     def read(self, shard: int, offset: int, out: np.ndarray) -> tuple[int, int] | None:
         """Read a chunk of ``shard`` at ``offset`` into ``out`` (flat uint8); its digest, or None when the file is
-        missing, unreadable or too short (a damaged record)."""
+        missing, unreadable or too short (a damaged record). An ``UNAVAILABLE`` error is raised."""
         try:
             return read_with_checksum(self._fd(shard), out, offset, self._advise_wanted if self._wanted else None)
-        except OSError:
+        except OSError as err:
+            if err.errno in UNAVAILABLE:
+                raise
             return None
 
     def read_exact(self, shard: int, offset: int, out: np.ndarray) -> bool:
@@ -105,7 +111,9 @@ class ShardReader:
         file is missing, unreadable or too short."""
         try:
             return os.preadv(self._fd(shard), [out], offset) == out.size
-        except OSError:
+        except OSError as err:
+            if err.errno in UNAVAILABLE:
+                raise
             return False
 
     def want(self, runs: list[tuple[int, int, int]]) -> None:
