@@ -10,6 +10,8 @@ accidents, not adversaries (it is not a MAC).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import xxhash
 
@@ -35,21 +37,29 @@ the core's L2 cache (2 MiB on the machines measured) when it is hashed, large en
 is noise."""
 
 
-def copy_with_checksum(dst: np.ndarray, src: np.ndarray) -> tuple[int, int]:
-    """Copy ``src`` into ``dst`` (flat uint8 arrays of one length) and return the checksum of the bytes copied.
-
-    The copy and the hash go chunk by chunk, each chunk hashed from cache right after it is copied: one pass over
-    memory instead of two, so a put or a verified get costs little more than the copy itself.
-    """
-    n = dst.size
+def fill_with_checksum(out: np.ndarray, fill: Callable[[np.ndarray, int], bool]) -> tuple[int, int] | None:
+    """Fill ``out`` (flat uint8) chunk by chunk, ``fill(chunk, start)`` writing ``out[start:start + chunk.size]``,
+    each chunk hashed from cache right after it lands: one pass over memory instead of two. The checksum of the
+    bytes, or None as soon as ``fill`` says a chunk did not land whole."""
+    n = out.size
     if n <= COPY_CHUNK_BYTES:  # one chunk: no streaming state to set up
-        np.copyto(dst, src)
-        digest = xxhash.xxh3_128_intdigest(dst)
-        return split_digest(digest)
+        return split_digest(xxhash.xxh3_128_intdigest(out)) if fill(out, 0) else None
     hasher = xxhash.xxh3_128()
     for start in range(0, n, COPY_CHUNK_BYTES):
-        chunk = dst[start : start + COPY_CHUNK_BYTES]
-        np.copyto(chunk, src[start : start + COPY_CHUNK_BYTES])
+        chunk = out[start : start + COPY_CHUNK_BYTES]
+        if not fill(chunk, start):
+            return None
         hasher.update(chunk)
-    digest = hasher.intdigest()
-    return split_digest(digest)
+    return split_digest(hasher.intdigest())
+
+
+def copy_with_checksum(dst: np.ndarray, src: np.ndarray) -> tuple[int, int]:
+    """Copy ``src`` into ``dst`` (flat uint8 arrays of one length) and return the checksum of the bytes copied,
+    copied and hashed in one pass (``fill_with_checksum``), so a put or a verified get costs little more than the
+    copy itself."""
+
+    def copy(chunk: np.ndarray, start: int) -> bool:
+        np.copyto(chunk, src[start : start + chunk.size])
+        return True
+
+    return fill_with_checksum(dst, copy)

@@ -6,10 +6,10 @@ TensorStore a 16-token get cost 0.31-0.40 CPU s/GB (thread hand-offs and chunk d
 record beyond the copy) where a raw read of the same bytes cost 0.07-0.10; read here, 0.13-0.20. The tier wrote
 every shard itself (``shard_writer.py``), or found its index when it opened the shard (TensorStore may have
 rewritten it: the chunks may lie anywhere after the index), so a record's offset is known in memory and a read is
-one ``preadv`` per ``COPY_CHUNK_BYTES``, each hashed from the core's cache right after it lands: the same kernel copy
-a raw ``read`` makes, plus the hash. The files stay TensorStore's zarr3 shards (TensorStore still opens, lists and
-reads them: tested). A location that is wrong (a shard rewritten behind the tier's back) reads other bytes, which
-fail the checksum: never served.
+one ``preadv`` per ``COPY_CHUNK_BYTES`` (``checksum.fill_with_checksum``), each hashed from the core's cache right
+after it lands: the same kernel copy a raw ``read`` makes, plus the hash. The files stay TensorStore's zarr3 shards
+(TensorStore still opens, lists and reads them: tested). A location that is wrong (a shard rewritten behind the
+tier's back) reads other bytes, which fail the checksum: never served.
 
 A batch read names the runs of chunks it will read (``want``); they are handed to the kernel as
 ``POSIX_FADV_WILLNEED`` only once a read finds its bytes not in the page cache (``preadv`` with ``RWF_NOWAIT``
@@ -30,9 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
-from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, split_digest
+from mooncake_jax.transfer.checksum import fill_with_checksum
 
 MAX_OPEN_FILES = 32
 """Shard files kept open for reading at once (least recently read closed first)."""
@@ -63,18 +62,7 @@ def read_with_checksum(fd: int, out: np.ndarray, offset: int,
     """Read ``out.size`` bytes of ``fd`` at ``offset`` into ``out`` (flat uint8) and return their XXH3-128 digest
     as ``(high, low)``; None when the file ends first (a shard file cut short). ``on_cold``: called when a part is
     not in the page cache, before it is read from the device."""
-    n = out.size
-    if n <= COPY_CHUNK_BYTES:  # one chunk: no streaming state to set up
-        if _pread(fd, out, offset, on_cold) != n:
-            return None
-        return split_digest(xxhash.xxh3_128_intdigest(out))
-    hasher = xxhash.xxh3_128()
-    for start in range(0, n, COPY_CHUNK_BYTES):
-        chunk = out[start : start + COPY_CHUNK_BYTES]
-        if _pread(fd, chunk, offset + start, on_cold) != chunk.size:
-            return None
-        hasher.update(chunk)
-    return split_digest(hasher.intdigest())
+    return fill_with_checksum(out, lambda chunk, start: _pread(fd, chunk, offset + start, on_cold) == chunk.size)
 
 
 class ShardReader:
