@@ -10,7 +10,7 @@ import pytest
 from mooncake_jax.transfer import BlockPool, BlockSpec, shard_writer
 from mooncake_jax.transfer.checksum import checksum
 from mooncake_jax.transfer.files import _DATA_CONTEXT, DATA_DIR, open_array
-from mooncake_jax.transfer.shard_file import chunks_in_index, crc32c, data_start, encode_index, index_bytes
+from mooncake_jax.transfer.shard_file import chunk_offsets, crc32c, data_start, encode_index, index_bytes
 from mooncake_jax.transfer.shard_writer import ALIGN, ShardWriter
 
 
@@ -24,10 +24,10 @@ def test_index_lists_the_filled_slots_and_is_refused_when_damaged():
     assert len(index) == index_bytes(4) == 68
     entries = np.frombuffer(index[:64], "<u8").reshape(4, 2)
     assert entries.tolist() == [[100, 10], [110, 10], [2**64 - 1, 2**64 - 1], [2**64 - 1, 2**64 - 1]]
-    assert chunks_in_index(index, 4) == 2
+    assert chunk_offsets(index, 4, 10).tolist() == [100, 110, -1, -1]
     damaged = bytearray(index)
     damaged[3] ^= 1
-    assert chunks_in_index(bytes(damaged), 4) == 0 and chunks_in_index(index[:-1], 4) == 0
+    assert chunk_offsets(bytes(damaged), 4, 10) is None and chunk_offsets(index[:-1], 4, 10) is None
     assert data_start(4, 4096) == 4096 and data_start(4, 1) == 68
 
 

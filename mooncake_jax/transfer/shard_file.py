@@ -69,32 +69,19 @@ def encode_index(slots: int, start: int, chunk_bytes: int, filled: int) -> bytes
     return raw + crc32c(raw).to_bytes(CRC_BYTES, "little")
 
 
-def _entries(index: bytes, slots: int) -> np.ndarray | None:
-    """The ``[slots, 2]`` (offset, nbytes) entries of a shard index; None for one cut short or failing its CRC."""
+def chunk_offsets(index: bytes, slots: int, chunk_bytes: int) -> np.ndarray | None:
+    """Where each slot's chunk starts in a shard file (int64, -1 for a slot without a chunk) by its index; None
+    for an index cut short, failing its CRC, or listing a chunk of another size. The tier reads records at these
+    offsets (``shard_reader.py``): a shard TensorStore rewrote may hold its chunks in any order."""
     if len(index) < index_bytes(slots):
         return None
     raw = index[: INDEX_ENTRY_BYTES * slots]
     if int.from_bytes(index[len(raw) : len(raw) + CRC_BYTES], "little") != crc32c(raw):
         return None
-    return np.frombuffer(raw, np.dtype("<u8")).reshape(slots, 2)
-
-
-def chunk_offsets(index: bytes, slots: int, chunk_bytes: int) -> np.ndarray | None:
-    """Where each slot's chunk starts in a shard file (int64, -1 for a slot without a chunk) by its index; None
-    for an index cut short, failing its CRC, or listing a chunk of another size. The tier reads records at these
-    offsets (``shard_reader.py``): a shard TensorStore rewrote may hold its chunks in any order."""
-    entries = _entries(index, slots)
-    if entries is None:
-        return None
+    entries = np.frombuffer(raw, np.dtype("<u8")).reshape(slots, 2)
     held = entries[:, 0] != NO_CHUNK
     if np.any(entries[held, 1] != chunk_bytes):
         return None
     offsets = np.full(slots, -1, np.int64)
     offsets[held] = entries[held, 0]
     return offsets
-
-
-def chunks_in_index(index: bytes, slots: int) -> int:
-    """How many slots a shard index gives a chunk (0 for an index cut short or failing its CRC)."""
-    entries = _entries(index, slots)
-    return 0 if entries is None else int(np.count_nonzero(entries[:, 0] != NO_CHUNK))
