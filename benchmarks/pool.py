@@ -28,9 +28,10 @@ Figures (issue 4, Measure):
   ``messenger_ratio`` (goal >= 0.7); a push against a bare stream the other way, the same bytes and message sizes
   sent to the peer by a client-streaming call as a push is (its ProbeUpload RPC): ``messenger_push_ratio``
   (``messenger_push_download_ratio``: against the download stream, as before). For context, measured alongside
-  too: the same stream read as raw bytes, the way the Messenger reads (``messenger_raw_stream_ratio``), and in pieces of at most 2 MiB, the piece size
-  before blocks travelled whole (``grpc_stream_2mib_gbps``: this machine's loopback moves 1.5 MiB messages faster
-  than 3 MiB ones, but sending a block whole saves a copy at each end);
+  too: the same stream read as raw bytes, the way the Messenger reads (``messenger_raw_stream_ratio``), and in
+  pieces of at most 2 MiB, the piece size before blocks travelled whole (``grpc_stream_2mib_gbps``: this
+  machine's loopback moves 1.5 MiB messages faster than 3 MiB ones, but sending a block whole saves a copy at
+  each end);
 * the same fetch and push over the device-native data plane (``data_plane="jax"``: records pulled as device
   arrays with ``jax.experimental.transfer``, gRPC for control): ``jax_plane_fetch_gbps`` / ``jax_plane_push_gbps``
   and their ratios to the bare gRPC stream;

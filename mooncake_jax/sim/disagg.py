@@ -16,8 +16,9 @@ Per request, what a real cluster does, on the virtual clock:
 5. KV arrival at decode (plus ``SimConfig.decode_join_s``, the decode instance's own time to take the request
    in, one request at a time: its RPC, staging the KV from its pool, loading it into pages, the last of which
    stalls its running batch, ``decode_join_stall_s``): the decode side's own check (``decode_accepts``) may reject
-   it *late*, wasting the prefill; otherwise it joins the continuous batch at the next iteration boundary (``batch.ContinuousBatch``)
-   and ``decode_started`` / ``finished`` are reported, which feeds the Conductor's tracked decode time.
+   it *late*, wasting the prefill; otherwise it joins the continuous batch at the next iteration boundary
+   (``batch.ContinuousBatch``) and ``decode_started`` / ``finished`` are reported, which feeds the Conductor's
+   tracked decode time.
 
 With ``admission="none"`` nothing is rejected: a request whose KV does not fit waits for room (FIFO).
 """

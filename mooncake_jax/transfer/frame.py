@@ -119,9 +119,8 @@ def record_prefix(spec: BlockSpec, key: BlockKey) -> bytes:
 def record_head(spec: BlockSpec, key: BlockKey, digest: tuple[int, int]) -> bytes:
     """The first ``DATA_OFFSET`` bytes of ``key``'s record (wire prefix and frame header) for data of checksum
     ``digest``: a tier writes these beside the data, which it copies or writes straight from the caller's array."""
-    key_field = varint(key)  # record_prefix written out: this runs once per block stored
     header = _HEADER.pack(MAGIC, VERSION, HEADER_BYTES, spec.fingerprint, key, spec.nbytes, *digest)
-    return b"".join((b"\x08", key_field, _prefix_tails(spec)[len(key_field)], header, _HEADER_PADDING))
+    return b"".join((record_prefix(spec, key), header, _HEADER_PADDING))
 
 
 def data_bytes(block: np.ndarray) -> np.ndarray:
