@@ -10,22 +10,21 @@ that the decisions predicted to have started or finished decoding are reported, 
 a live cluster would. The machine is shared, so each configuration runs ``--runs`` times and the least
 disturbed run (lowest p99) is reported, with the CPU-time rate and p99 that preemption does not inflate.
 
-Where a decision's time goes: ``phases`` (the ``phase_*`` keys) times its parts in this thread's CPU time. At
-64 + 64 instances and 1e6 blocks (AMD EPYC, load 3-5, docs/benchmarks.md, fifth pass), least of repeats: the prefix
-match ~1 us, every prefill instance's TTFT ~12 us (one row of features per prefix group, one matrix product), the
-decode choice ~17 us (one pass over the ledger for both views, weighted bincounts of the entries' step shares), the
-rest of ``decide`` ~4 us; ``decide`` once, in sequence, ~45 us (code and data cold after the previous request's
-apply and reports, spread over the whole decision), applying it ~14-16 us (~17 new blocks recorded as expected in
-the index). Sixth pass (docs/benchmarks.md): with numba installed the decode choice and the prefill slot's argmin
-run compiled (conductor/kernels.py, the same decisions; ``decode_choice_compiled`` says which path ran): decode choice
-~3-4 us, prefill TTFT ~9-10, ``decide`` once ~26-27, apply ~15-16; 26,000-28,000 decisions per CPU second at load 7-8.
+Where a decision's time goes: ``phases`` (the ``phase_*`` keys) times its parts in this thread's CPU time. At 64 + 64
+instances and 1e6 blocks (AMD EPYC, load 3-5, docs/benchmarks/conductor.md, fifth pass), least of repeats: the prefix
+match ~1 us, every prefill instance's TTFT ~12 us (one row of features per prefix group, one matrix product), the decode
+choice ~17 us (one pass over the ledger for both views, weighted bincounts of the entries' step shares), the rest of
+``decide`` ~4 us; ``decide`` once, in sequence, ~45 us (code and data cold after the previous request's apply and
+reports, spread over the whole decision), applying it ~14-16 us (~17 new blocks recorded as expected in the index).
+Sixth pass (docs/benchmarks/conductor.md): with numba installed the decode choice and the prefill slot's argmin run
+compiled (conductor/kernels.py, the same decisions; ``decode_choice_compiled`` says which path ran): decode choice ~3-4
+us, prefill TTFT ~9-10, ``decide`` once ~26-27, apply ~15-16; 26,000-28,000 decisions per CPU second at load 7-8.
 Seventh pass: the block index as flat hash tables walked by numba (conductor/flat_index.py; ``index_compiled`` says
-which index ran, ``--numpy-path`` runs both the policy and the index as without numba): apply ~8-10 us, -18 / -21%
-CPU a decision paired, ~30,000-33,000 decisions per CPU second at load 20-24.
-``benchmarks/conductor_ab.py`` compares two source trees on the same decisions in one process. At 128 columns every
-numpy call costs its fixed ~0.35-2 us, not its length, so the decision is a fixed number of such calls
-(``decision_in_numpy_ops`` says how many, in units of the ``numpy_op_us`` measured in the same run).
-Goal: >= 10,000 decisions/s and p99 <= 1 ms at 64 instances and 1e6 blocks.
+which index ran, ``--numpy-path`` runs both the policy and the index as without numba): apply ~8-10 us, -18 / -21% CPU a
+decision paired, ~30,000-33,000 decisions per CPU second at load 20-24. ``benchmarks/conductor_ab.py`` compares two
+source trees on the same decisions in one process. At 128 columns every numpy call costs its fixed ~0.35-2 us, not its
+length, so the decision is a fixed number of such calls (``decision_in_numpy_ops`` says how many, in units of the
+``numpy_op_us`` measured in the same run). Goal: >= 10,000 decisions/s and p99 <= 1 ms at 64 instances and 1e6 blocks.
 
     python benchmarks/conductor.py --json /tmp/conductor.json
 """

@@ -236,13 +236,13 @@ def decode_in_bursts(runs, costs) -> dict:
     - ``decode_join_s_bursts``: the median time the decode instance took to take a request in, one after another
       (reported, not simulated: it agrees with the same reading of the replays' own token times, 12-19 ms, but the
       simulator given it queues the replay's joins longer than the real cluster did, TBT p50 40-67% high in three
-      of four recorded runs; the pairs' ``decode_join_s`` put it within 4-37%, ``docs/benchmarks.md``);
+      of four recorded runs; the pairs' ``decode_join_s`` put it within 4-37%, ``docs/benchmarks/sim.md``);
     - ``decode_step_spread``: quantiles of every steady gap over its regime's mean (how unevenly the OS hands the
       shared cores out, and tokens reaching the client bunched).
 
     Why not the pairs of ``probe``: their batch (2) and their overlap with prefill (little) gave a slowdown of 1.16
     where the same reading of a replay's own gaps (load 1.8-5.8) gave 1.58, and their one batch size folds the
-    per-request delivery into the step's scale (``docs/benchmarks.md``)."""
+    per-request delivery into the step's scale (``docs/benchmarks/sim.md``)."""
     runs = [r for r in runs if len(r[2]) > 2]
     prefilling = [(start, times[0]) for start, _, times in runs]
     joining = [(times[0], times[1]) for _, _, times in runs]  # its KV staged, then loaded into pages
@@ -458,7 +458,7 @@ def from_profile(costs, probed: dict, cores: int) -> dict:
       ``PREFILL_NICENESS``, gives it in Linux's weights, ~0.33, a process at most one core: that kept the decode at
       full speed beside two prefills where the replays' steps ran 1.3-1.7x slower beside one; XLA runs each process
       on a thread pool the size of the host, so a process is not one core's demand. Its TBT came out further in
-      most runs, ``docs/benchmarks.md``.)
+      most runs, ``docs/benchmarks/sim.md``.)
 
     Nothing here is read from the replay."""
     scale, fixed = probed.get("engine_scale", probed["prefill_scale"]), probed.get("engine_fixed_s", 0.0)
@@ -580,7 +580,7 @@ def main() -> None:
                 "queue": percentiles([by_item[i].prefill_start - by_item[i].arrival for i in done])}, result
 
     # the headline: the simulator on the replay's own window (its decode step spread included: the probe's, read
-    # minutes before, was no closer than exact steps over nine recorded runs, docs/benchmarks.md; the window's is
+    # minutes before, was no closer than exact steps over nine recorded runs, docs/benchmarks/sim.md; the window's is
     # read in the replay's minutes), its requests arriving as they reached the gateway; beside it the same with
     # exact steps, in the trace's order, and the probe-calibrated reading of before (exact steps, trace order)
     profile_inputs = from_profile(costs, overheads, os.cpu_count() or 1)

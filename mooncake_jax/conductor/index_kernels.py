@@ -4,7 +4,8 @@ Why: with the decode and prefill choices compiled (``kernels.py``), the dict ``B
 decision: recording ~17 expected keys in a 10^6-key dict, the slot's key set and its expected times, and the prefix
 walk's lookups, each a few cache misses through a dict's index, its entries and the key objects. A flat table walked
 by compiled code costs one or two cache lines a key and no Python step per key. (The same table in pure numpy was
-tried and was slower than the dict: ~10 numpy calls of fixed cost per request; docs/benchmarks.md, sixth pass.)
+tried and was slower than the dict: ~10 numpy calls of fixed cost per request; docs/benchmarks/conductor.md,
+sixth pass.)
 
 The table is one ``uint64`` array of ``capacity + 1`` rows: column 0 the key, then ``width`` words of the holding
 slots' bit mask, then ``width`` words of the subset holding it on SSD. Open addressing with linear probing from a

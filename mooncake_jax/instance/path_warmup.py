@@ -5,7 +5,7 @@ through a new cluster also open the gRPC channels (gateway -> Conductor and inst
 grow the servers' and transfer threads' pools, touch fresh pool memory and run each Python path once. Measured on
 the demo (2-core AMD EPYC, tiny model, load 5-7): without this, the trace's first burst of ten requests stalled every
 running stream at once by 45 ms and by 92-152 ms in the two runs read, the demo's worst token gaps; with it, none of
-that burst's gaps exceeded 39 ms in four runs (docs/benchmarks.md, demo TBT tail, fourth pass).
+that burst's gaps exceeded 39 ms in four runs (docs/benchmarks/demo.md, demo TBT tail, fourth pass).
 
 The requests carry random token ids (their KV stays in the pools like any other, matching nothing real), a spread of
 prompt lengths, and run concurrently so that every prefill instance and the decode instances see joins while a batch

@@ -7,7 +7,7 @@ block bytes). Both are sharded alike (``sharding_indexed``: a shard file holds `
 64 MiB of records; one raw inner chunk per slot, the shard index at the start of the file), so a shard file of
 ``data.zarr`` is one large sequential write instead of one file per block.
 
-Why the layout (see docs/benchmarks.md): TensorStore's file kvstore writes a key as a whole file, through a
+Why the layout (see docs/benchmarks/pool.md): TensorStore's file kvstore writes a key as a whole file, through a
 temporary file renamed over the old one; one file per block cost 0.1-0.3 of a raw sequential write. Here the
 slots are filled log-structured: writes go to fresh slots of the open shard, whose data file the tier writes itself
 behind the caller, in the layout TensorStore's sharding codec reads (``shard_file.py``): appended with ``pwritev``
@@ -30,7 +30,7 @@ wrote the shard, or read its index on open), so a get is one ``preadv`` straight
 hashed (XXH3) from cache as it lands, and a record's head comes from memory (kept since it was written, or read and
 checked on open; 128 bytes per record). Through TensorStore the same read cost about 0.1 ms of CPU per 384 KiB
 record beyond the copy (thread hand-offs, chunk decoding): a 16-token get at 0.22-0.27 of a raw read's CPU, 0.41-0.57
-now (docs/benchmarks.md, seventh pass). A batch read names its runs of chunks lying end to end to the reader, which
+now (docs/benchmarks/pool.md, seventh pass). A batch read names its runs of chunks lying end to end to the reader, which
 asks the kernel for them (``POSIX_FADV_WILLNEED``) once a read finds the page cache cold, so records not in the page
 cache come in from the device while earlier ones are hashed.
 The shards stay TensorStore's zarr3 arrays: TensorStore creates and opens them, reads every head on open, lists and
@@ -85,7 +85,7 @@ MAX_SLOTS = 1 << 40
 """The arrays' extent along slots: shards exist only where records are, so this costs nothing."""
 SHARD_BYTES = 64 << 20
 """Records per shard file: about this many bytes, so a pool call's batch is one sequential write into one new file
-(16 blocks of 3 MiB: one file, not eight of 8 MiB; 1.5x the put rate and 0.65x its CPU per GB, docs/benchmarks.md).
+(16 blocks of 3 MiB: one file, not eight of 8 MiB; 1.5x the put rate and 0.65x its CPU per GB, docs/benchmarks/pool.md).
 An array keeps the shard size it was created with (``open_array``)."""
 MAX_SHARD_SLOTS = 64
 _SHARD_KEY = re.compile(rb"c\.(\d+)\.0")

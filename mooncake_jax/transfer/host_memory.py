@@ -8,7 +8,7 @@ heap back above its trim threshold, so such a buffer usually lands on pages the 
 an SSD put of 16-token blocks faulted 152,000 pages per GB written (62% of the pages it wrote), and page faults with
 their clear_page were about 15-20% of its CPU (perf). With the mmap threshold at 256 MiB and the trim threshold at
 512 MiB the freed buffers are reused: 7,900 faults per GB for 16-token blocks, 85,000 -> 20,000 for 128-token
-blocks, 134,000 -> 61,000 for a 70B block of 160 MiB (docs/benchmarks.md). The cost is memory the process keeps
+blocks, 134,000 -> 61,000 for a 70B block of 160 MiB (docs/benchmarks/pool.md). The cost is memory the process keeps
 after a burst: at most the trim threshold at the heap's top, which is small beside a pool's own preallocated slabs.
 
 The setting is process-wide and glibc's (``mallopt``); elsewhere it is skipped. ``BlockPool`` applies it once.

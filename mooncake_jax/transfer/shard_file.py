@@ -4,7 +4,7 @@ reads them: a shard index at the start of the file, then each slot's record data
 Why the tier lays these bytes out itself (``shard_writer.py`` writes them): TensorStore's file kvstore writes a
 value only by copying it into its own buffers first (the chunk encoder's copy, then ``writev`` of 64 KiB Cord
 blocks), and its ``file_io_mode`` ``direct`` applies to reads only (tensorstore ``kvstore/file/schema.yml``), so
-through TensorStore an SSD put costs two copies where a raw write costs one (docs/benchmarks.md). The array stays
+through TensorStore an SSD put costs two copies where a raw write costs one (docs/benchmarks/pool.md). The array stays
 TensorStore's: it creates and opens it, reads the heads on open, rewrites them and deletes shards (the tier reads
 the records itself, at offsets its index gives: ``chunk_offsets``, ``shard_reader.py``); a shard file laid
 out here is byte for byte one that TensorStore reads (tested by reading it back through TensorStore, which checks

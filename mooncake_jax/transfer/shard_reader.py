@@ -1,7 +1,7 @@
 """Reading the SSD tier's records out of its data shard files: ``preadv`` of each chunk, at the offset the tier
 knows, straight into the caller's buffer, hashed (XXH3-128) as it lands.
 
-Why the tier reads its own shards (docs/benchmarks.md, "Issue 15, SSD get and DRAM put, seventh pass"): through
+Why the tier reads its own shards (docs/benchmarks/pool.md, "Issue 15, SSD get and DRAM put, seventh pass"): through
 TensorStore a 16-token get cost 0.31-0.40 CPU s/GB (thread hand-offs and chunk decoding, about 0.1 ms per 384 KiB
 record beyond the copy) where a raw read of the same bytes cost 0.07-0.10; read here, 0.13-0.20. The tier wrote
 every shard itself (``shard_writer.py``), or found its index when it opened the shard (TensorStore may have

@@ -1,7 +1,7 @@
 """Writing the SSD tier's data shard files behind the caller, on one writer thread, in the layout of
 ``shard_file.py`` (what TensorStore's zarr3 sharding reads).
 
-Two ways, chosen per store (``FileStore(direct_io=...)``), measured side by side in docs/benchmarks.md:
+Two ways, chosen per store (``FileStore(direct_io=...)``), measured side by side in docs/benchmarks/pool.md:
 
 * **buffered** (the default): a shard's blocks are hashed where they lie and written by ``pwritev`` straight
   from the caller's arrays (untouched until written), several small ones or a 4 MiB piece of a large one at a
