@@ -4,16 +4,18 @@ The pieces, each in its own module:
 
 - ``costs``: prefill / decode / transfer cost models and their fitting; ``hardware``: datasheet profiles.
 - ``index``: the global block index (key -> instances and tier), prefix match for all instances in one walk;
-  ``flat_index`` / ``index_kernels``: the same index as flat hash tables walked by numba, where it is installed.
+  ``flat_index`` / ``index_kernels``: the same index as flat hash tables walked by numba (the dict index where
+  numba cannot compile).
 - ``instances``, ``ledger``: per-instance columns and in-flight decode requests, read by the policy.
 - ``api``: the policy's contract (``PolicyConfig``, ``Request``, ``Snapshot``, ``Decision``).
 - ``policy``: ``Policy.decide(request, snapshot, now)``, pure; ``admission``: the overload policies.
-- ``kernels``: the policy's decode choice compiled with numba, where it is installed (the same decisions).
+- ``kernels``: the policy's decode choice compiled with numba (the same decisions; a numpy path where it cannot
+  compile).
 - ``state``: ``ClusterState``, which applies decisions and reports and hands out snapshots.
 - ``service``: the gRPC service around one ``ClusterState`` + ``Policy``; ``profile``: ``mooncake-jax profile``.
 
-Importing this package pulls in numpy only (no JAX, no gRPC; numba, where installed, when a ``Policy`` or a
-``ClusterState`` is made).
+Importing this package pulls in numpy only (no JAX, no gRPC; numba when a ``Policy`` or a ``ClusterState`` is
+made).
 
 Driving it (the simulator does exactly what the gRPC service does)::
 

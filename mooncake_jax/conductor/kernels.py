@@ -168,6 +168,6 @@ def _compiled(numba, function, *example):
 def _numba():
     try:
         import numba
-    except ImportError:  # numba is optional: the numpy path decides the same
+    except ImportError:  # a core dependency, but an install without it still decides the same (numpy path)
         return None
     return numba
