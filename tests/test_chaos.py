@@ -62,7 +62,12 @@ def test_killing_one_of_two_prefill_instances_under_load_fails_no_request(cluste
     failed = {i: r for i, r in results.items() if isinstance(r, Exception)}
     assert not failed, failed
     assert [results[i] for i in range(len(ps))] == expected
-    assert "prefill-0" not in c.conductor.service.state.instances.slot_of
+    slots = c.conductor.service.state.instances.slot_of
+    for p in prompts([20] * 4, seed=22):  # a slow host may drain the load before the kill: requests until one is
+        if "prefill-0" not in slots:     # routed to the dead instance (an idle tie goes to the first slot)
+            break
+        assert len(c.run(p, max_new_tokens=3)[0]) == 3
+    assert "prefill-0" not in slots
     assert time.monotonic() - t_kill < 50  # well before the 60 s heartbeat timeout could have dropped it
 
 
@@ -254,7 +259,7 @@ def test_a_prefill_instance_refuses_a_request_it_can_no_longer_serve_within_the_
                                             r"work, 1\.\d\d s left\)"):
         service._check_deadline(now, 1.0, "on arrival")
     service._check_deadline(now - 1.5, 0.1, "out of the queue")  # waited 1.5 s: 0.2 s of work in 0.3 s left
-    with pytest.raises(LateRejection, match="out of the queue: 0.40 s of work, 0.30 s left"):
+    with pytest.raises(LateRejection, match=r"out of the queue: 0.40 s of work, 0\.[23]\d s left"):  # (a slow host)
         service._check_deadline(now - 1.5, 0.2, "out of the queue")
     assert service.counts()["prefill_refused_ttft_total"] == 2
     instance.ttft_slo_s = None  # not registered yet: no SLO to hold it to
