@@ -88,7 +88,7 @@ def test_ragged_batch_equals_each_alone(llm):
 
 def test_sequences_join_mid_batch(llm, ref):
     ps = prompts([12, 25, 40], seed=5)
-    engine = Engine(llm.model, prefill_chunk_size=64, max_batch=4)
+    engine = Engine(llm.model, prefill_chunk_size=64)
     sched = Scheduler(engine)
     a, b, c = (engine.new_sequence(p, SamplingParams(max_new_tokens=n)) for p, n in zip(ps, (12, 6, 8)))
     sched.add_request(a)
