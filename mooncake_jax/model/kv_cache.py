@@ -17,6 +17,8 @@ Host side (plain classes, tested without an accelerator):
 
 from __future__ import annotations
 
+import functools
+
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -153,8 +155,15 @@ def allocate_kv(cfg: ModelConfig, num_pages: int, dtype=None, sharding=None,
     """Zeroed stacked (K, V) page arrays for ``n_layers`` layers (all of the model's by default)."""
     shape = kv_shape(cfg, num_pages, cfg.n_layers if n_layers is None else n_layers)
     dt = dtype or cfg.param_dtype
-    make = jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sharding)
+    make = zeros_program(shape, jnp.dtype(dt), sharding)
     return make(), make()
+
+
+@functools.cache
+def zeros_program(shape: tuple[int, ...], dtype: np.dtype, sharding=None):
+    """A compiled program making a zeroed array of ``shape`` laid out by ``sharding``, once per process for each
+    (a lambda jitted per call compiled again for every engine)."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def write_slots(pages: Sequence[int], start: int, n: int, block_size: int) -> np.ndarray:

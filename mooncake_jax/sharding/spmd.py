@@ -41,7 +41,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ..model.attention import SCRATCH_PAGE, PagedBatch
 from ..model.config import ModelConfig
-from ..model.kv_cache import kv_shape
+from ..model.kv_cache import kv_shape, zeros_program
 from ..model.llama import Llama, Stage, _slice_layers, stacked_layers
 from ..model.sampling import sample_out
 from .mesh import MESH_AXES, STAGE, MeshSpec
@@ -136,7 +136,7 @@ class SpmdPrograms:
 
     def allocate_kv(self, num_pages: int, dtype) -> tuple[jax.Array, jax.Array]:
         shape = (self.n_stages,) + kv_shape(self.cfg, num_pages, self.per_stage)
-        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding(shape))
+        make = zeros_program(shape, jnp.dtype(dtype), self.kv_sharding(shape))
         return make(), make()
 
     def replicated(self, tree):
