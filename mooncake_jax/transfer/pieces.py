@@ -8,7 +8,9 @@ no copy on either side beyond the transport's own. Larger frames are cut here, e
 runs slower than the link), and reassembled into a record by the receiver.
 
 Received pieces are parsed here too, by hand, giving the data as a view into the received bytes: protobuf's
-parser would copy the data once into its arena and again into a ``bytes`` when read.
+parser would copy the data once into its arena and again into a ``bytes`` when read. A message of whole records, as
+this build sends them, is not parsed field by field at all: each record's 64-byte prefix is compared with the one
+its key gives (``RecordAssembler.whole_records``), and its records are stored in one pool call (``put_records``).
 
 Small blocks travel several to a message (``batched``; the budget ``BATCH_BYTES``): the first record as it is, the
 others behind it as ``BlockPiece.next`` fields, so a message of one record is still the record itself. gRPC's
