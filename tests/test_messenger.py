@@ -544,7 +544,8 @@ def test_a_message_completing_two_large_frames_hands_on_two_records():
               for key, frame in frames.items() for at in (0, half)]
     message = pieces[0] + b"".join(b"\x3a" + varint(len(piece)) + piece for piece in pieces[1:])
     got = RecordAssembler(SPEC).records(message)
-    assert [(key, bytes(record)) for key, record in got] == [(key, filled_pool([key]).get_record(key)) for key in (1, 2)]
+    expected = [(key, filled_pool([key]).get_record(key)) for key in (1, 2)]
+    assert [(key, bytes(record)) for key, record in got] == expected
 
 
 def test_fetch_batches_small_blocks_only_for_a_caller_that_takes_them(serve):
