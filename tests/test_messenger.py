@@ -13,9 +13,10 @@ import pytest
 from mooncake_jax.proto import channel_options
 from mooncake_jax.transfer import BlockPool, BlockSpec, EventKind
 from mooncake_jax.transfer.files import record_arrays
-from mooncake_jax.transfer.frame import PREFIX_BYTES, frame_bytes, record_prefix
+from mooncake_jax.transfer.frame import PREFIX_BYTES, frame_bytes, record_prefix, varint
 from mooncake_jax.transfer.peer import PeerProcess
-from mooncake_jax.transfer.pieces import PIECE_BYTES, batched, encode_piece, parse_message, parse_piece
+from mooncake_jax.transfer.pieces import (PIECE_BYTES, RecordAssembler, batched, encode_piece, parse_message,
+                                          parse_piece)
 from mooncake_jax.transfer.messenger import (
     BlocksNotFoundError,
     MessengerClient,
@@ -508,6 +509,43 @@ def test_malformed_batches_are_refused():
             parse_message(bad)
     with pytest.raises(ValueError, match="malformed"):
         parse_piece(record + b"\x3a\x02\x08\x02")  # a piece read alone may not carry others
+
+
+def test_a_message_of_whole_records_is_read_by_their_prefixes_as_the_full_parse_reads_it():
+    """RecordAssembler.records reads a message of whole records (what this build sends) by checking each record's
+    prefix and separator; the records are the ones protobuf's parse gives. A message that is anything else (a record
+    in another encoding, a damaged separator, cut short) is left to the full parse: stored the same, or refused."""
+    records = [(key, filled_pool([key]).get_record(key)) for key in (1, 2, 3)]
+    [(message, _)] = batched(records, SPEC.fingerprint, 10 * len(records[0][1]))
+    assembler = RecordAssembler(SPEC)
+    fast = assembler.whole_records(message)
+    assert [(key, bytes(record)) for key, record in fast] == records
+    assert [(key, bytes(record)) for key, record in assembler.records(message)] == records
+    assert assembler.whole_records(records[0][1]) == [(1, records[0][1])]  # one record: the message itself
+    other = encode_piece(2, 0, frame_bytes(SPEC), records[1][1][PREFIX_BYTES:], SPEC.fingerprint)  # no padding
+    mixed = b"".join((records[0][1], b"\x3a", varint(len(other)), other))
+    assert assembler.whole_records(mixed) is None
+    assert [(key, bytes(record)) for key, record in assembler.records(mixed)] == records[:2]
+    unknown_field = bytearray(message)
+    unknown_field[len(records[0][1])] = 0x42  # field 8 instead of `next`: skipped by the parse, with the record in it
+    assert assembler.whole_records(bytes(unknown_field)) is None
+    assert [key for key, _ in assembler.records(bytes(unknown_field))] == [1, 3]
+    assert assembler.whole_records(message[:-1]) is None
+    with pytest.raises(ValueError, match="malformed"):
+        assembler.records(message[:-1])
+
+
+def test_a_message_completing_two_large_frames_hands_on_two_records():
+    """Frames gathered in the assembler's reused buffer: two completed by one message are two records, not the same
+    buffer twice."""
+    frames = {key: filled_pool([key]).get_record(key)[PREFIX_BYTES:] for key in (1, 2)}
+    half = len(frames[1]) // 2
+    pieces = [encode_piece(key, at, len(frame), frame[at : at + half] if at == 0 else frame[at:], SPEC.fingerprint)
+              for key, frame in frames.items() for at in (0, half)]
+    message = pieces[0] + b"".join(b"\x3a" + varint(len(piece)) + piece for piece in pieces[1:])
+    got = RecordAssembler(SPEC).records(message)
+    expected = [(key, filled_pool([key]).get_record(key)) for key in (1, 2)]
+    assert [(key, bytes(record)) for key, record in got] == expected
 
 
 def test_fetch_batches_small_blocks_only_for_a_caller_that_takes_them(serve):

@@ -573,6 +573,28 @@ def test_a_corrupt_record_from_a_peer_stores_nothing_and_frees_its_slot():
     assert pool._tiers[0].store._allocated == 2 and same_bits(pool.get(2), block_of(2))
 
 
+def test_received_records_stored_in_one_call_stop_at_a_corrupt_one():
+    """put_records (a Messenger message's records in one pool call) stores in order as put_record would, says which
+    were new, and on a record that fails leaves the ones before it stored, it and those after it not."""
+    from mooncake_jax.transfer import CorruptBlockError
+    from mooncake_jax.transfer.frame import encode
+
+    pool = BlockPool(SPEC, dram_blocks=8)
+    pool.put(2, block_of(2))
+    damaged = bytearray(encode(SPEC, 4, block_of(4)))
+    damaged[DATA_OFFSET + 7] ^= 1
+    records = [(1, encode(SPEC, 1, block_of(1))), (2, encode(SPEC, 2, block_of(2))),
+               (3, memoryview(encode(SPEC, 3, block_of(3)))), (4, bytes(damaged)), (5, encode(SPEC, 5, block_of(5)))]
+    new: list[bool] = []
+    with pytest.raises(CorruptBlockError, match="block 0x0000000000000004: checksum mismatch"):
+        pool.put_records(records, new)
+    assert new == [True, False, True]
+    assert sorted(pool.keys()) == [1, 2, 3] and all(same_bits(pool.get(k), block_of(k)) for k in (1, 2, 3))
+    new.clear()
+    pool.put_records(records[4:], new)
+    assert new == [True] and same_bits(pool.get(5), block_of(5))
+
+
 def test_a_removed_ssd_block_stays_removed_and_empty_shards_are_deleted(tmp_path):
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         pool.put_many([1, 2], [block_of(1), block_of(2)])  # one call: one shard file

@@ -29,7 +29,7 @@ from mooncake_jax.blocks import BlockKey
 from mooncake_jax.proto.auth import open_channel
 from mooncake_jax.transfer.counters import Meter, TransferCounters
 from mooncake_jax.transfer.device_plane import device_plane, groups
-from mooncake_jax.transfer.frame import check_key
+from mooncake_jax.transfer.frame import PREFIX_BYTES, check_key
 from mooncake_jax.transfer.frame import decode as decode_record
 from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.messenger_server import MessengerServer
@@ -46,7 +46,6 @@ from mooncake_jax.transfer.pieces import (
     PIECE_BYTES,
     RecordAssembler,
     encode_piece,
-    parse_message,
     parse_piece,
 )
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
@@ -176,11 +175,15 @@ class MessengerClient:
                                             batch_bytes=BATCH_BYTES)
             call = self._fetch_raw(request, timeout=timeout_s or self.timeout_s)
             arriving = Ahead(call, name="receive-ahead", join=False)  # block i is stored while i+1 arrives
+            new: list[bool] = []
             try:
-                for key, record, frame_bytes in _records_of(arriving, self.pool.spec, expected):
-                    self.pool.put_record(key, record)
-                    stored.append(key)
-                    received += frame_bytes
+                for records in _records_of(arriving, self.pool.spec, expected):
+                    try:  # a message's records in one pool call
+                        self.pool.put_records(records, new)
+                    finally:
+                        stored.extend(key for key, _ in records[: len(new)])
+                        received += len(new) * self.pool.frame_bytes
+                        new.clear()
             except grpc.RpcError as err:
                 self._failed(received, len(stored), started)
                 raise self._error("fetch", err, stored) from err
@@ -224,9 +227,10 @@ class MessengerClient:
                                         batch_bytes=BATCH_BYTES)
         call = self._fetch_raw(request, timeout=timeout_s or self.timeout_s)
         try:
-            for key, record, frame_bytes in _records_of(call, spec, wanted):
-                got[key] = decode_record(spec, key, bytes(record))
-                received += frame_bytes
+            for records in _records_of(call, spec, wanted):
+                for key, record in records:
+                    got[key] = decode_record(spec, key, bytes(record))
+                    received += len(record) - PREFIX_BYTES
         except grpc.RpcError as err:
             self._failed(received, len(got), started)
             raise self._error("fetch", err) from err
@@ -406,13 +410,14 @@ class MessengerClient:
 
 
 def _records_of(call, spec: BlockSpec, asked):
-    """(key, record, frame bytes) of each whole block record a Fetch stream of ``spec`` blocks delivers (messages of
-    one piece or several); TransferError for a block that was not ``asked`` for."""
+    """The ``(key, record)`` pairs of the whole block records each message of a Fetch stream of ``spec`` blocks
+    completes (messages of one piece or several), a list per message; TransferError for a block that was not
+    ``asked`` for."""
     assembler = RecordAssembler(spec)
     for raw in call:
-        for piece, piece_raw in parse_message(raw):
-            if piece.key not in asked:
-                raise TransferError(f"peer sent block {piece.key:#018x}, which was not asked for")
-            record = assembler.add(piece, piece_raw)
-            if record is not None:
-                yield piece.key, record, assembler.frame_bytes
+        records = assembler.records(raw)
+        for key in [key for key, _ in records] + [assembler.pending_key]:
+            if key is not None and key not in asked:
+                raise TransferError(f"peer sent block {key:#018x}, which was not asked for")
+        if records:
+            yield records

@@ -92,23 +92,16 @@ class _Servicer:
         first = True
         for raw in request_iterator:
             try:
-                pieces = parse_message(raw)
-                if first:
-                    self._check_spec(pieces[0][0].spec_fingerprint, context)
-                    first = False
-                for piece, piece_raw in pieces:
-                    record = assembler.add(piece, piece_raw)
-                    if record is None:
-                        continue
-                    if self._store(piece.key, record, stored, context):
-                        stored += 1
-                    else:
-                        already += 1
-                    self.meter.add(blocks_received=1, bytes_received=self.pool.frame_bytes)
-            except CorruptBlockError as err:
-                context.abort(grpc.StatusCode.DATA_LOSS, f"{err}; {stored} earlier block(s) were stored")
+                if first and assembler.whole_records(raw) is None:  # whole records of this spec pass the check
+                    self._check_spec(parse_message(raw)[0][0].spec_fingerprint, context)
+                first = False
+                records = assembler.records(raw)
             except ValueError as err:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err}; {stored} earlier block(s) were stored")
+            if records:
+                new, old = self._store(records, stored, context)
+                stored, already = stored + new, already + old
+                self.meter.add(blocks_received=len(records), bytes_received=len(records) * self.pool.frame_bytes)
         if assembler.pending_key is not None:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -118,15 +111,20 @@ class _Servicer:
         self.meter.add(transfers=1, blocks_skipped=already, busy_s=time.perf_counter() - started)
         return messages.PushReply(stored=stored, already_present=already)
 
-    def _store(self, key: int, record, stored: int, context) -> bool:
-        """Put one received record into the pool (True: stored, False: already there); a record that fails its
-        checksum or a full pool ends the call with DATA_LOSS / RESOURCE_EXHAUSTED (``stored`` earlier ones kept)."""
+    def _store(self, records, stored: int, context) -> tuple[int, int]:
+        """Put received ``(key, record)`` pairs into the pool in one call; how many were new and how many already
+        there. A record that fails its checks or a full pool ends the call with DATA_LOSS / INVALID_ARGUMENT /
+        RESOURCE_EXHAUSTED (``stored`` earlier ones and those of ``records`` before it kept)."""
+        new: list[bool] = []
         try:
-            return self.pool.put_record(key, record)
+            self.pool.put_records(records, new)
         except CorruptBlockError as err:
-            context.abort(grpc.StatusCode.DATA_LOSS, f"{err}; {stored} earlier block(s) were stored")
+            context.abort(grpc.StatusCode.DATA_LOSS, f"{err}; {stored + sum(new)} earlier block(s) were stored")
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err}; {stored + sum(new)} earlier block(s) were stored")
         except PoolFullError as err:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        return sum(new), len(new) - sum(new)
 
     def OfferPull(self, request, context):
         """Offer the records of the keys on the device plane (at most ``PULL_BYTES`` of them)."""
@@ -167,12 +165,7 @@ class _Servicer:
                                        timeout_s=remaining if remaining is not None else 60.0)
         except Exception as err:  # the peer's offer is gone, or the link failed
             context.abort(grpc.StatusCode.UNAVAILABLE, f"pull {request.pull_id} from {request.address}: {err}")
-        stored = already = 0
-        for key, row in zip(keys, rows):
-            if self._store(key, memoryview(row), stored, context):
-                stored += 1
-            else:
-                already += 1
+        stored, already = self._store([(key, memoryview(row)) for key, row in zip(keys, rows)], 0, context)
         self.meter.add(transfers=1, blocks_received=stored, blocks_skipped=already,
                        bytes_received=stored * self.pool.frame_bytes, busy_s=time.perf_counter() - started)
         return messages.PushReply(stored=stored, already_present=already)

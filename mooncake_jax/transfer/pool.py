@@ -189,7 +189,23 @@ class BlockPool:
         DRAM tier may keep as it is instead (``SlotStore.adopt_checked``: no copy). A record that fails verification
         raises ``CorruptBlockError`` (a ValueError) and stores nothing.
         """
-        key = check_key(key)
+        new: list[bool] = []
+        self.put_records([(key, record)], new)
+        return new[0]
+
+    def put_records(self, records: Sequence[tuple[BlockKey, bytes | bytearray | memoryview]],
+                    new: list[bool]) -> None:
+        """Store received ``(key, record)`` pairs in order, each as ``put_record`` stores one, under one lock: a
+        Messenger message of several small blocks is one pool call, not one per block. Appends to ``new``, per
+        record stored, whether it was new (False: already held); when a record fails (``CorruptBlockError``,
+        ``PoolFullError``, a ValueError for one that is not bytes) the error is raised with ``new`` holding the
+        records stored before it."""
+        with self._operation():
+            for key, record in records:
+                new.append(self._put_checked(check_key(key), record))
+
+    def _put_checked(self, key: BlockKey, record: bytes | bytearray | memoryview) -> bool:
+        """``put_record`` with the lock held."""
         if not isinstance(record, (bytes, bytearray, memoryview)):
             raise ValueError(f"record must be bytes, got {type(record).__name__}")
         if isinstance(record, memoryview):
@@ -201,14 +217,13 @@ class BlockPool:
         head = memoryview(record)[:DATA_OFFSET]
         expected = check_head(self.spec, key, head)
         data = np.frombuffer(record, np.uint8, offset=DATA_OFFSET)
-        with self._operation():
-            if self._touch(key):
-                check_digest(key, expected, checksum(data))
-                return False
-            # verified while it is copied in: a record that fails leaves nothing behind
-            whole = record if type(record) is bytes else None  # exactly bytes: a subclass might be mutable
-            self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected, whole))
-            return True
+        if self._touch(key):
+            check_digest(key, expected, checksum(data))
+            return False
+        # verified while it is copied in: a record that fails leaves nothing behind
+        whole = record if type(record) is bytes else None  # exactly bytes: a subclass might be mutable
+        self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected, whole))
+        return True
 
     def remove(self, key: BlockKey) -> bool:
         """Delete ``key`` from every tier; False if absent. Removing a pinned block is a ValueError."""
