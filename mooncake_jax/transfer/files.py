@@ -17,9 +17,9 @@ behind the caller) the same write cost two copies, its chunk encoder's and the k
 one: 0.2-0.5 of a raw write. At every ``settle`` the open shard's index and its heads file (the same layout) are
 written after the rows they list, so each call's blocks are whole in the page cache when it returns (no fsync), and
 the shard stays open for the next call's blocks (no new files per call) until it is full or the store closes; a
-direct-I/O shard is finished per call (its last piece is padded). A torn write is caught by the checksum in the head or the CRC32C of a
-shard's index, as fsync is not used (nor was it before); a torn rewrite of the open shard's index costs every
-record of that shard. Removing a record of a finished shard rewrites its heads shard through
+direct-I/O shard is finished per call (its last piece is padded). A torn write is caught by the checksum in the
+head or the CRC32C of a shard's index, as fsync is not used (nor was it before); a torn rewrite of the open shard's
+index costs every record of that shard. Removing a record of a finished shard rewrites its heads shard through
 TensorStore; one of the open shard is zeroed in its heads file at the next ``settle``. Slots are
 never reused: a removed block zeroes its head (a rewrite of the small heads shard, atomic); a shard whose records
 are all gone is deleted; and when dead slots outnumber the live blocks, the live records of the emptiest shards
