@@ -161,7 +161,9 @@ class ShardImage:
         self._slots = slots
         self._chunk_bytes = chunk_bytes
         self._direct = direct
-        self._start = data_start(slots, ALIGN if self._direct else 1)
+        # page-aligned in both modes: direct I/O needs it, and a buffered block of whole pages is written (and read
+        # back) page by page as a raw write of the same bytes is, instead of touching one partial page more
+        self._start = data_start(slots, ALIGN)
         self._filled = 0
         self._piece: tuple[int, np.ndarray] | None = None  # direct: the piece being filled, and how far
         self._piece_fill = 0
