@@ -448,7 +448,8 @@ def test_a_failed_data_write_abandons_the_open_shard(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return write_all(fd, buffers, offset)
 
-    monkeypatch.setattr(shard_writer, "_write_all", failing)  # each block is written as it is appended
+    monkeypatch.setattr(shard_writer, "_write_all", failing)
+    monkeypatch.setattr(shard_writer, "PIECE_BYTES", 1)  # each block handed to the writer as it is appended
     with pytest.raises(OSError, match="No space left"):
         pool.put_many([2, 3], [block_of(2), block_of(3)])
     assert 2 not in pool and 3 not in pool

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from mooncake_jax.transfer import BlockPool, BlockSpec, shard_writer
-from mooncake_jax.transfer import checksum as checksum_module
 from mooncake_jax.transfer.checksum import checksum
 from mooncake_jax.transfer.files import _DATA_CONTEXT, DATA_DIR, open_array
 from mooncake_jax.transfer.shard_file import chunk_offsets, crc32c, data_start, encode_index, index_bytes
@@ -36,24 +35,16 @@ def test_index_lists_the_filled_slots_and_is_refused_when_damaged():
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 def test_a_shard_written_here_reads_back_through_tensorstore(tmp_path, monkeypatch, direct, pages_per_piece):
     """5,000-byte chunks in pieces of 3 pages (several chunks to a piece, straddling them) or of one page (a chunk
-    in several pieces), a ring of 2 direct pieces, a last piece cut to the file's exact size, buffered writes in
-    steps of that size; TensorStore reads every slot back, the unfilled ones as the fill value. The caller
-    overwrites each chunk as soon as ``append`` returns (a DRAM slot reused after its block was demoted): both
-    modes have written or copied it by then."""
+    in several pieces), a ring of 2 direct pieces, a last piece cut to the file's exact size; TensorStore reads
+    every slot back, the unfilled ones as the fill value."""
     monkeypatch.setattr(shard_writer, "PIECE_BYTES", pages_per_piece * ALIGN)
-    monkeypatch.setattr(checksum_module, "COPY_CHUNK_BYTES", pages_per_piece * ALIGN)  # buffered writes' steps
     monkeypatch.setattr(shard_writer, "PIECES", 2)
     width, slots, filled = 5000, 8, 5
     array = open_array(tmp_path / DATA_DIR, width, slots, _DATA_CONTEXT)
     chunks = [np.random.default_rng(i).integers(0, 256, width, dtype=np.uint8) for i in range(filled)]
     writer = ShardWriter(tmp_path / DATA_DIR, direct)
     image = writer.open(tmp_path / DATA_DIR / "c.1.0", slots, width)  # the shard of slots 8-15
-    source = np.empty(width, np.uint8)
-    digests = []
-    for chunk in chunks:
-        source[:] = chunk
-        digests.append(image.append(source))
-        source.fill(0xFF)
+    digests = [image.append(chunk) for chunk in chunks]
     image.finish().result()
     writer.close()
     assert writer.direct == direct

@@ -38,10 +38,9 @@ is noise."""
 
 
 def fill_with_checksum(out: np.ndarray, fill: Callable[[np.ndarray, int], bool]) -> tuple[int, int] | None:
-    """Fill ``out`` (flat uint8) chunk by chunk, ``fill(chunk, start)`` writing ``out[start:start + chunk.size]``
-    (or writing that chunk out, to a file: the SSD tier's put), each chunk hashed from cache right after it has
-    been moved: one pass over memory instead of two. The checksum of the bytes, or None as soon as ``fill`` says a
-    chunk did not land whole."""
+    """Fill ``out`` (flat uint8) chunk by chunk, ``fill(chunk, start)`` writing ``out[start:start + chunk.size]``,
+    each chunk hashed from cache right after it lands: one pass over memory instead of two. The checksum of the
+    bytes, or None as soon as ``fill`` says a chunk did not land whole."""
     n = out.size
     if n <= COPY_CHUNK_BYTES:  # one chunk: no streaming state to set up
         return split_digest(xxhash.xxh3_128_intdigest(out)) if fill(out, 0) else None

@@ -1,5 +1,5 @@
 """The SSD tier's storage: block records in two sharded TensorStore arrays on disk (zarr3 over the file kvstore),
-written log-structured into one open shard at a time.
+written as whole shards behind the caller.
 
 Every record of a pool has the same size, so the tier is two ``[slots, width]`` uint8 zarr3 arrays: ``heads.zarr``
 (each slot's 128-byte record head: wire prefix and frame header with the checksum) and ``data.zarr`` (each slot's
@@ -9,17 +9,17 @@ block bytes). Both are sharded alike (``sharding_indexed``: a shard file holds `
 
 Why the layout (see docs/benchmarks/pool.md): TensorStore's file kvstore writes a key as a whole file, through a
 temporary file renamed over the old one; one file per block cost 0.1-0.3 of a raw sequential write. Here the
-slots are filled log-structured: writes go to fresh slots of the open shard, whose data file the tier writes itself,
-in the layout TensorStore's sharding codec reads (``shard_file.py``): appended with ``pwritev`` straight from the
-caller's arrays as each block is put (hashed from cache right after), or, with ``direct_io``, with ``O_DIRECT`` from
-aligned pieces behind the caller (``shard_writer.py``). Through TensorStore (a transaction per shard committed
-behind the caller) the same write cost two copies, its chunk encoder's and the kernel's, where a raw write costs
-one: 0.2-0.5 of a raw write. At every ``settle`` the open shard's index and its heads file (the same layout) are
-written after the rows they list, so each call's blocks are whole in the page cache when it returns (no fsync), and
-the shard stays open for the next call's blocks (no new files per call) until it is full or the store closes; a
-direct-I/O shard is finished per call (its last piece is padded). A torn write is caught by the checksum in the
-head or the CRC32C of a shard's index, as fsync is not used (nor was it before); a torn rewrite of the open shard's
-index costs every record of that shard. Removing a record of a finished shard rewrites its heads shard through
+slots are filled log-structured: writes go to fresh slots of the open shard, whose data file the tier writes itself
+behind the caller, in the layout TensorStore's sharding codec reads (``shard_file.py``): appended with ``pwritev``
+straight from the caller's arrays (untouched until ``settle``), or, with ``direct_io``, with ``O_DIRECT`` from
+aligned pieces (``shard_writer.py``). Through TensorStore (a transaction per shard committed behind the caller) the
+same write cost two copies, its chunk encoder's and the kernel's, where a raw write costs one: 0.2-0.5 of a raw
+write. At every ``settle`` the open shard's index and its heads file (the same layout) are written after the rows
+they list, so each call's blocks are whole in the page cache when it returns (no fsync), and the shard stays open
+for the next call's blocks (no new files per call) until it is full or the store closes; a direct-I/O shard is
+finished per call (its last piece is padded). A torn write is caught by the checksum in the head or the CRC32C of a
+shard's index, as fsync is not used (nor was it before); a torn rewrite of the open shard's index costs every
+record of that shard. Removing a record of a finished shard rewrites its heads shard through
 TensorStore; one of the open shard is zeroed in its heads file at the next ``settle``. Slots are
 never reused: a removed block zeroes its head (a rewrite of the small heads shard, atomic); a shard whose records
 are all gone is deleted; and when dead slots outnumber the live blocks, the live records of the emptiest shards
@@ -338,20 +338,19 @@ class FileStore:
     # ---- writes ------------------------------------------------------------------------------------------
 
     def put_block(self, key: BlockKey, data: np.ndarray) -> None:
-        """Store the block whose bytes are ``data`` (flat uint8, written or copied before this returns); its head
-        carries the checksum taken as the data is written."""
-        self._store(key, None, data)
+        """Store the block whose bytes are ``data`` (flat uint8, untouched until ``settle``); its head carries the
+        checksum taken as the data is written."""
+        self._store(key, None, data, owned=True)
 
     def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
                     expected: tuple[int, int]) -> None:
         """Store a record whose data must hash to ``expected`` (checked before anything is written)."""
         check_digest(key, expected, checksum(data))
-        self._store(key, _flat(head), data)
+        self._store(key, _flat(head), data, owned=True)
 
     def put(self, key: BlockKey, parts: Sequence[Buffer], owned: bool) -> None:
-        """Store a record given as consecutive parts into a fresh slot. ``owned`` (whether the parts stay untouched
-        until ``settle``, the tiers' common interface) makes no difference here: the data is written or copied
-        before this returns."""
+        """Store a record given as consecutive parts into a fresh slot. ``owned``: the parts stay untouched until
+        ``settle`` (the data may be written straight from them); else the data is copied first."""
         flats = [_flat(part) for part in parts]
         if sum(flat.size for flat in flats) != self.record_bytes:
             raise ValueError(f"record of {sum(flat.size for flat in flats)} bytes, expected {self.record_bytes}")
@@ -360,12 +359,12 @@ class FileStore:
         else:
             record = np.concatenate(flats) if len(flats) > 1 else flats[0]
             head, data = record[:DATA_OFFSET], record[DATA_OFFSET:]
-        self._store(key, head, data)
+        self._store(key, head, data, owned)
 
-    def _store(self, key: BlockKey, head: np.ndarray | None, data: np.ndarray) -> None:
-        """Write a record (its head, or None to make it from the data's checksum) into a fresh slot. The data is
-        written (buffered) or copied into an aligned piece (direct) before this returns, so it is never copied
-        first, ``owned`` or not."""
+    def _store(self, key: BlockKey, head: np.ndarray | None, data: np.ndarray, owned: bool) -> None:
+        """Write a record (its head, or None to make it from the data's checksum) into a fresh slot."""
+        if not owned and not self._writer.direct:  # direct writes copy it anyway, before ``put`` returns
+            data = data.copy()
         if key in self._slot_of:  # a record is never rewritten in place: the new one takes a fresh slot
             self._release(self._slot_of.pop(key))
         try:
@@ -401,17 +400,17 @@ class FileStore:
         return slot
 
     def _write_slot(self, slot: int, key: BlockKey, head: np.ndarray | None, data: np.ndarray) -> None:
-        """Append a record's data to the open shard's file (written now, or copied into an aligned piece for direct
-        writes); its head is kept for the shard's one heads write after the data."""
+        """Append a record's data to the open shard's file (referenced until it is finished, or copied into an
+        aligned piece for direct writes); its head is kept for the shard's one heads write after the data."""
         digest = self._image.append(data)
         if head is None:
             head = np.frombuffer(record_head(self.spec, key, digest), np.uint8)
         self._open_heads[slot % self.shard_slots] = head
 
     def _seal(self, keep_open: bool = False) -> None:
-        """Write the open shard out: the rest of its data file and its index, then its heads file (direct I/O:
-        behind the caller). ``keep_open`` (buffered writes only): the shard takes the next calls' blocks too (no new
-        files per call), its files written so far and readable, the indexes and heads written again as it grows."""
+        """Write the open shard behind the caller: the rest of its data file and its index, then its heads file.
+        ``keep_open`` (buffered writes only): the shard takes the next calls' blocks too (no new files per call),
+        its files written so far and readable, the indexes and heads written again as it grows."""
         if self._open_shard is None:
             return
         keep_open = keep_open and not self._writer.direct and bool(self._live[self._open_shard])

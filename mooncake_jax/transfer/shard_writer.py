@@ -1,16 +1,13 @@
-"""Writing the SSD tier's data shard files in the layout of ``shard_file.py`` (what TensorStore's zarr3 sharding
-reads): buffered on the caller's thread, direct behind the caller on one writer thread.
+"""Writing the SSD tier's data shard files behind the caller, on one writer thread, in the layout of
+``shard_file.py`` (what TensorStore's zarr3 sharding reads).
 
 Two ways, chosen per store (``FileStore(direct_io=...)``), measured side by side in docs/benchmarks/pool.md:
 
-* **buffered** (the default): each block is written as it is appended, by ``pwritev`` straight from the
-  caller's array (1 MiB at a time, each piece hashed right after from cache: one pass over the caller's memory),
-  then the index: the kernel's copy into the page cache is the only copy, as in a raw ``write`` of the same bytes,
-  and a block read back soon comes from the page cache. A shard may be written in steps (``finish`` with
-  ``close=False``), each step's blocks before the index that lists them. Why on the caller's thread, as a raw
-  ``write`` is: on a shared 2-core host a hand-off to a writer thread cost a wake-up (the thread started 0.8-1.5
-  ms after it was handed a piece at load 10-20) and CPU, and the caller waited at the end of the call anyway
-  (each call's blocks are on disk when it returns); measured in docs/benchmarks/pool.md, eighth pass.
+* **buffered** (the default): a shard's blocks are hashed where they lie and written by ``pwritev`` straight
+  from the caller's arrays (untouched until written), several small ones or a 4 MiB piece of a large one at a
+  time, then the index: the kernel's copy into the page cache is the only copy, as in a raw ``write`` of the same
+  bytes, and a block read back soon comes from the page cache. A shard may be written in steps (``finish`` with
+  ``close=False``), each step's blocks before the index that lists them.
 * **direct** (``O_DIRECT``): a shard's blocks are copied and hashed in one pass into a bounded ring of
   page-aligned pieces (``PIECE_BYTES`` each, ``PIECES`` of them), and each full piece is written by the thread
   while the next one fills, so the copy overlaps the device's write and the page cache is neither used nor
@@ -37,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, fill_with_checksum, split_digest
+from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, checksum, split_digest
 from mooncake_jax.transfer.shard_file import data_start, encode_index, index_bytes
 
 log = logging.getLogger(__name__)
@@ -46,9 +43,9 @@ ALIGN = 4096
 """Direct I/O alignment of file offsets, lengths and buffer addresses (a page: what every Linux filesystem
 accepts)."""
 PIECE_BYTES = 4 << 20
-"""Bytes per direct write handed to the thread (one aligned piece): large enough that the device sees long
-sequential writes and the thread is woken seldom, small enough that the caller's copy into the next piece overlaps
-the write of this one."""
+"""Bytes per write handed to the thread (direct: one aligned piece; buffered: small blocks grouped up to this, a
+large block handed over by this much): large enough that the device sees long sequential writes and the thread is
+woken seldom, small enough that the caller's work on the next piece overlaps the write of this one."""
 PIECES = 4
 """Direct pieces being filled or written at once: the write-behind bound (16 MiB of staging per store)."""
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -94,8 +91,7 @@ def _write_all(fd: int, buffers: list, offset: int) -> None:
 
 
 class ShardWriter:
-    """How one SSD store writes its shard files: on the caller's thread (buffered), or on a writer thread from a ring
-    of aligned pieces (direct)."""
+    """The writer thread of one SSD store and, in direct mode, its ring of aligned pieces."""
 
     def __init__(self, directory: Path, direct: bool) -> None:
         self.direct = direct and bool(_O_DIRECT) and _takes_direct_io(directory)
@@ -106,20 +102,12 @@ class ShardWriter:
 
     def open(self, path: Path, slots: int, chunk_bytes: int) -> ShardImage:
         """Start the shard file ``path`` of ``slots`` slots whose chunks are ``chunk_bytes`` each (with ``O_DIRECT``
-        where the writer writes so, the file created on the writer thread)."""
+        where the writer writes so); the file is created on the writer thread (about a millisecond on a busy
+        ext4)."""
         return ShardImage(self, path, slots, chunk_bytes, self.direct)
 
     def submit(self, job: Callable[[], object]) -> Future:
-        """Run ``job`` behind the caller on the writer thread (direct), or now on the caller's (buffered: see the
-        module docstring); its future either way."""
-        if self.direct:
-            return self._thread.submit(job)
-        done: Future = Future()
-        try:
-            done.set_result(job())
-        except Exception as err:
-            done.set_exception(err)
-        return done
+        return self._thread.submit(job)
 
     def write_rows(self, path: Path, slots: int, rows: np.ndarray) -> Future:
         """Write in place, behind the caller, the shard file ``path`` of ``slots`` slots whose first ``len(rows)``
@@ -165,11 +153,13 @@ class ShardImage:
         # back) page by page as a raw write of the same bytes is, instead of touching one partial page more
         self._start = data_start(slots, ALIGN)
         self._filled = 0
+        self._chunks: list[np.ndarray] = []  # buffered: parts of blocks not yet handed to the thread
+        self._chunks_bytes = 0
         self._piece: tuple[int, np.ndarray] | None = None  # direct: the piece being filled, and how far
         self._piece_fill = 0
         self._offset = self._start  # where the next write handed to the thread goes
         self._errors: list[BaseException] = []
-        writer.submit(self._create)  # buffered: now; its error, kept, fails the shard when it finishes
+        writer.submit(self._create)
 
     @property
     def start(self) -> int:
@@ -186,8 +176,7 @@ class ShardImage:
 
     def append(self, data: np.ndarray) -> tuple[int, int]:
         """Add the next slot's chunk (flat uint8 of ``chunk_bytes``); its checksum. Buffered, ``data`` is written
-        from where it lies before this returns; direct, it is copied into a piece here: either way the caller may
-        reuse ``data`` at once."""
+        from where it lies, so it must stay untouched until the shard is finished; direct, it is copied here."""
         if data.size != self._chunk_bytes:
             raise ValueError(f"chunk of {data.size} bytes, expected {self._chunk_bytes}")
         if not self._direct:
@@ -210,23 +199,31 @@ class ShardImage:
         return split_digest(hasher.intdigest())
 
     def _append_in_place(self, data: np.ndarray) -> tuple[int, int]:
-        """Buffered: write ``data`` into its place in the file now, by ``COPY_CHUNK_BYTES`` straight from where it
-        lies (the kernel's copy into the page cache is the only copy, as in a raw ``write``), each piece hashed
-        right after, from cache: one pass over the caller's memory, no thread hand-off. A write that fails is
-        kept, the rest of the shard not written, and raised when the shard finishes."""
-        offset, errors = self._offset, self._errors
-        self._offset += data.size
+        """Buffered: hash ``data`` where it lies and hand it to the thread by ``PIECE_BYTES`` (several small blocks
+        to one ``pwritev``), so the kernel's copy of one piece runs beside the hashing of the next."""
+        if data.size <= PIECE_BYTES:
+            digest = checksum(data)
+            self._chunks.append(data)
+            self._chunks_bytes += data.size
+        else:
+            hasher = xxhash.xxh3_128()
+            for start in range(0, data.size, PIECE_BYTES):
+                part = data[start : start + PIECE_BYTES]
+                hasher.update(part)
+                self._chunks.append(part)
+                self._chunks_bytes += part.size
+                if self._chunks_bytes >= PIECE_BYTES:
+                    self._write_chunks()
+            digest = split_digest(hasher.intdigest())
+        if self._chunks_bytes >= PIECE_BYTES:
+            self._write_chunks()
         self._filled += 1
+        return digest
 
-        def write(piece: np.ndarray, start: int) -> bool:
-            if not errors:
-                try:
-                    _write_all(self._fd[0], [piece], offset + start)
-                except Exception as err:
-                    errors.append(err)
-            return True  # hashed either way: the head is made, the shard fails at finish
-
-        return fill_with_checksum(data, write)
+    def _write_chunks(self) -> None:
+        self._submit_write(self._chunks, self._offset)
+        self._offset += self._chunks_bytes
+        self._chunks, self._chunks_bytes = [], 0
 
     def _submit_write(self, buffers: list, offset: int) -> Future:
         errors = self._errors
@@ -250,10 +247,10 @@ class ShardImage:
         self._piece = None
 
     def finish(self, close: bool = True) -> Future:
-        """Write the rest and the index (direct: behind the caller; buffered: now, after the blocks it lists) and
-        close the file; the future raises what failed. Buffered, ``close=False`` keeps the shard open for more
-        blocks: the index is written again next time (no reader looks at a shard before the settle that waits for
-        it)."""
+        """Write the rest and the index behind the caller and close the file; the future raises what failed.
+        Buffered, ``close=False`` keeps the shard open for more blocks: what was appended is written, then the
+        index, written again next time (a shard's first write is its index and blocks in one ``pwritev``, index
+        first; no reader looks at a shard before the settle that waits for it)."""
         index = encode_index(self._slots, self._start, self._chunk_bytes, self._filled)
         errors, end = self._errors, self._start + self._filled * self._chunk_bytes
         if self._direct:
@@ -264,8 +261,12 @@ class ShardImage:
             head = aligned_buffer(self._start)
             head[: len(index)] = np.frombuffer(index, np.uint8)
             writes = [([head], 0)]
-        else:  # buffered: every block is written already
-            writes = [([index], 0)]
+        elif self._offset == self._start:  # nothing handed over yet: index, padding and blocks in one pwritev
+            writes = [([index, bytes(self._start - len(index)), *self._chunks], 0)]
+        else:
+            writes = [(self._chunks, self._offset), ([index], 0)]
+        self._offset += self._chunks_bytes
+        self._chunks, self._chunks_bytes = [], 0
 
         def finish() -> None:
             try:
@@ -283,6 +284,7 @@ class ShardImage:
 
     def abort(self) -> Future:
         """Close the file without finishing it (its records are all gone); done once the writes before are."""
+        self._chunks = []
 
         def close() -> None:
             if self._fd:

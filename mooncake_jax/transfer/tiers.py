@@ -2,7 +2,7 @@
 
 The index (a set of keys, kept exact by this class) answers ``contains`` and prefix lookups without I/O; the store
 holds the records. DRAM is a ``SlotStore`` (records in reusable slots of preallocated host memory, ``slots.py``);
-SSD is a ``FileStore`` (records in the shards of two zarr3 TensorStore arrays on disk,
+SSD is a ``FileStore`` (records in the shards of two zarr3 TensorStore arrays on disk, written behind the caller,
 ``files.py``), rescanned on open so it survives a restart. A tier never evicts by itself: the pool decides,
 because eviction from DRAM means demotion to SSD.
 """
@@ -38,9 +38,8 @@ class TierWriteError(OSError):
 class Tier:
     """Records of one storage level, its capacity (in blocks), eviction policy, index and counters.
 
-    Writes may still be in flight when ``write_*`` returns (the SSD store's direct I/O writes behind the caller);
-    every read or delete first ``settle``s them, so reads never race a write, and the pool settles at the end of
-    each call.
+    Writes may still be in flight when ``write_*`` returns (the SSD store writes behind the caller); every read or
+    delete first ``settle``s them, so reads never race a write, and the pool settles at the end of each call.
     """
 
     def __init__(
