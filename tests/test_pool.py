@@ -450,6 +450,7 @@ def test_a_failed_data_write_abandons_the_open_shard(tmp_path, monkeypatch):
 
     monkeypatch.setattr(shard_writer, "_write_all", failing)
     monkeypatch.setattr(shard_writer, "PIECE_BYTES", 1)  # each block handed to the writer as it is appended
+    monkeypatch.setattr(shard_writer, "HAND_OFF_BYTES", 1)
     with pytest.raises(OSError, match="No space left"):
         pool.put_many([2, 3], [block_of(2), block_of(3)])
     assert 2 not in pool and 3 not in pool

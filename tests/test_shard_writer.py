@@ -38,6 +38,7 @@ def test_a_shard_written_here_reads_back_through_tensorstore(tmp_path, monkeypat
     in several pieces), a ring of 2 direct pieces, a last piece cut to the file's exact size; TensorStore reads
     every slot back, the unfilled ones as the fill value."""
     monkeypatch.setattr(shard_writer, "PIECE_BYTES", pages_per_piece * ALIGN)
+    monkeypatch.setattr(shard_writer, "HAND_OFF_BYTES", pages_per_piece * ALIGN)  # buffered: handed over mid-shard
     monkeypatch.setattr(shard_writer, "PIECES", 2)
     width, slots, filled = 5000, 8, 5
     array = open_array(tmp_path / DATA_DIR, width, slots, _DATA_CONTEXT)
