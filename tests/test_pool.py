@@ -450,6 +450,7 @@ def test_a_failed_data_write_abandons_the_open_shard(tmp_path, monkeypatch):
 
     monkeypatch.setattr(shard_writer, "_write_all", failing)
     monkeypatch.setattr(shard_writer, "PIECE_BYTES", 1)  # each block handed to the writer as it is appended
+    monkeypatch.setattr(shard_writer, "HAND_OFF_BYTES", 1)
     with pytest.raises(OSError, match="No space left"):
         pool.put_many([2, 3], [block_of(2), block_of(3)])
     assert 2 not in pool and 3 not in pool
@@ -648,11 +649,13 @@ def test_ssd_churn_is_compacted_so_the_disk_holds_about_twice_the_live_blocks(tm
     for the live one; compaction moves the live records of the emptiest shards so the records on disk stay
     within twice the live ones (plus a shard), and no block is lost or damaged."""
     from mooncake_jax.transfer import files
+    from mooncake_jax.transfer.shard_file import data_start
+    from mooncake_jax.transfer.shard_writer import ALIGN
 
     monkeypatch.setattr(files, "SHARD_BYTES", 4 * record_bytes(SPEC))  # four slots per shard
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path, ssd_blocks=8) as pool:
         store = pool._tiers[0].store
-        index_bytes = 16 * store.shard_slots + 4
+        index_bytes = data_start(store.shard_slots, ALIGN)  # the index, then padding to the page the data starts on
         most = 0
         for call in range(40):
             keys = [4 * call + i for i in range(1, 5)]

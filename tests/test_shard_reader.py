@@ -57,8 +57,9 @@ def test_a_shard_rewritten_with_its_chunks_reordered_is_read_by_its_index(tmp_pa
     path = tmp_path / DATA_DIR / "c.0.0"
     raw = path.read_bytes()
     slots, width = files.slots_per_shard(record_bytes(SPEC)), SPEC.nbytes
-    start = index_bytes(slots)
-    chunks = [raw[start + i * width : start + (i + 1) * width] for i in range(len(keys))]
+    written = chunk_offsets(raw[: index_bytes(slots)], slots, width)  # where the tier put them (page-aligned)
+    chunks = [raw[offset : offset + width] for offset in written[: len(keys)]]
+    start = index_bytes(slots)  # rewritten right behind the index, reversed
     entries = [(start + (len(keys) - 1 - i) * width, width) for i in range(len(keys))]
     entries += [(NO_CHUNK, NO_CHUNK)] * (slots - len(keys))
     path.write_bytes(index_of(entries) + b"".join(reversed(chunks)))

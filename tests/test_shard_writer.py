@@ -38,6 +38,7 @@ def test_a_shard_written_here_reads_back_through_tensorstore(tmp_path, monkeypat
     in several pieces), a ring of 2 direct pieces, a last piece cut to the file's exact size; TensorStore reads
     every slot back, the unfilled ones as the fill value."""
     monkeypatch.setattr(shard_writer, "PIECE_BYTES", pages_per_piece * ALIGN)
+    monkeypatch.setattr(shard_writer, "HAND_OFF_BYTES", pages_per_piece * ALIGN)  # buffered: handed over mid-shard
     monkeypatch.setattr(shard_writer, "PIECES", 2)
     width, slots, filled = 5000, 8, 5
     array = open_array(tmp_path / DATA_DIR, width, slots, _DATA_CONTEXT)
@@ -49,7 +50,7 @@ def test_a_shard_written_here_reads_back_through_tensorstore(tmp_path, monkeypat
     writer.close()
     assert writer.direct == direct
     size = (tmp_path / DATA_DIR / "c.1.0").stat().st_size
-    assert size == data_start(slots, ALIGN if direct else 1) + filled * width
+    assert size == data_start(slots, ALIGN) + filled * width  # the data page-aligned in both modes
     got = array[slots : 2 * slots].read().result()
     assert all((got[i] == chunks[i]).all() for i in range(filled)) and not got[filled:].any()
     assert digests == [checksum(chunk) for chunk in chunks]

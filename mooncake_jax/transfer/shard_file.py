@@ -13,7 +13,8 @@ the index's CRC32C).
 Index (``index_codecs`` ``bytes`` little-endian, then ``crc32c``): one ``(offset, nbytes)`` pair of u64 per slot of
 the shard, in slot order, ``(2**64-1, 2**64-1)`` for a slot without a chunk, then the CRC32C (Castagnoli) of those
 bytes as a u32. The zarr3 sharding format lets chunks sit anywhere after the index, so the data may start at
-``data_start`` (past padding that aligns it for direct I/O) instead of right behind the index.
+``data_start`` (past padding that aligns it to a page: direct I/O needs it, buffered writes and reads of whole pages
+cost less) instead of right behind the index.
 """
 
 from __future__ import annotations

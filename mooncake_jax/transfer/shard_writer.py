@@ -4,10 +4,11 @@
 Two ways, chosen per store (``FileStore(direct_io=...)``), measured side by side in docs/benchmarks/pool.md:
 
 * **buffered** (the default): a shard's blocks are hashed where they lie and written by ``pwritev`` straight
-  from the caller's arrays (untouched until written), several small ones or a 4 MiB piece of a large one at a
-  time, then the index: the kernel's copy into the page cache is the only copy, as in a raw ``write`` of the same
-  bytes, and a block read back soon comes from the page cache. A shard may be written in steps (``finish`` with
-  ``close=False``), each step's blocks before the index that lists them.
+  from the caller's arrays (untouched until written), blocks under 1 MiB grouped by about 1 MiB (handed over
+  before they are hashed), larger ones by 4 MiB, then the index: the kernel's copy into the page cache is the only
+  copy, as in a raw ``write`` of the same bytes, and a block read back soon comes from the page cache. A shard may
+  be written in steps (``finish`` with ``close=False``), each step's blocks before the index that lists them. (On
+  the caller's thread instead, as a raw ``write`` is, the put ran slower: eighth pass in docs/benchmarks/pool.md.)
 * **direct** (``O_DIRECT``): a shard's blocks are copied and hashed in one pass into a bounded ring of
   page-aligned pieces (``PIECE_BYTES`` each, ``PIECES`` of them), and each full piece is written by the thread
   while the next one fills, so the copy overlaps the device's write and the page cache is neither used nor
@@ -43,9 +44,15 @@ ALIGN = 4096
 """Direct I/O alignment of file offsets, lengths and buffer addresses (a page: what every Linux filesystem
 accepts)."""
 PIECE_BYTES = 4 << 20
-"""Bytes per write handed to the thread (direct: one aligned piece; buffered: small blocks grouped up to this, a
-large block handed over by this much): large enough that the device sees long sequential writes and the thread is
+"""Bytes per write handed to the thread (direct: one aligned piece; buffered: blocks of 1-4 MiB grouped up to this,
+a large block handed over by this much): large enough that the device sees long sequential writes and the thread is
 woken seldom, small enough that the caller's work on the next piece overlaps the write of this one."""
+HAND_OFF_BYTES = 1 << 20
+"""Buffered: blocks smaller than this are handed to the thread once about this many bytes of them have gathered
+(three 16-token blocks of the ``small`` preset), before they are hashed: the thread starts writing a call's first
+blocks while the caller hashes them and the next ones, where a 4 MiB piece kept it idle until eleven 16-token blocks
+were hashed (a third of the raw write's time for a 16-block call, on an idle core). Larger blocks go by
+``PIECE_BYTES`` as before: handing 128-token blocks (3 MiB) over one by one cost more CPU in an A/B (eighth pass)."""
 PIECES = 4
 """Direct pieces being filled or written at once: the write-behind bound (16 MiB of staging per store)."""
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -149,7 +156,9 @@ class ShardImage:
         self._slots = slots
         self._chunk_bytes = chunk_bytes
         self._direct = direct
-        self._start = data_start(slots, ALIGN if self._direct else 1)
+        # page-aligned in both modes: direct I/O needs it, and a buffered block of whole pages is written (and read
+        # back) page by page as a raw write of the same bytes is, instead of touching one partial page more
+        self._start = data_start(slots, ALIGN)
         self._filled = 0
         self._chunks: list[np.ndarray] = []  # buffered: parts of blocks not yet handed to the thread
         self._chunks_bytes = 0
@@ -197,9 +206,17 @@ class ShardImage:
         return split_digest(hasher.intdigest())
 
     def _append_in_place(self, data: np.ndarray) -> tuple[int, int]:
-        """Buffered: hash ``data`` where it lies and hand it to the thread by ``PIECE_BYTES`` (several small blocks
-        to one ``pwritev``), so the kernel's copy of one piece runs beside the hashing of the next."""
-        if data.size <= PIECE_BYTES:
+        """Buffered: hash ``data`` where it lies and hand it to the thread by ``PIECE_BYTES`` (several blocks to one
+        ``pwritev``), so the kernel's copy of one piece runs beside the hashing of the next; blocks under
+        ``HAND_OFF_BYTES`` are handed over by about that much, each before it is hashed (XXH3 releases the GIL),
+        so the thread starts on a call's first blocks while the caller hashes them."""
+        if data.size < HAND_OFF_BYTES:
+            self._chunks.append(data)
+            self._chunks_bytes += data.size
+            if self._chunks_bytes >= HAND_OFF_BYTES:
+                self._write_chunks()
+            digest = checksum(data)
+        elif data.size <= PIECE_BYTES:
             digest = checksum(data)
             self._chunks.append(data)
             self._chunks_bytes += data.size
@@ -259,8 +276,8 @@ class ShardImage:
             head = aligned_buffer(self._start)
             head[: len(index)] = np.frombuffer(index, np.uint8)
             writes = [([head], 0)]
-        elif self._offset == self._start:  # nothing handed over yet: index and blocks in one pwritev
-            writes = [([index, *self._chunks], 0)]
+        elif self._offset == self._start:  # nothing handed over yet: index, padding and blocks in one pwritev
+            writes = [([index, bytes(self._start - len(index)), *self._chunks], 0)]
         else:
             writes = [(self._chunks, self._offset), ([index], 0)]
         self._offset += self._chunks_bytes

@@ -63,12 +63,13 @@ class _Slot:
     """One record's place in a slab: its memory as numpy (for hashing and views) and as TensorStore (for I/O); or a
     received record kept as it arrived (``adopted``: the ``bytes`` object, ``memory`` a read-only view of it)."""
 
-    __slots__ = ("memory", "record", "head", "adopted")
+    __slots__ = ("memory", "record", "head", "data", "adopted")
 
     def __init__(self, memory: np.ndarray, store: ts.TensorStore | None, adopted: bytes | None = None) -> None:
         self.memory = memory
         self.record = store
         self.head = memoryview(memory[:DATA_OFFSET])  # the record head, written from bytes without numpy
+        self.data = memory[DATA_OFFSET:]  # the block's bytes, viewed once (a put or get copies into or out of it)
         self.adopted = adopted
 
 
@@ -116,7 +117,7 @@ class SlotStore:
         """Store the block whose bytes are ``data`` (flat uint8): copied into the slot and hashed in one pass (nothing
         in flight afterwards)."""
         slot = self._slot_for(key)
-        digest = copy_with_checksum(slot.memory[DATA_OFFSET:], data)
+        digest = copy_with_checksum(slot.data, data)
         slot.head[:] = record_head(self.spec, key, digest)
 
     def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
@@ -125,7 +126,7 @@ class SlotStore:
         pass, chunk by chunk from cache (nothing in flight afterwards; CorruptBlockError and the slot freed if the
         hash differs)."""
         slot = self._slot_for(key)
-        if copy_with_checksum(slot.memory[DATA_OFFSET:], data) != expected:
+        if copy_with_checksum(slot.data, data) != expected:
             self.delete(key)
             raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
         slot.memory[:DATA_OFFSET] = np.frombuffer(head, np.uint8)
@@ -177,7 +178,7 @@ class SlotStore:
         slot = self._slot_of.get(key)
         if slot is None:
             return None
-        digest = copy_with_checksum(out, slot.memory[DATA_OFFSET:])
+        digest = copy_with_checksum(out, slot.data)
         return memoryview(slot.memory[:DATA_OFFSET]), digest
 
     def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None) -> None:
