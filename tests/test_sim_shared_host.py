@@ -7,6 +7,7 @@ import pytest
 
 from mooncake_jax.conductor.accounting import REAL_INSTANCES
 from mooncake_jax.sim import SimConfig, simulate
+from mooncake_jax.sim.host import shared_rates
 from mooncake_jax.sim.trace import Trace, TraceRequest
 
 from test_accounting import SLOW_LINK
@@ -41,6 +42,29 @@ def test_a_decode_batch_counts_as_a_busy_process():
     assert b.prefill_start == c.prefill_start == pytest.approx(3.0)
     assert a.finished_at == pytest.approx(6.0, abs=0.016)  # the change waits for a step boundary
     assert sorted((b.ttft_s, c.ttft_s)) == [pytest.approx(4.0), pytest.approx(5.0)]
+
+
+def test_the_host_other_processes_take_their_share_of_the_cores():
+    """As above on two cores with one other runnable process of the host's (``host_other_busy=1``): A alone is two
+    busy on two cores (full speed) until B arrives at 1 s; then three share two cores, 2/3 speed each: A's last
+    second of work takes 1.5 s (ends at 2.5 s), by when B has done 1 s; alone again with the other, B's last second
+    ends at 3.5 s. With two others A runs at 2/3 from the start (2/3 s of work by 1 s), then at 1/2: its 4/3 s
+    left end at 1 + 8/3 s; B has done 4/3 s by then, its 2/3 s left at 2/3 speed end 1 s later."""
+    trace = Trace([TraceRequest(0.0, 1000, 1, (1, 2)), TraceRequest(1.0, 1000, 1, (3, 4))])
+    a, b = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, host_cores=2, host_other_busy=1).requests
+    assert (a.first_token_at, b.first_token_at) == (pytest.approx(2.5), pytest.approx(3.5))
+    a, b = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, host_cores=2, host_other_busy=2.0).requests
+    assert (a.first_token_at, b.first_token_at) == (pytest.approx(1 + 8 / 3), pytest.approx(2 + 8 / 3))
+    assert shared_rates(2, 2, 1, others=1.0) == (pytest.approx(0.5), pytest.approx(0.5))
+    assert shared_rates(2, 1, 0, others=0.5) == (1.0, 1.0)  # 1.5 busy on 2 cores: no one slowed
+
+
+def test_host_other_busy_is_checked():
+    for bad in (-0.5, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="host_other_busy"):
+            SimConfig(host_cores=2, host_other_busy=bad)
+    with pytest.raises(ValueError, match="host_other_busy needs host_cores"):
+        SimConfig(host_other_busy=1.0)
 
 
 def test_host_cores_is_checked():
