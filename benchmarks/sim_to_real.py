@@ -28,7 +28,9 @@
 6. Report TTFT and TBT p50 / p90 of both side by side with their relative errors (goal <= 25%).
 7. Beside it, the prediction from what was measured before the replay only (``from_profile``, ``*_profile``): the
    start-up profile, the pairs' reported engine compute and decode join, the bursts' decode and time off the
-   engine, and the host's core count, its cores shared between the simulated instances (``SimConfig.host_cores``).
+   engine, and the host's core count, its cores shared between the simulated instances (``SimConfig.host_cores``)
+   and the host's other runnable processes as a contention probe measured them (``contention``: a prefill alone,
+   two at once, two beside a decode batch; ``SimConfig.host_other_busy``).
 
     python benchmarks/sim_to_real.py --json /tmp/sim_to_real.json
 """
@@ -56,10 +58,10 @@ from mooncake_jax.conductor.profile import costs_from_profile  # noqa: E402
 from mooncake_jax.slo import tbt_of_times  # noqa: E402
 
 from mooncake_jax.demo import ENGINE_BLOCK  # noqa: E402
-from mooncake_jax.instance.cluster import PREFILL_NICENESS  # noqa: E402
-from mooncake_jax.sim.host import cfs_weight  # noqa: E402
+from mooncake_jax.sim.host import shared_rates  # noqa: E402
 PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 512, 1024), 16, 3
 BURST, BURST_ROUNDS, BURST_LONG_TOKENS, SPREAD_QUANTILES = 8, 6, 200, 20
+CONTENTION_TOKENS, CONTENTION_ROUNDS = 512, 5
 SLICE_S = 12.0  # the replay's slices over which the prefill's speed is read again (four of the trace's bursts)
 
 
@@ -174,6 +176,72 @@ def engine_in_pairs(reported, costs) -> dict:
     return {"engine_fixed_s": float(fixed), "engine_scale": scale,
             "off_engine_s": max(0.0, float(np.median([r[3] for r in reported]))),
             "engine_probe_requests": len(reported)}
+
+
+def contention(cluster, vocab_size: int, rounds: int = CONTENTION_ROUNDS) -> dict:
+    """How the prefill engine slows as more of the cluster's processes run at once on this host, before the replay:
+    fresh ``CONTENTION_TOKENS``-token prompts (no cached prefix, one output token: no decode), their engine compute
+    as their instances reported it, in three regimes per round: one alone, two at once (one per prefill instance),
+    and two at once while a long request decodes (both prefill instances and the decode instance busy, as in the
+    replay's bursts). Returns each regime's median compute (``contention_compute_s_{alone,pair,beside_decode}``);
+    ``host_other_busy`` reads the host's other load from their ratios.
+
+    Why: equal sharing of the host's cores between the instances alone (``SimConfig.host_cores``) slows a prefill
+    at most 1.5x beside another prefill and a decode batch on two cores; the replays' overlapping prefills ran
+    1.2-2x their lone ones, and decode steps beside one prefill 1.3-1.7x, where two busy on two cores is no
+    slowdown at all: the host's other work, and each process's threads off the engine, take cores too."""
+    from mooncake_jax.gateway.backend import Finished
+
+    rng = np.random.default_rng(13579)
+
+    def compute(max_tokens: int = 1, signal=None) -> float | None:
+        prompt = rng.integers(0, vocab_size, CONTENTION_TOKENS if signal is None else 32).tolist()
+        tokens, reported = 0, None
+        for item in cluster.stream(prompt, max_new_tokens=max_tokens):
+            if isinstance(item, Finished):
+                reported = item.prefill_compute_s
+            else:
+                tokens += 1
+                if signal is not None and tokens == 2:
+                    signal.set()
+        if signal is not None:
+            signal.set()
+        return reported
+
+    read = {"alone": [], "pair": [], "beside_decode": []}
+    with ThreadPoolExecutor(3) as pool:
+        for _ in range(rounds):
+            read["alone"].append(compute())
+            read["pair"] += list(pool.map(lambda _: compute(), range(2)))
+            decoding = threading.Event()
+            long = pool.submit(compute, BURST_LONG_TOKENS, decoding)
+            decoding.wait(60)
+            read["beside_decode"] += list(pool.map(lambda _: compute(), range(2)))
+            long.result()
+    return {f"contention_compute_s_{k}": float(np.median([t for t in v if t])) for k, v in read.items()
+            if any(v)}
+
+
+CONTENTION_REGIMES = {"pair": (2, 0), "beside_decode": (2, 1)}  # busy (prefills, decodes) beside the lone one's (1, 0)
+
+
+def host_other_busy(read: dict, cores: int) -> float:
+    """The host's other runnable processes (``SimConfig.host_other_busy``) under which the simulator's sharing
+    (``host.shared_rates``) slows a prefill as the contention probe measured: the number (0 to 4, in hundredths) whose
+    predicted slowdowns of two prefills, and of two beside a decode batch, over one alone are nearest the measured
+    ones (least squares in log). 0 where nothing was measured."""
+    alone = read.get("contention_compute_s_alone")
+    measured = {k: read[f"contention_compute_s_{k}"] / alone for k in CONTENTION_REGIMES
+                if alone and read.get(f"contention_compute_s_{k}")}
+    if not measured:
+        return 0.0
+
+    def miss(others: float) -> float:
+        lone = shared_rates(cores, 1, 0, 1.0, others)[0]
+        return sum((math.log(ratio) - math.log(lone / shared_rates(cores, *CONTENTION_REGIMES[k], 1.0, others)[0]))
+                   ** 2 for k, ratio in measured.items())
+
+    return min(np.arange(0, 401) / 100, key=lambda others: (miss(float(others)), others)).item()
 
 
 def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.ndarray]], list[float]]:
@@ -440,7 +508,7 @@ def profiled_costs(costs, overheads: dict):
                                                  + (0.0, overheads.get("decode_token_delivery_s", 0.0), 0.0))))
 
 
-def from_profile(costs, probed: dict, cores: int) -> dict:
+def from_profile(costs, probed: dict, cores: int, others: float | None = None) -> dict:
     """The simulator's inputs from what was measured before the replay only:
 
     - the start-up profile (each instance's engine alone), its prefill times ``engine_scale`` plus ``engine_fixed_s``
@@ -454,23 +522,30 @@ def from_profile(costs, probed: dict, cores: int) -> dict:
       step scale and per-request delivery from the gaps with no prefill beside them, the stall at a join, the spread);
     - the host's core count, over which the simulator shares the cores between its busy instances
       (``SimConfig.host_cores``) in place of the bursts' measured decode slowdown beside a prefill, every busy
-      process weighing the same. (``_profile_weighted`` beside it gives each prefill what its lower priority,
-      ``PREFILL_NICENESS``, gives it in Linux's weights, ~0.33, a process at most one core: that kept the decode at
-      full speed beside two prefills where the replays' steps ran 1.3-1.7x slower beside one; XLA runs each process
-      on a thread pool the size of the host, so a process is not one core's demand. Its TBT came out further in
-      most runs, ``docs/benchmarks/sim.md``.)
+      process weighing the same. (The sixth pass's ``_profile_weighted``, each prefill at its lower priority's
+      Linux weight, ~0.33, kept the decode at full speed beside two prefills where the replays' steps ran 1.3-1.7x
+      slower beside one; its TBT came out further in most runs, ``docs/benchmarks/sim.md``: dropped.)
+    - the host's other runnable processes (``host_other_busy``, from the contention probe: ``contention``), which
+      take their share of the cores beside the instances (``SimConfig.host_other_busy``); every reading above is
+      then divided by the speed the simulator gives its regime under them (the pairs' engine: two prefills busy;
+      the decode step, delivery and join: the decode instance alone), so the simulator's sharing is not counted
+      twice (``others=0``: as before).
 
     Nothing here is read from the replay."""
-    scale, fixed = probed.get("engine_scale", probed["prefill_scale"]), probed.get("engine_fixed_s", 0.0)
-    join = probed["decode_join_s"]  # the pairs': taken in with no prefill beside (the bursts' ran 3 busy on 2 cores)
+    others = probed.get("host_other_busy", 0.0) if others is None else others
+    in_pairs = shared_rates(cores, 2, 0, 1.0, others)[0]  # the pairs' engine ran at this share of a core
+    decoding_alone = shared_rates(cores, 0, 1, 1.0, others)[1]
+    scale = probed.get("engine_scale", probed["prefill_scale"]) * in_pairs
+    fixed = probed.get("engine_fixed_s", 0.0) * in_pairs
+    join = probed["decode_join_s"] * decoding_alone  # the pairs': no prefill beside (the bursts' ran 3 busy)
     return {"prefill_coef": [costs.prefill.coef[0] * scale + fixed] + [c * scale for c in costs.prefill.coef[1:]],
             "prefill_scale": scale, "request_overhead_s": 0.0,
             "prefill_off_engine_s": probed.get("off_engine_s_bursts", probed.get("off_engine_s", 0.0)),
-            "decode_scale": probed["decode_scale"],
-            "decode_token_delivery_s": probed.get("decode_token_delivery_s", 0.0),
+            "decode_scale": probed["decode_scale"] * decoding_alone,
+            "decode_token_delivery_s": probed.get("decode_token_delivery_s", 0.0) * decoding_alone,
             "decode_join_s": join, "decode_join_stall_s": min(probed.get("decode_join_stall_s", 0.0), join),
             "shared_host_decode_slowdown": 1.0, "decode_step_spread": list(probed.get("decode_step_spread", ())),
-            "host_cores": cores, "host_prefill_weight": 1.0}
+            "host_cores": cores, "host_prefill_weight": 1.0, "host_other_busy": others}
 
 
 def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: float, cache_tokens: int,
@@ -499,7 +574,8 @@ def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: f
                       shared_host_decode_slowdown=overheads.get("shared_host_decode_slowdown", 1.0),
                       decode_step_spread=tuple(overheads.get("decode_step_spread", ())),
                       host_cores=overheads.get("host_cores"),
-                      host_prefill_weight=overheads.get("host_prefill_weight", 1.0), **slo)
+                      host_prefill_weight=overheads.get("host_prefill_weight", 1.0),
+                      host_other_busy=overheads.get("host_other_busy", 0.0), **slo)
     by_item = [None] * len(items)
     for req, i in zip(result.requests, order):
         by_item[i] = req
@@ -545,6 +621,8 @@ def main() -> None:
         profile_json = getattr(first, "profile_json", None) or first.info["profile_json"]
         costs = costs_from_profile(profile_json)
         overheads = probe(cluster, costs, cfg.vocab_size)
+        overheads.update(contention(cluster, cfg.vocab_size))
+        overheads["host_other_busy"] = host_other_busy(overheads, os.cpu_count() or 1)
         burst_runs, burst_off_engine = bursts(cluster, items, cfg.vocab_size)
         overheads.update(decode_in_bursts(burst_runs, costs))
         if burst_off_engine:
@@ -590,9 +668,9 @@ def main() -> None:
                 "_probe": compare({**overheads, "decode_step_spread": ()}, None),
                 "_profile": compare(profile_inputs, None),
                 "_profile_decided": compare(profile_inputs, arrivals),
-                "_profile_no_sharing": compare({**profile_inputs, "host_cores": None}, None),
-                "_profile_weighted": compare({**profile_inputs,
-                                              "host_prefill_weight": cfs_weight(PREFILL_NICENESS)}, None)}
+                "_profile_no_sharing": compare({**profile_inputs, "host_cores": None, "host_other_busy": 0.0},
+                                               None),
+                "_profile_no_contention": compare(from_profile(costs, overheads, os.cpu_count() or 1, 0.0), None)}
     sim_figures, sim = readings[""]
     results = {
         "requests": len(items), "completed_real": len(done), "completed_sim": sim.summary["completed"],
