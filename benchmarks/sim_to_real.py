@@ -62,6 +62,7 @@ from mooncake_jax.sim.host import shared_rates  # noqa: E402
 PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 512, 1024), 16, 3
 BURST, BURST_ROUNDS, BURST_LONG_TOKENS, SPREAD_QUANTILES = 8, 6, 200, 20
 CONTENTION_TOKENS, CONTENTION_ROUNDS = 512, 5
+SHARE_SAMPLES = 40  # points per reported compute interval at which engine_in_bursts reads the host's sharing
 SLICE_S = 12.0  # the replay's slices over which the prefill's speed is read again (four of the trace's bursts)
 
 
@@ -227,9 +228,11 @@ CONTENTION_REGIMES = {"pair": (2, 0), "beside_decode": (2, 1)}  # busy (prefills
 
 def host_other_busy(read: dict, cores: int) -> float:
     """The host's other runnable processes (``SimConfig.host_other_busy``) under which the simulator's sharing
-    (``host.shared_rates``) slows a prefill as the contention probe measured: the number (0 to 4, in hundredths) whose
-    predicted slowdowns of two prefills, and of two beside a decode batch, over one alone are nearest the measured
-    ones (least squares in log). 0 where nothing was measured."""
+    (``host.shared_rates``) slows a prefill as the contention probe measured: the number (0 to ``cores - 1``, in
+    hundredths) whose predicted slowdowns of two prefills, and of two beside a decode batch, over one alone are
+    nearest the measured ones (least squares in log). 0 where nothing was measured. Past ``cores - 1`` others the
+    lone prefill is slowed too and the predicted ratios fall again (four others on two cores: 1.2x and 1.4x), so
+    the smallest number that fits is the one in that range."""
     alone = read.get("contention_compute_s_alone")
     measured = {k: read[f"contention_compute_s_{k}"] / alone for k in CONTENTION_REGIMES
                 if alone and read.get(f"contention_compute_s_{k}")}
@@ -241,22 +244,24 @@ def host_other_busy(read: dict, cores: int) -> float:
         return sum((math.log(ratio) - math.log(lone / shared_rates(cores, *CONTENTION_REGIMES[k], 1.0, others)[0]))
                    ** 2 for k, ratio in measured.items())
 
-    return min(np.arange(0, 401) / 100, key=lambda others: (miss(float(others)), others)).item()
+    return min(np.arange(0, 100 * max(0, cores - 1) + 1) / 100, key=lambda others: (miss(float(others)), others)).item()
 
 
-def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.ndarray]], list[float]]:
+def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.ndarray]], list[float], list[tuple]]:
     """The replay's regime, by fresh prompts (not the trace's) shaped like the slice's: a long request decodes while
     a burst of ``BURST`` requests arrives at once (prompt and output lengths drawn from the slice's decoding
     requests), as the trace's bursts do; so the decode batch reaches the sizes the replay reaches, the two prefill
     instances compute side by side and beside it on the same cores, and the burst's requests join it one after
     another. ``BURST_ROUNDS`` rounds; per request (submitted, prompt tokens, token times), one clock; and each
     request's time off its prefill engine (TTFT less the decision, queue and compute its instance reported: the
-    burst's RPCs, staging and pushes contend on the same cores as the replay's do)."""
+    burst's RPCs, staging and pushes contend on the same cores as the replay's do); and each request's engine
+    compute as its instance reported it (prompt tokens, cached tokens, when its compute started on the runs' clock
+    (submission, decision and queue), compute seconds: ``engine_in_bursts``)."""
     from mooncake_jax.gateway.backend import Finished, TokenOut
 
     rng = np.random.default_rng(24680)
     decoding = [it for it in items if it[2] > 1]
-    runs, off_engine = [], []
+    runs, off_engine, engine = [], [], []
     for _ in range(BURST_ROUNDS):
         started = threading.Event()
 
@@ -270,6 +275,8 @@ def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.n
                 elif isinstance(item, Finished) and times:
                     off_engine.append(times[0] - start - item.decided_s - item.prefill_queue_s
                                       - item.prefill_compute_s)
+                    engine.append((len(prompt), item.cached_tokens, start + item.decided_s + item.prefill_queue_s,
+                                   item.prefill_compute_s))
             if signal is not None:
                 signal.set()
             return start, len(prompt), np.array(times)
@@ -281,7 +288,44 @@ def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.n
             futures += [pool.submit(run, rng.integers(0, vocab_size, len(prompt)).tolist(), max_tokens)
                         for _, prompt, max_tokens, _ in picks]
             runs += [f.result() for f in futures]
-    return runs, off_engine
+    return runs, off_engine, engine
+
+
+def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_instances: int = 2) -> dict:
+    """The prefill engine's speed alone, read from the bursts' reported compute (``bursts``: the replay's regime,
+    two prefills beside a decode batch streaming tokens to many clients) with the sharing the simulator would have
+    given them divided out: each request's compute is re-timed as the work the simulator's host
+    (``host.shared_rates`` with ``cores`` and ``others``) would have done over that interval, given the prefills
+    computing then (every burst request's reported compute interval, at most ``prefill_instances``) and whether the
+    decode batch was busy (some request between its first and last token); then ``work = engine_fixed +
+    engine_scale * profile`` (least squares in relative error; the ratio of the sums where that line is not
+    increasing or has a negative intercept). Why: the pairs' engine (``engine_in_pairs``: two prefills, no decode
+    batch) ran 1.5-2x faster than the replay's at every prompt length in the sixth pass's runs, where sharing the
+    cores between the instances stretches it at most 1.5x; what else a burst costs the engine (streaming its
+    tokens to the clients in Python threads on the same cores) is then in this reading, as it is in the replay."""
+    if len(engine) < 4:
+        return {}
+    prefilling = [(begin, begin + compute) for _, _, begin, compute in engine]
+    decoding = [(times[0], times[-1]) for _, _, times in runs if len(times) > 1]
+    points = []
+    for n, cached, begin, compute in engine:
+        if compute <= 0:
+            continue
+        rates = []
+        for t in begin + compute * (np.arange(SHARE_SAMPLES) + 0.5) / SHARE_SAMPLES:
+            busy = min(prefill_instances, max(1, sum(a <= t < b for a, b in prefilling)))
+            rates.append(shared_rates(cores, busy, int(any(a <= t < b for a, b in decoding)), 1.0, others)[0])
+        points.append((prefill_work_s(costs.prefill, n, reused_tokens(n, cached)), compute * float(np.mean(rates)),
+                       float(np.mean(rates))))
+    if len(points) < 4:
+        return {}
+    p = np.array(points)
+    scale, fixed = float(p[:, 1].sum() / p[:, 0].sum()), 0.0
+    (f, k), *_ = np.linalg.lstsq(np.stack([1 / p[:, 1], p[:, 0] / p[:, 1]], 1), np.ones(len(p)), rcond=None)
+    if k > 0 and f >= 0:
+        fixed, scale = float(f), float(k)
+    return {"engine_scale_bursts": scale, "engine_fixed_s_bursts": fixed, "engine_bursts_requests": len(p),
+            "engine_bursts_share": float(p[:, 2].mean())}
 
 
 def decode_in_bursts(runs, costs) -> dict:
@@ -537,6 +581,8 @@ def from_profile(costs, probed: dict, cores: int, others: float | None = None) -
     decoding_alone = shared_rates(cores, 0, 1, 1.0, others)[1]
     scale = probed.get("engine_scale", probed["prefill_scale"]) * in_pairs
     fixed = probed.get("engine_fixed_s", 0.0) * in_pairs
+    if "engine_scale_bursts" in probed:  # the bursts' engine, read with these others' sharing divided out
+        scale, fixed = probed["engine_scale_bursts"], probed["engine_fixed_s_bursts"]
     join = probed["decode_join_s"] * decoding_alone  # the pairs': no prefill beside (the bursts' ran 3 busy)
     return {"prefill_coef": [costs.prefill.coef[0] * scale + fixed] + [c * scale for c in costs.prefill.coef[1:]],
             "prefill_scale": scale, "request_overhead_s": 0.0,
@@ -614,6 +660,7 @@ def main() -> None:
     slo = {"ttft_slo_s": 30.0, "tbt_slo_s": 1.0}
     pool_blocks = 8192
     load_start = os.getloadavg()[0]
+    cores = os.cpu_count() or 1
     t_start = time.perf_counter()
     with Cluster.local("tiny", prefill=args.prefill, decode=args.decode, processes=not args.in_process,
                        admission="none", pool_dram_blocks=pool_blocks, **slo) as cluster:
@@ -622,9 +669,11 @@ def main() -> None:
         costs = costs_from_profile(profile_json)
         overheads = probe(cluster, costs, cfg.vocab_size)
         overheads.update(contention(cluster, cfg.vocab_size))
-        overheads["host_other_busy"] = host_other_busy(overheads, os.cpu_count() or 1)
-        burst_runs, burst_off_engine = bursts(cluster, items, cfg.vocab_size)
+        overheads["host_other_busy"] = host_other_busy(overheads, cores)
+        burst_runs, burst_off_engine, burst_engine = bursts(cluster, items, cfg.vocab_size)
         overheads.update(decode_in_bursts(burst_runs, costs))
+        overheads.update(engine_in_bursts(burst_engine, burst_runs, costs, cores, overheads["host_other_busy"],
+                                          args.prefill))
         if burst_off_engine:
             overheads["off_engine_s_bursts"] = max(0.0, float(np.median(burst_off_engine)))
         overheads["decode_join_stall_s"] = min(overheads.get("decode_join_stall_s", 0.0), overheads["decode_join_s"])
@@ -635,7 +684,8 @@ def main() -> None:
     if args.token_times:
         args.token_times.write_text(json.dumps({
             "replay": real, "overheads": overheads, "profile_json": profile_json,
-            "bursts": [(start, n, times.tolist()) for start, n, times in burst_runs]}) + "\n")
+            "bursts": [(start, n, times.tolist()) for start, n, times in burst_runs],
+            "burst_engine": burst_engine}) + "\n")
     window = replay_window(items, real, costs)
     window.setdefault("decode_join_s", overheads["decode_join_s"])  # the pairs' where no request decoded 3 tokens
     window["decode_join_stall_s"] = min(window.get("decode_join_stall_s", 0.0), window["decode_join_s"])
@@ -661,7 +711,9 @@ def main() -> None:
     # minutes before, was no closer than exact steps over nine recorded runs, docs/benchmarks/sim.md; the window's is
     # read in the replay's minutes), its requests arriving as they reached the gateway; beside it the same with
     # exact steps, in the trace's order, and the probe-calibrated reading of before (exact steps, trace order)
-    profile_inputs = from_profile(costs, overheads, os.cpu_count() or 1)
+    profile_inputs = from_profile(costs, overheads, cores)
+    pairs_engine = {k: v for k, v in overheads.items() if not k.startswith("engine_") or not k.endswith("_bursts")}
+    no_contention = {**overheads, **engine_in_bursts(burst_engine, burst_runs, costs, cores, 0.0, args.prefill)}
     readings = {"": compare(window, arrivals),
                 "_exact_steps": compare({**window, "decode_step_spread": ()}, arrivals),
                 "_window_trace_order": compare(window, None),
@@ -670,7 +722,8 @@ def main() -> None:
                 "_profile_decided": compare(profile_inputs, arrivals),
                 "_profile_no_sharing": compare({**profile_inputs, "host_cores": None, "host_other_busy": 0.0},
                                                None),
-                "_profile_no_contention": compare(from_profile(costs, overheads, os.cpu_count() or 1, 0.0), None)}
+                "_profile_no_contention": compare(from_profile(costs, no_contention, cores, 0.0), None),
+                "_profile_pairs_engine": compare(from_profile(costs, pairs_engine, cores), None)}
     sim_figures, sim = readings[""]
     results = {
         "requests": len(items), "completed_real": len(done), "completed_sim": sim.summary["completed"],

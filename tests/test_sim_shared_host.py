@@ -104,6 +104,33 @@ def test_the_profile_reading_takes_the_pairs_engine_and_the_host_cores():
     assert bench.engine_in_pairs(reported[:3], SLOW_LINK) == {}  # too few to read
 
 
+def test_the_contention_probe_reads_the_host_other_processes_and_the_profile_divides_them_out():
+    """By hand, two cores. A prefill took 1 s alone, 1.5 s beside another, 2 s beside another and a decode batch:
+    with one other runnable process of the host's, one alone is two busy (full speed), two prefills three (2/3:
+    1.5x), with the decode four (1/2: 2x), so the probe reads one other exactly; no slowdown at all reads none.
+    The profile reading with two others (profile 1 s + 1 ms per token; pairs' engine 1 s + 2x the profile, run two
+    prefills and two others on two cores: half speed): the engine alone is half that, 0.5 s + 1x the profile (1.5 s
+    + 1 ms per token); the decode instance alone ran beside the two others at 2/3 speed, so its step scale 1.5
+    reads 1.0, its join 30 ms 20 ms; with no others (the sixth pass's reading) all as probed."""
+    from test_accounting import _sim_to_real
+
+    bench = _sim_to_real()
+    read = {"contention_compute_s_alone": 1.0, "contention_compute_s_pair": 1.5,
+            "contention_compute_s_beside_decode": 2.0}
+    assert bench.host_other_busy(read, 2) == pytest.approx(1.0)
+    assert bench.host_other_busy({**read, "contention_compute_s_pair": 1.0,
+                                  "contention_compute_s_beside_decode": 1.0}, 2) == 0.0
+    assert bench.host_other_busy({}, 2) == 0.0  # nothing measured
+    probed = {"engine_scale": 2.0, "engine_fixed_s": 1.0, "prefill_scale": 7.0, "decode_scale": 1.5,
+              "decode_join_s": 0.03, "host_other_busy": 2.0}
+    inputs = bench.from_profile(SLOW_LINK, probed, 2)
+    assert inputs["prefill_coef"] == pytest.approx([1.5, 0.001, 0.0, 0.0])
+    assert (inputs["decode_scale"], inputs["decode_join_s"]) == (pytest.approx(1.0), pytest.approx(0.02))
+    assert inputs["host_other_busy"] == 2.0
+    alone = bench.from_profile(SLOW_LINK, probed, 2, others=0.0)
+    assert alone["prefill_coef"] == pytest.approx([3.0, 0.002, 0.0, 0.0]) and alone["decode_scale"] == 1.5
+
+
 def test_the_cores_are_shared_by_weight_each_process_at_most_one():
     """By hand: two cores, two prefills and a decode busy. Equal weights: each gets 2/3 of a core. A prefill weighing
     a third of a decode (nice +5): the decode's share, 2 * 1 / (1 + 2/3) = 1.2 cores, is more than the one it can
