@@ -3,6 +3,7 @@ service time stretched by (busy instances / cores) while more are busy than ther
 costs of ``test_accounting``: prefill 1 s + 1 ms per token (a 1,000-token prompt: 2 s alone), decode step 10 ms,
 a 1,000-token KV pushed in 1 s."""
 
+import numpy as np
 import pytest
 
 from mooncake_jax.conductor.accounting import REAL_INSTANCES
@@ -129,6 +130,27 @@ def test_the_contention_probe_reads_the_host_other_processes_and_the_profile_div
     assert inputs["host_other_busy"] == 2.0
     alone = bench.from_profile(SLOW_LINK, probed, 2, others=0.0)
     assert alone["prefill_coef"] == pytest.approx([3.0, 0.002, 0.0, 0.0]) and alone["decode_scale"] == 1.5
+
+
+def test_the_bursts_engine_is_read_with_the_sharing_divided_out():
+    """By hand (profile 1 s + 1 ms per token, two cores): A (1,000 tokens, profile 2 s) computed 4 s alone, B (500,
+    1.5 s) 3.25 s alone; C and D (1,000 each) computed 6 s side by side while a decode batch was busy (a request
+    decoding 19-30 s): three busy on two cores, 2/3 of a core each, so 4 s of work. The work is 1 s + 1.5x the
+    profile for all four. With one other process of the host's, C and D had half a core (3 s of work), A and B a
+    whole one: the mean share 0.75."""
+    from test_accounting import _sim_to_real
+
+    bench = _sim_to_real()
+    engine = [(1000, 0, 0.0, 4.0), (500, 0, 10.0, 3.25), (1000, 0, 20.0, 6.0), (1000, 0, 20.0, 6.0)]
+    runs = [(19.0, 32, np.array([19.0, 25.0, 30.0]))]
+    read = bench.engine_in_bursts(engine, runs, SLOW_LINK, 2, 0.0)
+    assert (read["engine_fixed_s_bursts"], read["engine_scale_bursts"]) == (pytest.approx(1.0), pytest.approx(1.5))
+    assert read["engine_bursts_requests"] == 4
+    assert bench.engine_in_bursts(engine, runs, SLOW_LINK, 2, 1.0)["engine_bursts_share"] == pytest.approx(0.75)
+    assert bench.engine_in_bursts(engine[:3], runs, SLOW_LINK, 2, 0.0) == {}  # too few to read
+    probed = {"engine_scale": 9.0, "engine_fixed_s": 9.0, "prefill_scale": 9.0, "decode_scale": 1.0,
+              "decode_join_s": 0.01, **read}
+    assert bench.from_profile(SLOW_LINK, probed, 2)["prefill_coef"] == pytest.approx([2.5, 0.0015, 0.0, 0.0])
 
 
 def test_the_cores_are_shared_by_weight_each_process_at_most_one():
