@@ -27,10 +27,11 @@
    trace's; ``*_window_trace_order`` keeps the trace's order).
 6. Report TTFT and TBT p50 / p90 of both side by side with their relative errors (goal <= 25%).
 7. Beside it, the prediction from what was measured before the replay only (``from_profile``, ``*_profile``): the
-   start-up profile, the pairs' reported engine compute and decode join, the bursts' decode and time off the
-   engine, and the host's core count, its cores shared between the simulated instances (``SimConfig.host_cores``)
-   and the host's other runnable processes as a contention probe measured them (``contention``: a prefill alone,
-   two at once, two beside a decode batch; ``SimConfig.host_other_busy``).
+   start-up profile, the bursts' reported engine compute (``engine_in_bursts``), the pairs' decode join, the
+   bursts' decode, time to a decision and time off the engine, and the host's core count, its cores shared
+   between the simulated instances (``SimConfig.host_cores``) and the host's other runnable processes as a
+   contention probe measured them (``contention``: a prefill alone, two at once, two beside a decode batch;
+   ``SimConfig.host_other_busy``).
 
     python benchmarks/sim_to_real.py --json /tmp/sim_to_real.json
 """
@@ -247,7 +248,8 @@ def host_other_busy(read: dict, cores: int) -> float:
     return min(np.arange(0, 100 * max(0, cores - 1) + 1) / 100, key=lambda others: (miss(float(others)), others)).item()
 
 
-def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.ndarray]], list[float], list[tuple]]:
+def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.ndarray]], list[float], list[tuple],
+                                                     list[float]]:
     """The replay's regime, by fresh prompts (not the trace's) shaped like the slice's: a long request decodes while
     a burst of ``BURST`` requests arrives at once (prompt and output lengths drawn from the slice's decoding
     requests), as the trace's bursts do; so the decode batch reaches the sizes the replay reaches, the two prefill
@@ -261,7 +263,7 @@ def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.n
 
     rng = np.random.default_rng(24680)
     decoding = [it for it in items if it[2] > 1]
-    runs, off_engine, engine = [], [], []
+    runs, off_engine, engine, decided = [], [], [], []
     for _ in range(BURST_ROUNDS):
         started = threading.Event()
 
@@ -277,6 +279,7 @@ def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.n
                                       - item.prefill_compute_s)
                     engine.append((len(prompt), item.cached_tokens, start + item.decided_s + item.prefill_queue_s,
                                    item.prefill_compute_s))
+                    decided.append(item.decided_s)
             if signal is not None:
                 signal.set()
             return start, len(prompt), np.array(times)
@@ -288,7 +291,7 @@ def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.n
             futures += [pool.submit(run, rng.integers(0, vocab_size, len(prompt)).tolist(), max_tokens)
                         for _, prompt, max_tokens, _ in picks]
             runs += [f.result() for f in futures]
-    return runs, off_engine, engine
+    return runs, off_engine, engine, decided
 
 
 def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_instances: int = 2) -> dict:
@@ -557,7 +560,10 @@ def from_profile(costs, probed: dict, cores: int, others: float | None = None) -
 
     - the start-up profile (each instance's engine alone), its prefill times ``engine_scale`` plus ``engine_fixed_s``
       per request, both from the pairs' reported engine compute (``engine_in_pairs``);
-    - the time off the engine from the bursts' requests (``off_engine_s_bursts``; the pairs' where none): replayed
+    - the time off the engine from the bursts' requests (``off_engine_s_bursts``; the pairs' where none), and before
+      it their time to the Conductor's decision (``decided_s_bursts``: the simulated requests arrive at the trace's
+      times and the simulator's Conductor decides at once, where the gateway hashes the prompt's blocks and asks the
+      Conductor, 6-11 ms at the median on a quiet host, 100 ms in a loaded replay, ``s7_1``): replayed
       requests took 30-40 ms at every prompt and output length on the quiet host (``s5_seq_*``), pairs 15-27 ms in
       the sixth pass's less loaded runs and the bursts 37-54 ms: RPCs and copies in Python threads of every process
       on the same cores, for which a burst's requests queue;
@@ -586,7 +592,8 @@ def from_profile(costs, probed: dict, cores: int, others: float | None = None) -
     join = probed["decode_join_s"] * decoding_alone  # the pairs': no prefill beside (the bursts' ran 3 busy)
     return {"prefill_coef": [costs.prefill.coef[0] * scale + fixed] + [c * scale for c in costs.prefill.coef[1:]],
             "prefill_scale": scale, "request_overhead_s": 0.0,
-            "prefill_off_engine_s": probed.get("off_engine_s_bursts", probed.get("off_engine_s", 0.0)),
+            "prefill_off_engine_s": probed.get("off_engine_s_bursts", probed.get("off_engine_s", 0.0))
+            + probed.get("decided_s_bursts", 0.0),
             "decode_scale": probed["decode_scale"] * decoding_alone,
             "decode_token_delivery_s": probed.get("decode_token_delivery_s", 0.0) * decoding_alone,
             "decode_join_s": join, "decode_join_stall_s": min(probed.get("decode_join_stall_s", 0.0), join),
@@ -621,7 +628,8 @@ def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: f
                       decode_step_spread=tuple(overheads.get("decode_step_spread", ())),
                       host_cores=overheads.get("host_cores"),
                       host_prefill_weight=overheads.get("host_prefill_weight", 1.0),
-                      host_other_busy=overheads.get("host_other_busy", 0.0), **slo)
+                      host_other_busy=overheads.get("host_other_busy", 0.0) if overheads.get("host_cores") else 0.0,
+                      **slo)
     by_item = [None] * len(items)
     for req, i in zip(result.requests, order):
         by_item[i] = req
@@ -670,12 +678,13 @@ def main() -> None:
         overheads = probe(cluster, costs, cfg.vocab_size)
         overheads.update(contention(cluster, cfg.vocab_size))
         overheads["host_other_busy"] = host_other_busy(overheads, cores)
-        burst_runs, burst_off_engine, burst_engine = bursts(cluster, items, cfg.vocab_size)
+        burst_runs, burst_off_engine, burst_engine, burst_decided = bursts(cluster, items, cfg.vocab_size)
         overheads.update(decode_in_bursts(burst_runs, costs))
         overheads.update(engine_in_bursts(burst_engine, burst_runs, costs, cores, overheads["host_other_busy"],
                                           args.prefill))
         if burst_off_engine:
             overheads["off_engine_s_bursts"] = max(0.0, float(np.median(burst_off_engine)))
+            overheads["decided_s_bursts"] = float(np.median(burst_decided))
         overheads["decode_join_stall_s"] = min(overheads.get("decode_join_stall_s", 0.0), overheads["decode_join_s"])
         print(f"profile: {costs.name}; probed overheads {overheads}", flush=True)
         t_replay = time.perf_counter()

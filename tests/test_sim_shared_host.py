@@ -98,6 +98,8 @@ def test_the_profile_reading_takes_the_pairs_engine_and_the_host_cores():
     inputs = bench.from_profile(SLOW_LINK, probed, 2)
     assert inputs["prefill_coef"] == pytest.approx([3.0, 0.002, 0.0, 0.0])
     assert inputs["prefill_off_engine_s"] == pytest.approx(0.04)  # the bursts' where read
+    decided = bench.from_profile(SLOW_LINK, {**probed, "decided_s_bursts": 0.01}, 2)
+    assert decided["prefill_off_engine_s"] == pytest.approx(0.05)  # and their time to the decision before it
     pairs_only = {k: v for k, v in probed.items() if k != "off_engine_s_bursts"}
     assert bench.from_profile(SLOW_LINK, pairs_only, 2)["prefill_off_engine_s"] == pytest.approx(0.3)  # else the pairs'
     assert inputs["decode_join_s"] == inputs["decode_join_stall_s"] == pytest.approx(0.01)  # stall <= join
