@@ -302,10 +302,13 @@ def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_ins
     computing then (every burst request's reported compute interval, at most ``prefill_instances``) and whether the
     decode batch was busy (some request between its first and last token); then ``work = engine_fixed +
     engine_scale * profile`` (least squares in relative error; the ratio of the sums where that line is not
-    increasing or has a negative intercept). Why: the pairs' engine (``engine_in_pairs``: two prefills, no decode
-    batch) ran 1.5-2x faster than the replay's at every prompt length in the sixth pass's runs, where sharing the
-    cores between the instances stretches it at most 1.5x; what else a burst costs the engine (streaming its
-    tokens to the clients in Python threads on the same cores) is then in this reading, as it is in the replay."""
+    increasing or has a negative intercept). Why: the replays' engine ran 1.8-3x what the pairs' line
+    (``engine_in_pairs``: two prefills, no decode batch) predicted at every prompt length in the sixth pass's runs
+    ``s6_5``-``s6_7``, where sharing the cores between the instances stretches it at most 1.5x; what else a burst
+    costs the engine (streaming its tokens to the clients in Python threads on the same cores) is then in this
+    reading, as it is in the replay. (Seventh pass: the bursts' median ratio to the profile came within 2-21% of
+    the replay's in four runs of six, their longest prompts 1.6-4.6x faster than the replay's,
+    ``docs/benchmarks/sim.md``.)"""
     if len(engine) < 4:
         return {}
     prefilling = [(begin, begin + compute) for _, _, begin, compute in engine]
