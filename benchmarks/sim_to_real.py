@@ -27,8 +27,11 @@
    trace's; ``*_window_trace_order`` keeps the trace's order).
 6. Report TTFT and TBT p50 / p90 of both side by side with their relative errors (goal <= 25%).
 7. Beside it, the prediction from what was measured before the replay only (``from_profile``, ``*_profile``): the
-   start-up profile, the pairs' reported engine compute and decode join, the bursts' decode and time off the
-   engine, and the host's core count, its cores shared between the simulated instances (``SimConfig.host_cores``).
+   start-up profile, the bursts' reported engine compute (``engine_in_bursts``), the pairs' decode join, the
+   bursts' decode, time to a decision and time off the engine, and the host's core count, its cores shared
+   between the simulated instances (``SimConfig.host_cores``) and the host's other runnable processes as a
+   contention probe measured them (``contention``: a prefill alone, two at once, two beside a decode batch;
+   ``SimConfig.host_other_busy``).
 
     python benchmarks/sim_to_real.py --json /tmp/sim_to_real.json
 """
@@ -56,10 +59,11 @@ from mooncake_jax.conductor.profile import costs_from_profile  # noqa: E402
 from mooncake_jax.slo import tbt_of_times  # noqa: E402
 
 from mooncake_jax.demo import ENGINE_BLOCK  # noqa: E402
-from mooncake_jax.instance.cluster import PREFILL_NICENESS  # noqa: E402
-from mooncake_jax.sim.host import cfs_weight  # noqa: E402
+from mooncake_jax.sim.host import shared_rates  # noqa: E402
 PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 512, 1024), 16, 3
 BURST, BURST_ROUNDS, BURST_LONG_TOKENS, SPREAD_QUANTILES = 8, 6, 200, 20
+CONTENTION_TOKENS, CONTENTION_ROUNDS = 512, 5
+SHARE_SAMPLES = 40  # points per reported compute interval at which engine_in_bursts reads the host's sharing
 SLICE_S = 12.0  # the replay's slices over which the prefill's speed is read again (four of the trace's bursts)
 
 
@@ -176,19 +180,90 @@ def engine_in_pairs(reported, costs) -> dict:
             "engine_probe_requests": len(reported)}
 
 
-def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.ndarray]], list[float]]:
+def contention(cluster, vocab_size: int, rounds: int = CONTENTION_ROUNDS) -> dict:
+    """How the prefill engine slows as more of the cluster's processes run at once on this host, before the replay:
+    fresh ``CONTENTION_TOKENS``-token prompts (no cached prefix, one output token: no decode), their engine compute
+    as their instances reported it, in three regimes per round: one alone, two at once (one per prefill instance),
+    and two at once while a long request decodes (both prefill instances and the decode instance busy, as in the
+    replay's bursts). Returns each regime's median compute (``contention_compute_s_{alone,pair,beside_decode}``);
+    ``host_other_busy`` reads the host's other load from their ratios.
+
+    Why: equal sharing of the host's cores between the instances alone (``SimConfig.host_cores``) slows a prefill
+    at most 1.5x beside another prefill and a decode batch on two cores; the replays' overlapping prefills ran
+    1.2-2x their lone ones, and decode steps beside one prefill 1.3-1.7x, where two busy on two cores is no
+    slowdown at all: the host's other work, and each process's threads off the engine, take cores too."""
+    from mooncake_jax.gateway.backend import Finished
+
+    rng = np.random.default_rng(13579)
+
+    def compute(max_tokens: int = 1, signal=None) -> float | None:
+        prompt = rng.integers(0, vocab_size, CONTENTION_TOKENS if signal is None else 32).tolist()
+        tokens, reported = 0, None
+        for item in cluster.stream(prompt, max_new_tokens=max_tokens):
+            if isinstance(item, Finished):
+                reported = item.prefill_compute_s
+            else:
+                tokens += 1
+                if signal is not None and tokens == 2:
+                    signal.set()
+        if signal is not None:
+            signal.set()
+        return reported
+
+    read = {"alone": [], "pair": [], "beside_decode": []}
+    with ThreadPoolExecutor(3) as pool:
+        for _ in range(rounds):
+            read["alone"].append(compute())
+            read["pair"] += list(pool.map(lambda _: compute(), range(2)))
+            decoding = threading.Event()
+            long = pool.submit(compute, BURST_LONG_TOKENS, decoding)
+            decoding.wait(60)
+            read["beside_decode"] += list(pool.map(lambda _: compute(), range(2)))
+            long.result()
+    return {f"contention_compute_s_{k}": float(np.median([t for t in v if t])) for k, v in read.items()
+            if any(v)}
+
+
+CONTENTION_REGIMES = {"pair": (2, 0), "beside_decode": (2, 1)}  # busy (prefills, decodes) beside the lone one's (1, 0)
+
+
+def host_other_busy(read: dict, cores: int) -> float:
+    """The host's other runnable processes (``SimConfig.host_other_busy``) under which the simulator's sharing
+    (``host.shared_rates``) slows a prefill as the contention probe measured: the number (0 to ``cores - 1``, in
+    hundredths) whose predicted slowdowns of two prefills, and of two beside a decode batch, over one alone are
+    nearest the measured ones (least squares in log). 0 where nothing was measured. Past ``cores - 1`` others the
+    lone prefill is slowed too and the predicted ratios fall again (four others on two cores: 1.2x and 1.4x), so
+    the smallest number that fits is the one in that range."""
+    alone = read.get("contention_compute_s_alone")
+    measured = {k: read[f"contention_compute_s_{k}"] / alone for k in CONTENTION_REGIMES
+                if alone and read.get(f"contention_compute_s_{k}")}
+    if not measured:
+        return 0.0
+
+    def miss(others: float) -> float:
+        lone = shared_rates(cores, 1, 0, 1.0, others)[0]
+        return sum((math.log(ratio) - math.log(lone / shared_rates(cores, *CONTENTION_REGIMES[k], 1.0, others)[0]))
+                   ** 2 for k, ratio in measured.items())
+
+    return min(np.arange(0, 100 * max(0, cores - 1) + 1) / 100, key=lambda others: (miss(float(others)), others)).item()
+
+
+def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.ndarray]], list[float], list[tuple],
+                                                     list[float]]:
     """The replay's regime, by fresh prompts (not the trace's) shaped like the slice's: a long request decodes while
     a burst of ``BURST`` requests arrives at once (prompt and output lengths drawn from the slice's decoding
     requests), as the trace's bursts do; so the decode batch reaches the sizes the replay reaches, the two prefill
     instances compute side by side and beside it on the same cores, and the burst's requests join it one after
     another. ``BURST_ROUNDS`` rounds; per request (submitted, prompt tokens, token times), one clock; and each
     request's time off its prefill engine (TTFT less the decision, queue and compute its instance reported: the
-    burst's RPCs, staging and pushes contend on the same cores as the replay's do)."""
+    burst's RPCs, staging and pushes contend on the same cores as the replay's do); and each request's engine
+    compute as its instance reported it (prompt tokens, cached tokens, when its compute started on the runs' clock
+    (submission, decision and queue), compute seconds: ``engine_in_bursts``)."""
     from mooncake_jax.gateway.backend import Finished, TokenOut
 
     rng = np.random.default_rng(24680)
     decoding = [it for it in items if it[2] > 1]
-    runs, off_engine = [], []
+    runs, off_engine, engine, decided = [], [], [], []
     for _ in range(BURST_ROUNDS):
         started = threading.Event()
 
@@ -202,6 +277,9 @@ def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.n
                 elif isinstance(item, Finished) and times:
                     off_engine.append(times[0] - start - item.decided_s - item.prefill_queue_s
                                       - item.prefill_compute_s)
+                    engine.append((len(prompt), item.cached_tokens, start + item.decided_s + item.prefill_queue_s,
+                                   item.prefill_compute_s))
+                    decided.append(item.decided_s)
             if signal is not None:
                 signal.set()
             return start, len(prompt), np.array(times)
@@ -213,7 +291,47 @@ def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.n
             futures += [pool.submit(run, rng.integers(0, vocab_size, len(prompt)).tolist(), max_tokens)
                         for _, prompt, max_tokens, _ in picks]
             runs += [f.result() for f in futures]
-    return runs, off_engine
+    return runs, off_engine, engine, decided
+
+
+def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_instances: int = 2) -> dict:
+    """The prefill engine's speed alone, read from the bursts' reported compute (``bursts``: the replay's regime,
+    two prefills beside a decode batch streaming tokens to many clients) with the sharing the simulator would have
+    given them divided out: each request's compute is re-timed as the work the simulator's host
+    (``host.shared_rates`` with ``cores`` and ``others``) would have done over that interval, given the prefills
+    computing then (every burst request's reported compute interval, at most ``prefill_instances``) and whether the
+    decode batch was busy (some request between its first and last token); then ``work = engine_fixed +
+    engine_scale * profile`` (least squares in relative error; the ratio of the sums where that line is not
+    increasing or has a negative intercept). Why: the replays' engine ran 1.8-3x what the pairs' line
+    (``engine_in_pairs``: two prefills, no decode batch) predicted at every prompt length in the sixth pass's runs
+    ``s6_5``-``s6_7``, where sharing the cores between the instances stretches it at most 1.5x; what else a burst
+    costs the engine (streaming its tokens to the clients in Python threads on the same cores) is then in this
+    reading, as it is in the replay. (Seventh pass: the bursts' median ratio to the profile came within 2-21% of
+    the replay's in four runs of six, their longest prompts 1.6-4.6x faster than the replay's,
+    ``docs/benchmarks/sim.md``.)"""
+    if len(engine) < 4:
+        return {}
+    prefilling = [(begin, begin + compute) for _, _, begin, compute in engine]
+    decoding = [(times[0], times[-1]) for _, _, times in runs if len(times) > 1]
+    points = []
+    for n, cached, begin, compute in engine:
+        if compute <= 0:
+            continue
+        rates = []
+        for t in begin + compute * (np.arange(SHARE_SAMPLES) + 0.5) / SHARE_SAMPLES:
+            busy = min(prefill_instances, max(1, sum(a <= t < b for a, b in prefilling)))
+            rates.append(shared_rates(cores, busy, int(any(a <= t < b for a, b in decoding)), 1.0, others)[0])
+        points.append((prefill_work_s(costs.prefill, n, reused_tokens(n, cached)), compute * float(np.mean(rates)),
+                       float(np.mean(rates))))
+    if len(points) < 4:
+        return {}
+    p = np.array(points)
+    scale, fixed = float(p[:, 1].sum() / p[:, 0].sum()), 0.0
+    (f, k), *_ = np.linalg.lstsq(np.stack([1 / p[:, 1], p[:, 0] / p[:, 1]], 1), np.ones(len(p)), rcond=None)
+    if k > 0 and f >= 0:
+        fixed, scale = float(f), float(k)
+    return {"engine_scale_bursts": scale, "engine_fixed_s_bursts": fixed, "engine_bursts_requests": len(p),
+            "engine_bursts_share": float(p[:, 2].mean())}
 
 
 def decode_in_bursts(runs, costs) -> dict:
@@ -440,12 +558,15 @@ def profiled_costs(costs, overheads: dict):
                                                  + (0.0, overheads.get("decode_token_delivery_s", 0.0), 0.0))))
 
 
-def from_profile(costs, probed: dict, cores: int) -> dict:
+def from_profile(costs, probed: dict, cores: int, others: float | None = None) -> dict:
     """The simulator's inputs from what was measured before the replay only:
 
     - the start-up profile (each instance's engine alone), its prefill times ``engine_scale`` plus ``engine_fixed_s``
       per request, both from the pairs' reported engine compute (``engine_in_pairs``);
-    - the time off the engine from the bursts' requests (``off_engine_s_bursts``; the pairs' where none): replayed
+    - the time off the engine from the bursts' requests (``off_engine_s_bursts``; the pairs' where none), and before
+      it their time to the Conductor's decision (``decided_s_bursts``: the simulated requests arrive at the trace's
+      times and the simulator's Conductor decides at once, where the gateway hashes the prompt's blocks and asks the
+      Conductor, 6-11 ms at the median on a quiet host, 100 ms in a loaded replay, ``s7_1``): replayed
       requests took 30-40 ms at every prompt and output length on the quiet host (``s5_seq_*``), pairs 15-27 ms in
       the sixth pass's less loaded runs and the bursts 37-54 ms: RPCs and copies in Python threads of every process
       on the same cores, for which a burst's requests queue;
@@ -454,23 +575,33 @@ def from_profile(costs, probed: dict, cores: int) -> dict:
       step scale and per-request delivery from the gaps with no prefill beside them, the stall at a join, the spread);
     - the host's core count, over which the simulator shares the cores between its busy instances
       (``SimConfig.host_cores``) in place of the bursts' measured decode slowdown beside a prefill, every busy
-      process weighing the same. (``_profile_weighted`` beside it gives each prefill what its lower priority,
-      ``PREFILL_NICENESS``, gives it in Linux's weights, ~0.33, a process at most one core: that kept the decode at
-      full speed beside two prefills where the replays' steps ran 1.3-1.7x slower beside one; XLA runs each process
-      on a thread pool the size of the host, so a process is not one core's demand. Its TBT came out further in
-      most runs, ``docs/benchmarks/sim.md``.)
+      process weighing the same. (The sixth pass's ``_profile_weighted``, each prefill at its lower priority's
+      Linux weight, ~0.33, kept the decode at full speed beside two prefills where the replays' steps ran 1.3-1.7x
+      slower beside one; its TBT came out further in most runs, ``docs/benchmarks/sim.md``: dropped.)
+    - the host's other runnable processes (``host_other_busy``, from the contention probe: ``contention``), which
+      take their share of the cores beside the instances (``SimConfig.host_other_busy``); every reading above is
+      then divided by the speed the simulator gives its regime under them (the pairs' engine: two prefills busy;
+      the decode step, delivery and join: the decode instance alone), so the simulator's sharing is not counted
+      twice (``others=0``: as before).
 
     Nothing here is read from the replay."""
-    scale, fixed = probed.get("engine_scale", probed["prefill_scale"]), probed.get("engine_fixed_s", 0.0)
-    join = probed["decode_join_s"]  # the pairs': taken in with no prefill beside (the bursts' ran 3 busy on 2 cores)
+    others = probed.get("host_other_busy", 0.0) if others is None else others
+    in_pairs = shared_rates(cores, 2, 0, 1.0, others)[0]  # the pairs' engine ran at this share of a core
+    decoding_alone = shared_rates(cores, 0, 1, 1.0, others)[1]
+    scale = probed.get("engine_scale", probed["prefill_scale"]) * in_pairs
+    fixed = probed.get("engine_fixed_s", 0.0) * in_pairs
+    if "engine_scale_bursts" in probed:  # the bursts' engine, read with these others' sharing divided out
+        scale, fixed = probed["engine_scale_bursts"], probed["engine_fixed_s_bursts"]
+    join = probed["decode_join_s"] * decoding_alone  # the pairs': no prefill beside (the bursts' ran 3 busy)
     return {"prefill_coef": [costs.prefill.coef[0] * scale + fixed] + [c * scale for c in costs.prefill.coef[1:]],
             "prefill_scale": scale, "request_overhead_s": 0.0,
-            "prefill_off_engine_s": probed.get("off_engine_s_bursts", probed.get("off_engine_s", 0.0)),
-            "decode_scale": probed["decode_scale"],
-            "decode_token_delivery_s": probed.get("decode_token_delivery_s", 0.0),
+            "prefill_off_engine_s": probed.get("off_engine_s_bursts", probed.get("off_engine_s", 0.0))
+            + probed.get("decided_s_bursts", 0.0),
+            "decode_scale": probed["decode_scale"] * decoding_alone,
+            "decode_token_delivery_s": probed.get("decode_token_delivery_s", 0.0) * decoding_alone,
             "decode_join_s": join, "decode_join_stall_s": min(probed.get("decode_join_stall_s", 0.0), join),
             "shared_host_decode_slowdown": 1.0, "decode_step_spread": list(probed.get("decode_step_spread", ())),
-            "host_cores": cores, "host_prefill_weight": 1.0}
+            "host_cores": cores, "host_prefill_weight": 1.0, "host_other_busy": others}
 
 
 def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: float, cache_tokens: int,
@@ -499,7 +630,9 @@ def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: f
                       shared_host_decode_slowdown=overheads.get("shared_host_decode_slowdown", 1.0),
                       decode_step_spread=tuple(overheads.get("decode_step_spread", ())),
                       host_cores=overheads.get("host_cores"),
-                      host_prefill_weight=overheads.get("host_prefill_weight", 1.0), **slo)
+                      host_prefill_weight=overheads.get("host_prefill_weight", 1.0),
+                      host_other_busy=overheads.get("host_other_busy", 0.0) if overheads.get("host_cores") else 0.0,
+                      **slo)
     by_item = [None] * len(items)
     for req, i in zip(result.requests, order):
         by_item[i] = req
@@ -538,6 +671,7 @@ def main() -> None:
     slo = {"ttft_slo_s": 30.0, "tbt_slo_s": 1.0}
     pool_blocks = 8192
     load_start = os.getloadavg()[0]
+    cores = os.cpu_count() or 1
     t_start = time.perf_counter()
     with Cluster.local("tiny", prefill=args.prefill, decode=args.decode, processes=not args.in_process,
                        admission="none", pool_dram_blocks=pool_blocks, **slo) as cluster:
@@ -545,10 +679,15 @@ def main() -> None:
         profile_json = getattr(first, "profile_json", None) or first.info["profile_json"]
         costs = costs_from_profile(profile_json)
         overheads = probe(cluster, costs, cfg.vocab_size)
-        burst_runs, burst_off_engine = bursts(cluster, items, cfg.vocab_size)
+        overheads.update(contention(cluster, cfg.vocab_size))
+        overheads["host_other_busy"] = host_other_busy(overheads, cores)
+        burst_runs, burst_off_engine, burst_engine, burst_decided = bursts(cluster, items, cfg.vocab_size)
         overheads.update(decode_in_bursts(burst_runs, costs))
+        overheads.update(engine_in_bursts(burst_engine, burst_runs, costs, cores, overheads["host_other_busy"],
+                                          args.prefill))
         if burst_off_engine:
             overheads["off_engine_s_bursts"] = max(0.0, float(np.median(burst_off_engine)))
+            overheads["decided_s_bursts"] = float(np.median(burst_decided))
         overheads["decode_join_stall_s"] = min(overheads.get("decode_join_stall_s", 0.0), overheads["decode_join_s"])
         print(f"profile: {costs.name}; probed overheads {overheads}", flush=True)
         t_replay = time.perf_counter()
@@ -557,7 +696,8 @@ def main() -> None:
     if args.token_times:
         args.token_times.write_text(json.dumps({
             "replay": real, "overheads": overheads, "profile_json": profile_json,
-            "bursts": [(start, n, times.tolist()) for start, n, times in burst_runs]}) + "\n")
+            "bursts": [(start, n, times.tolist()) for start, n, times in burst_runs],
+            "burst_engine": burst_engine}) + "\n")
     window = replay_window(items, real, costs)
     window.setdefault("decode_join_s", overheads["decode_join_s"])  # the pairs' where no request decoded 3 tokens
     window["decode_join_stall_s"] = min(window.get("decode_join_stall_s", 0.0), window["decode_join_s"])
@@ -583,16 +723,19 @@ def main() -> None:
     # minutes before, was no closer than exact steps over nine recorded runs, docs/benchmarks/sim.md; the window's is
     # read in the replay's minutes), its requests arriving as they reached the gateway; beside it the same with
     # exact steps, in the trace's order, and the probe-calibrated reading of before (exact steps, trace order)
-    profile_inputs = from_profile(costs, overheads, os.cpu_count() or 1)
+    profile_inputs = from_profile(costs, overheads, cores)
+    pairs_engine = {k: v for k, v in overheads.items() if not k.startswith("engine_") or not k.endswith("_bursts")}
+    no_contention = {**overheads, **engine_in_bursts(burst_engine, burst_runs, costs, cores, 0.0, args.prefill)}
     readings = {"": compare(window, arrivals),
                 "_exact_steps": compare({**window, "decode_step_spread": ()}, arrivals),
                 "_window_trace_order": compare(window, None),
                 "_probe": compare({**overheads, "decode_step_spread": ()}, None),
                 "_profile": compare(profile_inputs, None),
                 "_profile_decided": compare(profile_inputs, arrivals),
-                "_profile_no_sharing": compare({**profile_inputs, "host_cores": None}, None),
-                "_profile_weighted": compare({**profile_inputs,
-                                              "host_prefill_weight": cfs_weight(PREFILL_NICENESS)}, None)}
+                "_profile_no_sharing": compare({**profile_inputs, "host_cores": None, "host_other_busy": 0.0},
+                                               None),
+                "_profile_no_contention": compare(from_profile(costs, no_contention, cores, 0.0), None),
+                "_profile_pairs_engine": compare(from_profile(costs, pairs_engine, cores), None)}
     sim_figures, sim = readings[""]
     results = {
         "requests": len(items), "completed_real": len(done), "completed_sim": sim.summary["completed"],

@@ -3,10 +3,12 @@ service time stretched by (busy instances / cores) while more are busy than ther
 costs of ``test_accounting``: prefill 1 s + 1 ms per token (a 1,000-token prompt: 2 s alone), decode step 10 ms,
 a 1,000-token KV pushed in 1 s."""
 
+import numpy as np
 import pytest
 
 from mooncake_jax.conductor.accounting import REAL_INSTANCES
 from mooncake_jax.sim import SimConfig, simulate
+from mooncake_jax.sim.host import shared_rates
 from mooncake_jax.sim.trace import Trace, TraceRequest
 
 from test_accounting import SLOW_LINK
@@ -43,6 +45,29 @@ def test_a_decode_batch_counts_as_a_busy_process():
     assert sorted((b.ttft_s, c.ttft_s)) == [pytest.approx(4.0), pytest.approx(5.0)]
 
 
+def test_the_host_other_processes_take_their_share_of_the_cores():
+    """As above on two cores with one other runnable process of the host's (``host_other_busy=1``): A alone is two
+    busy on two cores (full speed) until B arrives at 1 s; then three share two cores, 2/3 speed each: A's last
+    second of work takes 1.5 s (ends at 2.5 s), by when B has done 1 s; alone again with the other, B's last second
+    ends at 3.5 s. With two others A runs at 2/3 from the start (2/3 s of work by 1 s), then at 1/2: its 4/3 s
+    left end at 1 + 8/3 s; B has done 4/3 s by then, its 2/3 s left at 2/3 speed end 1 s later."""
+    trace = Trace([TraceRequest(0.0, 1000, 1, (1, 2)), TraceRequest(1.0, 1000, 1, (3, 4))])
+    a, b = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, host_cores=2, host_other_busy=1).requests
+    assert (a.first_token_at, b.first_token_at) == (pytest.approx(2.5), pytest.approx(3.5))
+    a, b = simulate(trace, prefill=2, decode=1, hardware=SLOW_LINK, host_cores=2, host_other_busy=2.0).requests
+    assert (a.first_token_at, b.first_token_at) == (pytest.approx(1 + 8 / 3), pytest.approx(2 + 8 / 3))
+    assert shared_rates(2, 2, 1, others=1.0) == (pytest.approx(0.5), pytest.approx(0.5))
+    assert shared_rates(2, 1, 0, others=0.5) == (1.0, 1.0)  # 1.5 busy on 2 cores: no one slowed
+
+
+def test_host_other_busy_is_checked():
+    for bad in (-0.5, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="host_other_busy"):
+            SimConfig(host_cores=2, host_other_busy=bad)
+    with pytest.raises(ValueError, match="host_other_busy needs host_cores"):
+        SimConfig(host_other_busy=1.0)
+
+
 def test_host_cores_is_checked():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="host_cores"):
@@ -73,11 +98,61 @@ def test_the_profile_reading_takes_the_pairs_engine_and_the_host_cores():
     inputs = bench.from_profile(SLOW_LINK, probed, 2)
     assert inputs["prefill_coef"] == pytest.approx([3.0, 0.002, 0.0, 0.0])
     assert inputs["prefill_off_engine_s"] == pytest.approx(0.04)  # the bursts' where read
+    decided = bench.from_profile(SLOW_LINK, {**probed, "decided_s_bursts": 0.01}, 2)
+    assert decided["prefill_off_engine_s"] == pytest.approx(0.05)  # and their time to the decision before it
     pairs_only = {k: v for k, v in probed.items() if k != "off_engine_s_bursts"}
     assert bench.from_profile(SLOW_LINK, pairs_only, 2)["prefill_off_engine_s"] == pytest.approx(0.3)  # else the pairs'
     assert inputs["decode_join_s"] == inputs["decode_join_stall_s"] == pytest.approx(0.01)  # stall <= join
     assert inputs["shared_host_decode_slowdown"] == 1.0 and inputs["host_cores"] == 2
     assert bench.engine_in_pairs(reported[:3], SLOW_LINK) == {}  # too few to read
+
+
+def test_the_contention_probe_reads_the_host_other_processes_and_the_profile_divides_them_out():
+    """By hand, two cores. A prefill took 1 s alone, 1.5 s beside another, 2 s beside another and a decode batch:
+    with one other runnable process of the host's, one alone is two busy (full speed), two prefills three (2/3:
+    1.5x), with the decode four (1/2: 2x), so the probe reads one other exactly; no slowdown at all reads none.
+    The profile reading with two others (profile 1 s + 1 ms per token; pairs' engine 1 s + 2x the profile, run two
+    prefills and two others on two cores: half speed): the engine alone is half that, 0.5 s + 1x the profile (1.5 s
+    + 1 ms per token); the decode instance alone ran beside the two others at 2/3 speed, so its step scale 1.5
+    reads 1.0, its join 30 ms 20 ms; with no others (the sixth pass's reading) all as probed."""
+    from test_accounting import _sim_to_real
+
+    bench = _sim_to_real()
+    read = {"contention_compute_s_alone": 1.0, "contention_compute_s_pair": 1.5,
+            "contention_compute_s_beside_decode": 2.0}
+    assert bench.host_other_busy(read, 2) == pytest.approx(1.0)
+    assert bench.host_other_busy({**read, "contention_compute_s_pair": 1.0,
+                                  "contention_compute_s_beside_decode": 1.0}, 2) == 0.0
+    assert bench.host_other_busy({}, 2) == 0.0  # nothing measured
+    probed = {"engine_scale": 2.0, "engine_fixed_s": 1.0, "prefill_scale": 7.0, "decode_scale": 1.5,
+              "decode_join_s": 0.03, "host_other_busy": 2.0}
+    inputs = bench.from_profile(SLOW_LINK, probed, 2)
+    assert inputs["prefill_coef"] == pytest.approx([1.5, 0.001, 0.0, 0.0])
+    assert (inputs["decode_scale"], inputs["decode_join_s"]) == (pytest.approx(1.0), pytest.approx(0.02))
+    assert inputs["host_other_busy"] == 2.0
+    alone = bench.from_profile(SLOW_LINK, probed, 2, others=0.0)
+    assert alone["prefill_coef"] == pytest.approx([3.0, 0.002, 0.0, 0.0]) and alone["decode_scale"] == 1.5
+
+
+def test_the_bursts_engine_is_read_with_the_sharing_divided_out():
+    """By hand (profile 1 s + 1 ms per token, two cores): A (1,000 tokens, profile 2 s) computed 4 s alone, B (500,
+    1.5 s) 3.25 s alone; C and D (1,000 each) computed 6 s side by side while a decode batch was busy (a request
+    decoding 19-30 s): three busy on two cores, 2/3 of a core each, so 4 s of work. The work is 1 s + 1.5x the
+    profile for all four. With one other process of the host's, C and D had half a core (3 s of work), A and B a
+    whole one: the mean share 0.75."""
+    from test_accounting import _sim_to_real
+
+    bench = _sim_to_real()
+    engine = [(1000, 0, 0.0, 4.0), (500, 0, 10.0, 3.25), (1000, 0, 20.0, 6.0), (1000, 0, 20.0, 6.0)]
+    runs = [(19.0, 32, np.array([19.0, 25.0, 30.0]))]
+    read = bench.engine_in_bursts(engine, runs, SLOW_LINK, 2, 0.0)
+    assert (read["engine_fixed_s_bursts"], read["engine_scale_bursts"]) == (pytest.approx(1.0), pytest.approx(1.5))
+    assert read["engine_bursts_requests"] == 4
+    assert bench.engine_in_bursts(engine, runs, SLOW_LINK, 2, 1.0)["engine_bursts_share"] == pytest.approx(0.75)
+    assert bench.engine_in_bursts(engine[:3], runs, SLOW_LINK, 2, 0.0) == {}  # too few to read
+    probed = {"engine_scale": 9.0, "engine_fixed_s": 9.0, "prefill_scale": 9.0, "decode_scale": 1.0,
+              "decode_join_s": 0.01, **read}
+    assert bench.from_profile(SLOW_LINK, probed, 2)["prefill_coef"] == pytest.approx([2.5, 0.0015, 0.0, 0.0])
 
 
 def test_the_cores_are_shared_by_weight_each_process_at_most_one():

@@ -73,6 +73,11 @@ class SimConfig:
     while more are busy than there are cores): a running prefill's remaining work is re-timed at once, a decode
     batch's steps from its next boundary. Cost models are then read as each instance measured alone (``mooncake-jax
     profile``); with ``shared_host_decode_slowdown`` too, both factors apply (disaggregated clusters only).
+    ``host_other_busy``: runnable processes on that host besides the busy instances (a mean, any number >= 0; 0:
+    the cores are the instances' alone), each weighing as a decode process: the host's other load and the
+    instances' own threads off the engine, as a contention probe measures them (a prefill's slowdown as one, two
+    and three instances run at once; on a 2-core host shared with other work, two prefills and a decode batch ran
+    a prefill 1.2-2x slower than one alone, where the instances alone give at most 1.5x).
     """
 
     prefill: int = 8
@@ -106,6 +111,7 @@ class SimConfig:
     decode_step_spread: tuple[float, ...] = ()
     host_cores: int | None = None
     host_prefill_weight: float = 1.0
+    host_other_busy: float = 0.0
 
     def __post_init__(self):
         for name in ("prefill", "decode", "chunk_tokens", "prefill_batch_tokens"):
@@ -164,6 +170,11 @@ class SimConfig:
         if not (isinstance(self.host_prefill_weight, (int, float)) and math.isfinite(self.host_prefill_weight)
                 and self.host_prefill_weight > 0):
             raise ValueError(f"host_prefill_weight must be a positive number, got {self.host_prefill_weight!r}")
+        if not (isinstance(self.host_other_busy, (int, float)) and not isinstance(self.host_other_busy, bool)
+                and math.isfinite(self.host_other_busy) and self.host_other_busy >= 0):
+            raise ValueError(f"host_other_busy must be a non-negative number, got {self.host_other_busy!r}")
+        if self.host_other_busy and self.host_cores is None:
+            raise ValueError("host_other_busy needs host_cores (the host whose cores the other processes share)")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {list(EVICTIONS)}")
         for name in ("prefill_hardware", "decode_hardware"):

@@ -256,7 +256,8 @@ class DisaggregatedSim(ClusterSim):
             return 1.0
         prefills = sum(p.running is not None for p in self.prefill)
         decodes = sum(e is d or e.batch.batch > 0 for e in self.decode)
-        return 1.0 / shared_rates(cores, prefills, decodes, self.config.host_prefill_weight)[1]
+        return 1.0 / shared_rates(cores, prefills, decodes, self.config.host_prefill_weight,
+                                  self.config.host_other_busy)[1]
 
     def _host_load_changed(self) -> None:
         """Instances sharing one host. ``SimConfig.host_cores``: the busy instances (prefills computing, decode
@@ -277,7 +278,8 @@ class DisaggregatedSim(ClusterSim):
                 if cores is not None:
                     prefill_rate, decode_rate = shared_rates(
                         cores, sum(p.running is not None for p in self.prefill),
-                        sum(d.batch.batch > 0 for d in self.decode), self.config.host_prefill_weight)
+                        sum(d.batch.batch > 0 for d in self.decode), self.config.host_prefill_weight,
+                        self.config.host_other_busy)
                     stretch = 1.0 / decode_rate
                     for p in self.prefill:
                         if p.running is not None and p.rate != prefill_rate:

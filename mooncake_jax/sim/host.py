@@ -5,7 +5,10 @@ proportion to each process's weight (Linux CFS: ``1024 / 1.25 ** nice``), no pro
 while the busy processes' weighted shares all fit, each runs at its cost model's speed; once they do not, the
 heavier ones keep a whole core and the rest share what is left by weight. A local cluster runs its prefill processes
 at a lower priority than its decode processes (``instance/cluster.py``: ``PREFILL_NICENESS``), so beside a busy
-decode process two prefills share what it leaves of the cores.
+decode process two prefills share what it leaves of the cores. ``others`` (``SimConfig.host_other_busy``): runnable
+processes besides the instances (the host's other load, the instances' own helper threads), each weighing as a
+decode process and taking its share of the cores like one, measured by how a prefill slows as more of the
+instances run at once (``benchmarks/sim_to_real.py`` ``contention``).
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ def cfs_weight(niceness: int) -> float:
     return 1.25 ** -niceness
 
 
-def shared_rates(cores: int, prefills: int, decodes: int, prefill_weight: float = 1.0) -> tuple[float, float]:
+def shared_rates(cores: int, prefills: int, decodes: int, prefill_weight: float = 1.0,
+                 others: float = 0.0) -> tuple[float, float]:
     """(speed of each busy prefill process, speed of each busy decode process), as fractions of a whole core (1:
-    its cost model's speed), with ``prefills`` and ``decodes`` busy on ``cores`` cores, a prefill weighing
-    ``prefill_weight`` against a decode's 1."""
-    groups = [[prefills, prefill_weight, 1.0], [decodes, 1.0, 1.0]]  # count, weight, rate
+    its cost model's speed), with ``prefills`` and ``decodes`` busy on ``cores`` cores beside ``others`` runnable
+    processes of the host's (any non-negative number: a mean), a prefill weighing ``prefill_weight`` against a
+    decode's or another process's 1."""
+    groups = [[prefills, prefill_weight, 1.0], [decodes, 1.0, 1.0], [others, 1.0, 1.0]]  # count, weight, rate
     left, active = float(cores), [g for g in groups if g[0] > 0]
     while active:
         total = sum(n * w for n, w, _ in active)
