@@ -69,7 +69,8 @@ def test_layerwise_equals_serialized_equals_plain(model, ref, mode, tensor, stag
         prefix = pool_prefix(pool, seq, 16)  # caller side: the prompt's leading blocks from the pool
         assert (0 if prefix is None else len(prefix)) == reused
         logits, new_blocks = offload.prefill(seq, prefix)
-        assert isinstance(new_blocks, np.ndarray) and new_blocks.shape == (len(keys) - reused,) + model.cfg.block_shape()
+        assert isinstance(new_blocks, np.ndarray)
+        assert new_blocks.shape == (len(keys) - reused,) + model.cfg.block_shape()
         pool.put_many(keys[reused:], new_blocks)
         want_logits, want_first, want_blocks = plain(model, prompt)
         assert seq.cached_tokens == reused * 16

@@ -18,7 +18,6 @@ Host side (plain classes, tested without an accelerator):
 from __future__ import annotations
 
 import functools
-
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 

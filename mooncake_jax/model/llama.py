@@ -19,7 +19,6 @@ so that a single-device engine (one stage of all layers), pipeline stages and la
 from __future__ import annotations
 
 import functools
-
 import math
 
 import jax

@@ -251,13 +251,16 @@ class DisaggregatedSim(ClusterSim):
         the decode instance is busy taking the request in, so it counts with the prefills computing and the other
         decode instances decoding, as the host's load is when the join is booked (its KV's push, at the prefill's
         end; the part that stalls the batch, ``decode_join_stall_s``, is not stretched)."""
-        cores = self.config.host_cores
-        if cores is None:
+        if self.config.host_cores is None:
             return 1.0
-        prefills = sum(p.running is not None for p in self.prefill)
-        decodes = sum(e is d or e.batch.batch > 0 for e in self.decode)
-        return 1.0 / shared_rates(cores, prefills, decodes, self.config.host_prefill_weight,
-                                  self.config.host_other_busy)[1]
+        return 1.0 / self._host_rates(sum(e is d or e.batch.batch > 0 for e in self.decode))[1]
+
+    def _host_rates(self, decodes: int) -> tuple[float, float]:
+        """``host.shared_rates`` on the configured host (``SimConfig.host_cores`` set) with the prefills computing
+        now and ``decodes`` decode instances busy: (each prefill's speed, each decode's speed)."""
+        cfg = self.config
+        return shared_rates(cfg.host_cores, sum(p.running is not None for p in self.prefill), decodes,
+                            cfg.host_prefill_weight, cfg.host_other_busy)
 
     def _host_load_changed(self) -> None:
         """Instances sharing one host. ``SimConfig.host_cores``: the busy instances (prefills computing, decode
@@ -276,10 +279,7 @@ class DisaggregatedSim(ClusterSim):
                 now, prefilling = self.events.now, any(p.running is not None for p in self.prefill)
                 stretch = 1.0
                 if cores is not None:
-                    prefill_rate, decode_rate = shared_rates(
-                        cores, sum(p.running is not None for p in self.prefill),
-                        sum(d.batch.batch > 0 for d in self.decode), self.config.host_prefill_weight,
-                        self.config.host_other_busy)
+                    prefill_rate, decode_rate = self._host_rates(sum(d.batch.batch > 0 for d in self.decode))
                     stretch = 1.0 / decode_rate
                     for p in self.prefill:
                         if p.running is not None and p.rate != prefill_rate:
