@@ -30,6 +30,7 @@ from mooncake_jax.transfer.eviction import PolicyChoice, make_policy
 from mooncake_jax.transfer.frame import (DATA_OFFSET, VERSION, CorruptBlockError, StaleFormatError, check_digest,
                                          check_head, check_key, data_bytes, frame_bytes, record_bytes, verify)
 from mooncake_jax.transfer.host_memory import keep_freed_buffers
+from mooncake_jax.transfer.slots import message_of
 from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_tier
 
@@ -220,9 +221,9 @@ class BlockPool:
         if self._touch(key):
             check_digest(key, expected, checksum(data))
             return False
-        # verified while it is copied in: a record that fails leaves nothing behind
-        whole = record if type(record) is bytes else None  # exactly bytes: a subclass might be mutable
-        self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected, whole))
+        # verified while it is copied in (or hashed where it lies, if kept): a record that fails leaves nothing behind
+        whole = record if message_of(record) is not None else None  # in an immutable bytes: may be kept as it is
+        self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected, whole), whole)
         return True
 
     def remove(self, key: BlockKey) -> bool:
@@ -397,18 +398,22 @@ class BlockPool:
                 return True
         return False
 
-    def _insert(self, level: int, key: BlockKey, write: Callable[[Tier], None]) -> int:
-        """Store ``key`` by ``write(tier)`` in tier ``level`` (or, if every block there is pinned, a lower one);
-        returns the level."""
+    def _insert(self, level: int, key: BlockKey, write: Callable[[Tier], None],
+                whole: bytes | memoryview | None = None) -> int:
+        """Store ``key`` by ``write(tier)`` in tier ``level`` (or, if every block there is pinned, a lower one),
+        evicting until it fits (``whole``: a received record the DRAM tier may keep with its message, which needs
+        the message's memory; evicting a record whose message still holds others frees none); returns the level."""
         tier = self._tiers[level]
         if key in tier:
             tier.accessed(key)
             return level
-        if tier.full and not self._evict_one(level):
+        while not tier.has_room(whole):
+            if self._evict_one(level):
+                continue
             if level + 1 < len(self._tiers):
                 return self._insert(level + 1, key, write)
             raise PoolFullError(
-                f"cannot store block {key:#018x}: all {tier.capacity_blocks} blocks of the {tier.name} tier are pinned"
+                f"cannot store block {key:#018x}: all {len(tier)} blocks of the {tier.name} tier left are pinned"
             )
         before = self.tier_of(key) if self._listeners else None
         write(tier)

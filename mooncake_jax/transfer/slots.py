@@ -22,15 +22,17 @@ whose pages are already mapped (fresh pages cost more than the copy). A bounded 
 capacity; a slot starts on a page boundary (on a cache line for records under 64 KiB, so small blocks do not waste
 most of a page each).
 
-A record received whole as one immutable ``bytes`` (a Messenger message holding one record: a 128-token block of
-the ``small`` preset) is kept as that buffer when no slot is free (``adopt_checked``): it is hashed where it lies,
-not copied, and sent on later as it is (``record`` returns the object, so the sender's ``bytes()`` is no copy
-either). That saves a copy of every such block at the receiver and at a later sender; the copy was about a quarter
-of the receiver's CPU per GB (pool benchmark, issue 15 seventh pass). Memory stays within the capacity: an adopted
-record counts against it as a slot does (slabs are only grown into what the adopted records leave), and a free
-slot, already paid for, is filled by a copy instead. Such a record is not in a TensorStore array (it is never
-written; its slot is dropped, not reused, when the block goes). A record joined with others in one message is a
-view into that message and is copied: keeping it would keep the whole message alive.
+A received record that lies in an immutable ``bytes`` (the Messenger's message, of one record or of several) is
+kept where it arrived when no slot is free (``adopt_checked``): hashed where it lies, not copied, and a record alone
+in its message is sent on later as it is (``record`` returns the object, so the sender's ``bytes()`` is no copy
+either). That saves the receiver's landing copy, about a quarter of its CPU per GB (issue 15, seventh and ninth
+passes). Memory stays within the capacity, counted in bytes: the slabs as allocated plus every kept message whole
+while any of its records is held (a message's memory goes only with its last record). A message needs room for all
+its bytes when its first record is kept and none for the others; ``has_room`` says whether the next record fits, and
+the pool evicts until it does (evicting a record whose message still holds others frees nothing). A free slot,
+already paid for, is filled by a copy instead, and a message that could not fit even beside the slabs alone is
+copied into a slot. The tier also holds at most its capacity in blocks. A kept record is not in a TensorStore
+array (it is never written; its slot is dropped, not reused, when the block goes).
 """
 
 from __future__ import annotations
@@ -61,16 +63,29 @@ def as_store(buffer: np.ndarray) -> ts.TensorStore:
 
 class _Slot:
     """One record's place in a slab: its memory as numpy (for hashing and views) and as TensorStore (for I/O); or a
-    received record kept as it arrived (``adopted``: the ``bytes`` object, ``memory`` a read-only view of it)."""
+    received record kept as it arrived (``adopted``: the record, a ``bytes`` or a view into its ``message``;
+    ``memory`` a read-only view of it)."""
 
-    __slots__ = ("memory", "record", "head", "data", "adopted")
+    __slots__ = ("memory", "record", "head", "data", "adopted", "message")
 
-    def __init__(self, memory: np.ndarray, store: ts.TensorStore | None, adopted: bytes | None = None) -> None:
+    def __init__(self, memory: np.ndarray, store: ts.TensorStore | None, adopted: bytes | memoryview | None = None,
+                 message: bytes | None = None) -> None:
         self.memory = memory
         self.record = store
         self.head = memoryview(memory[:DATA_OFFSET])  # the record head, written from bytes without numpy
         self.data = memory[DATA_OFFSET:]  # the block's bytes, viewed once (a put or get copies into or out of it)
         self.adopted = adopted
+        self.message = message
+
+
+def message_of(record: bytes | memoryview) -> bytes | None:
+    """The immutable ``bytes`` that ``record`` lies in (itself, or what a view views), or None: only such a buffer
+    can be kept as received (exactly ``bytes``: a subclass might be mutable)."""
+    if type(record) is bytes:
+        return record
+    if type(record) is memoryview and type(record.obj) is bytes:
+        return record.obj
+    return None
 
 
 class SlotStore:
@@ -82,8 +97,11 @@ class SlotStore:
         align = PAGE_BYTES if self.record_bytes >= 16 * PAGE_BYTES else CACHE_LINE_BYTES
         self._stride = -(-self.record_bytes // align) * align
         self._capacity = capacity_blocks
+        self._capacity_bytes = None if capacity_blocks is None else capacity_blocks * self._stride
         self._allocated = 0
-        self._adopted = 0  # records kept in the buffers they arrived in: they count against the capacity too
+        self._adopted = 0  # records kept in the buffers they arrived in
+        self._kept: dict[int, list] = {}  # id(message) -> [message, records of it held]: counted whole while held
+        self._kept_bytes = 0
         self._slabs: list[ts.TensorStore] = []
         self._free: list[_Slot] = []
         self._slot_of: dict[BlockKey, _Slot] = {}
@@ -92,8 +110,8 @@ class SlotStore:
     def _take_slot(self) -> _Slot:
         if not self._free:
             count = max(1, SLAB_BYTES // self._stride)
-            if self._capacity is not None:
-                count = min(count, self._capacity - self._allocated - self._adopted)
+            if self._capacity_bytes is not None:
+                count = min(count, (self._capacity_bytes - self.used_bytes) // self._stride)
             if count < 1:
                 raise RuntimeError("the DRAM tier has no free slot (the pool evicts before it writes)")
             memory = np.empty((count, self._stride), np.uint8)
@@ -132,13 +150,35 @@ class SlotStore:
         slot.memory[:DATA_OFFSET] = np.frombuffer(head, np.uint8)
 
     adopts_records = True
-    """``adopt_checked`` keeps a whole received record in its own buffer (see the module docstring)."""
+    """``adopt_checked`` keeps a received record where it arrived (see the module docstring)."""
 
-    def adopt_checked(self, key: BlockKey, record: bytes, expected: tuple[int, int]) -> None:
-        """Store a whole record (its head already checked) whose data must hash to ``expected``, keeping ``record``
-        itself when no slot is free (hashed where it lies, never copied), else copying it into a free slot as
-        ``put_checked`` does. CorruptBlockError, and nothing stored, if the hash differs."""
-        if self._free or self._slot_of.get(key) is not None:
+    @property
+    def used_bytes(self) -> int:
+        """Memory counted against the capacity: the slabs as allocated plus every kept message whole."""
+        return self._allocated * self._stride + self._kept_bytes
+
+    def _keeps(self, message: bytes) -> bool:
+        """Whether a record of ``message`` is kept rather than copied when no slot is free: unbounded, or the
+        message fits the capacity beside the slabs alone (else it could never fit: copied into a slot)."""
+        return self._capacity_bytes is None or self._allocated * self._stride + len(message) <= self._capacity_bytes
+
+    def has_room(self, record: bytes | memoryview | None = None) -> bool:
+        """Whether the next record fits without evicting: a free slot, or the memory a new one or ``record``'s
+        message (a received record that would be kept) needs; the pool evicts until this holds."""
+        if self._capacity_bytes is None or self._free:
+            return True
+        message = None if record is None else message_of(record)
+        if message is not None and self._keeps(message):
+            return id(message) in self._kept or self.used_bytes + len(message) <= self._capacity_bytes
+        return self.used_bytes + self._stride <= self._capacity_bytes
+
+    def adopt_checked(self, key: BlockKey, record: bytes | memoryview, expected: tuple[int, int]) -> None:
+        """Store a received record (its head already checked) whose data must hash to ``expected``, keeping it
+        where it lies when no slot is free and it lies in an immutable ``bytes`` (hashed there, never copied), else
+        copying it into a slot as ``put_checked`` does. CorruptBlockError, and nothing stored, if the hash
+        differs."""
+        message = message_of(record)
+        if self._free or message is None or self._slot_of.get(key) is not None or not self._keeps(message):
             self.put_checked(key, memoryview(record)[:DATA_OFFSET], np.frombuffer(record, np.uint8, offset=DATA_OFFSET),
                              expected)
             return
@@ -146,7 +186,13 @@ class SlotStore:
             raise ValueError(f"record of {len(record)} bytes, expected {self.record_bytes}")
         if checksum(memoryview(record)[DATA_OFFSET:]) != expected:
             raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
-        self._slot_of[key] = _Slot(np.frombuffer(record, np.uint8), None, record)
+        kept = self._kept.get(id(message))
+        if kept is None:
+            self._kept[id(message)] = [message, 1]
+            self._kept_bytes += len(message)
+        else:
+            kept[1] += 1
+        self._slot_of[key] = _Slot(np.frombuffer(record, np.uint8), None, record, message)
         self._adopted += 1
 
     def put(self, key: BlockKey, parts: Sequence[bytes | bytearray | memoryview | np.ndarray], owned: bool) -> None:
@@ -190,6 +236,11 @@ class SlotStore:
         slot = self._slot_of.pop(key, None)
         if slot is not None and slot.adopted is not None:
             self._adopted -= 1  # its buffer goes with the last reference (a sender may still hold it)
+            kept = self._kept[id(slot.message)]
+            kept[1] -= 1
+            if not kept[1]:  # the message's last record: its memory no longer counts
+                del self._kept[id(slot.message)]
+                self._kept_bytes -= len(slot.message)
         elif slot is not None:
             self._free.append(slot)
 
@@ -212,6 +263,8 @@ class SlotStore:
     def close(self) -> None:
         self._finish()
         self._slot_of.clear()
+        self._kept.clear()
+        self._kept_bytes = 0
         self._free.clear()
         self._slabs.clear()
 

@@ -55,6 +55,7 @@ class Tier:
         self.policy = policy
         self.counters = TierCounters()
         self.store = store
+        self._store_room = getattr(store, "has_room", None)
         self._present: set[BlockKey] = set()
         for key in present:
             self._present.add(key)
@@ -72,6 +73,13 @@ class Tier:
     @property
     def full(self) -> bool:
         return self.capacity_blocks is not None and len(self._present) >= self.capacity_blocks
+
+    def has_room(self, whole: bytes | memoryview | None = None) -> bool:
+        """Whether one more block fits without evicting: under the capacity in blocks and, for a store that counts
+        memory (DRAM, which may keep a received record ``whole`` as it arrived), in bytes."""
+        if self.full:
+            return False
+        return self._store_room is None or self._store_room(whole)
 
     def read_record(self, key: BlockKey) -> bytes | memoryview | None:
         """The stored record, or None when the store has lost it (unverified: the pool checks it). A DRAM record
@@ -109,10 +117,11 @@ class Tier:
         self._added(key)
 
     def write_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
-                      expected: tuple[int, int], whole: bytes | None = None) -> None:
+                      expected: tuple[int, int], whole: bytes | memoryview | None = None) -> None:
         """Store a record (its checked ``head`` and ``data``, flat uint8) whose data must hash to ``expected``;
-        CorruptBlockError, and nothing stored, if it does not. ``whole``: the record as one immutable ``bytes``
-        (head then data), which a store that adopts records (DRAM) may keep instead of copying it."""
+        CorruptBlockError, and nothing stored, if it does not. ``whole``: the record (head then data) lying in an
+        immutable ``bytes`` (itself, or a view of a received message), which a store that adopts records (DRAM)
+        may keep instead of copying it."""
         if whole is not None and getattr(self.store, "adopts_records", False):
             self.store.adopt_checked(key, whole, expected)
         else:
