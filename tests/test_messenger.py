@@ -614,11 +614,13 @@ def test_push_sends_one_record_a_message_to_a_peer_that_does_not_take_batches():
     assert received == [sender.get_record(key) for key in range(1, 7)]
 
 
-def test_a_block_sent_alone_in_its_message_is_stored_as_received_and_served_on(serve):
-    """A block too large to share a message (as a 128-token block of the ``small`` preset) arrives as one ``bytes``
-    holding its record: the receiving pool keeps that buffer (verified, not copied) and serves it on to a third pool
-    the same way, fetch and push, bit-exact."""
-    spec = BlockSpec((8, 2, 16, 16, 80), np.float32)  # 1.25 MiB: one record per message
+@pytest.mark.parametrize("shape", [(8, 2, 16, 16, 80), SPEC.shape], ids=["alone", "several"])
+def test_a_block_is_stored_as_received_and_served_on(serve, shape):
+    """A block too large to share a message (as a 128-token block of the ``small`` preset; "alone") arrives as one
+    ``bytes`` holding its record, small blocks ("several") as views into a message of several: the receiving pool
+    keeps that buffer (verified, not copied) and serves it on to a third pool the same way, fetch and push,
+    bit-exact (each record verified again as it is sent and received)."""
+    spec = BlockSpec(shape, np.float32)  # 1.25 MiB: one record per message; 16 KiB: several
     source, middle, last = filled_pool(range(3), spec), BlockPool(spec), BlockPool(spec)
     with MessengerClient(serve(source).address, middle) as middle_from_source:
         assert middle_from_source.fetch(range(3)).moved == [0, 1, 2]
@@ -626,6 +628,8 @@ def test_a_block_sent_alone_in_its_message_is_stored_as_received_and_served_on(s
         assert last_from_middle.fetch([0]).moved == [0]
     with MessengerClient(serve(last).address, middle) as middle_to_last:
         assert middle_to_last.push([1, 2]).moved == [1, 2]
-    for pool in (middle, last):
-        assert all(pool._tiers[0].store._slot_of[key].adopted is not None for key in range(3))
+    for pool, together in ((middle, (0, 1, 2)), (last, (1, 2))):  # last got 0 alone
+        slots = [pool._tiers[0].store._slot_of[key] for key in range(3)]
+        assert all(slot.adopted is not None for slot in slots)
+        assert all((len(slots[key].message) > pool.record_bytes) == (shape == SPEC.shape) for key in together)
         assert_exact(pool, range(3), spec)

@@ -857,3 +857,73 @@ def test_a_whole_received_record_is_kept_as_it_arrived_when_no_slot_is_free(tmp_
         pool.put_record(1, records[1])
         pool.put_record(2, records[2])  # block 1, adopted, is demoted to SSD
         assert pool.tier_of(1) == "ssd" and pool.tier_of(2) == "dram" and same_bits(pool.get(1), block_of(1))
+
+
+def message_of_records(keys, spec: BlockSpec = SPEC) -> tuple[bytes, list]:
+    """A Messenger message of several whole records (as a sender joins them) and its ``(key, view)`` pairs, as the
+    receiver reads them."""
+    from mooncake_jax.transfer.frame import encode
+    from mooncake_jax.transfer.pieces import RecordAssembler, next_separator
+
+    message = next_separator(record_bytes(spec)).join(encode(spec, key, block_of(key, spec)) for key in keys)
+    return message, RecordAssembler(spec).whole_records(message)
+
+
+def test_records_received_several_to_a_message_are_kept_in_it_within_the_capacity_in_bytes(tmp_path):
+    """Records viewed in a received message are kept where they lie (no copy); the message counts whole against the
+    capacity while any of its records is held, so the pool evicts until it fits. Hand-worked with 1,152-byte records
+    in 1,152-byte slots, 4 blocks = 4,608 bytes: a message of 3 is 3,462 bytes (two 3-byte separators)."""
+    from mooncake_jax.transfer import CorruptBlockError
+    from mooncake_jax.transfer.frame import encode
+    from mooncake_jax.transfer.pieces import RecordAssembler
+
+    def stored(pool: BlockPool, message_keys) -> tuple[bytes, list[bool]]:
+        message, records = message_of_records(message_keys)
+        new: list[bool] = []
+        pool.put_records(records, new)
+        return message, new
+
+    with BlockPool(SPEC, dram_blocks=4) as pool:
+        store = pool._tiers[0].store
+        assert store._stride == 1152 and store._capacity_bytes == 4608
+        a, new = stored(pool, [1, 2, 3])
+        assert new == [True] * 3 and len(a) == 3462 and store._allocated == 0 and store.used_bytes == 3462
+        assert all(store._slot_of[key].message is a for key in (1, 2, 3))  # kept in the message, not copied
+        assert [pool.get_record(key) for key in (1, 2, 3)] == [bytes(r) for _, r in message_of_records([1, 2, 3])[1]]
+        # a second message needs 3,462 more bytes: evicting 1 and 2 frees nothing (3 still holds the first message)
+        b, _ = stored(pool, [4, 5, 6])
+        assert sorted(pool.keys()) == [4, 5, 6] and store.used_bytes == 3462 and len(store._kept) == 1
+        # a local block needs a 1,152-byte slot: 3,462 + 1,152 > 4,608, so the whole message goes before it fits
+        pool.put(7, block_of(7))
+        assert pool.keys() == [7] and store._allocated == 4 and store.used_bytes == 4608 and not store._kept
+        c, _ = stored(pool, [8, 9, 10])  # free slots, already paid for, are filled by copies
+        assert sorted(pool.keys()) == [7, 8, 9, 10] and store._adopted == 0 and store.used_bytes == 4608
+        assert all(same_bits(pool.get(key), block_of(key)) for key in (7, 8, 9, 10))
+
+    with BlockPool(SPEC, dram_blocks=4) as pool:  # a record outliving its message's others keeps it all counted
+        store = pool._tiers[0].store
+        a, _ = stored(pool, [1, 2, 3])
+        pool.remove(1)
+        pool.remove(3)
+        assert pool.keys() == [2] and store.used_bytes == 3462 and same_bits(pool.get(2), block_of(2))
+        alone = encode(SPEC, 4, block_of(4))  # 3,462 + 1,152 > 4,608: 2 goes first
+        assert pool.put_record(4, alone) and pool.keys() == [4] and store.used_bytes == 1152
+        assert store._slot_of[4].adopted is alone
+        damaged = bytearray(message_of_records([5, 6, 7])[0])
+        damaged[1152 + 3 + DATA_OFFSET + 5] ^= 1  # record 6's data; the message needs 4 evicted first
+        new: list[bool] = []
+        with pytest.raises(CorruptBlockError, match="checksum mismatch"):
+            pool.put_records(RecordAssembler(SPEC).whole_records(bytes(damaged)), new)
+        assert new == [True] and pool.keys() == [5] and store.used_bytes == 3462
+        assert same_bits(pool.get(5), block_of(5))
+
+    with BlockPool(SPEC, dram_blocks=2) as pool:  # a message larger than the whole tier is copied into slots
+        store = pool._tiers[0].store
+        stored(pool, [1, 2, 3])
+        assert sorted(pool.keys()) == [2, 3] and store._adopted == 0 and store.used_bytes == 2304
+
+    with BlockPool(SPEC, dram_blocks=4, ssd_path=tmp_path) as pool:  # kept records are demoted like any other
+        stored(pool, [1, 2, 3])
+        stored(pool, [4, 5, 6])
+        assert [pool.tier_of(key) for key in range(1, 7)] == ["ssd"] * 3 + ["dram"] * 3
+        assert all(same_bits(pool.get(key), block_of(key)) for key in range(1, 7))
