@@ -317,11 +317,15 @@ def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: 
 
 
 def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, repeats: int) -> dict:
-    """Fetch: the peer's DRAM pool into ours; push: ours into the peer's, new keys every round. Both receiving
-    pools are at capacity from earlier rounds, so they reuse memory as a serving pool does."""
+    """Fetch: the peer's DRAM pool into ours; push: ours into the peer's, new keys every round. The push's receiving
+    pool is at capacity from earlier rounds, so it evicts as a serving pool does. Each receiving pool only receives,
+    as a decode instance's pool mostly does: the device plane's trials have a sink and a peer of their own (its rows
+    land in slots, and a pool holding free slots copies into them what it could keep as received)."""
     source = BlockPool(spec, dram_blocks=n_blocks)
     sink = BlockPool(spec, dram_blocks=n_blocks)
+    jax_sink = BlockPool(spec, dram_blocks=n_blocks)
     peer = PeerProcess(spec, dram_blocks=n_blocks)
+    jax_peer = PeerProcess(spec, dram_blocks=n_blocks)
     rounds = iter(range(1 << 30))
     set_up_cpu = [0.0]  # a trial's preparation (this process): left out of its CPU per GB, as out of its GB/s
 
@@ -334,8 +338,8 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
     try:
         with MessengerClient(peer.address, source, timeout_s=300) as pusher, MessengerClient(
             peer.address, sink, timeout_s=300
-        ) as fetcher, MessengerClient(peer.address, source, timeout_s=300, data_plane="jax") as jax_pusher, \
-                MessengerClient(peer.address, sink, timeout_s=300, data_plane="jax") as jax_fetcher:
+        ) as fetcher, MessengerClient(jax_peer.address, source, timeout_s=300, data_plane="jax") as jax_pusher, \
+                MessengerClient(jax_peer.address, jax_sink, timeout_s=300, data_plane="jax") as jax_fetcher:
 
             def fresh_keys() -> list[int]:
                 first = next(rounds) * n_blocks
@@ -343,15 +347,18 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
                 source.put_many(keys, [blocks[i % len(blocks)] for i in range(n_blocks)])
                 return keys
 
+            pushed: dict[str, list[int]] = {}  # the keys last pushed to each peer: what it holds to fetch
+
             def push(client: MessengerClient = pusher) -> float:
-                result = client.push(preparing(fresh_keys))
+                keys = pushed[client.address] = preparing(fresh_keys)
+                result = client.push(keys)
                 assert len(result.moved) == n_blocks
                 return gbps(result.bytes, result.seconds)
 
             def held_by_peer(client: MessengerClient) -> list[int]:
-                keys = [key for key, held in zip(source.keys(), client.has(source.keys())) if held]
-                for key in sink.keys():
-                    sink.remove(key)
+                keys = [key for key, held in zip(pushed[client.address], client.has(pushed[client.address])) if held]
+                for key in client.pool.keys():
+                    client.pool.remove(key)
                 return keys
 
             def fetch(client: MessengerClient = fetcher) -> float:
@@ -375,10 +382,11 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
                 "jax_plane_fetch_gbps": lambda: fetch(jax_fetcher),
                 "jax_plane_push_gbps": lambda: push(jax_pusher),
             }
-            push()  # the peer holds blocks to fetch from now on
+            push()  # the peers hold blocks to fetch from now on
+            push(jax_pusher)
             for trial in trials.values():  # warm both processes' allocators and connections
                 trial()
-            trials, log = costed(trials, n_blocks * source.frame_bytes, pids=(peer.process.pid,),
+            trials, log = costed(trials, n_blocks * source.frame_bytes, pids=(peer.process.pid, jax_peer.process.pid),
                                  set_up=lambda: set_up_cpu[0])
             figures = with_cpu(alternate(repeats, **trials), log)
             figures["counters"] = {"fetcher": fetcher.counters.as_dict(), "pusher": pusher.counters.as_dict()}
@@ -386,6 +394,7 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
             return figures
     finally:
         peer.stop()
+        jax_peer.stop()
 
 
 # ---- layer-wise prefill (issue 4 item 3) ----------------------------------------------------------------
