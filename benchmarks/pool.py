@@ -378,6 +378,8 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
                 "grpc_raw_stream_gbps": stream(same_pieces, parse=False),
                 "grpc_upload_stream_gbps": lambda: fetcher.probe_upload(n_blocks * source.frame_bytes,
                                                                         piece_bytes=same_pieces) / 1e9,
+                "grpc_parsed_upload_stream_gbps": lambda: fetcher.probe_upload(
+                    n_blocks * source.frame_bytes, piece_bytes=same_pieces, parse=True) / 1e9,
                 "grpc_stream_2mib_gbps": stream(piece_bytes_for(source.frame_bytes, 2 << 20)),
                 "jax_plane_fetch_gbps": lambda: fetch(jax_fetcher),
                 "jax_plane_push_gbps": lambda: push(jax_pusher),
@@ -466,6 +468,10 @@ def ratios(med: dict[str, float]) -> dict[str, float]:
         "messenger_push_ratio": ("messenger_push_gbps", "grpc_upload_stream_gbps"),  # the same method kind
         "messenger_push_download_ratio": ("messenger_push_gbps", "grpc_stream_gbps"),
         "messenger_raw_stream_ratio": ("messenger_fetch_gbps", "grpc_raw_stream_gbps"),
+        # push against an upload stream that its receiver parses as messenger_ratio's does (like for like with it)
+        "messenger_push_parsed_ratio": ("messenger_push_gbps", "grpc_parsed_upload_stream_gbps"),
+        "messenger_raw_stream_cpu_ratio": ("grpc_raw_stream_cpu_s_per_gb", "messenger_fetch_cpu_s_per_gb"),
+        "messenger_push_parsed_cpu_ratio": ("grpc_parsed_upload_stream_cpu_s_per_gb", "messenger_push_cpu_s_per_gb"),
         "jax_plane_fetch_ratio": ("jax_plane_fetch_gbps", "grpc_stream_gbps"),
         "jax_plane_push_ratio": ("jax_plane_push_gbps", "grpc_stream_gbps"),
         # the same pairs in CPU seconds per GB, baseline over tier (both processes for a transfer; for the tiers,
@@ -524,7 +530,9 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", 
     sections = [results[label]["ratios"] for label in ("block128", "block16", "llama70b_block512")]
     for name in ("dram_put_ratio", "dram_get_ratio", "ssd_put_ratio", "ssd_get_ratio", "messenger_ratio",
                  "messenger_push_ratio", "dram_put_cpu_ratio", "dram_get_cpu_ratio", "ssd_put_cpu_ratio",
-                 "ssd_get_cpu_ratio", "messenger_cpu_ratio", "messenger_push_cpu_ratio", "ssd_put_vs_direct_raw_ratio",
+                 "ssd_get_cpu_ratio", "messenger_cpu_ratio", "messenger_push_cpu_ratio", "messenger_raw_stream_ratio",
+                 "messenger_push_parsed_ratio", "messenger_raw_stream_cpu_ratio", "messenger_push_parsed_cpu_ratio",
+                 "ssd_put_vs_direct_raw_ratio",
                  "ssd_direct_io_put_ratio",
                  "ssd_direct_io_put_vs_direct_raw_ratio"):
         if any(name in r for r in sections):

@@ -318,6 +318,7 @@ def test_bad_arguments(serve):
         assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert client.probe(3 << 20) > 0
         assert client.probe_upload(3 << 20, piece_bytes=1 << 20) > 0  # the peer counted the 3 messages sent
+        assert client.probe_upload(3 << 20, piece_bytes=1 << 20, parse=True) > 0  # parsed: 3 pieces of data
     with MessengerClient(f"127.0.0.1:{free_port()}", BlockPool(SPEC), timeout_s=2) as nobody:
         with pytest.raises(TransferError) as caught:
             nobody.fetch([1])

@@ -132,9 +132,9 @@ class MessengerClient:
         self._push_raw = self._channel.stream_unary(
             f"/{SERVICE}/Push", request_serializer=None, response_deserializer=messages.PushReply.FromString
         )
-        self._probe_upload_raw = self._channel.stream_unary(
-            f"/{SERVICE}/ProbeUpload", request_serializer=None, response_deserializer=messages.PushReply.FromString
-        )
+        self._probe_upload_raw, self._probe_upload_parsed = (self._channel.stream_unary(
+            f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=messages.PushReply.FromString
+        ) for method in ("ProbeUpload", "ProbeUploadParsed"))
 
     @property
     def counters(self) -> TransferCounters:
@@ -369,16 +369,19 @@ class MessengerClient:
             raise self._error("probe", err) from err
         return received / (time.perf_counter() - started)
 
-    def probe_upload(self, total_bytes: int, *, piece_bytes: int = PIECE_BYTES,
+    def probe_upload(self, total_bytes: int, *, piece_bytes: int = PIECE_BYTES, parse: bool = False,
                      timeout_s: float | None = None) -> float:
         """Bytes per second of a bare stream of ``total_bytes`` to the peer, in messages of ``piece_bytes`` (one
         prebuilt message sent again and again, read and dropped there): the same method kind as ``push``, so its
-        fair reference. TransferError if the peer counted another number of messages."""
+        fair reference. ``parse=True``: the peer reads each message as a protobuf ``BlockPiece`` and its data, as a
+        generic gRPC server would (and ``probe(parse=True)``'s client does). TransferError if the peer counted
+        another number of messages."""
         whole = encode_piece(0, 0, total_bytes, bytes(piece_bytes))
         n_messages = -(-total_bytes // piece_bytes)
+        upload = self._probe_upload_parsed if parse else self._probe_upload_raw
         started = time.perf_counter()
         try:
-            reply = self._probe_upload_raw(iter([whole] * n_messages), timeout=timeout_s or self.timeout_s)
+            reply = upload(iter([whole] * n_messages), timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as err:
             raise self._error("probe upload to", err) from err
         seconds = time.perf_counter() - started

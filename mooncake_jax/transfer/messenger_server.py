@@ -192,6 +192,14 @@ class _Servicer:
             received += 1
         return messages.PushReply(stored=received)
 
+    def ProbeUploadParsed(self, request_iterator, context):
+        """``ProbeUpload`` with each message parsed as a ``BlockPiece`` and its data read, as a generic server would
+        (``Probe``'s parsing client, the other way)."""
+        received = 0
+        for piece in request_iterator:
+            received += bool(piece.data)
+        return messages.PushReply(stored=received)
+
 
 def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
     """The service's handlers; streamed BlockPieces travel as raw bytes, encoded and parsed by ``pieces.py``."""
@@ -210,6 +218,9 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
             "Probe": grpc.unary_stream_rpc_method_handler(servicer.Probe, messages.ProbeRequest.FromString, as_is),
             "ProbeUpload": grpc.stream_unary_rpc_method_handler(
                 servicer.ProbeUpload, as_is, messages.PushReply.SerializeToString
+            ),
+            "ProbeUploadParsed": grpc.stream_unary_rpc_method_handler(
+                servicer.ProbeUploadParsed, messages.BlockPiece.FromString, messages.PushReply.SerializeToString
             ),
             "OfferPull": grpc.unary_unary_rpc_method_handler(
                 servicer.OfferPull, messages.FetchRequest.FromString, messages.PullOffer.SerializeToString
