@@ -77,8 +77,8 @@ class Tier:
     def has_room(self, whole: bytes | memoryview | None = None) -> bool:
         """Whether one more block fits without evicting: under the capacity in blocks and, for a store that counts
         memory (DRAM, which may keep a received record ``whole`` as it arrived), in bytes."""
-        if self.full:
-            return False
+        if self.capacity_blocks is not None and len(self._present) >= self.capacity_blocks:  # ``full``, inlined: a
+            return False  # put of a small block is mostly Python
         return self._store_room is None or self._store_room(whole)
 
     def read_record(self, key: BlockKey) -> bytes | memoryview | None:
