@@ -370,18 +370,19 @@ class MessengerClient:
         return received / (time.perf_counter() - started)
 
     def probe_upload(self, total_bytes: int, *, piece_bytes: int = PIECE_BYTES, parse: bool = False,
-                     timeout_s: float | None = None) -> float:
+                     messages_to_send: Sequence[bytes] | None = None, timeout_s: float | None = None) -> float:
         """Bytes per second of a bare stream of ``total_bytes`` to the peer, in messages of ``piece_bytes`` (one
-        prebuilt message sent again and again, read and dropped there): the same method kind as ``push``, so its
-        fair reference. ``parse=True``: the peer reads each message as a protobuf ``BlockPiece`` and its data, as a
-        generic gRPC server would (and ``probe(parse=True)``'s client does). TransferError if the peer counted
-        another number of messages."""
-        whole = encode_piece(0, 0, total_bytes, bytes(piece_bytes))
-        n_messages = -(-total_bytes // piece_bytes)
+        prebuilt message sent again and again, or ``messages_to_send``: ``upload_messages``' distinct ones, read
+        and dropped there): the same method kind as ``push``, so its fair reference. ``parse=True``: the peer reads
+        each message as a protobuf ``BlockPiece`` and its data, as a generic gRPC server would (and
+        ``probe(parse=True)``'s client does). TransferError if the peer counted another number of messages."""
+        if messages_to_send is None:
+            messages_to_send = upload_messages(total_bytes, piece_bytes, distinct=False)
+        n_messages = len(messages_to_send)
         upload = self._probe_upload_parsed if parse else self._probe_upload_raw
         started = time.perf_counter()
         try:
-            reply = upload(iter([whole] * n_messages), timeout=timeout_s or self.timeout_s)
+            reply = upload(iter(messages_to_send), timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as err:
             raise self._error("probe upload to", err) from err
         seconds = time.perf_counter() - started
@@ -410,6 +411,16 @@ class MessengerClient:
             keys = list(struct.unpack(f"<{len(listed) // 8}Q", listed))
             return BlocksNotFoundError(message, keys, code, stored)
         return TransferError(message, code, stored)
+
+
+def upload_messages(total_bytes: int, piece_bytes: int, distinct: bool = True) -> list[bytes]:
+    """The messages of ``probe_upload``'s bare stream of ``total_bytes`` in pieces of ``piece_bytes``: one prebuilt
+    message repeated (``distinct=False``: the sender reads 2 MiB from cache again and again), or one ``bytes`` of its
+    own per piece, all held in memory at once, as a sender's blocks are (what a push reads, it reads from memory)."""
+    n_messages = -(-total_bytes // piece_bytes)
+    if not distinct:
+        return [encode_piece(0, 0, total_bytes, bytes(piece_bytes))] * n_messages
+    return [encode_piece(0, i * piece_bytes, total_bytes, bytes(piece_bytes)) for i in range(n_messages)]
 
 
 def _records_of(call, spec: BlockSpec, asked):
