@@ -186,9 +186,10 @@ class BlockPool:
     def put_record(self, key: BlockKey, record: bytes | bytearray | memoryview) -> bool:
         """Store a block's record (as received from a peer) after verifying it; False if already held.
 
-        The pool keeps a copy, so the caller may reuse ``record``; a ``bytes`` record, which no one can change, the
-        DRAM tier may keep as it is instead (``SlotStore.adopt_checked``: no copy). A record that fails verification
-        raises ``CorruptBlockError`` (a ValueError) and stores nothing.
+        The pool keeps a copy, so the caller may reuse ``record``; a record lying in a ``bytes``, which no one can
+        change (itself, or a view of a received message of several), the DRAM tier may keep where it lies instead
+        (``SlotStore.adopt_checked``: no copy; the message's memory counted until its last record goes). A record
+        that fails verification raises ``CorruptBlockError`` (a ValueError) and stores nothing.
         """
         new: list[bool] = []
         self.put_records([(key, record)], new)
