@@ -70,15 +70,11 @@ class Tier:
     def keys(self) -> list[BlockKey]:
         return list(self._present)
 
-    @property
-    def full(self) -> bool:
-        return self.capacity_blocks is not None and len(self._present) >= self.capacity_blocks
-
     def has_room(self, whole: bytes | memoryview | None = None) -> bool:
         """Whether one more block fits without evicting: under the capacity in blocks and, for a store that counts
         memory (DRAM, which may keep a received record ``whole`` as it arrived), in bytes."""
-        if self.capacity_blocks is not None and len(self._present) >= self.capacity_blocks:  # ``full``, inlined: a
-            return False  # put of a small block is mostly Python
+        if self.capacity_blocks is not None and len(self._present) >= self.capacity_blocks:
+            return False
         return self._store_room is None or self._store_room(whole)
 
     def read_record(self, key: BlockKey) -> bytes | memoryview | None:
