@@ -51,8 +51,6 @@ from mooncake_jax.transfer.spec import BlockSpec
 
 PAGE_BYTES = 4096
 CACHE_LINE_BYTES = 64
-ALIGN_BYTES = 64
-"""A record's data is placed in its slot to agree with its source's address modulo this (when the slot has room)."""
 SLAB_BYTES = 256 << 20
 """Most bytes allocated at once when the tier grows (one slot if a record is larger)."""
 _CONTEXT = ts.Context({"data_copy_concurrency": {"limit": 1}})
@@ -66,28 +64,20 @@ def as_store(buffer: np.ndarray) -> ts.TensorStore:
 
 
 class _Slot:
-    """One record's place in a slab: its memory as numpy (for hashing and views), ``shift`` bytes into its row of the
-    slab (TensorStore, for I/O), or a received record kept as it arrived (``adopted``: the record, a ``bytes`` or a
-    view into its ``message``; ``memory`` a read-only view of it)."""
+    """One record's place in a slab: its memory as numpy (for hashing and views) and as TensorStore (for I/O); or a
+    received record kept as it arrived (``adopted``: the record, a ``bytes`` or a view into its ``message``;
+    ``memory`` a read-only view of it)."""
 
-    __slots__ = ("memory", "head", "data", "adopted", "message", "row", "row_data_address", "slab", "index", "shift")
+    __slots__ = ("memory", "record", "head", "data", "adopted", "message")
 
-    def __init__(self, memory: np.ndarray, adopted: bytes | memoryview | None = None, message: bytes | None = None,
-                 row: np.ndarray | None = None, slab: ts.TensorStore | None = None, index: int = 0) -> None:
-        self.adopted = adopted
-        self.message = message
-        self.row = row  # the slot's whole stride in its slab (None for a kept record)
-        self.row_data_address = 0 if row is None else row.ctypes.data + DATA_OFFSET
-        self.slab = slab
-        self.index = index
-        self.place(memory, 0)
-
-    def place(self, memory: np.ndarray, shift: int) -> None:
-        """View the record at ``memory`` (``shift`` bytes into the row)."""
+    def __init__(self, memory: np.ndarray, store: ts.TensorStore | None, adopted: bytes | memoryview | None = None,
+                 message: bytes | None = None) -> None:
         self.memory = memory
+        self.record = store
         self.head = memoryview(memory[:DATA_OFFSET])  # the record head, written from bytes without numpy
         self.data = memory[DATA_OFFSET:]  # the block's bytes, viewed once (a put or get copies into or out of it)
-        self.shift = shift
+        self.adopted = adopted
+        self.message = message
 
 
 def message_of(record: bytes | memoryview) -> bytes | None:
@@ -108,7 +98,6 @@ class SlotStore:
         self.record_bytes = record_bytes(spec)
         align = PAGE_BYTES if self.record_bytes >= 16 * PAGE_BYTES else CACHE_LINE_BYTES
         self._stride = -(-self.record_bytes // align) * align
-        self._spare = self._stride - self.record_bytes  # room to move a record for its source's alignment
         self._capacity = capacity_blocks
         self._capacity_bytes = None if capacity_blocks is None else capacity_blocks * self._stride
         self._allocated = 0
@@ -132,18 +121,8 @@ class SlotStore:
             self._slabs.append(slab)
             self._allocated += count
             size = self.record_bytes
-            self._free.extend(_Slot(memory[i, :size], row=memory[i], slab=slab, index=i) for i in reversed(range(count)))
+            self._free.extend(_Slot(memory[i, :size], slab[i, :size]) for i in reversed(range(count)))
         return self._free.pop()
-
-    def _align_to(self, slot: _Slot, source: np.ndarray) -> None:
-        """Move the slot's record within its row's spare bytes so its data lies as ``source`` does modulo
-        ``ALIGN_BYTES``: a copy between buffers 16 bytes apart modulo 32 ran at half the speed of one between
-        buffers that agree (glibc's AVX-512 memmove here; issue 15 ninth pass), and the caller's alignment is its own."""
-        if self._spare < ALIGN_BYTES:
-            return
-        shift = (source.ctypes.data - slot.row_data_address) % ALIGN_BYTES
-        if shift != slot.shift:
-            slot.place(slot.row[shift : shift + self.record_bytes], shift)
 
     def _slot_for(self, key: BlockKey) -> _Slot:
         slot = self._slot_of.get(key)
@@ -158,7 +137,6 @@ class SlotStore:
         """Store the block whose bytes are ``data`` (flat uint8): copied into the slot and hashed in one pass (nothing
         in flight afterwards)."""
         slot = self._slot_for(key)
-        self._align_to(slot, data)
         digest = copy_with_checksum(slot.data, data)
         slot.head[:] = record_head(self.spec, key, digest)
 
@@ -168,7 +146,6 @@ class SlotStore:
         pass, chunk by chunk from cache (nothing in flight afterwards; CorruptBlockError and the slot freed if the
         hash differs)."""
         slot = self._slot_for(key)
-        self._align_to(slot, data)
         if copy_with_checksum(slot.data, data) != expected:
             self.delete(key)
             raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
@@ -217,7 +194,7 @@ class SlotStore:
             self._kept_bytes += len(message)
         else:
             kept[1] += 1
-        self._slot_of[key] = _Slot(np.frombuffer(record, np.uint8), record, message)
+        self._slot_of[key] = _Slot(np.frombuffer(record, np.uint8), None, record, message)
         self._adopted += 1
 
     def put(self, key: BlockKey, parts: Sequence[bytes | bytearray | memoryview | np.ndarray], owned: bool) -> None:
@@ -228,9 +205,9 @@ class SlotStore:
         if sum(flat.size for flat in flats) != self.record_bytes:
             raise ValueError(f"record of {sum(flat.size for flat in flats)} bytes, expected {self.record_bytes}")
         slot = self._slot_for(key)
-        at = slot.shift
+        at = 0
         for flat in flats:
-            self._pending.append((key, slot.slab[slot.index, at : at + flat.size].translate_to[0].write(flat)))
+            self._pending.append((key, slot.record[at : at + flat.size].translate_to[0].write(flat)))
             at += flat.size
         if not owned:
             self._finish()
