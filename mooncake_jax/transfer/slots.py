@@ -21,8 +21,8 @@ Slabs are allocated when no slot is free and kept for the life of the tier, so a
 whose pages are already mapped (fresh pages cost more than the copy). A bounded tier allocates at most its
 capacity (in bytes, below); slots are a whole number of pages apart (of cache lines for records under 64 KiB, so
 small blocks do not waste most of a page each), from wherever the allocator put the slab (``np.empty``: not
-page-aligned; issue 15 ninth pass measured a copy's speed varying with where its destination lies against its
-source).
+page-aligned; placing records to agree with their sources' alignment was tried, issue 15 ninth pass, and made no
+difference to a put).
 
 A received record that lies in an immutable ``bytes`` (the Messenger's message, of one record or of several) is
 kept where it arrived when no slot is free (``adopt_checked``): hashed where it lies, not copied, and a record alone
