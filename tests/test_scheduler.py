@@ -96,10 +96,10 @@ def test_tokens_reach_their_streams_while_the_next_step_computes(llm, ref, monke
     inside = [False]
     decode = engine.decode
 
-    def traced_decode(seqs, **kwargs):
+    def traced_decode(seqs, while_running=None):
         inside[0] = True
         try:
-            return decode(seqs, **kwargs)
+            return decode(seqs, while_running=while_running)
         finally:
             inside[0] = False
 
