@@ -87,57 +87,6 @@ def test_join_budget_spreads_a_burst_of_queued_work_over_steps(llm, ref):
         assert seq.output == reference_greedy(ref, seq.prompt, 8)
 
 
-def test_tokens_reach_their_streams_while_the_next_step_computes(llm, ref, monkeypatch):
-    """A step's tokens are handed to their sinks once the next step is dispatched (inside ``Engine.decode``), so the
-    threads they wake run while the compute thread waits for XLA; the last step's tokens and the ends come at once
-    when the batch empties, each stream's in order, and the step time excludes the handing over."""
-    engine = Engine(llm.model, prefill_chunk_size=64, max_batch=4)
-    sched = Scheduler(engine)
-    inside = [False]
-    decode = engine.decode
-
-    def traced_decode(seqs, while_running=None):
-        inside[0] = True
-        try:
-            return decode(seqs, while_running=while_running)
-        finally:
-            inside[0] = False
-
-    monkeypatch.setattr(engine, "decode", traced_decode)
-
-    class Sink:
-        def __init__(self):
-            self.events = []
-
-        def put(self, token):
-            self.events.append(("token", token, inside[0], sched.steps))
-
-        def finish(self, reason):
-            self.events.append(("finish", reason, inside[0], sched.steps))
-
-        def fail(self, error):
-            raise AssertionError(error)
-
-    lengths = (4, 7)
-    seqs = [engine.new_sequence(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts([6, 11], seed=4),
-                                                                                       lengths)]
-    sinks = [Sink(), Sink()]
-    for seq, sink in zip(seqs, sinks):
-        sched.add_request(seq, sink)
-    run(sched)
-    for seq, sink, n in zip(seqs, sinks, lengths):
-        assert seq.output == reference_greedy(ref, seq.prompt, n)
-        tokens = [e for e in sink.events if e[0] == "token"]
-        assert [e[1] for e in tokens] == seq.output[1:]  # the first came from the prefill
-        assert sink.events[-1][:2] == ("finish", "length") and sink.events[:-1] == tokens
-        # step k's token is handed over during step k + 1 (counted once it ends), while another sequence runs
-        assert all(e[2] and e[3] == k for k, e in enumerate(tokens[:-1], start=1)), tokens
-    short, long = sinks
-    assert short.events[-1][2] and short.events[-1][3] == lengths[0] - 1  # its end, during the long one's next step
-    assert not long.events[-1][2] and not long.events[-2][2]  # the batch emptied: at once, after the last step
-    assert sched.step_seconds > 0
-
-
 def test_bounded_queue_overflow_is_a_clear_error(llm):
     engine = Engine(llm.model, prefill_chunk_size=64, max_batch=1)
     sched = Scheduler(engine, max_waiting=2)

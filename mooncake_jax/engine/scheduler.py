@@ -17,11 +17,7 @@ One ``step()``: start the queued work that fits (FIFO, in order; prefill-and-joi
 with ``join_budget_steps``, while sequences run, only as much as that many mean decode steps' time, at least one
 item, so that a burst of joins, each loading its KV into pages on this thread, stalls the running sequences one
 join at a time rather than all at once), drop cancelled sequences, run one decode step for the whole running
-batch, retire the finished ones. A step's tokens (and the ends of the sequences it finished) reach their sinks while
-the *next* step computes, once it is dispatched (``Engine.decode``'s ``while_running``): handing a token to a
-served stream wakes the thread that sends it, and those threads then take the interpreter while the compute thread
-waits for XLA, not while it prepares the next step. They are handed over at once when no step follows (the batch
-is empty) and before queued work starts (a join or a prefill between steps does not hold them back). Queued work
+batch, retire the finished ones. Queued work
 is either a request (prompt -> prefill -> running batch) or a job: a callable on the compute thread, for work that
 staged its I/O elsewhere first (a decode instance's adoption of a request whose KV a transfer thread read, a
 prefill instance's prefill over a staged prefix) and for warm-up or calibration.
@@ -95,8 +91,6 @@ class Scheduler:
         self._waiting: deque[_Work] = deque()
         self._cancelled: set[int] = set()
         self._running: dict[int, tuple[Sequence, TokenSink | None]] = {}
-        # tokens and ends of the last step, for their sinks: (sink, token, None) or (sink, None, finish reason)
-        self._undelivered: list[tuple[TokenSink, int | None, str | None]] = []
         self.steps = 0  # decode steps run
         self.step_seconds = 0.0  # time spent in them (the decode step time an operator compares TBT with)
         self.step_rows = 0  # sequences decoded in them (mean batch = step_rows / steps)
@@ -237,10 +231,7 @@ class Scheduler:
         return time.perf_counter() + self.join_budget_steps * mean_step
 
     def step(self) -> list[Sequence]:
-        """Start what fits, decode the running batch once, retire finished sequences (returned). The step's tokens
-        reach their sinks during the next step (or now, when no sequence is left to step)."""
-        if self._waiting:
-            self._deliver()
+        """Start what fits, decode the running batch once, retire finished sequences (returned)."""
         self._start_queued()
         with self.cond:
             cancelled, self._cancelled = self._cancelled, set()
@@ -251,48 +242,28 @@ class Scheduler:
                 finished.append(seq)
         if self._running:
             finished += self._decode()
-        if not self._running:
-            self._deliver()
         return finished
-
-    def _deliver(self) -> float:
-        """Hand the undelivered tokens and ends to their sinks, in order; the seconds it took."""
-        t0 = time.perf_counter()
-        items, self._undelivered = self._undelivered, []
-        for sink, token, reason in items:
-            if reason is None:
-                sink.put(token)
-            else:
-                sink.finish(reason)
-        return time.perf_counter() - t0
 
     def _decode(self) -> list[Sequence]:
         entries = list(self._running.values())
         seqs = [seq for seq, _ in entries]
-        delivering = 0.0
-
-        def deliver_previous() -> None:  # while this step computes
-            nonlocal delivering
-            delivering = self._deliver()
-
         t0 = time.perf_counter()
         try:
-            tokens = self.engine.decode(seqs, while_running=deliver_previous)
+            tokens = self.engine.decode(seqs)
         except Exception as e:  # a bug or a device failure: fail these requests, keep serving others
             log.exception("decode step failed")
-            self._deliver()
             for seq, sink in entries:
                 if sink is not None:
                     sink.fail(e)
                 self._retire(seq.seq_id, None)
             return []
         self.steps += 1
-        self.step_seconds += time.perf_counter() - t0 - delivering  # the step without the handing over
+        self.step_seconds += time.perf_counter() - t0
         self.step_rows += len(seqs)
         finished = []
         for (seq, sink), token in zip(entries, tokens):
             if sink is not None:
-                self._undelivered.append((sink, token, None))
+                sink.put(token)
             if seq.finished:
                 finished.append(self._retire(seq.seq_id, seq.finish_reason))
         return finished
@@ -305,8 +276,8 @@ class Scheduler:
         self.kv.release(seq)
         if reason is not None:
             seq.finish_reason = seq.finish_reason or reason
-            if sink is not None:  # after its undelivered tokens
-                self._undelivered.append((sink, None, reason))
+            if sink is not None:
+                sink.finish(reason)
         return seq
 
     def abort_all(self, error: BaseException) -> None:
@@ -318,7 +289,6 @@ class Scheduler:
         for work in works:
             if work.future.set_running_or_notify_cancel():
                 work.future.set_exception(error)
-        self._deliver()
         for seq_id in list(self._running):
             sink = self._running[seq_id][1]
             if sink is not None:

@@ -14,7 +14,7 @@ bookkeeping (pages, buckets, padding) in Python.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as SequenceABC
+from collections.abc import Sequence as SequenceABC
 
 import jax
 import numpy as np
@@ -266,12 +266,8 @@ class Engine:
         chosen, ids, lps = (np.concatenate(column) for column in zip(*parts))
         return [(float(c), tuple(zip(ids[i, :k].tolist(), lps[i, :k].tolist()))) for i, c in enumerate(chosen)]
 
-    def decode(self, seqs: SequenceABC[Sequence], while_running: Callable[[], None] | None = None) -> list[int]:
-        """One token for each sequence (each must have been prefilled and not be finished).
-
-        ``while_running`` is called once the step is dispatched, before waiting for its tokens: host work that then
-        overlaps the step's computation instead of sitting between steps (the scheduler hands the previous step's
-        tokens to their streams there, so the threads those wake take the interpreter while this one waits)."""
+    def decode(self, seqs: SequenceABC[Sequence]) -> list[int]:
+        """One token for each sequence (each must have been prefilled and not be finished)."""
         if not seqs:
             return []
         if len(seqs) > self.max_batch:
@@ -295,8 +291,6 @@ class Engine:
         table = self._context_table(ctx_pages, rows, width)
         step = self._step(tokens, positions, table, ctx_len, slots, np.zeros(rows, np.int32), seqs, rows)
         ((sampled, _),) = self.runner.run([step])
-        if while_running is not None:
-            while_running()
         if any(seq.params.logprobs is not None for seq in seqs):
             sampled = jax.device_get(sampled)
         else:
