@@ -17,6 +17,13 @@ comes back short), so a cold batch has its later records read from the device wh
 hashed, and a warm one (the records just written, most gets) pays nothing for it: asking for cached pages cost
 about 7% of a 16-token get's CPU.
 
+A batch of several records is read on two threads at once (``read_many``): the caller and one helper thread
+each take the next record not yet taken, read and hash it; ``preadv`` and XXH3 both release the GIL, so with a core
+free a batch costs about half its copy-and-hash time in wall (a raw read of the same bytes is the copy alone, one
+thread). Taking records in turn, rather than half each, keeps the batch going at the caller's pace when the helper
+is late to be scheduled on a loaded machine, and the caller waits at the end for at most the one record the helper
+is reading.
+
 Open files are kept in a small LRU (``MAX_OPEN_FILES``): a tier of many shards does not run out of descriptors, and
 a deleted shard's descriptor is closed with it (``forget``) so its space is freed at once.
 """
@@ -25,8 +32,10 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +47,10 @@ MAX_OPEN_FILES = 32
 UNAVAILABLE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
 """Errors that say nothing about the record (the process is out of descriptors or memory, a call interrupted):
 raised to the caller, a miss this time, never taken for a damaged record."""
+Digest = tuple[int, int]
+ReadResult = Digest | OSError | None
+"""A record read by ``read_many``: its digest; None when missing, unreadable or cut short; an ``UNAVAILABLE``
+error, for the caller to raise where it would have been raised."""
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)
 
@@ -72,6 +85,7 @@ class ShardReader:
         self._path_of = path_of
         self._open: OrderedDict[int, int] = OrderedDict()  # shard -> descriptor, least recently read first
         self._wanted: list[tuple[int, int, int]] = []  # (shard, offset, length) runs a batch is about to read
+        self._helper: ThreadPoolExecutor | None = None  # reads a batch's records beside the caller (read_many)
 
     def _fd(self, shard: int) -> int:
         fd = self._open.get(shard)
@@ -93,6 +107,53 @@ class ShardReader:
             if err.errno in UNAVAILABLE:
                 raise
             return None
+
+    def read_many(self, reads: Sequence[tuple[int, int, np.ndarray]]) -> list[ReadResult]:
+        """Read and hash each ``(shard, offset, out)`` chunk, on this thread and a helper thread in turn (module
+        docstring); the result of each, in order. Every read has ended when this returns, so nothing writes into
+        an ``out`` after it. A batch spanning more shard files than stay open is read on this thread alone (the
+        descriptors are all opened first, here, so the helper never touches the descriptor cache)."""
+        results: list[ReadResult] = [None] * len(reads)
+        taken = iter(range(len(reads)))
+        lock = threading.Lock()
+        on_cold = self._advise_wanted if self._wanted else None
+
+        def work() -> None:
+            while True:
+                with lock:
+                    i = next(taken, None)
+                if i is None:
+                    return
+                shard, offset, out = reads[i]
+                fd = fds[shard]
+                try:
+                    if isinstance(fd, OSError):
+                        raise fd
+                    results[i] = read_with_checksum(fd, out, offset, on_cold)
+                except OSError as err:
+                    results[i] = err if err.errno in UNAVAILABLE else None
+
+        shards = {shard for shard, _, _ in reads}
+        if len(shards) > MAX_OPEN_FILES or len(reads) < 2:  # opening one might close another in use
+            for i, (shard, offset, out) in enumerate(reads):
+                try:
+                    results[i] = self.read(shard, offset, out)
+                except OSError as err:
+                    results[i] = err
+            return results
+        fds: dict[int, int | OSError] = {}
+        for shard in shards:
+            try:
+                fds[shard] = self._fd(shard)
+            except OSError as err:
+                fds[shard] = err
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="ssd-read")
+        helping = self._helper.submit(work)
+        work()
+        if not helping.cancel():  # started: it is reading at most one record, or finding none left
+            helping.result()
+        return results
 
     def read_exact(self, shard: int, offset: int, out: np.ndarray) -> bool:
         """Read a chunk of ``shard`` at ``offset`` into ``out`` unhashed (the caller verifies it); False when the
@@ -140,5 +201,8 @@ class ShardReader:
             os.close(fd)
 
     def close(self) -> None:
+        if self._helper is not None:
+            self._helper.shutdown()
+            self._helper = None
         while self._open:
             os.close(self._open.popitem()[1])
