@@ -167,3 +167,55 @@ def test_a_process_out_of_descriptors_misses_but_keeps_its_blocks(tmp_path, monk
         assert pool.counters()["ssd"].corrupt == 0 and len(pool) == 2
         monkeypatch.setattr(shard_reader.os, "open", real_open)
         assert pool.get(1).tobytes() == block_of(1).tobytes() and pool.get_record(2) is not None
+
+
+def test_read_many_on_two_threads_is_each_read_alone(tmp_path, monkeypatch):
+    """A batch read by the caller and the helper thread in turn: every chunk's bytes and digest as a read of it
+    alone, a missing or short shard file None for its chunks only, an error that says nothing of the record
+    (UNAVAILABLE) handed back for the caller to raise; past MAX_OPEN_FILES shards, the same on one thread."""
+    import errno
+
+    data = {shard: np.random.default_rng(shard).integers(0, 256, 4 << 20, dtype=np.uint8) for shard in (0, 1, 2)}
+    for shard, raw in data.items():
+        (tmp_path / f"s{shard}").write_bytes(raw.tobytes()[: (1 << 20) if shard == 2 else None])  # 2: cut short
+    reader = shard_reader.ShardReader(lambda shard: tmp_path / f"s{shard}")
+    wanted = [(0, 0, 3 << 20), (1, 4096, 1 << 20), (9, 0, 100), (0, 3 << 20, 4096), (2, 0, 2 << 20), (1, 0, 5)]
+    for max_open in (32, 1):
+        monkeypatch.setattr(shard_reader, "MAX_OPEN_FILES", max_open)
+        outs = [np.zeros(size, np.uint8) for _, _, size in wanted]
+        got = reader.read_many([(shard, offset, out) for (shard, offset, _), out in zip(wanted, outs)])
+        for (shard, offset, size), out, result in zip(wanted, outs, got):
+            if shard in (2, 9):  # cut short, missing
+                assert result is None
+            else:
+                whole = data[shard][offset : offset + size]
+                assert result == checksum(whole) and (out == whole).all()
+    real = shard_reader.read_with_checksum
+
+    def out_of_memory(fd, out, offset, on_cold=None):
+        if offset == 4096:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real(fd, out, offset, on_cold)
+
+    monkeypatch.setattr(shard_reader, "MAX_OPEN_FILES", 32)
+    monkeypatch.setattr(shard_reader, "read_with_checksum", out_of_memory)
+    got = reader.read_many([(0, 0, np.zeros(64, np.uint8)), (1, 4096, np.zeros(64, np.uint8))])
+    assert got[0] == checksum(data[0][:64]) and isinstance(got[1], OSError) and got[1].errno == errno.ENOMEM
+    reader.close()
+
+
+def test_a_record_read_ahead_is_read_again_once_it_has_moved(tmp_path):
+    """What a batch's prefetch read is handed on only for the same key, the same target and the same place on
+    disk: the key written again since (a fresh slot, other bytes) or asked into another buffer is read anew."""
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many([1, 2], [block_of(1), block_of(2)])
+        store = pool._tiers[0].store
+        outs = [np.zeros(SPEC.nbytes, np.uint8) for _ in range(2)]
+        store.prefetch([1, 2], outs)
+        assert (outs[0] == block_of(1).reshape(-1).view(np.uint8)).all()  # read already, on prefetch
+        store.put_block(1, block_of(7).reshape(-1).view(np.uint8))  # key 1 now lies elsewhere, with other bytes
+        store.settle()
+        head, digest = store.read_into(1, outs[0])
+        assert digest == checksum(block_of(7)) and (outs[0] == block_of(7).reshape(-1).view(np.uint8)).all()
+        other = np.zeros(SPEC.nbytes, np.uint8)
+        assert store.read_into(2, other)[1] == checksum(block_of(2)) and (other == outs[1]).all()

@@ -86,6 +86,7 @@ class ShardReader:
         self._open: OrderedDict[int, int] = OrderedDict()  # shard -> descriptor, least recently read first
         self._wanted: list[tuple[int, int, int]] = []  # (shard, offset, length) runs a batch is about to read
         self._helper: ThreadPoolExecutor | None = None  # reads a batch's records beside the caller (read_many)
+        self._advising = threading.Lock()  # both threads of a read_many may find the page cache cold at once
 
     def _fd(self, shard: int) -> int:
         fd = self._open.get(shard)
@@ -173,7 +174,8 @@ class ShardReader:
     def _advise_wanted(self) -> None:
         """Tell the kernel the wanted runs are needed soon (``POSIX_FADV_WILLNEED``): what is not in the page cache
         is read from the device in the background while the records before it are copied and hashed."""
-        runs, self._wanted = self._wanted, []
+        with self._advising:
+            runs, self._wanted = self._wanted, []
         for shard, offset, length in runs if _WILLNEED is not None else ():
             try:
                 self._advise(shard, offset, length)
