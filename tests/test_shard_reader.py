@@ -2,6 +2,7 @@
 in), hashed as they land, with a bounded set of open files that a deleted shard leaves at once."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -180,8 +181,18 @@ def test_read_many_on_two_threads_is_each_read_alone(tmp_path, monkeypatch):
         (tmp_path / f"s{shard}").write_bytes(raw.tobytes()[: (1 << 20) if shard == 2 else None])  # 2: cut short
     reader = shard_reader.ShardReader(lambda shard: tmp_path / f"s{shard}")
     wanted = [(0, 0, 3 << 20), (1, 4096, 1 << 20), (9, 0, 100), (0, 3 << 20, 4096), (2, 0, 2 << 20), (1, 0, 5)]
-    for max_open in (32, 1):
+    helper_reads = []
+    real = shard_reader.read_with_checksum
+
+    def counted(fd, out, offset, on_cold=None):
+        helper_reads.append(threading.current_thread().name.startswith("ssd-read"))
+        return real(fd, out, offset, on_cold)
+
+    monkeypatch.setattr(shard_reader, "read_with_checksum", counted)
+    for max_open, helped in ((32, True), (32, False), (1, True)):
         monkeypatch.setattr(shard_reader, "MAX_OPEN_FILES", max_open)
+        monkeypatch.setattr(reader._pace, "helped", lambda helped=helped: helped)
+        helper_reads.clear()
         outs = [np.zeros(size, np.uint8) for _, _, size in wanted]
         got = reader.read_many([(shard, offset, out) for (shard, offset, _), out in zip(wanted, outs)])
         for (shard, offset, size), out, result in zip(wanted, outs, got):
@@ -190,7 +201,8 @@ def test_read_many_on_two_threads_is_each_read_alone(tmp_path, monkeypatch):
             else:
                 whole = data[shard][offset : offset + size]
                 assert result == checksum(whole) and (out == whole).all()
-    real = shard_reader.read_with_checksum
+        if not helped or max_open == 1:  # (with the helper, how many it takes depends on when it is scheduled)
+            assert not any(helper_reads)
 
     def out_of_memory(fd, out, offset, on_cold=None):
         if offset == 4096:
@@ -198,6 +210,7 @@ def test_read_many_on_two_threads_is_each_read_alone(tmp_path, monkeypatch):
         return real(fd, out, offset, on_cold)
 
     monkeypatch.setattr(shard_reader, "MAX_OPEN_FILES", 32)
+    monkeypatch.setattr(reader._pace, "helped", lambda: True)
     monkeypatch.setattr(shard_reader, "read_with_checksum", out_of_memory)
     got = reader.read_many([(0, 0, np.zeros(64, np.uint8)), (1, 4096, np.zeros(64, np.uint8))])
     assert got[0] == checksum(data[0][:64]) and isinstance(got[1], OSError) and got[1].errno == errno.ENOMEM
@@ -219,3 +232,24 @@ def test_a_record_read_ahead_is_read_again_once_it_has_moved(tmp_path):
         assert digest == checksum(block_of(7)) and (outs[0] == block_of(7).reshape(-1).view(np.uint8)).all()
         other = np.zeros(SPEC.nbytes, np.uint8)
         assert store.read_into(2, other)[1] == checksum(block_of(2)) and (other == outs[1]).all()
+
+
+def test_pace_reads_each_batch_the_way_that_has_been_faster_and_tries_the_other():
+    """Both ways taken in turn until each has half a window of batches; then the faster by median seconds per byte,
+    the slower one tried every ``explore_every`` batches (so a freed or taken core is noticed); a way that turns
+    slower loses its place."""
+    pace = shard_reader.Pace()
+    ways = []
+    for _ in range(pace.window):
+        ways.append(pace.helped())
+        pace.took(ways[-1], 1.0 if ways[-1] else 3.0, 1000)  # the helper three times as fast
+    assert ways == [True, False] * (pace.window // 2)
+    chosen = []
+    for _ in range(2 * pace.explore_every):
+        chosen.append(pace.helped())
+        pace.took(chosen[-1], 1.0 if chosen[-1] else 3.0, 1000)
+    assert chosen.count(False) == 2  # the slower way, tried once every explore_every batches
+    for _ in range(3 * pace.window):  # now the helper is the slow way (its core taken)
+        way = pace.helped()
+        pace.took(way, 5.0 if way else 3.0, 1000)
+    assert [pace.helped() for _ in range(pace.explore_every)].count(True) == 1
