@@ -179,7 +179,7 @@ def test_read_many_on_two_threads_is_each_read_alone(tmp_path, monkeypatch):
     data = {shard: np.random.default_rng(shard).integers(0, 256, 4 << 20, dtype=np.uint8) for shard in (0, 1, 2)}
     for shard, raw in data.items():
         (tmp_path / f"s{shard}").write_bytes(raw.tobytes()[: (1 << 20) if shard == 2 else None])  # 2: cut short
-    reader = shard_reader.ShardReader(lambda shard: tmp_path / f"s{shard}")
+    reader = shard_reader.ShardReader(lambda shard: tmp_path / f"s{shard}", shard_reader.Pace())
     wanted = [(0, 0, 3 << 20), (1, 4096, 1 << 20), (9, 0, 100), (0, 3 << 20, 4096), (2, 0, 2 << 20), (1, 0, 5)]
     helper_reads = []
     real = shard_reader.read_with_checksum

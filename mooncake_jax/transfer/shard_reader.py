@@ -87,7 +87,9 @@ class Pace:
     """Which way of reading a batch has been faster lately: with the helper thread (True) or on the caller's thread
     alone (False), by the median seconds per byte of each way's last ``window`` batches; until each way has
     ``window // 2`` of them the ways take turns, and afterwards the slower way is tried every ``explore_every``
-    batches, so a change of load (a core freed or taken) is seen within a few dozen batches."""
+    batches, so a change of load (a core freed or taken) is seen within a few dozen batches. One per process
+    (``PACE``), shared by every store: whether a core is free for the helper is the machine's state, not a store's,
+    and a store opened for a few batches finds it learnt."""
 
     window = 8
     explore_every = 16
@@ -95,29 +97,36 @@ class Pace:
     def __init__(self) -> None:
         self._seconds_per_byte: dict[bool, deque[float]] = {way: deque(maxlen=self.window) for way in (True, False)}
         self._batches = 0
+        self._lock = threading.Lock()  # stores of several threads share it
 
     def helped(self) -> bool:
         """Whether the next batch should be read with the helper."""
-        self._batches += 1
-        with_helper, alone = self._seconds_per_byte[True], self._seconds_per_byte[False]
-        if min(len(with_helper), len(alone)) < self.window // 2:
-            return len(with_helper) <= len(alone)
-        faster = statistics.median(with_helper) <= statistics.median(alone)
-        return faster != (self._batches % self.explore_every == 0)
+        with self._lock:
+            self._batches += 1
+            with_helper, alone = self._seconds_per_byte[True], self._seconds_per_byte[False]
+            if min(len(with_helper), len(alone)) < self.window // 2:
+                return len(with_helper) <= len(alone)
+            faster = statistics.median(with_helper) <= statistics.median(alone)
+            return faster != (self._batches % self.explore_every == 0)
 
     def took(self, helped: bool, seconds: float, nbytes: int) -> None:
-        self._seconds_per_byte[helped].append(seconds / max(nbytes, 1))
+        with self._lock:
+            self._seconds_per_byte[helped].append(seconds / max(nbytes, 1))
+
+
+PACE = Pace()
+"""The process's ``Pace``, which every ``ShardReader`` asks."""
 
 
 class ShardReader:
     """Descriptors of one store's shard files, opened for reading on first use (``path_of(shard)`` names them)."""
 
-    def __init__(self, path_of: Callable[[int], Path]) -> None:
+    def __init__(self, path_of: Callable[[int], Path], pace: Pace = PACE) -> None:
         self._path_of = path_of
         self._open: OrderedDict[int, int] = OrderedDict()  # shard -> descriptor, least recently read first
         self._wanted: list[tuple[int, int, int]] = []  # (shard, offset, length) runs a batch is about to read
         self._helper: ThreadPoolExecutor | None = None  # reads a batch's records beside the caller (read_many)
-        self._pace = Pace()
+        self._pace = pace
         self._advising = threading.Lock()  # both threads of a read_many may find the page cache cold at once
 
     def _fd(self, shard: int) -> int:
