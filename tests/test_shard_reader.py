@@ -253,3 +253,20 @@ def test_pace_reads_each_batch_the_way_that_has_been_faster_and_tries_the_other(
         way = pace.helped()
         pace.took(way, 5.0 if way else 3.0, 1000)
     assert [pace.helped() for _ in range(pace.explore_every)].count(True) == 1
+
+
+@pytest.mark.parametrize("helped", [True, False])
+def test_a_batch_read_ahead_while_its_hits_are_promoted_and_dram_demotes(tmp_path, monkeypatch, helped):
+    """A get_many over DRAM and SSD whose SSD hits are promoted one by one, each evicting a DRAM block that is
+    demoted to SSD mid-batch (written into the open shard while the batch's records were read ahead): every block
+    bit for bit, read either way, a key asked twice in one batch too, and the tier sound afterwards."""
+    monkeypatch.setattr(shard_reader.PACE, "helped", lambda: helped)
+    keys = list(range(1, 9))
+    with BlockPool(SPEC, dram_blocks=3, ssd_path=tmp_path) as pool:
+        pool.put_many(keys, [block_of(k) for k in keys])  # 1-5 demoted to SSD, 6-8 in DRAM
+        assert [pool.tier_of(k) for k in keys] == ["ssd"] * 5 + ["dram"] * 3
+        asked = [1, 2, 6, 3, 1, 4, 5, 8]
+        got = pool.get_many(asked, np.zeros((len(asked), *SPEC.shape), SPEC.dtype))
+        assert all(g is not None and g.tobytes() == block_of(k).tobytes() for g, k in zip(got, asked))
+        assert pool.counters()["ssd"].corrupt == 0 and len(pool) == len(keys)
+        assert all(pool.get(k).tobytes() == block_of(k).tobytes() for k in keys)
