@@ -40,7 +40,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -151,8 +151,8 @@ class ShardReader:
             return None
 
     def read_many(self, reads: Sequence[tuple[int, int, np.ndarray]]) -> list[ReadResult]:
-        """Read and hash each ``(shard, offset, out)`` chunk, on this thread and a helper thread in turn (module
-        docstring); the result of each, in order. Every read has ended when this returns, so nothing writes into
+        """Read and hash each ``(shard, offset, out)`` chunk, on this thread and, when ``Pace`` finds it faster, a
+        helper thread, each taking the next (module docstring); the result of each, in order. Every read has ended when this returns, so nothing writes into
         an ``out`` after it. A batch spanning more shard files than stay open is read on this thread alone (the
         descriptors are all opened first, here, so the helper never touches the descriptor cache)."""
         results: list[ReadResult] = [None] * len(reads)
@@ -197,9 +197,14 @@ class ShardReader:
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="ssd-read")
         helping = self._helper.submit(work)
-        work()
-        if not helping.cancel():  # started: it is reading at most one record, or finding none left
-            helping.result()
+        try:
+            work()
+        finally:
+            started_helping = not helping.cancel()  # started: reading at most one record, or finding none left
+            if started_helping:
+                wait([helping])  # even when this thread failed: nothing may write into an out once this returns
+        if started_helping:
+            helping.result()  # the helper's own failure (a read's OSError is its result, not this)
         self._pace.took(True, time.perf_counter() - started, sum(out.size for _, _, out in reads))
         return results
 
