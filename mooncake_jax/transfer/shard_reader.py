@@ -152,9 +152,10 @@ class ShardReader:
 
     def read_many(self, reads: Sequence[tuple[int, int, np.ndarray]]) -> list[ReadResult]:
         """Read and hash each ``(shard, offset, out)`` chunk, on this thread and, when ``Pace`` finds it faster, a
-        helper thread, each taking the next (module docstring); the result of each, in order. Every read has ended when this returns, so nothing writes into
-        an ``out`` after it. A batch spanning more shard files than stay open is read on this thread alone (the
-        descriptors are all opened first, here, so the helper never touches the descriptor cache)."""
+        helper thread, each taking the next (module docstring); the result of each, in order. Every read has ended
+        when this returns, so nothing writes into an ``out`` after it. A batch spanning more shard files than stay
+        open is read on this thread alone (the descriptors are all opened first, here, so the helper never touches
+        the descriptor cache)."""
         results: list[ReadResult] = [None] * len(reads)
         taken = iter(range(len(reads)))
         lock = threading.Lock()
