@@ -20,7 +20,9 @@ Figures (issue 4, Measure):
   raw write of the same bytes with ``O_DIRECT`` (copied into a 4 MiB aligned buffer, as ``dd oflag=direct``
   does) and the tier's put with its shards written ``O_DIRECT`` (``ssd_direct_io=True``):
   ``ssd_put_vs_direct_raw_ratio``, ``ssd_direct_io_put_ratio`` (against the buffered raw write),
-  ``ssd_direct_io_put_vs_direct_raw_ratio``;
+  ``ssd_direct_io_put_vs_direct_raw_ratio``; and each SSD ratio taken round by round, a trial over its baseline's
+  trial of the same round (``ssd_put_paired_ratio``, ``ssd_get_paired_ratio``: medians of those), which a slow
+  episode hitting both trials of a round does not move;
 * Messenger GB/s between two processes on loopback (a fetch into an empty DRAM pool; a push) and a bare gRPC
   stream of the same bytes in the same message sizes from the same peer process and connection (its Probe
   RPC, one prebuilt message sent again and again, read as protobuf ``BlockPiece`` messages; the message size is
@@ -315,7 +317,19 @@ def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: 
     trials, log = costed({"raw_write_gbps": raw_write, "ssd_put_gbps": put, "raw_read_gbps": raw_read,
                           "ssd_get_gbps": get, **(direct if hasattr(os, "O_DIRECT") else {})}, n_bytes,
                          timed_only=True)
-    return with_cpu(alternate(repeats, **trials), log)
+    figures = with_cpu(alternate(repeats, **trials), log)
+    for name, (tier, baseline) in (("ssd_put_paired_ratio", ("ssd_put_gbps", "raw_write_gbps")),
+                                   ("ssd_get_paired_ratio", ("ssd_get_gbps", "raw_read_gbps"))):
+        figures[name] = paired(figures[tier]["trials"], figures[baseline]["trials"])
+    return figures
+
+
+def paired(tier: list[float], baseline: list[float]) -> dict:
+    """The tier's trial over the baseline's trial of the same round, median and all: a slow episode of the shared
+    machine that hits both trials of a round (their CPU per GB up 2.5-4x alike, docs/benchmarks/pool.md ninth SSD
+    pass) cancels out here, where it moves one median of five and not the other."""
+    per_round = [t / b for t, b in zip(tier, baseline)]
+    return {"median": statistics.median(per_round), "trials": [round(x, 3) for x in per_round]}
 
 
 # ---- Messenger between two processes vs a bare gRPC stream ----------------------------------------------
@@ -536,6 +550,7 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", 
         section = results[label]
         medians = {k: v["median"] for k, v in section.items() if isinstance(v, dict) and "median" in v}
         section["ratios"] = ratios(medians)
+        section["ratios"].update({k: m for k, m in medians.items() if k.endswith("_paired_ratio")})
     if layerwise != "skip" and not tiers_only:
         lengths = (1024, 2048) if layerwise == "default" else (1024, 2048, 4096, 8192, 16384)
         results["layerwise_prefill"] = measure_layerwise_prefill(lengths[:1] if quick else lengths,
@@ -548,7 +563,7 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", 
                  "messenger_push_one_message_ratio", "messenger_push_one_message_cpu_ratio",
                  "ssd_put_vs_direct_raw_ratio",
                  "ssd_direct_io_put_ratio",
-                 "ssd_direct_io_put_vs_direct_raw_ratio"):
+                 "ssd_direct_io_put_vs_direct_raw_ratio", "ssd_put_paired_ratio", "ssd_get_paired_ratio"):
         if any(name in r for r in sections):
             results[name] = round(min(r[name] for r in sections if name in r), 3)
     for name, figure in (("transfer_engine_gbps", "messenger_fetch_gbps"),  # the gRPC Messenger

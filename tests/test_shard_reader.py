@@ -2,6 +2,7 @@
 in), hashed as they land, with a bounded set of open files that a deleted shard leaves at once."""
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -167,3 +168,105 @@ def test_a_process_out_of_descriptors_misses_but_keeps_its_blocks(tmp_path, monk
         assert pool.counters()["ssd"].corrupt == 0 and len(pool) == 2
         monkeypatch.setattr(shard_reader.os, "open", real_open)
         assert pool.get(1).tobytes() == block_of(1).tobytes() and pool.get_record(2) is not None
+
+
+def test_read_many_on_two_threads_is_each_read_alone(tmp_path, monkeypatch):
+    """A batch read by the caller and the helper thread in turn: every chunk's bytes and digest as a read of it
+    alone, a missing or short shard file None for its chunks only, an error that says nothing of the record
+    (UNAVAILABLE) handed back for the caller to raise; past MAX_OPEN_FILES shards, the same on one thread."""
+    import errno
+
+    data = {shard: np.random.default_rng(shard).integers(0, 256, 4 << 20, dtype=np.uint8) for shard in (0, 1, 2)}
+    for shard, raw in data.items():
+        (tmp_path / f"s{shard}").write_bytes(raw.tobytes()[: (1 << 20) if shard == 2 else None])  # 2: cut short
+    reader = shard_reader.ShardReader(lambda shard: tmp_path / f"s{shard}", shard_reader.Pace())
+    wanted = [(0, 0, 3 << 20), (1, 4096, 1 << 20), (9, 0, 100), (0, 3 << 20, 4096), (2, 0, 2 << 20), (1, 0, 5)]
+    helper_reads = []
+    real = shard_reader.read_with_checksum
+
+    def counted(fd, out, offset, on_cold=None):
+        helper_reads.append(threading.current_thread().name.startswith("ssd-read"))
+        return real(fd, out, offset, on_cold)
+
+    monkeypatch.setattr(shard_reader, "read_with_checksum", counted)
+    for max_open, helped in ((32, True), (32, False), (1, True)):
+        monkeypatch.setattr(shard_reader, "MAX_OPEN_FILES", max_open)
+        monkeypatch.setattr(reader._pace, "helped", lambda helped=helped: helped)
+        helper_reads.clear()
+        outs = [np.zeros(size, np.uint8) for _, _, size in wanted]
+        got = reader.read_many([(shard, offset, out) for (shard, offset, _), out in zip(wanted, outs)])
+        for (shard, offset, size), out, result in zip(wanted, outs, got):
+            if shard in (2, 9):  # cut short, missing
+                assert result is None
+            else:
+                whole = data[shard][offset : offset + size]
+                assert result == checksum(whole) and (out == whole).all()
+        if not helped or max_open == 1:  # (with the helper, how many it takes depends on when it is scheduled)
+            assert not any(helper_reads)
+
+    def out_of_memory(fd, out, offset, on_cold=None):
+        if offset == 4096:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real(fd, out, offset, on_cold)
+
+    monkeypatch.setattr(shard_reader, "MAX_OPEN_FILES", 32)
+    monkeypatch.setattr(reader._pace, "helped", lambda: True)
+    monkeypatch.setattr(shard_reader, "read_with_checksum", out_of_memory)
+    got = reader.read_many([(0, 0, np.zeros(64, np.uint8)), (1, 4096, np.zeros(64, np.uint8))])
+    assert got[0] == checksum(data[0][:64]) and isinstance(got[1], OSError) and got[1].errno == errno.ENOMEM
+    reader.close()
+
+
+def test_a_record_read_ahead_is_read_again_once_it_has_moved(tmp_path):
+    """What a batch's prefetch read is handed on only for the same key, the same target and the same place on
+    disk: the key written again since (a fresh slot, other bytes) or asked into another buffer is read anew."""
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many([1, 2], [block_of(1), block_of(2)])
+        store = pool._tiers[0].store
+        outs = [np.zeros(SPEC.nbytes, np.uint8) for _ in range(2)]
+        store.prefetch([1, 2], outs)
+        assert (outs[0] == block_of(1).reshape(-1).view(np.uint8)).all()  # read already, on prefetch
+        store.put_block(1, block_of(7).reshape(-1).view(np.uint8))  # key 1 now lies elsewhere, with other bytes
+        store.settle()
+        head, digest = store.read_into(1, outs[0])
+        assert digest == checksum(block_of(7)) and (outs[0] == block_of(7).reshape(-1).view(np.uint8)).all()
+        other = np.zeros(SPEC.nbytes, np.uint8)
+        assert store.read_into(2, other)[1] == checksum(block_of(2)) and (other == outs[1]).all()
+
+
+def test_pace_reads_each_batch_the_way_that_has_been_faster_and_tries_the_other():
+    """Both ways taken in turn until each has half a window of batches; then the faster by median seconds per byte,
+    the slower one tried every ``explore_every`` batches (so a freed or taken core is noticed); a way that turns
+    slower loses its place."""
+    pace = shard_reader.Pace()
+    ways = []
+    for _ in range(pace.window):
+        ways.append(pace.helped())
+        pace.took(ways[-1], 1.0 if ways[-1] else 3.0, 1000)  # the helper three times as fast
+    assert ways == [True, False] * (pace.window // 2)
+    chosen = []
+    for _ in range(2 * pace.explore_every):
+        chosen.append(pace.helped())
+        pace.took(chosen[-1], 1.0 if chosen[-1] else 3.0, 1000)
+    assert chosen.count(False) == 2  # the slower way, tried once every explore_every batches
+    for _ in range(3 * pace.window):  # now the helper is the slow way (its core taken)
+        way = pace.helped()
+        pace.took(way, 5.0 if way else 3.0, 1000)
+    assert [pace.helped() for _ in range(pace.explore_every)].count(True) == 1
+
+
+@pytest.mark.parametrize("helped", [True, False])
+def test_a_batch_read_ahead_while_its_hits_are_promoted_and_dram_demotes(tmp_path, monkeypatch, helped):
+    """A get_many over DRAM and SSD whose SSD hits are promoted one by one, each evicting a DRAM block that is
+    demoted to SSD mid-batch (written into the open shard while the batch's records were read ahead): every block
+    bit for bit, read either way, a key asked twice in one batch too, and the tier sound afterwards."""
+    monkeypatch.setattr(shard_reader.PACE, "helped", lambda: helped)
+    keys = list(range(1, 9))
+    with BlockPool(SPEC, dram_blocks=3, ssd_path=tmp_path) as pool:
+        pool.put_many(keys, [block_of(k) for k in keys])  # 1-5 demoted to SSD, 6-8 in DRAM
+        assert [pool.tier_of(k) for k in keys] == ["ssd"] * 5 + ["dram"] * 3
+        asked = [1, 2, 6, 3, 1, 4, 5, 8]
+        got = pool.get_many(asked, np.zeros((len(asked), *SPEC.shape), SPEC.dtype))
+        assert all(g is not None and g.tobytes() == block_of(k).tobytes() for g, k in zip(got, asked))
+        assert pool.counters()["ssd"].corrupt == 0 and len(pool) == len(keys)
+        assert all(pool.get(k).tobytes() == block_of(k).tobytes() for k in keys)

@@ -68,7 +68,7 @@ from mooncake_jax.transfer.frame import (
     verify,
 )
 from mooncake_jax.transfer.shard_file import chunk_offsets, index_bytes
-from mooncake_jax.transfer.shard_reader import ShardReader
+from mooncake_jax.transfer.shard_reader import ReadResult, ShardReader
 from mooncake_jax.transfer.shard_writer import ShardImage, ShardWriter
 from mooncake_jax.transfer.spec import BlockSpec
 
@@ -182,6 +182,8 @@ class FileStore:
         self._shard_heads: dict[int, np.ndarray] = {}  # shard -> its heads (zeroed where removed), as on disk
         self._offsets: dict[int, np.ndarray] = {}  # shard -> where each slot's data starts in its file (-1: none)
         self._reader = ShardReader(self._data_path)
+        self._read_ahead: dict[BlockKey, tuple[np.ndarray, int, int, ReadResult]] = {}  # prefetch's reads (out,
+        # shard, offset, result) for read_into, kept until the batch's read or the next prefetch
         self._pending: deque[tuple[list[BlockKey], int, tuple[Future | ts.Future, ...]]] = deque()
         self._failed: list[tuple[BlockKey, Exception]] = []
         self.corrupt_at_open = 0
@@ -558,9 +560,13 @@ class FileStore:
     def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None) -> None:
         """A batch read of these records is coming: name its runs of chunks lying end to end in one shard (a batch
         written by one call, read back in order) to the reader, which asks the kernel for them once a read finds
-        the page cache cold (``shard_reader.py``). (``outs``: where ``read_into`` will put them.)"""
+        the page cache cold (``shard_reader.py``). With ``outs`` (where ``read_into`` will put them) and nothing
+        being written, the records are read and hashed into them now, on two threads (``ShardReader.read_many``),
+        and ``read_into`` hands on what landed."""
         runs: list[tuple[int, int, int]] = []  # shard, offset, length
-        for key in keys:
+        reads: list[tuple[int, int, np.ndarray]] = []  # shard, offset, out
+        read_keys: list[BlockKey] = []
+        for i, key in enumerate(keys):
             where = self._location(key)
             if where is None or where[2] < 0:
                 continue
@@ -569,17 +575,32 @@ class FileStore:
                 runs[-1] = (shard, runs[-1][1], runs[-1][2] + self.spec.nbytes)
             else:
                 runs.append((shard, offset, self.spec.nbytes))
+            if outs is not None:
+                reads.append((shard, offset, outs[i]))
+                read_keys.append(key)
         self._reader.want(runs)
+        self._read_ahead = {}
+        if len(reads) < 2 or self._pending or self._staged:  # one record: nothing to share; writes: not yet on disk
+            return
+        for key, (shard, offset, out), result in zip(read_keys, reads, self._reader.read_many(reads)):
+            self._read_ahead.setdefault(key, (out, shard, offset, result))  # a key twice: the second read later
 
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes, tuple[int, int] | None] | None:
         """Read the record's data from its shard file straight into ``out`` (flat uint8), hashed as it lands; the
         head (kept in memory since it was written or found on open) and the checksum of what landed, None when the
-        shard file is cut short or unreadable (the head still says whether the record is of an older format)."""
+        shard file is cut short or unreadable (the head still says whether the record is of an older format). A
+        record ``prefetch`` already read into this ``out`` from where it still lies is not read again."""
         where = self._location(key)
         if where is None:
             return None
         shard, row, offset = where
-        digest = self._reader.read(shard, offset, out) if offset >= 0 else None
+        ahead = self._read_ahead.pop(key, None)
+        if ahead is not None and ahead[0] is out and ahead[1] == shard and ahead[2] == offset:
+            digest = ahead[3]
+            if isinstance(digest, OSError):
+                raise digest
+        else:
+            digest = self._reader.read(shard, offset, out) if offset >= 0 else None
         return self._shard_heads[shard][row].tobytes(), digest
 
     def close(self) -> None:
@@ -587,5 +608,6 @@ class FileStore:
             self._seal()
             self.settle()
         finally:
+            self._read_ahead = {}
             self._writer.close()
             self._reader.close()
