@@ -27,8 +27,9 @@
    trace's; ``*_window_trace_order`` keeps the trace's order).
 6. Report TTFT and TBT p50 / p90 of both side by side with their relative errors (goal <= 25%).
 7. Beside it, the prediction from what was measured before the replay only (``from_profile``, ``*_profile``): the
-   start-up profile, the bursts' reported engine compute (``engine_in_bursts``), the pairs' decode join, the
-   bursts' decode, time to a decision and time off the engine, and the host's core count, its cores shared
+   start-up profile, the bursts' reported engine compute refitted by the calibration's polynomial
+   (``engine_in_bursts``: the trace slice's prompts run to 3,770 tokens, the profile's to 512), the pairs' decode
+   join, the bursts' decode, time to a decision and time off the engine, and the host's core count, its cores shared
    between the simulated instances (``SimConfig.host_cores``) and the host's other runnable processes as a
    contention probe measured them (``contention``: a prefill alone, two at once, two beside a decode batch;
    ``SimConfig.host_other_busy``).
@@ -305,11 +306,11 @@ def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_ins
     increasing or has a negative intercept); and ``engine_coef_bursts``: the start-up calibration's polynomial
     (``fit_prefill_poly``: relative error, coefficients >= 0) fitted to the same work over the tokens each request
     computed, which the profile reading takes. Why the polynomial: the start-up profile times prompts of at most
-    512 tokens (prefixes of at most 256), the trace's reach 4,000; the profile's shape times one scale misses how
-    the engine's time grows beyond them (two quiet runs of the seventh pass: the line's intercept came out negative,
-    its fallback, the ratio of the sums, weighed by the longest prompts, put the median prompts' engine time at
-    1.7-1.9x the replay's and their queues 34-41 ms long, TTFT p50 29-34% high). Why the sharing divided out: the
-    replays' engine ran 1.8-3x what the pairs' line
+    512 tokens (prefixes of at most 256), the trace slice's reach 3,770; the profile's shape times one scale misses
+    how the engine's time grows beyond them (two quiet runs of the seventh pass: no line read,
+    ``engine_fixed_s_bursts`` 0; its fallback, the ratio of the sums, weighed by the longest prompts, put the median
+    prompts' engine time at 1.7-1.9x the replay's, their queues' median 34-41 ms longer, TTFT p50 29-34% high). Why the sharing divided out:
+    the replays' engine ran 1.8-3x what the pairs' line
     (``engine_in_pairs``: two prefills, no decode batch) predicted at every prompt length in the sixth pass's runs
     ``s6_5``-``s6_7``, where sharing the cores between the instances stretches it at most 1.5x; what else a burst
     costs the engine (streaming its tokens to the clients in Python threads on the same cores) is then in this
