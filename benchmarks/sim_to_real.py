@@ -309,9 +309,9 @@ def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_ins
     512 tokens (prefixes of at most 256), the trace slice's reach 3,770; the profile's shape times one scale misses
     how the engine's time grows beyond them (two quiet runs of the seventh pass: no line read,
     ``engine_fixed_s_bursts`` 0; its fallback, the ratio of the sums, weighed by the longest prompts, put the median
-    prompts' engine time at 1.7-1.9x the replay's, their queues' median 34-41 ms longer, TTFT p50 29-34% high). Why the sharing divided out:
-    the replays' engine ran 1.8-3x what the pairs' line
-    (``engine_in_pairs``: two prefills, no decode batch) predicted at every prompt length in the sixth pass's runs
+    prompts' engine time at 1.7-1.9x the replay's, their queues' median 34-41 ms longer, TTFT p50 29-34% high).
+    Why the sharing divided out: the replays' engine ran 1.8-3x what the pairs' line (``engine_in_pairs``: two
+    prefills, no decode batch) predicted at every prompt length in the sixth pass's runs
     ``s6_5``-``s6_7``, where sharing the cores between the instances stretches it at most 1.5x; what else a burst
     costs the engine (streaming its tokens to the clients in Python threads on the same cores) is then in this
     reading, as it is in the replay. (Seventh pass: the bursts' median ratio to the profile came within 2-21% of
