@@ -305,7 +305,9 @@ def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_ins
     engine_scale * profile`` (least squares in relative error; the ratio of the sums where that line is not
     increasing or has a negative intercept); and ``engine_coef_bursts``: the start-up calibration's polynomial
     (``fit_prefill_poly``: relative error, coefficients >= 0) fitted to the same work over the tokens each request
-    computed, which the profile reading takes. Why the polynomial: the start-up profile times prompts of at most
+    computed, scaled so that the median request's work over it is 1 (least squares in relative error sits below
+    noisy times: in the eighth pass's runs it put the bursts' median requests at 0.5-0.9x their own work), which
+    the profile reading takes. Why the polynomial: the start-up profile times prompts of at most
     512 tokens (prefixes of at most 256), the trace slice's reach 3,770; the profile's shape times one scale misses
     how the engine's time grows beyond them (two quiet runs of the seventh pass: no line read,
     ``engine_fixed_s_bursts`` 0; its fallback, the ratio of the sums, weighed by the longest prompts, put the median
@@ -342,9 +344,11 @@ def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_ins
     read = {"engine_scale_bursts": scale, "engine_fixed_s_bursts": fixed, "engine_bursts_requests": len(p),
             "engine_bursts_share": float(p[:, 2].mean())}
     try:  # the work's own shape over the trace's lengths, by the start-up calibration's fitter (``engine_coef_bursts``)
-        read["engine_coef_bursts"] = [float(c) for c in fit_prefill_poly(p[:, [3, 4, 1]]).coef]
-    except ValueError:  # fewer than four distinct points to fit: the line alone
-        pass
+        coef = np.array(fit_prefill_poly(p[:, [3, 4, 1]]).coef)
+    except ValueError:  # no polynomial to fit: the line alone
+        return read
+    level = float(np.median(p[:, 1] / prefill_seconds(coef, p[:, 3], p[:, 4])))  # its median request's work, read
+    read["engine_coef_bursts"] = [float(c) * level for c in coef]
     return read
 
 

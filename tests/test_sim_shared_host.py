@@ -157,6 +157,18 @@ def test_the_bursts_engine_is_read_with_the_sharing_divided_out():
     assert [bench.prefill_seconds(read["engine_coef_bursts"], n, 0) for n in (500, 1000)] == pytest.approx([3.25, 4.0])
 
 
+def test_the_bursts_polynomial_puts_their_median_request_at_its_own_work():
+    """By hand: four 100-token requests alone took 1, 2, 2 and 4 s. Least squares in relative error puts them at
+    (1 + 1/2 + 1/2 + 1/4) / (1 + 1/4 + 1/4 + 1/16) = 1.44 s, below three of the four; the polynomial is scaled so
+    that the median request's work over it is 1: 2 s."""
+    from test_accounting import _sim_to_real
+
+    bench = _sim_to_real()
+    engine = [(100, 0, 0.0, 1.0), (100, 0, 10.0, 2.0), (100, 0, 20.0, 2.0), (100, 0, 30.0, 4.0)]
+    read = bench.engine_in_bursts(engine, [], SLOW_LINK, 2, 0.0)
+    assert bench.prefill_seconds(read["engine_coef_bursts"], 100, 0) == pytest.approx(2.0)
+
+
 def test_the_bursts_engine_keeps_its_own_shape_over_the_trace_lengths():
     """By hand (two cores, no others): the engine's work grows as 0.5 s + 1 ms per computed token + 1 us per token
     squared + 2 us per computed token and cached token, where the profile (1 s + 1 ms per token) is a line. Alone:
