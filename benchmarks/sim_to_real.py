@@ -306,8 +306,8 @@ def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_ins
     increasing or has a negative intercept); and ``engine_coef_bursts``: the start-up calibration's polynomial
     (``fit_prefill_poly``: relative error, coefficients >= 0) fitted to the same work over the tokens each request
     computed, scaled so that the median request's work over it is 1 (least squares in relative error sits below
-    noisy times: in the eighth pass's runs it put the bursts' median requests at 0.5-0.9x their own work), which
-    the profile reading takes. Why the polynomial: the start-up profile times prompts of at most
+    noisy times: it put the bursts' median request at 0.66-0.93x its own work in eight of nine recorded runs of the
+    seventh and eighth passes, 0.24x in ``s7_3``), which the profile reading takes. Why the polynomial: the start-up profile times prompts of at most
     512 tokens (prefixes of at most 256), the trace slice's reach 3,770; the profile's shape times one scale misses
     how the engine's time grows beyond them (two quiet runs of the seventh pass: no line read,
     ``engine_fixed_s_bursts`` 0; its fallback, the ratio of the sums, weighed by the longest prompts, put the median
