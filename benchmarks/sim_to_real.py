@@ -307,11 +307,12 @@ def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_ins
     (``fit_prefill_poly``: relative error, coefficients >= 0) fitted to the same work over the tokens each request
     computed, scaled so that the median request's work over it is 1 (least squares in relative error sits below
     noisy times: it put the bursts' median request at 0.66-0.93x its own work in eight of nine recorded runs of the
-    seventh and eighth passes, 0.24x in ``s7_3``), which the profile reading takes. Why the polynomial: the start-up profile times prompts of at most
-    512 tokens (prefixes of at most 256), the trace slice's reach 3,770; the profile's shape times one scale misses
-    how the engine's time grows beyond them (two quiet runs of the seventh pass: no line read,
-    ``engine_fixed_s_bursts`` 0; its fallback, the ratio of the sums, weighed by the longest prompts, put the median
-    prompts' engine time at 1.7-1.9x the replay's, their queues' median 34-41 ms longer, TTFT p50 29-34% high).
+    seventh and eighth passes, 0.24x in ``s7_3``), which the profile reading takes. Why the polynomial: the
+    start-up profile times prompts of at most 512 tokens (prefixes of at most 256), the trace slice's reach 3,770;
+    the profile's shape times one scale misses how the engine's time grows beyond them (two quiet runs of the
+    seventh pass: no line read, ``engine_fixed_s_bursts`` 0; its fallback, the ratio of the sums, weighed by the
+    longest prompts, put the median prompts' engine time at 1.7-1.9x the replay's, their queues' median 34-41 ms
+    longer, TTFT p50 29-34% high).
     Why the sharing divided out: the replays' engine ran 1.8-3x what the pairs' line (``engine_in_pairs``: two
     prefills, no decode batch) predicted at every prompt length in the sixth pass's runs
     ``s6_5``-``s6_7``, where sharing the cores between the instances stretches it at most 1.5x; what else a burst
