@@ -27,8 +27,9 @@
    trace's; ``*_window_trace_order`` keeps the trace's order).
 6. Report TTFT and TBT p50 / p90 of both side by side with their relative errors (goal <= 25%).
 7. Beside it, the prediction from what was measured before the replay only (``from_profile``, ``*_profile``): the
-   start-up profile, the bursts' reported engine compute (``engine_in_bursts``), the pairs' decode join, the
-   bursts' decode, time to a decision and time off the engine, and the host's core count, its cores shared
+   start-up profile, the bursts' reported engine compute refitted by the calibration's polynomial
+   (``engine_in_bursts``: the trace slice's prompts run to 3,770 tokens, the profile's to 512), the pairs' decode
+   join, the bursts' decode, time to a decision and time off the engine, and the host's core count, its cores shared
    between the simulated instances (``SimConfig.host_cores``) and the host's other runnable processes as a
    contention probe measured them (``contention``: a prefill alone, two at once, two beside a decode batch;
    ``SimConfig.host_other_busy``).
@@ -302,8 +303,18 @@ def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_ins
     computing then (every burst request's reported compute interval, at most ``prefill_instances``) and whether the
     decode batch was busy (some request between its first and last token); then ``work = engine_fixed +
     engine_scale * profile`` (least squares in relative error; the ratio of the sums where that line is not
-    increasing or has a negative intercept). Why: the replays' engine ran 1.8-3x what the pairs' line
-    (``engine_in_pairs``: two prefills, no decode batch) predicted at every prompt length in the sixth pass's runs
+    increasing or has a negative intercept); and ``engine_coef_bursts``: the start-up calibration's polynomial
+    (``fit_prefill_poly``: relative error, coefficients >= 0) fitted to the same work over the tokens each request
+    computed, scaled so that the median request's work over it is 1 (least squares in relative error sits below
+    noisy times: it put the bursts' median request at 0.66-0.93x its own work in eight of nine recorded runs of the
+    seventh and eighth passes, 0.24x in ``s7_3``), which the profile reading takes. Why the polynomial: the
+    start-up profile times prompts of at most 512 tokens (prefixes of at most 256), the trace slice's reach 3,770;
+    the profile's shape times one scale misses how the engine's time grows beyond them (two quiet runs of the
+    seventh pass: no line read, ``engine_fixed_s_bursts`` 0; its fallback, the ratio of the sums, weighed by the
+    longest prompts, put the median prompts' engine time at 1.7-1.9x the replay's, their queues' median 34-41 ms
+    longer, TTFT p50 29-34% high).
+    Why the sharing divided out: the replays' engine ran 1.8-3x what the pairs' line (``engine_in_pairs``: two
+    prefills, no decode batch) predicted at every prompt length in the sixth pass's runs
     ``s6_5``-``s6_7``, where sharing the cores between the instances stretches it at most 1.5x; what else a burst
     costs the engine (streaming its tokens to the clients in Python threads on the same cores) is then in this
     reading, as it is in the replay. (Seventh pass: the bursts' median ratio to the profile came within 2-21% of
@@ -321,8 +332,9 @@ def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_ins
         for t in begin + compute * (np.arange(SHARE_SAMPLES) + 0.5) / SHARE_SAMPLES:
             busy = min(prefill_instances, max(1, sum(a <= t < b for a, b in prefilling)))
             rates.append(shared_rates(cores, busy, int(any(a <= t < b for a, b in decoding)), 1.0, others)[0])
-        points.append((prefill_work_s(costs.prefill, n, reused_tokens(n, cached)), compute * float(np.mean(rates)),
-                       float(np.mean(rates))))
+        reused = reused_tokens(n, cached)
+        points.append((prefill_work_s(costs.prefill, n, reused), compute * float(np.mean(rates)),
+                       float(np.mean(rates)), reused + costs.prefill.computed_tokens(n - reused), reused))
     if len(points) < 4:
         return {}
     p = np.array(points)
@@ -330,8 +342,15 @@ def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_ins
     (f, k), *_ = np.linalg.lstsq(np.stack([1 / p[:, 1], p[:, 0] / p[:, 1]], 1), np.ones(len(p)), rcond=None)
     if k > 0 and f >= 0:
         fixed, scale = float(f), float(k)
-    return {"engine_scale_bursts": scale, "engine_fixed_s_bursts": fixed, "engine_bursts_requests": len(p),
+    read = {"engine_scale_bursts": scale, "engine_fixed_s_bursts": fixed, "engine_bursts_requests": len(p),
             "engine_bursts_share": float(p[:, 2].mean())}
+    try:  # the work's own shape over the trace's lengths, by the start-up calibration's fitter (``engine_coef_bursts``)
+        coef = np.array(fit_prefill_poly(p[:, [3, 4, 1]]).coef)
+    except ValueError:  # no polynomial to fit: the line alone
+        return read
+    level = float(np.median(p[:, 1] / prefill_seconds(coef, p[:, 3], p[:, 4])))  # its median request's work, read
+    read["engine_coef_bursts"] = [float(c) * level for c in coef]
+    return read
 
 
 def decode_in_bursts(runs, costs) -> dict:
@@ -561,8 +580,10 @@ def profiled_costs(costs, overheads: dict):
 def from_profile(costs, probed: dict, cores: int, others: float | None = None) -> dict:
     """The simulator's inputs from what was measured before the replay only:
 
-    - the start-up profile (each instance's engine alone), its prefill times ``engine_scale`` plus ``engine_fixed_s``
-      per request, both from the pairs' reported engine compute (``engine_in_pairs``);
+    - the prefill engine: the bursts' work refitted by the calibration's polynomial (``engine_coef_bursts``, the
+      sharing divided out, ``engine_in_bursts``); without it the start-up profile (each instance's engine alone)
+      times ``engine_scale`` plus ``engine_fixed_s`` per request, from the bursts' line where read, else the pairs'
+      reported engine compute (``engine_in_pairs``);
     - the time off the engine from the bursts' requests (``off_engine_s_bursts``; the pairs' where none), and before
       it their time to the Conductor's decision (``decided_s_bursts``: the simulated requests arrive at the trace's
       times and the simulator's Conductor decides at once, where the gateway hashes the prompt's blocks and asks the
@@ -592,8 +613,11 @@ def from_profile(costs, probed: dict, cores: int, others: float | None = None) -
     fixed = probed.get("engine_fixed_s", 0.0) * in_pairs
     if "engine_scale_bursts" in probed:  # the bursts' engine, read with these others' sharing divided out
         scale, fixed = probed["engine_scale_bursts"], probed["engine_fixed_s_bursts"]
+    coef = [costs.prefill.coef[0] * scale + fixed] + [c * scale for c in costs.prefill.coef[1:]]
+    if "engine_coef_bursts" in probed:  # its own shape over the trace's lengths, fitted to the same work
+        coef = list(probed["engine_coef_bursts"])
     join = probed["decode_join_s"] * decoding_alone  # the pairs': no prefill beside (the bursts' ran 3 busy)
-    return {"prefill_coef": [costs.prefill.coef[0] * scale + fixed] + [c * scale for c in costs.prefill.coef[1:]],
+    return {"prefill_coef": coef,
             "prefill_scale": scale, "request_overhead_s": 0.0,
             "prefill_off_engine_s": probed.get("off_engine_s_bursts", probed.get("off_engine_s", 0.0))
             + probed.get("decided_s_bursts", 0.0),
@@ -725,6 +749,7 @@ def main() -> None:
     # exact steps, in the trace's order, and the probe-calibrated reading of before (exact steps, trace order)
     profile_inputs = from_profile(costs, overheads, cores)
     pairs_engine = {k: v for k, v in overheads.items() if not k.startswith("engine_") or not k.endswith("_bursts")}
+    line_engine = {k: v for k, v in overheads.items() if k != "engine_coef_bursts"}
     no_contention = {**overheads, **engine_in_bursts(burst_engine, burst_runs, costs, cores, 0.0, args.prefill)}
     readings = {"": compare(window, arrivals),
                 "_exact_steps": compare({**window, "decode_step_spread": ()}, arrivals),
@@ -735,7 +760,8 @@ def main() -> None:
                 "_profile_no_sharing": compare({**profile_inputs, "host_cores": None, "host_other_busy": 0.0},
                                                None),
                 "_profile_no_contention": compare(from_profile(costs, no_contention, cores, 0.0), None),
-                "_profile_pairs_engine": compare(from_profile(costs, pairs_engine, cores), None)}
+                "_profile_pairs_engine": compare(from_profile(costs, pairs_engine, cores), None),
+                "_profile_line_engine": compare(from_profile(costs, line_engine, cores), None)}
     sim_figures, sim = readings[""]
     results = {
         "requests": len(items), "completed_real": len(done), "completed_sim": sim.summary["completed"],

@@ -151,8 +151,48 @@ def test_the_bursts_engine_is_read_with_the_sharing_divided_out():
     assert bench.engine_in_bursts(engine, runs, SLOW_LINK, 2, 1.0)["engine_bursts_share"] == pytest.approx(0.75)
     assert bench.engine_in_bursts(engine[:3], runs, SLOW_LINK, 2, 0.0) == {}  # too few to read
     probed = {"engine_scale": 9.0, "engine_fixed_s": 9.0, "prefill_scale": 9.0, "decode_scale": 1.0,
-              "decode_join_s": 0.01, **read}
+              "decode_join_s": 0.01, **{k: v for k, v in read.items() if k != "engine_coef_bursts"}}
     assert bench.from_profile(SLOW_LINK, probed, 2)["prefill_coef"] == pytest.approx([2.5, 0.0015, 0.0, 0.0])
+    # the polynomial fitted to the same work (two lengths: not pinned down, but through both)
+    assert [bench.prefill_seconds(read["engine_coef_bursts"], n, 0) for n in (500, 1000)] == pytest.approx([3.25, 4.0])
+
+
+def test_the_bursts_polynomial_puts_their_median_request_at_its_own_work():
+    """By hand: four 100-token requests alone took 1, 2, 2 and 4 s. Least squares in relative error puts them at
+    (1 + 1/2 + 1/2 + 1/4) / (1 + 1/4 + 1/4 + 1/16) = 1.44 s, below three of the four; the polynomial is scaled so
+    that the median request's work over it is 1: 2 s."""
+    from test_accounting import _sim_to_real
+
+    bench = _sim_to_real()
+    engine = [(100, 0, 0.0, 1.0), (100, 0, 10.0, 2.0), (100, 0, 20.0, 2.0), (100, 0, 30.0, 4.0)]
+    read = bench.engine_in_bursts(engine, [], SLOW_LINK, 2, 0.0)
+    assert bench.prefill_seconds(read["engine_coef_bursts"], 100, 0) == pytest.approx(2.0)
+
+
+def test_the_bursts_engine_keeps_its_own_shape_over_the_trace_lengths():
+    """By hand (two cores, no others): the engine's work grows as 0.5 s + 1 ms per computed token + 1 us per token
+    squared + 2 us per computed token and cached token, where the profile (1 s + 1 ms per token) is a line. Alone:
+    100 tokens 0.61 s, 500 1.25 s, 1,000 2.5 s, 1,000 with 500 cached 1.75 s, 2,000 6.5 s; two of 1,000 side by side
+    beside a busy decode batch (2/3 of a core each) computed 3.75 s each, 2.5 s of work. The polynomial fitted to
+    that work is the one it follows, and the profile reading takes it. The profile times one line (the reading
+    without it): no line with a positive intercept fits, so the ratio of the sums, 17.61 / 13.1 s = 1.344x the
+    profile: the 100-token prompt at 1.48 s (2.4x its 0.61), the 2,000-token one at 4.03 s (not 6.5), as the quiet
+    runs of the seventh pass put their median prompts 1.7-1.9x too long."""
+    from test_accounting import _sim_to_real
+
+    bench = _sim_to_real()
+    engine = [(100, 0, 0.0, 0.61), (500, 0, 10.0, 1.25), (1000, 0, 20.0, 3.75), (1000, 0, 20.0, 3.75),
+              (1000, 500, 40.0, 1.75), (2000, 0, 50.0, 6.5), (1000, 0, 60.0, 2.5)]
+    runs = [(19.0, 32, np.array([19.0, 25.0, 30.0]))]
+    read = bench.engine_in_bursts(engine, runs, SLOW_LINK, 2, 0.0)
+    assert read["engine_coef_bursts"] == pytest.approx([0.5, 0.001, 1e-6, 2e-6], rel=1e-6)
+    probed = {"prefill_scale": 9.0, "decode_scale": 1.0, "decode_join_s": 0.01, **read}
+    inputs = bench.from_profile(SLOW_LINK, probed, 2)
+    assert inputs["prefill_coef"] == pytest.approx([0.5, 0.001, 1e-6, 2e-6], rel=1e-6)
+    line = bench.from_profile(SLOW_LINK, {k: v for k, v in probed.items() if k != "engine_coef_bursts"}, 2)
+    assert (read["engine_fixed_s_bursts"], read["engine_scale_bursts"]) == (0.0, pytest.approx(17.61 / 13.1))
+    assert [bench.prefill_seconds(line["prefill_coef"], n, 0) for n in (100, 2000)] == pytest.approx(
+        [1.1 * 17.61 / 13.1, 3.0 * 17.61 / 13.1])
 
 
 def test_the_cores_are_shared_by_weight_each_process_at_most_one():
