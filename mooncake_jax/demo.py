@@ -46,7 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--ttft-slo-s", type=float, default=2.0)
     p.add_argument("--tbt-slo-s", type=float, default=0.25)
     p.add_argument("--admission", default="predictive", choices=["none", "baseline", "early", "predictive"])
-    p.add_argument("--in-process", action="store_true", help="instances as threads instead of processes")
+    p.add_argument("--in-process", action="store_true", help="instances as threads instead of processes (one process holds every instance's "
+                   "compiled programs: with --hetero, use --prefill 1 to stay within Linux's memory-map limit)")
     p.add_argument("--hetero", action="store_true",
                    help="unlike instances: bfloat16 tensor=2 layer-wise prefill (16-token pages), float32 tensor=4 "
                         "decode (32-token pages), each on its own fake CPU devices")
@@ -235,6 +236,7 @@ def run(args) -> int:
     from .instance.cluster import Cluster
     from .instance.main import settle_serving_process
     from .model.config import PRESETS
+    from .model.map_budget import MapBudgetExhausted
 
     if args.requests < 1 or args.speed <= 0:
         print("mooncake-jax demo: --requests must be >= 1 and --speed > 0", file=sys.stderr)
@@ -255,8 +257,8 @@ def run(args) -> int:
                                 admission=args.admission, ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s,
                                 log_dir=log_dir, prefill_cpus=args.prefill_cpus,
                                 decode_cpus=args.decode_cpus, **shapes)
-    except ValueError as e:  # a shape the devices or the model cannot take: said before anything runs
-        print(f"mooncake-jax demo: {e}", file=sys.stderr)
+    except (ValueError, MapBudgetExhausted) as e:  # a shape the devices or the model cannot take; too many programs
+        print(f"mooncake-jax demo: {e}", file=sys.stderr)  # for one process (--in-process): said, not a crash
         return 2
     with cluster:
         cluster.warm_serving_path()

@@ -26,6 +26,7 @@ from .host_memory import keep_large_blocks_on_heap
 from .kv_cache import write_slots
 from ..engine.kv_manager import KVCacheManager
 from .llama import Llama
+from .map_budget import check_map_headroom
 from .sampling import ANY, MAX_LOGIT_BIAS, SampleOut, SamplingInputs, prompt_logprobs, sample_out
 from .sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence, validate_prompt
 from ..sharding.layout import SingleDevice
@@ -347,6 +348,7 @@ class Engine:
             whole = [p for p in contexts if p == 0 or p >= num_blocks(self.prefill_chunk_size, self.block_size)]
             programs += [((1, t, p, True), ANY) for t in chunks for p in whole]
         for i, ((rows, t, width, every), mode) in enumerate(programs):
+            check_map_headroom()  # a clear error, not a crash inside LLVM, where the process runs out of mappings
             index = None if every else np.zeros(rows, np.int32) if t == 1 else np.array([t - 1], np.int32)
             step = self._step(np.zeros((rows, t), np.int32), np.tile(np.arange(t, dtype=np.int32), (rows, 1)),
                               *self._warm_context(rows, width),
@@ -398,6 +400,7 @@ class Engine:
         done = 0
         for every in (False, True) if prompt_logprobs else (False,):
             for n_slots, pages in self.stacked_prefill_shapes(every):
+                check_map_headroom()
                 index = None if every else np.array([width - 1], np.int32)
                 step = self._step(np.zeros((1, width), np.int32), np.arange(width, dtype=np.int32)[None],
                                   *self._warm_context(1, pages),
