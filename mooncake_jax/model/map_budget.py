@@ -9,10 +9,14 @@ link fails inside LLVM: the process aborts or segfaults, with no Python error (m
 
 ``check_map_headroom`` turns that into a clear error before the limit: engines call it as they compile ahead of
 traffic. Where ``/proc`` is not there (not Linux) there is no such count to read and the check does nothing.
+Reading the count is not free (the kernel writes a line per mapping: ~50 ms at 20,000 measured), so the engines'
+check reads it at most every ``CHECK_EVERY_S``: warm-up compiles about a program a second on a 2-core CPU, some
+1,000 mappings in that time, well inside the headroom.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 MAX_MAP_COUNT = Path("/proc/sys/vm/max_map_count")
@@ -20,6 +24,8 @@ OWN_MAPS = Path("/proc/self/maps")
 HEADROOM = 0.1
 """The share of the limit kept free: room for the programs compiled after warm-up and for the mappings of
 everything else (thread stacks, arrays, shared libraries); 10% of the default limit is some 25-60 programs."""
+CHECK_EVERY_S = 5.0
+_next_check = 0.0  # monotonic time of the next reading (every engine of the process shares it)
 
 
 class MapBudgetExhausted(RuntimeError):
@@ -45,7 +51,14 @@ def maps_in_use() -> int | None:
 
 def check_map_headroom(limit: int | None = None, in_use: int | None = None) -> None:
     """Raise ``MapBudgetExhausted`` when this process holds more than ``1 - HEADROOM`` of the mappings the kernel
-    allows it (``limit`` and ``in_use`` default to the readings of this process)."""
+    allows it (``limit`` and ``in_use`` default to the readings of this process; without ``in_use``, read at most
+    every ``CHECK_EVERY_S``)."""
+    global _next_check
+    if in_use is None:
+        now = time.monotonic()
+        if now < _next_check:
+            return
+        _next_check = now + CHECK_EVERY_S
     limit = map_limit() if limit is None else limit
     in_use = maps_in_use() if in_use is None else in_use
     if limit is None or in_use is None or in_use <= (1 - HEADROOM) * limit:
