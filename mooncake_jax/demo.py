@@ -46,8 +46,9 @@ def add_arguments(p) -> None:
     p.add_argument("--ttft-slo-s", type=float, default=2.0)
     p.add_argument("--tbt-slo-s", type=float, default=0.25)
     p.add_argument("--admission", default="predictive", choices=["none", "baseline", "early", "predictive"])
-    p.add_argument("--in-process", action="store_true", help="instances as threads instead of processes (one process holds every instance's "
-                   "compiled programs: with --hetero, use --prefill 1 to stay within Linux's memory-map limit)")
+    p.add_argument("--in-process", action="store_true",
+                   help="instances as threads instead of processes (one process holds every instance's compiled "
+                        "programs: with --hetero, use --prefill 1 to stay within Linux's memory-map limit)")
     p.add_argument("--hetero", action="store_true",
                    help="unlike instances: bfloat16 tensor=2 layer-wise prefill (16-token pages), float32 tensor=4 "
                         "decode (32-token pages), each on its own fake CPU devices")

@@ -842,16 +842,16 @@ def test_a_whole_received_record_is_kept_as_it_arrived_when_no_slot_is_free(tmp_
         assert store._slot_of[1].adopted is records[1] and store._allocated == 0  # no slab: kept as they came
         assert pool.get_record(2) is records[2] and same_bits(pool.get(1), block_of(1))
         pool.put(3, block_of(3))  # a local block needs a slot: the slab gets only what the adopted two leave
-        assert store._allocated == 1 and store._adopted == 2
+        assert store._allocated == 1 and store.kept_records == 2
         damaged = bytearray(records[4])
         damaged[DATA_OFFSET + 7] ^= 1
         with pytest.raises(CorruptBlockError, match="checksum mismatch"):
             pool.put_record(4, bytes(damaged))  # full: block 2 evicted first, then nothing stored
-        assert 4 not in pool and store._adopted == 1 and sorted(pool.keys()) == [1, 3]
+        assert 4 not in pool and store.kept_records == 1 and sorted(pool.keys()) == [1, 3]
         assert pool.put_record(4, records[4]) and store._slot_of[4].adopted is records[4]
         pool.remove(3)  # its slot is free now: the next record is copied into it, no new memory
         assert pool.put_record(5, records[5]) and store._slot_of[5].adopted is None
-        assert store._allocated == 1 and store._adopted == 2
+        assert store._allocated == 1 and store.kept_records == 2
         assert all(same_bits(pool.get(key), block_of(key)) for key in (1, 4, 5))
     with BlockPool(SPEC, dram_blocks=1, ssd_path=tmp_path) as pool:
         pool.put_record(1, records[1])
@@ -897,7 +897,7 @@ def test_records_received_several_to_a_message_are_kept_in_it_within_the_capacit
         pool.put(7, block_of(7))
         assert pool.keys() == [7] and store._allocated == 4 and store.used_bytes == 4608 and not store._kept
         c, _ = stored(pool, [8, 9, 10])  # free slots, already paid for, are filled by copies
-        assert sorted(pool.keys()) == [7, 8, 9, 10] and store._adopted == 0 and store.used_bytes == 4608
+        assert sorted(pool.keys()) == [7, 8, 9, 10] and store.kept_records == 0 and store.used_bytes == 4608
         assert all(same_bits(pool.get(key), block_of(key)) for key in (7, 8, 9, 10))
 
     with BlockPool(SPEC, dram_blocks=4) as pool:  # a record outliving its message's others keeps it all counted
@@ -920,7 +920,7 @@ def test_records_received_several_to_a_message_are_kept_in_it_within_the_capacit
     with BlockPool(SPEC, dram_blocks=2) as pool:  # a message larger than the whole tier is copied into slots
         store = pool._tiers[0].store
         stored(pool, [1, 2, 3])
-        assert sorted(pool.keys()) == [2, 3] and store._adopted == 0 and store.used_bytes == 2304
+        assert sorted(pool.keys()) == [2, 3] and store.kept_records == 0 and store.used_bytes == 2304
 
     with BlockPool(SPEC, dram_blocks=4, ssd_path=tmp_path) as pool:  # kept records are demoted like any other
         stored(pool, [1, 2, 3])

@@ -98,10 +98,8 @@ class SlotStore:
         self.record_bytes = record_bytes(spec)
         align = PAGE_BYTES if self.record_bytes >= 16 * PAGE_BYTES else CACHE_LINE_BYTES
         self._stride = -(-self.record_bytes // align) * align
-        self._capacity = capacity_blocks
         self._capacity_bytes = None if capacity_blocks is None else capacity_blocks * self._stride
         self._allocated = 0
-        self._adopted = 0  # records kept in the buffers they arrived in
         self._kept: dict[int, list] = {}  # id(message) -> [message, records of it held]: counted whole while held
         self._kept_bytes = 0
         self._slabs: list[ts.TensorStore] = []
@@ -155,6 +153,11 @@ class SlotStore:
     """``adopt_checked`` keeps a received record where it arrived (see the module docstring)."""
 
     @property
+    def kept_records(self) -> int:
+        """How many records are kept in the buffers they arrived in."""
+        return sum(held for _, held in self._kept.values())
+
+    @property
     def used_bytes(self) -> int:
         """Memory counted against the capacity: the slabs as allocated plus every kept message whole."""
         return self._allocated * self._stride + self._kept_bytes
@@ -195,7 +198,6 @@ class SlotStore:
         else:
             kept[1] += 1
         self._slot_of[key] = _Slot(np.frombuffer(record, np.uint8), None, record, message)
-        self._adopted += 1
 
     def put(self, key: BlockKey, parts: Sequence[bytes | bytearray | memoryview | np.ndarray], owned: bool) -> None:
         """Store a record given as consecutive parts (already checksummed). ``owned``: the parts stay untouched
@@ -237,8 +239,7 @@ class SlotStore:
             self._finish()
         slot = self._slot_of.pop(key, None)
         if slot is not None and slot.adopted is not None:
-            self._adopted -= 1  # its buffer goes with the last reference (a sender may still hold it)
-            kept = self._kept[id(slot.message)]
+            kept = self._kept[id(slot.message)]  # its buffer goes with the last reference (a sender may hold it)
             kept[1] -= 1
             if not kept[1]:  # the message's last record: its memory no longer counts
                 del self._kept[id(slot.message)]
