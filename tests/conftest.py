@@ -6,6 +6,31 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import pytest  # noqa: E402
 
+CLEAR_PROGRAMS_AT = 0.4
+"""Share of the kernel's memory-mapping limit past which the compiled programs are dropped between test modules.
+Each XLA:CPU program holds 100-250 mappings until it is freed (``mooncake_jax.model.map_budget``); the whole suite
+in one process reached 43,363 of 65,530 by the eighth session and grows with every test, and past the limit the
+next compile aborts the process with no Python error. Dropped only past this share, so most modules keep reusing
+programs compiled by the ones before."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bounded_memory_mappings():
+    """After each module, drop every compiled program once the process holds more than ``CLEAR_PROGRAMS_AT`` of the
+    mappings it may (autouse, so torn down after the module's own fixtures have let their engines go)."""
+    yield
+    from mooncake_jax.model.map_budget import map_limit, maps_in_use
+
+    limit, in_use = map_limit(), maps_in_use()
+    if limit and in_use and in_use > CLEAR_PROGRAMS_AT * limit:
+        import gc
+
+        import jax
+
+        gc.collect()
+        jax.clear_caches()
+        gc.collect()
+
 
 @pytest.fixture(scope="module")
 def llm():
