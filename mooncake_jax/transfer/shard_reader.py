@@ -44,8 +44,9 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
+from xxhash import xxh3_128_intdigest
 
-from mooncake_jax.transfer.checksum import fill_with_checksum
+from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, fill_with_checksum, split_digest
 
 MAX_OPEN_FILES = 32
 """Shard files kept open for reading at once (least recently read closed first)."""
@@ -64,7 +65,7 @@ def _pread(fd: int, chunk: np.ndarray, offset: int, on_cold: Callable[[], None] 
     """``preadv`` of ``chunk`` at ``offset``; with ``on_cold``, first without waiting for the device, calling
     ``on_cold`` (once) when the page cache did not hold it all."""
     if on_cold is None or _NOWAIT is None:
-        return os.preadv(fd, [chunk], offset)
+        return os.preadv(fd, (chunk,), offset)
     try:
         got = os.preadv(fd, [chunk], offset, _NOWAIT)
     except OSError:  # EAGAIN: nothing cached at offset; EOPNOTSUPP: a filesystem without it
@@ -80,6 +81,10 @@ def read_with_checksum(fd: int, out: np.ndarray, offset: int,
     """Read ``out.size`` bytes of ``fd`` at ``offset`` into ``out`` (flat uint8) and return their XXH3-128 digest
     as ``(high, low)``; None when the file ends first (a shard file cut short). ``on_cold``: called when a part is
     not in the page cache, before it is read from the device."""
+    if out.size <= COPY_CHUNK_BYTES:  # one read, hashed from cache (a 16-token block): no closure, no call through
+        if _pread(fd, out, offset, on_cold) != out.size:
+            return None
+        return split_digest(xxh3_128_intdigest(out))
     return fill_with_checksum(out, lambda chunk, start: _pread(fd, chunk, offset + start, on_cold) == chunk.size)
 
 
