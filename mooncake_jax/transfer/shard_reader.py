@@ -185,11 +185,15 @@ class ShardReader:
         helped = len(reads) > 1 and self._pace.helped()
         if not helped or len(shards) > MAX_OPEN_FILES:  # past it, opening one might close another in use
             started = time.perf_counter()
+            last_shard, fd = -1, -1
             for i, (shard, offset, out) in enumerate(reads):
                 try:
-                    results[i] = self.read(shard, offset, out)
+                    if shard != last_shard:  # a batch's records mostly lie in one shard: its descriptor looked up once
+                        last_shard, fd = -1, self._fd(shard)
+                        last_shard = shard
+                    results[i] = read_with_checksum(fd, out, offset, on_cold)
                 except OSError as err:
-                    results[i] = err
+                    results[i] = err if err.errno in UNAVAILABLE else None
             if len(reads) > 1:
                 self._pace.took(False, time.perf_counter() - started, sum(out.size for _, _, out in reads))
             return results
