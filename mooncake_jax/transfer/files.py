@@ -68,7 +68,7 @@ from mooncake_jax.transfer.frame import (
     verify,
 )
 from mooncake_jax.transfer.shard_file import chunk_offsets, index_bytes
-from mooncake_jax.transfer.shard_reader import ReadResult, ShardReader
+from mooncake_jax.transfer.shard_reader import ReadResult, ShardReader, pace_for
 from mooncake_jax.transfer.shard_writer import ShardImage, ShardWriter
 from mooncake_jax.transfer.spec import BlockSpec
 
@@ -181,7 +181,7 @@ class FileStore:
         self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)  # its heads, written at seal
         self._shard_heads: dict[int, np.ndarray] = {}  # shard -> its heads (zeroed where removed), as on disk
         self._offsets: dict[int, np.ndarray] = {}  # shard -> where each slot's data starts in its file (-1: none)
-        self._reader = ShardReader(self._data_path)
+        self._reader = ShardReader(self._data_path, pace_for(spec.nbytes))
         self._read_ahead: dict[BlockKey, tuple[np.ndarray, int, ReadResult]] = {}  # prefetch's reads (out, slot,
         # result) for read_into, kept until the batch's read or the next prefetch
         self._pending: deque[tuple[list[BlockKey], int, tuple[Future | ts.Future, ...]]] = deque()

@@ -92,9 +92,14 @@ class Pace:
     """Which way of reading a batch has been faster lately: with the helper thread (True) or on the caller's thread
     alone (False), by the median seconds per byte of each way's last ``window`` batches; until each way has
     ``window // 2`` of them the ways take turns, and afterwards the slower way is tried every ``explore_every``
-    batches, so a change of load (a core freed or taken) is seen within a few dozen batches. One per process
-    (``PACE``), shared by every store: whether a core is free for the helper is the machine's state, not a store's,
-    and a store opened for a few batches finds it learnt."""
+    batches, so a change of load (a core freed or taken) is seen within a few dozen batches. One per process and
+    record size (``pace_for``), shared by every store of that size: whether a core is free for the helper is the
+    machine's state, not a store's, and a store opened for a few batches finds it learnt; but seconds per byte
+    differ with the record size (a 3 MiB record is read by 1 MiB ``preadv``s, a 384 KiB one in one, with the
+    pool's per-record work spread over 8x fewer bytes), so one size's batches must not decide for another's. With
+    one ``Pace`` for all sizes, the benchmark's 16-token batches, read after 128-token ones, went the helper's way in
+    30 of 32 batches of a trial on a machine where it was the slower way for them (tenth pass, docs/benchmarks/
+    pool.md): the other way's window held 128-token figures, and was tried again only every 16th batch."""
 
     window = 8
     explore_every = 16
@@ -120,7 +125,18 @@ class Pace:
 
 
 PACE = Pace()
-"""The process's ``Pace``, which every ``ShardReader`` asks."""
+"""The process's ``Pace`` for a ``ShardReader`` not told its record size."""
+_PACES: dict[int, Pace] = {}
+_PACES_LOCK = threading.Lock()
+
+
+def pace_for(record_bytes: int) -> Pace:
+    """The process's ``Pace`` for batches of records of ``record_bytes`` bytes (one per size, made on first use)."""
+    with _PACES_LOCK:
+        pace = _PACES.get(record_bytes)
+        if pace is None:
+            pace = _PACES[record_bytes] = Pace()
+        return pace
 
 
 class ShardReader:
