@@ -35,7 +35,7 @@ def test_chunk_offsets_follow_the_index_in_any_order():
     assert chunk_offsets(bytes(damaged), 3, 10) is None and chunk_offsets(index[:-1], 3, 10) is None
 
 
-@pytest.mark.parametrize("size", [1000, (1 << 20) + 3, 3 << 20])
+@pytest.mark.parametrize("size", [1000, 1 << 20, (1 << 20) + 3, 3 << 20])
 def test_read_with_checksum_is_the_bytes_and_their_hash(tmp_path, size):
     data = np.random.default_rng(size).integers(0, 256, size + 50, dtype=np.uint8)
     path = tmp_path / "f"
@@ -210,10 +210,11 @@ def test_read_many_on_two_threads_is_each_read_alone(tmp_path, monkeypatch):
         return real(fd, out, offset, on_cold)
 
     monkeypatch.setattr(shard_reader, "MAX_OPEN_FILES", 32)
-    monkeypatch.setattr(reader._pace, "helped", lambda: True)
     monkeypatch.setattr(shard_reader, "read_with_checksum", out_of_memory)
-    got = reader.read_many([(0, 0, np.zeros(64, np.uint8)), (1, 4096, np.zeros(64, np.uint8))])
-    assert got[0] == checksum(data[0][:64]) and isinstance(got[1], OSError) and got[1].errno == errno.ENOMEM
+    for helped in (True, False):  # an UNAVAILABLE error is the record's result either way, never a damaged record
+        monkeypatch.setattr(reader._pace, "helped", lambda helped=helped: helped)
+        got = reader.read_many([(0, 0, np.zeros(64, np.uint8)), (1, 4096, np.zeros(64, np.uint8))])
+        assert got[0] == checksum(data[0][:64]) and isinstance(got[1], OSError) and got[1].errno == errno.ENOMEM
     reader.close()
 
 
@@ -260,7 +261,7 @@ def test_a_batch_read_ahead_while_its_hits_are_promoted_and_dram_demotes(tmp_pat
     """A get_many over DRAM and SSD whose SSD hits are promoted one by one, each evicting a DRAM block that is
     demoted to SSD mid-batch (written into the open shard while the batch's records were read ahead): every block
     bit for bit, read either way, a key asked twice in one batch too, and the tier sound afterwards."""
-    monkeypatch.setattr(shard_reader.PACE, "helped", lambda: helped)
+    monkeypatch.setattr(shard_reader.Pace, "helped", lambda self: helped)
     keys = list(range(1, 9))
     with BlockPool(SPEC, dram_blocks=3, ssd_path=tmp_path) as pool:
         pool.put_many(keys, [block_of(k) for k in keys])  # 1-5 demoted to SSD, 6-8 in DRAM
@@ -270,3 +271,17 @@ def test_a_batch_read_ahead_while_its_hits_are_promoted_and_dram_demotes(tmp_pat
         assert all(g is not None and g.tobytes() == block_of(k).tobytes() for g, k in zip(got, asked))
         assert pool.counters()["ssd"].corrupt == 0 and len(pool) == len(keys)
         assert all(pool.get(k).tobytes() == block_of(k).tobytes() for k in keys)
+
+
+def test_each_record_size_has_its_own_pace(tmp_path):
+    """Seconds per byte of one record size say nothing of another's (a 3 MiB record is read in 1 MiB steps, a small
+    one in one, the pool's per-record work spread over fewer bytes): stores of one size share a ``Pace``, stores of
+    another size learn theirs apart, and neither is the one ``Pace`` of a reader not told its size."""
+    small, large = BlockSpec((2, 2, 4, 2, 8), np.float32), BlockSpec((2, 2, 64, 2, 8), np.float32)
+    with BlockPool(small, dram_blocks=0, ssd_path=tmp_path / "a") as a, \
+            BlockPool(small, dram_blocks=0, ssd_path=tmp_path / "b") as b, \
+            BlockPool(large, dram_blocks=0, ssd_path=tmp_path / "c") as c:
+        paces = [pool._tiers[0].store._reader._pace for pool in (a, b, c)]
+    assert paces[0] is paces[1] is shard_reader.pace_for(small.nbytes)
+    assert paces[2] is shard_reader.pace_for(large.nbytes) is not paces[0]
+    assert shard_reader.PACE not in paces

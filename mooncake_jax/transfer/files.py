@@ -68,7 +68,7 @@ from mooncake_jax.transfer.frame import (
     verify,
 )
 from mooncake_jax.transfer.shard_file import chunk_offsets, index_bytes
-from mooncake_jax.transfer.shard_reader import ReadResult, ShardReader
+from mooncake_jax.transfer.shard_reader import ReadResult, ShardReader, pace_for
 from mooncake_jax.transfer.shard_writer import ShardImage, ShardWriter
 from mooncake_jax.transfer.spec import BlockSpec
 
@@ -181,9 +181,9 @@ class FileStore:
         self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)  # its heads, written at seal
         self._shard_heads: dict[int, np.ndarray] = {}  # shard -> its heads (zeroed where removed), as on disk
         self._offsets: dict[int, np.ndarray] = {}  # shard -> where each slot's data starts in its file (-1: none)
-        self._reader = ShardReader(self._data_path)
-        self._read_ahead: dict[BlockKey, tuple[np.ndarray, int, int, ReadResult]] = {}  # prefetch's reads (out,
-        # shard, offset, result) for read_into, kept until the batch's read or the next prefetch
+        self._reader = ShardReader(self._data_path, pace_for(spec.nbytes))
+        self._read_ahead: dict[BlockKey, tuple[np.ndarray, int, ReadResult]] = {}  # prefetch's reads (out, slot,
+        # result) for read_into, kept until the batch's read or the next prefetch
         self._pending: deque[tuple[list[BlockKey], int, tuple[Future | ts.Future, ...]]] = deque()
         self._failed: list[tuple[BlockKey, Exception]] = []
         self.corrupt_at_open = 0
@@ -460,6 +460,8 @@ class FileStore:
     def settle(self) -> list[tuple[BlockKey, Exception]]:
         """Write the open shard (kept open for the next call's blocks) and wait for every write in flight; the
         ``(key, error)`` of those that failed since the last settle."""
+        if not (self._staged or self._pending or self._failed or self._heads_changed):
+            return []  # nothing written, removed or failed since (a batch read settles before every record)
         self._seal(keep_open=True)
         self._finish_all()
         failed, self._failed = self._failed, []
@@ -582,25 +584,27 @@ class FileStore:
         self._read_ahead = {}
         if len(reads) < 2 or self._pending or self._staged:  # one record: nothing to share; writes: not yet on disk
             return
-        for key, (shard, offset, out), result in zip(read_keys, reads, self._reader.read_many(reads)):
-            self._read_ahead.setdefault(key, (out, shard, offset, result))  # a key twice: the second read later
+        slot_of = self._slot_of
+        for key, (_, _, out), result in zip(read_keys, reads, self._reader.read_many(reads)):
+            self._read_ahead.setdefault(key, (out, slot_of[key], result))  # a key twice: the second read later
 
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes, tuple[int, int] | None] | None:
         """Read the record's data from its shard file straight into ``out`` (flat uint8), hashed as it lands; the
         head (kept in memory since it was written or found on open) and the checksum of what landed, None when the
         shard file is cut short or unreadable (the head still says whether the record is of an older format). A
         record ``prefetch`` already read into this ``out`` from where it still lies is not read again."""
-        where = self._location(key)
-        if where is None:
+        slot = self._slot_of.get(key)
+        if slot is None:
             return None
-        shard, row, offset = where
+        shard, row = divmod(slot, self.shard_slots)
         ahead = self._read_ahead.pop(key, None)
-        if ahead is not None and ahead[0] is out and ahead[1] == shard and ahead[2] == offset:
-            digest = ahead[3]
+        if ahead is not None and ahead[0] is out and ahead[1] == slot:  # a slot is never reused: the same record
+            digest = ahead[2]
             if isinstance(digest, OSError):
                 raise digest
         else:
-            digest = self._reader.read(shard, offset, out) if offset >= 0 else None
+            offset = self._offsets[shard][row]
+            digest = self._reader.read(shard, int(offset), out) if offset >= 0 else None
         return self._shard_heads[shard][row].tobytes(), digest
 
     def close(self) -> None:

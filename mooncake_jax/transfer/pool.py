@@ -268,8 +268,11 @@ class BlockPool:
         targets = list(out) if out is not None else [np.empty(self.spec.shape, self.spec.dtype) for _ in keys]
         flats = [data_bytes(block) for block in targets]
         with self._operation():
+            below = list(range(len(keys)))  # the keys no faster tier holds
             for level, tier in enumerate(self._tiers):  # disk tiers read ahead of the copies
-                below = [i for i, key in enumerate(keys) if not any(key in upper for upper in self._tiers[:level])]
+                if level:
+                    upper = self._tiers[level - 1]
+                    below = [i for i in below if keys[i] not in upper]
                 tier.prefetch([keys[i] for i in below], [flats[i] for i in below])
             for key, block, flat in zip(keys, targets, flats):
                 found = self._read_into(key, flat)

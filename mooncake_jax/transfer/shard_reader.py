@@ -44,8 +44,9 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
+from xxhash import xxh3_128_intdigest
 
-from mooncake_jax.transfer.checksum import fill_with_checksum
+from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, fill_with_checksum, split_digest
 
 MAX_OPEN_FILES = 32
 """Shard files kept open for reading at once (least recently read closed first)."""
@@ -64,7 +65,7 @@ def _pread(fd: int, chunk: np.ndarray, offset: int, on_cold: Callable[[], None] 
     """``preadv`` of ``chunk`` at ``offset``; with ``on_cold``, first without waiting for the device, calling
     ``on_cold`` (once) when the page cache did not hold it all."""
     if on_cold is None or _NOWAIT is None:
-        return os.preadv(fd, [chunk], offset)
+        return os.preadv(fd, (chunk,), offset)
     try:
         got = os.preadv(fd, [chunk], offset, _NOWAIT)
     except OSError:  # EAGAIN: nothing cached at offset; EOPNOTSUPP: a filesystem without it
@@ -80,6 +81,10 @@ def read_with_checksum(fd: int, out: np.ndarray, offset: int,
     """Read ``out.size`` bytes of ``fd`` at ``offset`` into ``out`` (flat uint8) and return their XXH3-128 digest
     as ``(high, low)``; None when the file ends first (a shard file cut short). ``on_cold``: called when a part is
     not in the page cache, before it is read from the device."""
+    if out.size <= COPY_CHUNK_BYTES:  # one read, hashed from cache (a 16-token block): no closure, no call through
+        if _pread(fd, out, offset, on_cold) != out.size:
+            return None
+        return split_digest(xxh3_128_intdigest(out))
     return fill_with_checksum(out, lambda chunk, start: _pread(fd, chunk, offset + start, on_cold) == chunk.size)
 
 
@@ -87,9 +92,14 @@ class Pace:
     """Which way of reading a batch has been faster lately: with the helper thread (True) or on the caller's thread
     alone (False), by the median seconds per byte of each way's last ``window`` batches; until each way has
     ``window // 2`` of them the ways take turns, and afterwards the slower way is tried every ``explore_every``
-    batches, so a change of load (a core freed or taken) is seen within a few dozen batches. One per process
-    (``PACE``), shared by every store: whether a core is free for the helper is the machine's state, not a store's,
-    and a store opened for a few batches finds it learnt."""
+    batches, so a change of load (a core freed or taken) is seen within a few dozen batches. One per process and
+    record size (``pace_for``), shared by every store of that size: whether a core is free for the helper is the
+    machine's state, not a store's, and a store opened for a few batches finds it learnt; but seconds per byte
+    differ with the record size (a 3 MiB record is read by 1 MiB ``preadv``s, a 384 KiB one in one, with the
+    pool's per-record work spread over 8x fewer bytes), so one size's batches must not decide for another's. With
+    one ``Pace`` for all sizes, the benchmark's 16-token batches, read after 128-token ones, went the helper's way in
+    30 of 32 batches of a trial on a machine where it was the slower way for them (tenth pass, docs/benchmarks/
+    pool.md): the other way's window held 128-token figures, and was tried again only every 16th batch."""
 
     window = 8
     explore_every = 16
@@ -115,7 +125,18 @@ class Pace:
 
 
 PACE = Pace()
-"""The process's ``Pace``, which every ``ShardReader`` asks."""
+"""The process's ``Pace`` for a ``ShardReader`` not told its record size."""
+_PACES: dict[int, Pace] = {}
+_PACES_LOCK = threading.Lock()
+
+
+def pace_for(record_bytes: int) -> Pace:
+    """The process's ``Pace`` for batches of records of ``record_bytes`` bytes (one per size, made on first use)."""
+    with _PACES_LOCK:
+        pace = _PACES.get(record_bytes)
+        if pace is None:
+            pace = _PACES[record_bytes] = Pace()
+        return pace
 
 
 class ShardReader:
@@ -180,11 +201,15 @@ class ShardReader:
         helped = len(reads) > 1 and self._pace.helped()
         if not helped or len(shards) > MAX_OPEN_FILES:  # past it, opening one might close another in use
             started = time.perf_counter()
+            last_shard, fd = -1, -1
             for i, (shard, offset, out) in enumerate(reads):
                 try:
-                    results[i] = self.read(shard, offset, out)
+                    if shard != last_shard:  # a batch's records mostly lie in one shard: its descriptor looked up once
+                        last_shard, fd = -1, self._fd(shard)
+                        last_shard = shard
+                    results[i] = read_with_checksum(fd, out, offset, on_cold)
                 except OSError as err:
-                    results[i] = err
+                    results[i] = err if err.errno in UNAVAILABLE else None
             if len(reads) > 1:
                 self._pace.took(False, time.perf_counter() - started, sum(out.size for _, _, out in reads))
             return results
