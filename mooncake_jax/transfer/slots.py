@@ -90,6 +90,58 @@ def message_of(record: bytes | memoryview) -> bytes | None:
     return None
 
 
+def _address(buffer: bytes | memoryview) -> int:
+    """Where ``buffer``'s first byte lies in memory."""
+    return np.frombuffer(buffer, np.uint8).__array_interface__["data"][0]
+
+
+def joined(records: Sequence[bytes | memoryview], separator: bytes) -> bytes:
+    """``separator.join(records)``: one copy, unless the records already lie in one immutable ``bytes`` exactly
+    so (records kept in a message as it was received or built at put time, asked for in its order), which is then
+    that ``bytes`` itself: a message relayed as it lies, no copy. The message is returned only when it holds
+    nothing but these records in this order with ``separator`` between them, so it is byte for byte the join."""
+    if len(records) > 1:
+        message = message_of(records[0])
+        if message is not None and _tiles(message, records, separator):
+            return message
+    return separator.join(records)
+
+
+def _tiles(message: bytes, records: Sequence[bytes | memoryview], separator: bytes) -> bool:
+    """Whether ``records`` are views into ``message`` that cover it in order, ``separator`` between them."""
+    size, gap = len(records[0]), len(separator)
+    step = size + gap
+    if len(message) != len(records) * step - gap:
+        return False
+    base = _address(message)
+    for i, record in enumerate(records):
+        if type(record) is not memoryview or record.obj is not message or record.nbytes != size:
+            return False
+        if _address(record) != base + i * step:
+            return False
+    view = memoryview(message)
+    return all(view[i * step - gap : i * step] == separator for i in range(1, len(records)))
+
+
+def joined_blocks(spec: BlockSpec, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray],
+                  separator: bytes) -> tuple[bytes, list[memoryview], list[tuple[int, int]]]:
+    """The records of ``blocks`` (flat uint8) under ``keys``, built as one immutable ``bytes`` laid out as the
+    Messenger sends them (``separator`` between them: ``pieces.next_separator``), with a view of each record and
+    its checksum. Each block is hashed, then all are copied in one ``join``: the hash and the copy a put into a slot
+    makes, and a push of these blocks in this order sends the message as it is (``joined``) instead of copying
+    them out of slots into the ``bytes`` gRPC needs."""
+    digests = [checksum(block) for block in blocks]
+    parts: list[bytes | np.ndarray] = []
+    for key, block, digest in zip(keys, blocks, digests):
+        if parts:
+            parts.append(separator)
+        parts += (record_head(spec, key, digest), block)
+    message = b"".join(parts)
+    view, size = memoryview(message), DATA_OFFSET + blocks[0].size
+    step = size + len(separator)
+    return message, [view[i * step : i * step + size] for i in range(len(blocks))], digests
+
+
 class SlotStore:
     """Records of one ``BlockSpec`` in reusable slots of TensorStore arrays over host memory, by key."""
 
@@ -165,7 +217,10 @@ class SlotStore:
     def _keeps(self, message: bytes) -> bool:
         """Whether a record of ``message`` is kept rather than copied when no slot is free: unbounded, or the
         message fits the capacity beside the slabs alone (else it could never fit: copied into a slot)."""
-        return self._capacity_bytes is None or self._allocated * self._stride + len(message) <= self._capacity_bytes
+        return self._keeps_size(len(message))
+
+    def _keeps_size(self, n_bytes: int) -> bool:
+        return self._capacity_bytes is None or self._allocated * self._stride + n_bytes <= self._capacity_bytes
 
     def has_room(self, record: bytes | memoryview | None = None) -> bool:
         """Whether the next record fits without evicting: a free slot, or the memory a new one or ``record``'s
@@ -177,11 +232,18 @@ class SlotStore:
             return id(message) in self._kept or self.used_bytes + len(message) <= self._capacity_bytes
         return self.used_bytes + self._stride <= self._capacity_bytes
 
-    def adopt_checked(self, key: BlockKey, record: bytes | memoryview, expected: tuple[int, int]) -> None:
+    def keeps_built(self, n_bytes: int) -> bool:
+        """Whether a message of ``n_bytes`` built at put time (``joined_blocks``) would be kept as it lies: no free
+        slot (one already paid for is filled by a copy instead) and room for it beside the slabs."""
+        return not self._free and self._keeps_size(n_bytes)
+
+    def adopt_checked(self, key: BlockKey, record: bytes | memoryview, expected: tuple[int, int],
+                      hashed: bool = False) -> None:
         """Store a received record (its head already checked) whose data must hash to ``expected``, keeping it
         where it lies when no slot is free and it lies in an immutable ``bytes`` (hashed there, never copied), else
         copying it into a slot as ``put_checked`` does. CorruptBlockError, and nothing stored, if the hash
-        differs."""
+        differs. ``hashed``: the record was built here from data that hashed to ``expected`` (``joined_blocks``),
+        so keeping it does not hash it again (a copy into a slot still does)."""
         message = message_of(record)
         if self._free or message is None or self._slot_of.get(key) is not None or not self._keeps(message):
             self.put_checked(key, memoryview(record)[:DATA_OFFSET], np.frombuffer(record, np.uint8, offset=DATA_OFFSET),
@@ -189,7 +251,7 @@ class SlotStore:
             return
         if len(record) != self.record_bytes:
             raise ValueError(f"record of {len(record)} bytes, expected {self.record_bytes}")
-        if checksum(memoryview(record)[DATA_OFFSET:]) != expected:
+        if not hashed and checksum(memoryview(record)[DATA_OFFSET:]) != expected:
             raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
         kept = self._kept.get(id(message))
         if kept is None:
