@@ -183,8 +183,7 @@ class BlockPool:
                 if key in fresh or any(key in tier for tier in self._tiers):
                     self._put_fresh(list(fresh.items()))  # what came before it is stored before it is used
                     fresh.clear()
-                    self._touch(key)
-                else:
+                if not self._touch(key):  # (a key the blocks before it evicted is stored again, as it always was)
                     fresh[key] = data_bytes(block)
                     stored += 1
             self._put_fresh(list(fresh.items()))
