@@ -110,12 +110,22 @@ def test_a_put_of_held_and_repeated_keys_keeps_the_order_of_uses():
         assert pool.put_many([3, 1, 4], [block_of(k, SMALL16) for k in (3, 1, 4)]) == 2
         assert sorted(pool.keys()) == [1, 4] and exact(pool, [1, 4], SMALL16)
         assert pool._tiers[0].store.used_bytes == 786_692 + 393_344
-    with BlockPool(BIG, dram_blocks=3) as pool:  # 1 MiB blocks travel alone: a message each, block-level LRU
+    with BlockPool(BIG, dram_blocks=3) as pool:  # 1 MiB blocks travel alone: into slots, block-level LRU
         # [5, 6, 5]: 5 and 6 stored, then 5 used: 6 is the least recent, and the first to go when 8 comes
         assert pool.put_many([5, 6, 5], [block_of(k, BIG) for k in (5, 6, 5)]) == 2
         assert pool.put_many([7], [block_of(7, BIG)]) == 1 and pool.put_many([8], [block_of(8, BIG)]) == 1
         assert sorted(pool.keys()) == [5, 7, 8] and exact(pool, [5, 7, 8], BIG)
-        assert pool._tiers[0].store.kept_records == 3
+        assert pool._tiers[0].store.kept_records == 0 and pool._tiers[0].store._allocated == 3
+
+
+def test_a_small_block_put_alone_is_its_own_message_and_sent_as_it_is():
+    """The last of six small blocks put together (5 + 1) is a record alone in its ``bytes``: get_record and a
+    join of it alone hand that object on (no copy), as for a record received alone."""
+    with BlockPool(SMALL16) as pool:
+        pool.put_many(list(range(6)), [block_of(k, SMALL16) for k in range(6)])
+        alone = pool._tiers[0].store._slot_of[5].adopted
+        assert type(alone) is bytes and alone == encode(SMALL16, 5, block_of(5, SMALL16))
+        assert pool.get_record(5) is alone and pool.join_records([5], next_separator(pool.record_bytes))[0] is alone
 
 
 def test_a_free_slot_is_filled_by_a_copy_not_a_new_message():

@@ -194,15 +194,17 @@ class BlockPool:
         message rather than copy into a free slot, as the messages the Messenger sends them in (``joined_blocks``:
         the hash and copy a slot takes, and a push or fetch of them in order then sends each message as it is
         instead of copying the records out of their slots; issue 15 tenth pass)."""
-        per_message = records_per_message(self.frame_bytes) if self.frame_bytes <= PIECE_BYTES else 0
-        store = self._tiers[0].store
-        keeps = getattr(store, "keeps_built", None)
+        # blocks that travel alone (frames over half of BATCH_BYTES) go into slots: a send copies such a record once, as
+        # it would copy it into a message, and building it costs the put more than a copy into a slot (the hash
+        # before the copy reads a multi-MiB source twice)
+        per_message = records_per_message(self.frame_bytes) if self.frame_bytes <= PIECE_BYTES else 1
+        keeps = getattr(self._tiers[0].store, "keeps_built", None)
         separator = next_separator(self.record_bytes)
         at = 0
         while at < len(fresh):
             group = fresh[at : at + per_message]
             n_bytes = len(group) * (self.record_bytes + len(separator)) - len(separator)
-            if not per_message or keeps is None or not keeps(n_bytes):
+            if per_message == 1 or keeps is None or not keeps(n_bytes):
                 key, data = fresh[at]
                 self._insert(0, key, lambda tier, key=key, data=data: tier.write_block(key, data))
                 at += 1

@@ -43,9 +43,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import tensorstore as ts
+from xxhash import xxh3_128_intdigest
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.transfer.checksum import checksum, copy_with_checksum
+from mooncake_jax.transfer.checksum import checksum, copy_with_checksum, split_digest
 from mooncake_jax.transfer.frame import DATA_OFFSET, CorruptBlockError, record_bytes, record_head
 from mooncake_jax.transfer.spec import BlockSpec
 
@@ -130,13 +131,15 @@ def joined_blocks(spec: BlockSpec, keys: Sequence[BlockKey], blocks: Sequence[np
     its checksum. Each block is hashed, then all are copied in one ``join``: the hash and the copy a put into a slot
     makes, and a push of these blocks in this order sends the message as it is (``joined``) instead of copying
     them out of slots into the ``bytes`` gRPC needs."""
-    digests = [checksum(block) for block in blocks]
+    digests = [split_digest(xxh3_128_intdigest(block)) for block in blocks]
     parts: list[bytes | np.ndarray] = []
     for key, block, digest in zip(keys, blocks, digests):
         if parts:
             parts.append(separator)
         parts += (record_head(spec, key, digest), block)
     message = b"".join(parts)
+    if len(blocks) == 1:  # a record alone is its own message, as one received alone is
+        return message, [message], digests
     view, size = memoryview(message), DATA_OFFSET + blocks[0].size
     step = size + len(separator)
     return message, [view[i * step : i * step + size] for i in range(len(blocks))], digests
