@@ -169,7 +169,9 @@ class BlockPool:
     def put_many(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray] | np.ndarray) -> int:
         """Store blocks (a list of arrays or one array stacked on a leading axis); returns how many were new.
 
-        Every block is checked before any is stored, so bad input stores nothing.
+        Every block is checked before any is stored, so bad input stores nothing. New small blocks given together
+        may be stored together, as the messages the Messenger sends them in (``_put_fresh``); a key already held, or
+        given twice, counts as a use where it comes, as it always did.
         """
         keys = [check_key(key) for key in keys]
         if len(keys) != len(blocks):
@@ -324,8 +326,9 @@ class BlockPool:
 
     def join_records(self, keys: Sequence[BlockKey], separator: bytes) -> tuple[bytes, int]:
         """The verified records of the leading ``keys``, joined into one ``bytes`` with ``separator`` between them
-        (copied once, straight out of their slots: the Messenger sends several small blocks to a message), and how
-        many it holds. It stops before the first key its fastest tier cannot serve (absent, or failing its checksum:
+        (copied once, straight out of their slots: the Messenger sends several small blocks to a message; or no
+        copy at all when they are exactly the records of one kept message in order, which is then returned as it
+        lies, ``slots.joined``), and how many it holds. It stops before the first key its fastest tier cannot serve (absent, or failing its checksum:
         dropped as a bad block), for ``get_record`` to try the tiers below. Not promoted, as ``promote=False``."""
         keys = [check_key(key) for key in keys]
         with self._operation():

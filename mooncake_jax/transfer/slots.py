@@ -35,6 +35,17 @@ the pool evicts until it does (evicting a record whose message still holds other
 already paid for, is filled by a copy instead, and a message that could not fit even beside the slabs alone is
 copied into a slot. The tier also holds at most its capacity in blocks. A kept record is not in a TensorStore
 array (it is never written; its slot is dropped, not reused, when the block goes).
+
+Small blocks put together are kept the same way, as the messages the Messenger sends them in (issue 15, tenth pass):
+when no slot is free, ``BlockPool.put_many`` builds each run of up to ``records_per_message`` new blocks as one
+``bytes`` (``joined_blocks``: each block hashed, then all copied by one ``join``, the hash and copy a slot would take)
+and the tier keeps it as a received message (``adopt_checked(..., hashed=True)``: not hashed twice). A sender asked
+for exactly such a message's records in order, a push of blocks in the order they were put or a fetch from a pool
+that received them, sends that ``bytes`` as it lies (``joined``: the records verified where they lie, no join copy;
+grpcio sends only ``bytes``, so a record in a slot costs a copy to send). Blocks that travel alone (over half a
+message) still go into slots: building one reads its multi-MiB source twice (hash, then copy) and cost the put more
+than the one copy a send of it makes. As with received messages, a put's blocks share their message's memory until
+the last of them goes, so a tier whose blocks of one put are used unevenly holds fewer blocks than its capacity.
 """
 
 from __future__ import annotations
