@@ -29,7 +29,8 @@ def block_of(key: int, spec: BlockSpec) -> np.ndarray:
 def reference(spec: BlockSpec, keys) -> bytes:
     """The message of ``keys``' blocks as the Messenger sends it, built independently: records by ``frame.encode``,
     joined by hand with the ``next`` field's tag and length."""
-    return next_separator(len(encode(spec, 0, block_of(0, spec)))).join(encode(spec, k, block_of(k, spec)) for k in keys)
+    separator = next_separator(len(encode(spec, 0, block_of(0, spec))))
+    return separator.join(encode(spec, k, block_of(k, spec)) for k in keys)
 
 
 def exact(pool: BlockPool, keys, spec: BlockSpec) -> bool:

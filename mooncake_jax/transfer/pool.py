@@ -328,8 +328,9 @@ class BlockPool:
         """The verified records of the leading ``keys``, joined into one ``bytes`` with ``separator`` between them
         (copied once, straight out of their slots: the Messenger sends several small blocks to a message; or no
         copy at all when they are exactly the records of one kept message in order, which is then returned as it
-        lies, ``slots.joined``), and how many it holds. It stops before the first key its fastest tier cannot serve (absent, or failing its checksum:
-        dropped as a bad block), for ``get_record`` to try the tiers below. Not promoted, as ``promote=False``."""
+        lies, ``slots.joined``), and how many it holds. It stops before the first key its fastest tier cannot serve
+        (absent, or failing its checksum: dropped as a bad block), for ``get_record`` to try the tiers below. Not
+        promoted, as ``promote=False``."""
         keys = [check_key(key) for key in keys]
         with self._operation():
             self._check_open()
