@@ -30,8 +30,7 @@ from mooncake_jax.transfer.eviction import PolicyChoice, make_policy
 from mooncake_jax.transfer.frame import (DATA_OFFSET, VERSION, CorruptBlockError, StaleFormatError, check_digest,
                                          check_head, check_key, data_bytes, frame_bytes, record_bytes, verify)
 from mooncake_jax.transfer.host_memory import keep_freed_buffers
-from mooncake_jax.transfer.pieces import PIECE_BYTES, next_separator, records_per_message
-from mooncake_jax.transfer.slots import joined, joined_blocks, message_of
+from mooncake_jax.transfer.slots import joined, message_of
 from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_tier
 
@@ -169,9 +168,7 @@ class BlockPool:
     def put_many(self, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray] | np.ndarray) -> int:
         """Store blocks (a list of arrays or one array stacked on a leading axis); returns how many were new.
 
-        Every block is checked before any is stored, so bad input stores nothing. New small blocks given together
-        may be stored together, as the messages the Messenger sends them in (``_put_fresh``); a key already held, or
-        given twice, counts as a use where it comes, as it always did.
+        Every block is checked before any is stored, so bad input stores nothing.
         """
         keys = [check_key(key) for key in keys]
         if len(keys) != len(blocks):
@@ -179,45 +176,12 @@ class BlockPool:
         checked = [self.spec.check(block, f"block {i}") for i, block in enumerate(blocks)]
         stored = 0
         with self._operation():
-            self._check_open()
-            fresh: dict[BlockKey, np.ndarray] = {}  # stored together, in order, once a held key comes or at the end
             for key, block in zip(keys, checked):
-                if key in fresh or any(key in tier for tier in self._tiers):
-                    self._put_fresh(list(fresh.items()))  # what came before it is stored before it is used
-                    fresh.clear()
-                if not self._touch(key):  # (a key the blocks before it evicted is stored again, as it always was)
-                    fresh[key] = data_bytes(block)
+                if not self._touch(key):
+                    data = data_bytes(block)
+                    self._insert(0, key, lambda tier, key=key, data=data: tier.write_block(key, data))
                     stored += 1
-            self._put_fresh(list(fresh.items()))
         return stored
-
-    def _put_fresh(self, fresh: list[tuple[BlockKey, np.ndarray]]) -> None:
-        """Store blocks not yet held (flat uint8 data), in order: into slots, or, where the DRAM tier would keep a
-        message rather than copy into a free slot, as the messages the Messenger sends them in (``joined_blocks``:
-        the hash and copy a slot takes, and a push or fetch of them in order then sends each message as it is
-        instead of copying the records out of their slots; issue 15 tenth pass)."""
-        # blocks that travel alone (frames over half of BATCH_BYTES) go into slots: a send copies such a record once, as
-        # it would copy it into a message, and building it costs the put more than a copy into a slot (the hash
-        # before the copy reads a multi-MiB source twice)
-        per_message = records_per_message(self.frame_bytes) if self.frame_bytes <= PIECE_BYTES else 1
-        keeps = getattr(self._tiers[0].store, "keeps_built", None)
-        separator = next_separator(self.record_bytes)
-        at = 0
-        while at < len(fresh):
-            group = fresh[at : at + per_message]
-            n_bytes = len(group) * (self.record_bytes + len(separator)) - len(separator)
-            if per_message == 1 or keeps is None or not keeps(n_bytes):
-                key, data = fresh[at]
-                self._insert(0, key, lambda tier, key=key, data=data: tier.write_block(key, data))
-                at += 1
-                continue
-            message, records, digests = joined_blocks(self.spec, [k for k, _ in group], [d for _, d in group],
-                                                      separator)
-            for (key, data), record, digest in zip(group, records, digests):
-                head = record[:DATA_OFFSET]
-                self._insert(0, key, lambda tier, key=key, head=head, data=data, digest=digest, record=record:
-                             tier.write_checked(key, head, data, digest, record, hashed=True), record)
-            at += len(group)
 
     def put_record(self, key: BlockKey, record: bytes | bytearray | memoryview) -> bool:
         """Store a block's record (as received from a peer) after verifying it; False if already held.
@@ -327,10 +291,10 @@ class BlockPool:
     def join_records(self, keys: Sequence[BlockKey], separator: bytes) -> tuple[bytes, int]:
         """The verified records of the leading ``keys``, joined into one ``bytes`` with ``separator`` between them
         (copied once, straight out of their slots: the Messenger sends several small blocks to a message; or no
-        copy at all when they are exactly the records of one kept message in order, which is then returned as it
-        lies, ``slots.joined``), and how many it holds. It stops before the first key its fastest tier cannot serve
-        (absent, or failing its checksum: dropped as a bad block), for ``get_record`` to try the tiers below. Not
-        promoted, as ``promote=False``."""
+        copy at all when they are exactly the records of one message kept as received, in order, which is then
+        returned as it lies, ``slots.joined``), and how many it holds. It stops before the first key its fastest
+        tier cannot serve (absent, or failing its checksum: dropped as a bad block), for ``get_record`` to try the
+        tiers below. Not promoted, as ``promote=False``."""
         keys = [check_key(key) for key in keys]
         with self._operation():
             self._check_open()
@@ -353,7 +317,7 @@ class BlockPool:
                 parts.append(record)
                 found.append((tier, key))
             # one copy (the slots' views are valid until the lock is released), or none when the records lie in one
-            # message in this order (received, or built by a put): that message is sent as it is
+            # received message in this order: that message is relayed as it is
             message = joined(parts, separator)
             view, at = memoryview(message), 0
             for i, (tier, key) in enumerate(found):

@@ -36,16 +36,12 @@ already paid for, is filled by a copy instead, and a message that could not fit 
 copied into a slot. The tier also holds at most its capacity in blocks. A kept record is not in a TensorStore
 array (it is never written; its slot is dropped, not reused, when the block goes).
 
-Small blocks put together are kept the same way, as the messages the Messenger sends them in (issue 15, tenth pass):
-when no slot is free, ``BlockPool.put_many`` builds each run of up to ``records_per_message`` new blocks as one
-``bytes`` (``joined_blocks``: each block hashed, then all copied by one ``join``, the hash and copy a slot would take)
-and the tier keeps it as a received message (``adopt_checked(..., hashed=True)``: not hashed twice). A sender asked
-for exactly such a message's records in order, a push of blocks in the order they were put or a fetch from a pool
-that received them, sends that ``bytes`` as it lies (``joined``: the records verified where they lie, no join copy;
-grpcio sends only ``bytes``, so a record in a slot costs a copy to send). Blocks that travel alone (over half a
-message) still go into slots: building one reads its multi-MiB source twice (hash, then copy) and cost the put more
-than the one copy a send of it makes. As with received messages, a put's blocks share their message's memory until
-the last of them goes, so a tier whose blocks of one put are used unevenly holds fewer blocks than its capacity.
+A sender asked for exactly a kept message's records in order (a fetch from a pool that received them, or a push
+of them onward) sends that ``bytes`` as it lies (``joined``: the records verified where they lie, no join copy;
+grpcio sends only ``bytes``, so a record in a slot costs a copy to send). Puts are not built as messages (tenth
+pass, tried and not kept): it saved a 16-token push 0.25 CPU s/GB but cost the put 6-9%, and a put's blocks would
+then share their message's memory until the last of them goes, so a prefix cache whose blocks of one put are used
+unevenly (shared prefixes, private tails) would hold fewer blocks than its capacity.
 """
 
 from __future__ import annotations
@@ -54,10 +50,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import tensorstore as ts
-from xxhash import xxh3_128_intdigest
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.transfer.checksum import checksum, copy_with_checksum, split_digest
+from mooncake_jax.transfer.checksum import checksum, copy_with_checksum
 from mooncake_jax.transfer.frame import DATA_OFFSET, CorruptBlockError, record_bytes, record_head
 from mooncake_jax.transfer.spec import BlockSpec
 
@@ -109,7 +104,7 @@ def _address(buffer: bytes | memoryview) -> int:
 
 def joined(records: Sequence[bytes | memoryview], separator: bytes) -> bytes:
     """``separator.join(records)``: one copy, unless the records already lie in one immutable ``bytes`` exactly
-    so (records kept in a message as it was received or built at put time, asked for in its order), which is then
+    so (records kept in a message as it was received, asked for in its order), which is then
     that ``bytes`` itself: a message relayed as it lies, no copy. The message is returned only when it holds
     nothing but these records in this order with ``separator`` between them, so it is byte for byte the join."""
     if len(records) > 1:
@@ -133,27 +128,6 @@ def _tiles(message: bytes, records: Sequence[bytes | memoryview], separator: byt
             return False
     view = memoryview(message)
     return all(view[i * step - gap : i * step] == separator for i in range(1, len(records)))
-
-
-def joined_blocks(spec: BlockSpec, keys: Sequence[BlockKey], blocks: Sequence[np.ndarray],
-                  separator: bytes) -> tuple[bytes, list[memoryview], list[tuple[int, int]]]:
-    """The records of ``blocks`` (flat uint8) under ``keys``, built as one immutable ``bytes`` laid out as the
-    Messenger sends them (``separator`` between them: ``pieces.next_separator``), with a view of each record and
-    its checksum. Each block is hashed, then all are copied in one ``join``: the hash and the copy a put into a slot
-    makes, and a push of these blocks in this order sends the message as it is (``joined``) instead of copying
-    them out of slots into the ``bytes`` gRPC needs."""
-    digests = [split_digest(xxh3_128_intdigest(block)) for block in blocks]
-    parts: list[bytes | np.ndarray] = []
-    for key, block, digest in zip(keys, blocks, digests):
-        if parts:
-            parts.append(separator)
-        parts += (record_head(spec, key, digest), block)
-    message = b"".join(parts)
-    if len(blocks) == 1:  # a record alone is its own message, as one received alone is
-        return message, [message], digests
-    view, size = memoryview(message), DATA_OFFSET + blocks[0].size
-    step = size + len(separator)
-    return message, [view[i * step : i * step + size] for i in range(len(blocks))], digests
 
 
 class SlotStore:
@@ -231,10 +205,7 @@ class SlotStore:
     def _keeps(self, message: bytes) -> bool:
         """Whether a record of ``message`` is kept rather than copied when no slot is free: unbounded, or the
         message fits the capacity beside the slabs alone (else it could never fit: copied into a slot)."""
-        return self._keeps_size(len(message))
-
-    def _keeps_size(self, n_bytes: int) -> bool:
-        return self._capacity_bytes is None or self._allocated * self._stride + n_bytes <= self._capacity_bytes
+        return self._capacity_bytes is None or self._allocated * self._stride + len(message) <= self._capacity_bytes
 
     def has_room(self, record: bytes | memoryview | None = None) -> bool:
         """Whether the next record fits without evicting: a free slot, or the memory a new one or ``record``'s
@@ -246,18 +217,11 @@ class SlotStore:
             return id(message) in self._kept or self.used_bytes + len(message) <= self._capacity_bytes
         return self.used_bytes + self._stride <= self._capacity_bytes
 
-    def keeps_built(self, n_bytes: int) -> bool:
-        """Whether a message of ``n_bytes`` built at put time (``joined_blocks``) would be kept as it lies: no free
-        slot (one already paid for is filled by a copy instead) and room for it beside the slabs."""
-        return not self._free and self._keeps_size(n_bytes)
-
-    def adopt_checked(self, key: BlockKey, record: bytes | memoryview, expected: tuple[int, int],
-                      hashed: bool = False) -> None:
+    def adopt_checked(self, key: BlockKey, record: bytes | memoryview, expected: tuple[int, int]) -> None:
         """Store a received record (its head already checked) whose data must hash to ``expected``, keeping it
         where it lies when no slot is free and it lies in an immutable ``bytes`` (hashed there, never copied), else
         copying it into a slot as ``put_checked`` does. CorruptBlockError, and nothing stored, if the hash
-        differs. ``hashed``: the record was built here from data that hashed to ``expected`` (``joined_blocks``),
-        so keeping it does not hash it again (a copy into a slot still does)."""
+        differs."""
         message = message_of(record)
         if self._free or message is None or self._slot_of.get(key) is not None or not self._keeps(message):
             self.put_checked(key, memoryview(record)[:DATA_OFFSET], np.frombuffer(record, np.uint8, offset=DATA_OFFSET),
@@ -265,7 +229,7 @@ class SlotStore:
             return
         if len(record) != self.record_bytes:
             raise ValueError(f"record of {len(record)} bytes, expected {self.record_bytes}")
-        if not hashed and checksum(memoryview(record)[DATA_OFFSET:]) != expected:
+        if checksum(memoryview(record)[DATA_OFFSET:]) != expected:
             raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
         kept = self._kept.get(id(message))
         if kept is None:
