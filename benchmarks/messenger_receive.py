@@ -31,7 +31,9 @@ def measure(block_tokens: int, n_blocks: int, rounds: int) -> dict[str, float]:
     source.put_many(list(range(2 * n_blocks)), [blocks[i % len(blocks)] for i in range(2 * n_blocks)])
     per = records_per_message(source.frame_bytes)
     separator = next_separator(source.record_bytes)
-    batches = [[source.join_records(list(range(first + i, min(first + i + per, first + n_blocks))), separator)[0]
+    # each message a fresh copy, as gRPC delivers one (the source's own message would be shared with the sink)
+    batches = [[memoryview(source.join_records(list(range(first + i, min(first + i + per, first + n_blocks))),
+                                               separator)[0]).tobytes()
                 for i in range(0, n_blocks, per)] for first in (0, n_blocks)]  # two key sets: each round evicts
     sink = BlockPool(spec, dram_blocks=n_blocks)
 

@@ -3,8 +3,9 @@
 Both Messenger ends send this way (the server's Fetch, the client's Push), on a thread of their own, at most a few
 messages ahead, so gRPC's thread only hands finished messages to the transport. Small blocks are joined several to
 a message straight out of their slots (``BlockPool.join_records``: one copy, verified, where reading each record
-then joining them copied twice); a block that fills a message alone is read as its record (``get_record``) and
-sent as it is, or in pieces (``pieces.batched``).
+then joining them copied twice), or, when they lie in one message kept as received, in the order asked, sent as
+that message (verified where they lie, no copy); a block that fills a message alone is read as its record
+(``get_record``) and sent as it is, or in pieces (``pieces.batched``).
 A block that fails its checksum here (the pool drops it) ends the messages after the blocks before it, which are
 still sent; ``lost`` then names it, for the caller to report once the stream is over.
 """

@@ -30,7 +30,7 @@ from mooncake_jax.transfer.eviction import PolicyChoice, make_policy
 from mooncake_jax.transfer.frame import (DATA_OFFSET, VERSION, CorruptBlockError, StaleFormatError, check_digest,
                                          check_head, check_key, data_bytes, frame_bytes, record_bytes, verify)
 from mooncake_jax.transfer.host_memory import keep_freed_buffers
-from mooncake_jax.transfer.slots import message_of
+from mooncake_jax.transfer.slots import joined, message_of
 from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_tier
 
@@ -293,9 +293,11 @@ class BlockPool:
 
     def join_records(self, keys: Sequence[BlockKey], separator: bytes) -> tuple[bytes, int]:
         """The verified records of the leading ``keys``, joined into one ``bytes`` with ``separator`` between them
-        (copied once, straight out of their slots: the Messenger sends several small blocks to a message), and how
-        many it holds. It stops before the first key its fastest tier cannot serve (absent, or failing its checksum:
-        dropped as a bad block), for ``get_record`` to try the tiers below. Not promoted, as ``promote=False``."""
+        (copied once, straight out of their slots: the Messenger sends several small blocks to a message; or no
+        copy at all when they are exactly the records of one message kept as received, in order, which is then
+        returned as it lies, ``slots.joined``), and how many it holds. It stops before the first key its fastest
+        tier cannot serve (absent, or failing its checksum: dropped as a bad block), for ``get_record`` to try the
+        tiers below. Not promoted, as ``promote=False``."""
         keys = [check_key(key) for key in keys]
         with self._operation():
             self._check_open()
@@ -315,11 +317,11 @@ class BlockPool:
                     break
                 if record is None or len(record) != self.record_bytes:
                     break
-                if parts:
-                    parts.append(separator)
                 parts.append(record)
                 found.append((tier, key))
-            message = b"".join(parts)  # the slots' views are valid until the lock is released
+            # one copy (the slots' views are valid until the lock is released), or none when the records lie in one
+            # received message in this order: that message is relayed as it is
+            message = joined(parts, separator)
             view, at = memoryview(message), 0
             for i, (tier, key) in enumerate(found):
                 try:  # the copy is verified: what is sent is what was checked
