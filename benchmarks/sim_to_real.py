@@ -64,10 +64,12 @@ from mooncake_jax.conductor.profile import costs_from_profile  # noqa: E402
 from mooncake_jax.slo import tbt_of_times  # noqa: E402
 
 from mooncake_jax.demo import ENGINE_BLOCK  # noqa: E402
-from mooncake_jax.sim.host import shared_rates  # noqa: E402
+from mooncake_jax.sim.host import cfs_weight, rates_with_streaming  # noqa: E402
 PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 512, 1024), 16, 3
 BURST, BURST_ROUNDS, BURST_LONG_TOKENS, SPREAD_QUANTILES = 8, 6, 200, 20
 CONTENTION_TOKENS, CONTENTION_ROUNDS = 512, 5
+STREAM_BATCHES, STREAM_TOKENS, STREAM_WINDOW_S, STREAM_IDLE_S = (1, 4, 8), 200, 0.5, 1.0
+STREAM_CONTEXT_TOKENS = 64  # each request's KV tokens when reading a batch's step for its streaming (the probes')
 SHARE_SAMPLES = 40  # points per reported compute interval at which engine_in_bursts reads the host's sharing
 SLICE_S = 12.0  # the replay's slices over which the prefill's speed is read again (four of the trace's bursts)
 
@@ -229,16 +231,44 @@ def contention(cluster, vocab_size: int, rounds: int = CONTENTION_ROUNDS) -> dic
             if any(v)}
 
 
-CONTENTION_REGIMES = {"pair": (2, 0), "beside_decode": (2, 1)}  # busy (prefills, decodes) beside the lone one's (1, 0)
+CONTENTION_REGIMES = {"pair": (2, 0), "beside_decode": (2, 1)}  # busy (prefills, decoding) beside the lone one's (1, 0)
 
 
-def host_other_busy(read: dict, cores: int) -> float:
+def host_model(cores: int, probed: dict, others: float | None = None, costs=None) -> dict:
+    """The simulator's host as the readings describe it (what ``host_rates`` shares by): ``cores``, the prefill
+    processes' weight (``host_prefill_weight``: their CFS weight where the cluster runs them niced, 1 where not
+    read), the host's other processes (``others``, default the probed ``host_other_busy``), the CPU a streamed
+    token costs off the instances (``stream_cpu_s_per_token``) and, for the tokens a batch streams a second, the
+    decode step (``costs``' decode model as ``profiled_costs`` scales it with the probed decode readings; without
+    ``costs`` no streaming is counted)."""
+    step = None
+    if costs is not None and "decode_scale" in probed:
+        step = profiled_costs(costs, {"prefill_scale": 1.0, **probed}).decode.step_seconds
+    return {"cores": cores, "weight": probed.get("host_prefill_weight", 1.0),
+            "others": probed.get("host_other_busy", 0.0) if others is None else others,
+            "cpu_per_token": probed.get("stream_cpu_s_per_token", 0.0) if step is not None else 0.0,
+            "step": step}
+
+
+def host_rates(host: dict, prefills: int, batch: int) -> tuple[float, float]:
+    """(prefill speed, decode speed) the simulator gives ``prefills`` computing beside a decode instance running
+    ``batch`` requests (0: idle) on ``host`` (``host_model``): ``host.rates_with_streaming`` with the tokens that
+    batch streams a second at its modelled step (each request's context taken as ``STREAM_CONTEXT_TOKENS``)."""
+    tokens_per_s = 0.0
+    if batch and host["cpu_per_token"]:
+        tokens_per_s = batch / float(host["step"](batch, batch * STREAM_CONTEXT_TOKENS))
+    return rates_with_streaming(host["cores"], prefills, int(batch > 0), host["weight"], host["others"],
+                                tokens_per_s, host["cpu_per_token"])[:2]
+
+
+def host_other_busy(read: dict, host: dict) -> float:
     """The host's other runnable processes (``SimConfig.host_other_busy``) under which the simulator's sharing
-    (``host.shared_rates``) slows a prefill as the contention probe measured: the number (0 to ``cores - 1``, in
-    hundredths) whose predicted slowdowns of two prefills, and of two beside a decode batch, over one alone are
-    nearest the measured ones (least squares in log). 0 where nothing was measured. Past ``cores - 1`` others the
-    lone prefill is slowed too and the predicted ratios fall again (four others on two cores: 1.2x and 1.4x), so
-    the smallest number that fits is the one in that range."""
+    (``host_rates`` on ``host``: its cores, the prefills' weight, the streaming a decode batch brings) slows a
+    prefill as the contention probe measured: the number (0 to ``cores - 1``, in hundredths) whose predicted
+    slowdowns of two prefills, and of two beside a decode batch of one request, over one alone are nearest the
+    measured ones (least squares in log). 0 where nothing was measured. Past ``cores - 1`` others the lone prefill
+    is slowed too and the predicted ratios fall again (four others on two cores: 1.2x and 1.4x), so the smallest
+    number that fits is the one in that range."""
     alone = read.get("contention_compute_s_alone")
     measured = {k: read[f"contention_compute_s_{k}"] / alone for k in CONTENTION_REGIMES
                 if alone and read.get(f"contention_compute_s_{k}")}
@@ -246,11 +276,138 @@ def host_other_busy(read: dict, cores: int) -> float:
         return 0.0
 
     def miss(others: float) -> float:
-        lone = shared_rates(cores, 1, 0, 1.0, others)[0]
-        return sum((math.log(ratio) - math.log(lone / shared_rates(cores, *CONTENTION_REGIMES[k], 1.0, others)[0]))
-                   ** 2 for k, ratio in measured.items())
+        at = {**host, "others": others}
+        lone = host_rates(at, 1, 0)[0]
+        return sum((math.log(ratio) - math.log(lone / host_rates(at, *CONTENTION_REGIMES[k])[0])) ** 2
+                   for k, ratio in measured.items())
 
-    return min(np.arange(0, 100 * max(0, cores - 1) + 1) / 100, key=lambda others: (miss(float(others)), others)).item()
+    top = 100 * max(0, host["cores"] - 1)
+    return min(np.arange(0, top + 1) / 100, key=lambda others: (miss(float(others)), others)).item()
+
+
+HOST_VARIANTS = {"_profile_equal_weights": {"host_prefill_weight": 1.0},
+                 "_profile_no_streaming": {"stream_cpu_s_per_token": 0.0},
+                 "_profile_s8_host": {"host_prefill_weight": 1.0, "stream_cpu_s_per_token": 0.0}}
+"""The profile reading with parts of the host model left out (each refitted: others, the bursts' engine): equal
+weights for prefill and decode processes; no streaming load; neither (the eighth pass's host)."""
+
+
+def host_variant(probed: dict, costs, burst_engine, burst_runs, cores: int, prefill: int, **changes) -> dict:
+    """The probed readings with ``changes`` to the host model (``host_prefill_weight``, ``stream_cpu_s_per_token``),
+    the host's others and the bursts' engine read again under it (``host_other_busy``, ``engine_in_bursts``): what
+    the profile reading would have been with that host model."""
+    varied = {k: v for k, v in probed.items() if not (k.startswith("engine_") and k.endswith("_bursts"))}
+    varied.update(changes)
+    varied["host_other_busy"] = host_other_busy(varied, host_model(cores, varied, 0.0, costs))
+    varied.update(engine_in_bursts(burst_engine, burst_runs, costs, host_model(cores, varied, costs=costs), prefill))
+    return varied
+
+
+def process_ids(cluster) -> dict[str, int]:
+    """The cluster's processes by role: ``launcher`` (this one: the gateway's backend and the clients), and where
+    they run as processes of their own the ``conductor`` and each instance (by instance id)."""
+    pids = {"launcher": os.getpid()}
+    conductor = getattr(cluster.conductor, "proc", None)
+    if conductor is not None:
+        pids["conductor"] = conductor.pid
+    for instance_id, instance in cluster.instances.items():
+        if getattr(instance, "proc", None) is not None:
+            pids[instance_id] = instance.proc.pid
+    return pids
+
+
+def cpu_seconds(pid: int, waited: bool = False) -> float:
+    """CPU time process ``pid`` has run, all its threads (Linux ``schedstat``, nanoseconds; 0 where not readable:
+    its threads that ended no longer count, so read it over windows in which none end); ``waited``: the time its
+    threads were runnable but waited for a core instead."""
+    total = 0
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[int(waited)])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
+def cpu_used(pids: dict[str, int]) -> dict[str, float]:
+    """Every process's CPU seconds so far (``cpu_seconds``) and, as ``<name>_waited``, its time waiting for a core."""
+    return {**{k: cpu_seconds(p) for k, p in pids.items()}, **{f"{k}_waited": cpu_seconds(p, True)
+                                                                 for k, p in pids.items()}}
+
+
+def stream_load(cluster, vocab_size: int, batches=STREAM_BATCHES) -> dict:
+    """What a decode batch costs the host off the instances' processes, before the replay: decode batches of
+    ``batches`` requests (fresh 32-token prompts, ``STREAM_TOKENS`` output tokens each, nothing prefilling once all
+    have joined), and over a window in which all decode, the CPU time of every process of the cluster beside the
+    instances (the launcher: the gateway's backend and the clients' threads; the Conductor) and of the decode
+    instance, and the tokens the clients received. ``stream_cpu_s_per_token``: the CPU beside the instances per token
+    received (their sum over every window over the tokens' sum, each process's idle rate, read first, taken off).
+    ``stream_decode_cores_b{n}``, ``stream_beside_cores_b{n}``, ``stream_tokens_per_s_b{n}``: per batch, for the
+    record. {} where the instances do not run as processes of their own (their CPU is the launcher's then).
+
+    Why: a prefill beside a decode batch of one request ran 2.7-3.1x slower than alone in every quiet run of the
+    seventh and eighth passes, more than any constant number of other processes gives on two cores; the load that
+    comes with a decode batch is its tokens' way to the clients, which grows with the tokens it streams."""
+    from mooncake_jax.gateway.backend import TokenOut
+
+    pids = process_ids(cluster)
+    decode_ids = [c.instance_id for c in cluster.configs if c.role == "decode" and c.instance_id in pids]
+    beside = [k for k in pids if k in ("launcher", "conductor")]
+    if not decode_ids or len(pids) < 3:
+        return {}
+    rng = np.random.default_rng(97531)
+
+    def snapshot() -> tuple[float, dict]:
+        return time.perf_counter(), cpu_used(pids)
+
+    t0, c0 = snapshot()
+    time.sleep(STREAM_IDLE_S)
+    t1, c1 = snapshot()
+    idle = {k: (c1[k] - c0[k]) / (t1 - t0) for k in pids}
+    read = {f"stream_idle_cores_{k}": v for k, v in idle.items()}
+    cpu, tokens = 0.0, 0
+    with ThreadPoolExecutor(max(batches)) as pool:
+        for n in batches:
+            received, joined, ended = [], [threading.Event() for _ in range(n)], threading.Event()
+
+            def run(signal):
+                count = 0
+                for item in cluster.stream(rng.integers(0, vocab_size, 32).tolist(), max_new_tokens=STREAM_TOKENS):
+                    if isinstance(item, TokenOut):
+                        received.append(time.perf_counter())
+                        count += 1
+                        if count == 2:
+                            signal.set()
+                signal.set()
+                ended.set()
+
+            futures = [pool.submit(run, e) for e in joined]
+            for e in joined:
+                e.wait(60)
+            start, before = snapshot()
+            ended.wait(STREAM_WINDOW_S)  # the window ends when the first of the batch does, at the latest
+            end, after = snapshot()
+            [f.result() for f in futures]
+            wall = end - start
+            count = sum(start <= t < end for t in received)
+            used = {k: (after[k] - before[k]) / wall - idle[k] for k in pids}
+            if count == 0:
+                continue
+            cpu += sum(used[k] for k in beside) * wall
+            tokens += count
+            read[f"stream_beside_cores_b{n}"] = sum(used[k] for k in beside)
+            read[f"stream_decode_cores_b{n}"] = sum(used[k] for k in decode_ids)
+            read[f"stream_tokens_per_s_b{n}"] = count / wall
+            read[f"stream_decode_waited_b{n}"] = sum(after[f"{k}_waited"] - before[f"{k}_waited"]
+                                                     for k in decode_ids) / wall
+    if tokens:
+        read["stream_cpu_s_per_token"] = max(0.0, cpu / tokens)
+    return read
 
 
 def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.ndarray]], list[float], list[tuple],
@@ -299,13 +456,14 @@ def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.n
     return runs, off_engine, engine, decided
 
 
-def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_instances: int = 2) -> dict:
+def engine_in_bursts(engine, runs, costs, host: dict, prefill_instances: int = 2) -> dict:
     """The prefill engine's speed alone, read from the bursts' reported compute (``bursts``: the replay's regime,
     two prefills beside a decode batch streaming tokens to many clients) with the sharing the simulator would have
-    given them divided out: each request's compute is re-timed as the work the simulator's host
-    (``host.shared_rates`` with ``cores`` and ``others``) would have done over that interval, given the prefills
-    computing then (every burst request's reported compute interval, at most ``prefill_instances``) and whether the
-    decode batch was busy (some request between its first and last token); then ``work = engine_fixed +
+    given them divided out: each request's compute is re-timed as the work the simulator's host (``host_rates`` on
+    ``host``, ``host_model``: cores, weights, the host's others, the decode batch's streaming) would have done over
+    that interval, given the prefills computing then (every burst request's reported compute interval, at most
+    ``prefill_instances``) and the decode batch then (the requests between their first and last token); then
+    ``work = engine_fixed +
     engine_scale * profile`` (least squares in relative error; the ratio of the sums where that line is not
     increasing or has a negative intercept); and ``engine_coef_bursts``: the start-up calibration's polynomial
     (``fit_prefill_poly``: relative error, coefficients >= 0) fitted to the same work over the tokens each request
@@ -335,7 +493,7 @@ def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_ins
         rates = []
         for t in begin + compute * (np.arange(SHARE_SAMPLES) + 0.5) / SHARE_SAMPLES:
             busy = min(prefill_instances, max(1, sum(a <= t < b for a, b in prefilling)))
-            rates.append(shared_rates(cores, busy, int(any(a <= t < b for a, b in decoding)), 1.0, others)[0])
+            rates.append(host_rates(host, busy, sum(a <= t < b for a, b in decoding))[0])
         reused = reused_tokens(n, cached)
         points.append((prefill_work_s(costs.prefill, n, reused), compute * float(np.mean(rates)),
                        float(np.mean(rates)), reused + costs.prefill.computed_tokens(n - reused), reused))
@@ -610,9 +768,9 @@ def from_profile(costs, probed: dict, cores: int, others: float | None = None) -
       twice (``others=0``: as before).
 
     Nothing here is read from the replay."""
-    others = probed.get("host_other_busy", 0.0) if others is None else others
-    in_pairs = shared_rates(cores, 2, 0, 1.0, others)[0]  # the pairs' engine ran at this share of a core
-    decoding_alone = shared_rates(cores, 0, 1, 1.0, others)[1]
+    host = host_model(cores, probed, others, costs)
+    in_pairs = host_rates(host, 2, 0)[0]  # the pairs' engine ran at this share of a core
+    decoding_alone = host_rates(host, 0, 2)[1]  # and their decode, a batch of two
     scale = probed.get("engine_scale", probed["prefill_scale"]) * in_pairs
     fixed = probed.get("engine_fixed_s", 0.0) * in_pairs
     if "engine_scale_bursts" in probed:  # the bursts' engine, read with these others' sharing divided out
@@ -629,7 +787,8 @@ def from_profile(costs, probed: dict, cores: int, others: float | None = None) -
             "decode_token_delivery_s": probed.get("decode_token_delivery_s", 0.0) * decoding_alone,
             "decode_join_s": join, "decode_join_stall_s": min(probed.get("decode_join_stall_s", 0.0), join),
             "shared_host_decode_slowdown": 1.0, "decode_step_spread": list(probed.get("decode_step_spread", ())),
-            "host_cores": cores, "host_prefill_weight": 1.0, "host_other_busy": others}
+            "host_cores": cores, "host_prefill_weight": host["weight"], "host_other_busy": host["others"],
+            "decode_stream_cpu_s": host["cpu_per_token"]}
 
 
 def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: float, cache_tokens: int,
@@ -660,6 +819,8 @@ def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: f
                       host_cores=overheads.get("host_cores"),
                       host_prefill_weight=overheads.get("host_prefill_weight", 1.0),
                       host_other_busy=overheads.get("host_other_busy", 0.0) if overheads.get("host_cores") else 0.0,
+                      decode_stream_cpu_s=overheads.get("decode_stream_cpu_s", 0.0) if overheads.get("host_cores")
+                      else 0.0,
                       **slo)
     by_item = [None] * len(items)
     for req, i in zip(result.requests, order):
@@ -691,7 +852,7 @@ def main() -> None:
     if args.requests < 10 or args.speed <= 0:
         parser.error("--requests must be >= 10 and --speed > 0")
 
-    from mooncake_jax.instance.cluster import Cluster
+    from mooncake_jax.instance.cluster import PREFILL_NICENESS, Cluster
     from mooncake_jax.model.config import PRESETS
 
     cfg = PRESETS["tiny"]
@@ -707,25 +868,30 @@ def main() -> None:
         profile_json = getattr(first, "profile_json", None) or first.info["profile_json"]
         costs = costs_from_profile(profile_json)
         overheads = probe(cluster, costs, cfg.vocab_size)
+        overheads.update(stream_load(cluster, cfg.vocab_size))
         overheads.update(contention(cluster, cfg.vocab_size))
-        overheads["host_other_busy"] = host_other_busy(overheads, cores)
         burst_runs, burst_off_engine, burst_engine, burst_decided = bursts(cluster, items, cfg.vocab_size)
         overheads.update(decode_in_bursts(burst_runs, costs))
-        overheads.update(engine_in_bursts(burst_engine, burst_runs, costs, cores, overheads["host_other_busy"],
-                                          args.prefill))
+        # the host as the simulator shares it: the prefills at their niced weight where they are processes, the
+        # decode batch's streaming, then the others that make the contention probe's slowdowns
+        overheads = host_variant(overheads, costs, burst_engine, burst_runs, cores, args.prefill,
+                                 host_prefill_weight=1.0 if args.in_process else cfs_weight(PREFILL_NICENESS))
         if burst_off_engine:
             overheads["off_engine_s_bursts"] = max(0.0, float(np.median(burst_off_engine)))
             overheads["decided_s_bursts"] = float(np.median(burst_decided))
         overheads["decode_join_stall_s"] = min(overheads.get("decode_join_stall_s", 0.0), overheads["decode_join_s"])
         print(f"profile: {costs.name}; probed overheads {overheads}", flush=True)
+        pids = process_ids(cluster)
+        used_before = cpu_used(pids)
         t_replay = time.perf_counter()
         real = replay(cluster, items, args.speed)
         replay_s = time.perf_counter() - t_replay
+        used = {k: v - used_before.get(k, 0.0) for k, v in cpu_used(pids).items()}
     if args.token_times:
         args.token_times.write_text(json.dumps({
             "replay": real, "overheads": overheads, "profile_json": profile_json,
             "bursts": [(start, n, times.tolist()) for start, n, times in burst_runs],
-            "burst_engine": burst_engine}) + "\n")
+            "burst_engine": burst_engine, "replay_cpu": used}) + "\n")
     window = replay_window(items, real, costs)
     window.setdefault("decode_join_s", overheads["decode_join_s"])  # the pairs' where no request decoded 3 tokens
     window["decode_join_stall_s"] = min(window.get("decode_join_stall_s", 0.0), window["decode_join_s"])
@@ -755,7 +921,8 @@ def main() -> None:
     profile_inputs = from_profile(costs, overheads, cores)
     pairs_engine = {k: v for k, v in overheads.items() if not k.startswith("engine_") or not k.endswith("_bursts")}
     line_engine = {k: v for k, v in overheads.items() if k != "engine_coef_bursts"}
-    no_contention = {**overheads, **engine_in_bursts(burst_engine, burst_runs, costs, cores, 0.0, args.prefill)}
+    no_contention = {**overheads, **engine_in_bursts(burst_engine, burst_runs, costs,
+                                                     host_model(cores, overheads, 0.0, costs), args.prefill)}
     readings = {"": compare(profile_inputs, None),  # the headline: the profile reading (point 6 of the docstring)
                 "_window": compare(window, arrivals),
                 "_exact_steps": compare({**window, "decode_step_spread": ()}, arrivals),
@@ -767,6 +934,9 @@ def main() -> None:
                 "_profile_no_contention": compare(from_profile(costs, no_contention, cores, 0.0), None),
                 "_profile_pairs_engine": compare(from_profile(costs, pairs_engine, cores), None),
                 "_profile_line_engine": compare(from_profile(costs, line_engine, cores), None)}
+    for suffix, changes in HOST_VARIANTS.items():  # the host model with a part of it left out, each refitted
+        varied = host_variant(overheads, costs, burst_engine, burst_runs, cores, args.prefill, **changes)
+        readings[suffix] = compare(from_profile(costs, varied, cores), None)
     readings["_profile"] = readings[""]  # the headline's old name, kept as an alias (not simulated twice)
     sim_figures, sim = readings[""]
     results = {
@@ -778,6 +948,11 @@ def main() -> None:
         "prefill_coef": list(costs.prefill.coef), "decode_coef": list(costs.decode.coef),
         "release_timing": f"{REAL_INSTANCES.kv_push}/{REAL_INSTANCES.first_token}",
         "cache_hit_ratio_sim": sim.summary["cache_hit_ratio"], **order_figures,
+        **{f"replay_cpu_s_{k}": v for k, v in used.items()},
+        # the streaming's reading over the replay itself, for the record (not fed in): the CPU of the processes
+        # beside the instances per token received
+        "replay_stream_cpu_s_per_token": (sum(used.get(k, 0.0) for k in ("launcher", "conductor"))
+                                          / max(1, sum(len(r["times"]) for r in real if r))),
         **{f"probe_{k}": v for k, v in overheads.items()}, **window,
         **{f"profile_{k}": v for k, v in profile_inputs.items() if k != "decode_step_spread"},
         "prefill_queue_sim_s_p50": sim_figures["queue"].get("p50"),

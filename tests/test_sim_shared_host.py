@@ -120,10 +120,11 @@ def test_the_contention_probe_reads_the_host_other_processes_and_the_profile_div
     bench = _sim_to_real()
     read = {"contention_compute_s_alone": 1.0, "contention_compute_s_pair": 1.5,
             "contention_compute_s_beside_decode": 2.0}
-    assert bench.host_other_busy(read, 2) == pytest.approx(1.0)
+    host = bench.host_model(2, {})  # equal weights, no streaming
+    assert bench.host_other_busy(read, host) == pytest.approx(1.0)
     assert bench.host_other_busy({**read, "contention_compute_s_pair": 1.0,
-                                  "contention_compute_s_beside_decode": 1.0}, 2) == 0.0
-    assert bench.host_other_busy({}, 2) == 0.0  # nothing measured
+                                  "contention_compute_s_beside_decode": 1.0}, host) == 0.0
+    assert bench.host_other_busy({}, host) == 0.0  # nothing measured
     probed = {"engine_scale": 2.0, "engine_fixed_s": 1.0, "prefill_scale": 7.0, "decode_scale": 1.5,
               "decode_join_s": 0.03, "host_other_busy": 2.0}
     inputs = bench.from_profile(SLOW_LINK, probed, 2)
@@ -145,11 +146,11 @@ def test_the_bursts_engine_is_read_with_the_sharing_divided_out():
     bench = _sim_to_real()
     engine = [(1000, 0, 0.0, 4.0), (500, 0, 10.0, 3.25), (1000, 0, 20.0, 6.0), (1000, 0, 20.0, 6.0)]
     runs = [(19.0, 32, np.array([19.0, 25.0, 30.0]))]
-    read = bench.engine_in_bursts(engine, runs, SLOW_LINK, 2, 0.0)
+    read = bench.engine_in_bursts(engine, runs, SLOW_LINK, bench.host_model(2, {}, 0.0))
     assert (read["engine_fixed_s_bursts"], read["engine_scale_bursts"]) == (pytest.approx(1.0), pytest.approx(1.5))
     assert read["engine_bursts_requests"] == 4
-    assert bench.engine_in_bursts(engine, runs, SLOW_LINK, 2, 1.0)["engine_bursts_share"] == pytest.approx(0.75)
-    assert bench.engine_in_bursts(engine[:3], runs, SLOW_LINK, 2, 0.0) == {}  # too few to read
+    assert bench.engine_in_bursts(engine, runs, SLOW_LINK, bench.host_model(2, {}, 1.0))["engine_bursts_share"] == pytest.approx(0.75)
+    assert bench.engine_in_bursts(engine[:3], runs, SLOW_LINK, bench.host_model(2, {}, 0.0)) == {}  # too few to read
     probed = {"engine_scale": 9.0, "engine_fixed_s": 9.0, "prefill_scale": 9.0, "decode_scale": 1.0,
               "decode_join_s": 0.01, **{k: v for k, v in read.items() if k != "engine_coef_bursts"}}
     assert bench.from_profile(SLOW_LINK, probed, 2)["prefill_coef"] == pytest.approx([2.5, 0.0015, 0.0, 0.0])
@@ -165,7 +166,7 @@ def test_the_bursts_polynomial_puts_their_median_request_at_its_own_work():
 
     bench = _sim_to_real()
     engine = [(100, 0, 0.0, 1.0), (100, 0, 10.0, 2.0), (100, 0, 20.0, 2.0), (100, 0, 30.0, 4.0)]
-    read = bench.engine_in_bursts(engine, [], SLOW_LINK, 2, 0.0)
+    read = bench.engine_in_bursts(engine, [], SLOW_LINK, bench.host_model(2, {}, 0.0))
     assert bench.prefill_seconds(read["engine_coef_bursts"], 100, 0) == pytest.approx(2.0)
 
 
@@ -184,7 +185,7 @@ def test_the_bursts_engine_keeps_its_own_shape_over_the_trace_lengths():
     engine = [(100, 0, 0.0, 0.61), (500, 0, 10.0, 1.25), (1000, 0, 20.0, 3.75), (1000, 0, 20.0, 3.75),
               (1000, 500, 40.0, 1.75), (2000, 0, 50.0, 6.5), (1000, 0, 60.0, 2.5)]
     runs = [(19.0, 32, np.array([19.0, 25.0, 30.0]))]
-    read = bench.engine_in_bursts(engine, runs, SLOW_LINK, 2, 0.0)
+    read = bench.engine_in_bursts(engine, runs, SLOW_LINK, bench.host_model(2, {}, 0.0))
     assert read["engine_coef_bursts"] == pytest.approx([0.5, 0.001, 1e-6, 2e-6], rel=1e-6)
     probed = {"prefill_scale": 9.0, "decode_scale": 1.0, "decode_join_s": 0.01, **read}
     inputs = bench.from_profile(SLOW_LINK, probed, 2)
@@ -223,3 +224,67 @@ def test_a_lower_priority_prefill_leaves_the_decode_its_core():
     assert b.prefill_start == c.prefill_start == pytest.approx(3.0)
     with pytest.raises(ValueError, match="host_prefill_weight"):
         SimConfig(host_prefill_weight=0.0)
+
+
+def test_a_streaming_process_takes_what_it_demands_and_no_more():
+    """By hand, two cores. Two prefills and a decode at equal weights beside a streaming process that can use half a
+    core: its share (2/4) is all it demands, so it keeps 0.5 and the three share 1.5 (1/2 each). At a prefill's
+    Linux weight (1/3) the decode's share of what the streaming leaves, 1.5 / (1 + 2/3) = 0.9, fits: the two
+    prefills get 0.3 each. One prefill and a decode at equal weights beside a streaming that can use a whole core:
+    a third each (2/3 of a core)."""
+    assert shared_rates(2, 2, 1, 1.0, 0.0, 0.5) == (pytest.approx(0.5), pytest.approx(0.5))
+    assert shared_rates(2, 2, 1, 1 / 3, 0.0, 0.5) == (pytest.approx(0.3), pytest.approx(0.9))
+    assert shared_rates(2, 1, 1, 1.0, 0.0, 1.0) == (pytest.approx(2 / 3), pytest.approx(2 / 3))
+    assert shared_rates(2, 1, 1, 1.0, 0.0, 0.0) == (1.0, 1.0)  # none: as before
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="streaming"):
+            shared_rates(2, 1, 1, 1.0, 0.0, bad)
+
+
+def test_the_streaming_load_follows_the_tokens_the_decode_emits():
+    """By hand (``host.rates_with_streaming``), two cores, equal weights: a decode batch emitting 1,000 tokens a second
+    at full speed, each costing 0.5 ms off the instances, demands half a core at full speed, ``0.5 r`` at speed
+    ``r``. With two prefills: the streaming keeps ``0.5 r`` and the three share the rest, ``r = (2 - 0.5 r) / 3``:
+    r = 4/7, the streaming 2/7 of a core. With one prefill, ``r = (2 - 0.5 r) / 2``: 0.8, the streaming 0.4. With
+    no prefill the decode and its streaming fit (1.5 cores): full speed, half a core. No decode: no streaming."""
+    from mooncake_jax.sim.host import rates_with_streaming
+
+    assert rates_with_streaming(2, 2, 1, 1.0, 0.0, 1000.0, 0.0005) == (
+        pytest.approx(4 / 7), pytest.approx(4 / 7), pytest.approx(2 / 7))
+    assert rates_with_streaming(2, 1, 1, 1.0, 0.0, 1000.0, 0.0005) == (
+        pytest.approx(0.8), pytest.approx(0.8), pytest.approx(0.4))
+    assert rates_with_streaming(2, 0, 1, 1.0, 0.0, 1000.0, 0.0005) == (1.0, pytest.approx(1.0), pytest.approx(0.5))
+    assert rates_with_streaming(2, 2, 0, 1.0, 0.0, 1000.0, 0.0005) == (1.0, 1.0, 0.0)
+
+
+def test_a_decode_batch_streaming_its_tokens_slows_the_prefills_beside_it():
+    """A: prefill 0-2 s, KV pushed 2-3 s, then 200 decode steps of 10 ms (100 tokens a second); each token costs 5 ms
+    of CPU off the instances (``decode_stream_cpu_s``): half a core at full speed. B (2 s of work, one token)
+    arrives at 3.5 s; two cores.
+
+    Equal weights: A's batch and its streaming alone fit (1.5 cores), so its first 50 steps take 0.5 s; then B, A
+    and the streaming share: ``r = (2 - 0.5 r) / 2``, 0.8 (``test_the_streaming_load_follows_the_tokens_the_decode_
+    emits``): A's 150 steps left take 12.5 ms each, ending at 5.375 s, by when B has done 1.5 s of its work; alone
+    (the streaming gone with the batch), its last 0.5 s end at 5.875 s. Without the streaming the two fit on two
+    cores: A ends at 5.0 s, B at 5.5 s.
+
+    B at a niced prefill's weight (1/3): the decode keeps its core and the streaming its half core; B gets the half
+    core left until A ends at 5.0 s (0.75 s of its work), then its last 1.25 s at full speed: 6.25 s."""
+    trace = Trace([TraceRequest(0.0, 1000, 201, (1, 2)), TraceRequest(3.5, 1000, 1, (3, 4))])
+    run = dict(prefill=2, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES, host_cores=2)
+    a, b = simulate(trace, **run, decode_stream_cpu_s=0.005).requests
+    assert a.finished_at == pytest.approx(5.375, abs=0.013)
+    assert b.first_token_at == pytest.approx(5.875, abs=0.013)
+    a, b = simulate(trace, **run).requests
+    assert (a.finished_at, b.first_token_at) == (pytest.approx(5.0, abs=0.011), pytest.approx(5.5, abs=0.011))
+    a, b = simulate(trace, **run, decode_stream_cpu_s=0.005, host_prefill_weight=1 / 3).requests
+    assert a.finished_at == pytest.approx(5.0, abs=0.011)
+    assert b.first_token_at == pytest.approx(6.25, abs=0.011)
+
+
+def test_decode_stream_cpu_s_is_checked():
+    for bad in (-0.001, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="decode_stream_cpu_s"):
+            SimConfig(host_cores=2, decode_stream_cpu_s=bad)
+    with pytest.raises(ValueError, match="decode_stream_cpu_s needs host_cores"):
+        SimConfig(decode_stream_cpu_s=0.001)

@@ -78,6 +78,11 @@ class SimConfig:
     instances' own threads off the engine, as a contention probe measures them (a prefill's slowdown as one, two
     and three instances run at once; on a 2-core host shared with other work, two prefills and a decode batch ran
     a prefill 1.2-2x slower than one alone, where the instances alone give at most 1.5x).
+    ``decode_stream_cpu_s``: CPU seconds each token a decode instance emits costs on that host off the instances'
+    processes (streaming it to its client: the gateway's backend, the client's thread; one process of a decode's
+    weight, at most one core; 0: none), so a busy decode batch brings a load proportional to the tokens it streams
+    a second (``host.rates_with_streaming``): measured as the CPU time of the processes beside the instances while
+    decode batches run alone.
     """
 
     prefill: int = 8
@@ -112,6 +117,7 @@ class SimConfig:
     host_cores: int | None = None
     host_prefill_weight: float = 1.0
     host_other_busy: float = 0.0
+    decode_stream_cpu_s: float = 0.0
 
     def __post_init__(self):
         for name in ("prefill", "decode", "chunk_tokens", "prefill_batch_tokens"):
@@ -175,6 +181,12 @@ class SimConfig:
             raise ValueError(f"host_other_busy must be a non-negative number, got {self.host_other_busy!r}")
         if self.host_other_busy and self.host_cores is None:
             raise ValueError("host_other_busy needs host_cores (the host whose cores the other processes share)")
+        if not (isinstance(self.decode_stream_cpu_s, (int, float)) and not isinstance(self.decode_stream_cpu_s, bool)
+                and math.isfinite(self.decode_stream_cpu_s) and self.decode_stream_cpu_s >= 0):
+            raise ValueError(f"decode_stream_cpu_s must be a non-negative number of seconds, got "
+                             f"{self.decode_stream_cpu_s!r}")
+        if self.decode_stream_cpu_s and self.host_cores is None:
+            raise ValueError("decode_stream_cpu_s needs host_cores (the host whose cores the streaming shares)")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"unknown eviction policy {self.eviction!r}; choose from {list(EVICTIONS)}")
         for name in ("prefill_hardware", "decode_hardware"):
