@@ -68,7 +68,7 @@ from mooncake_jax.sim.host import cfs_weight, rates_with_streaming  # noqa: E402
 PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 512, 1024), 16, 3
 BURST, BURST_ROUNDS, BURST_LONG_TOKENS, SPREAD_QUANTILES = 8, 6, 200, 20
 CONTENTION_TOKENS, CONTENTION_ROUNDS = 512, 5
-STREAM_BATCHES, STREAM_TOKENS, STREAM_WINDOW_S, STREAM_IDLE_S = (1, 4, 8), 200, 0.5, 1.0
+STREAM_BATCHES, STREAM_TOKENS, STREAM_WINDOW_S, STREAM_IDLE_S, STREAM_JOINS = (1, 4, 8), 400, 0.5, 1.0, 3
 STREAM_CONTEXT_TOKENS = 64  # each request's KV tokens when reading a batch's step for its streaming (the probes')
 SHARE_SAMPLES = 40  # points per reported compute interval at which engine_in_bursts reads the host's sharing
 SLICE_S = 12.0  # the replay's slices over which the prefill's speed is read again (four of the trace's bursts)
@@ -347,8 +347,12 @@ def stream_load(cluster, vocab_size: int, batches=STREAM_BATCHES) -> dict:
     instances (the launcher: the gateway's backend and the clients' threads; the Conductor) and of the decode
     instance, and the tokens the clients received. ``stream_cpu_s_per_token``: the CPU beside the instances per token
     received (their sum over every window over the tokens' sum, each process's idle rate, read first, taken off).
-    ``stream_decode_cores_b{n}``, ``stream_beside_cores_b{n}``, ``stream_tokens_per_s_b{n}``: per batch, for the
-    record. {} where the instances do not run as processes of their own (their CPU is the launcher's then).
+    ``stream_decode_cores_b{n}``, ``stream_beside_cores_b{n}``, ``stream_tokens_per_s_b{n}``,
+    ``stream_decode_waited_b{n}`` (the decode process's time waiting for a core, per second): per batch, for the
+    record; and after each window (and before the first batch, ``b0``), ``STREAM_JOINS`` short requests joining the
+    running batch one after another (``join``: how the decode instance's time to take a request in grows with the
+    batch it streams for). {} where the instances do not run as processes of their own (their CPU is the
+    launcher's then).
 
     Why: a prefill beside a decode batch of one request ran 2.7-3.1x slower than alone in every quiet run of the
     seventh and eighth passes, more than any constant number of other processes gives on two cores; the load that
@@ -371,6 +375,21 @@ def stream_load(cluster, vocab_size: int, batches=STREAM_BATCHES) -> dict:
     idle = {k: (c1[k] - c0[k]) / (t1 - t0) for k in pids}
     read = {f"stream_idle_cores_{k}": v for k, v in idle.items()}
     cpu, tokens = 0.0, 0
+
+    def join(n: int, ended: threading.Event | None = None) -> None:
+        """Requests joining a batch of ``n`` (one after another, while it still runs): their first token gap
+        (``stream_join_gap_s_b{n}``) and its excess over their later gaps (``stream_join_s_b{n}``), medians."""
+        gaps = []
+        for _ in range(STREAM_JOINS):
+            if ended is not None and ended.is_set():
+                break
+            times = np.diff(token_times(cluster, rng.integers(0, vocab_size, 32).tolist(), 6))
+            if len(times) > 2:
+                gaps.append((times[0], times[0] - float(np.median(times[1:]))))
+        if gaps:
+            read[f"stream_join_gap_s_b{n}"], read[f"stream_join_s_b{n}"] = map(float, np.median(gaps, axis=0))
+
+    join(0)
     with ThreadPoolExecutor(max(batches)) as pool:
         for n in batches:
             received, joined, ended = [], [threading.Event() for _ in range(n)], threading.Event()
@@ -392,6 +411,7 @@ def stream_load(cluster, vocab_size: int, batches=STREAM_BATCHES) -> dict:
             start, before = snapshot()
             ended.wait(STREAM_WINDOW_S)  # the window ends when the first of the batch does, at the latest
             end, after = snapshot()
+            join(n, ended)
             [f.result() for f in futures]
             wall = end - start
             count = sum(start <= t < end for t in received)
