@@ -103,7 +103,8 @@ def test_the_profile_reading_takes_the_pairs_engine_and_the_host_cores():
     pairs_only = {k: v for k, v in probed.items() if k != "off_engine_s_bursts"}
     assert bench.from_profile(SLOW_LINK, pairs_only, 2)["prefill_off_engine_s"] == pytest.approx(0.3)  # else the pairs'
     assert inputs["decode_join_s"] == inputs["decode_join_stall_s"] == pytest.approx(0.01)  # stall <= join
-    assert inputs["shared_host_decode_slowdown"] == 1.0 and inputs["host_cores"] == 2
+    # a prefill beside a decode batch is two busy on two cores: no slowdown modelled, the bursts' 1.4 is all residual
+    assert inputs["shared_host_decode_slowdown"] == pytest.approx(1.4) and inputs["host_cores"] == 2
     assert bench.engine_in_pairs(reported[:3], SLOW_LINK) == {}  # too few to read
 
 
@@ -149,8 +150,9 @@ def test_the_bursts_engine_is_read_with_the_sharing_divided_out():
     read = bench.engine_in_bursts(engine, runs, SLOW_LINK, bench.host_model(2, {}, 0.0))
     assert (read["engine_fixed_s_bursts"], read["engine_scale_bursts"]) == (pytest.approx(1.0), pytest.approx(1.5))
     assert read["engine_bursts_requests"] == 4
-    assert bench.engine_in_bursts(engine, runs, SLOW_LINK, bench.host_model(2, {}, 1.0))["engine_bursts_share"] == pytest.approx(0.75)
-    assert bench.engine_in_bursts(engine[:3], runs, SLOW_LINK, bench.host_model(2, {}, 0.0)) == {}  # too few to read
+    one_other = bench.host_model(2, {}, 1.0)
+    assert bench.engine_in_bursts(engine, runs, SLOW_LINK, one_other)["engine_bursts_share"] == pytest.approx(0.75)
+    assert bench.engine_in_bursts(engine[:3], runs, SLOW_LINK, bench.host_model(2, {}, 0.0)) == {}  # too few
     probed = {"engine_scale": 9.0, "engine_fixed_s": 9.0, "prefill_scale": 9.0, "decode_scale": 1.0,
               "decode_join_s": 0.01, **{k: v for k, v in read.items() if k != "engine_coef_bursts"}}
     assert bench.from_profile(SLOW_LINK, probed, 2)["prefill_coef"] == pytest.approx([2.5, 0.0015, 0.0, 0.0])
@@ -288,3 +290,39 @@ def test_decode_stream_cpu_s_is_checked():
             SimConfig(host_cores=2, decode_stream_cpu_s=bad)
     with pytest.raises(ValueError, match="decode_stream_cpu_s needs host_cores"):
         SimConfig(decode_stream_cpu_s=0.001)
+
+
+def test_the_prefills_weight_and_the_host_others_are_read_from_the_contention_probe():
+    """By hand, two cores, no streaming. A prefill took 1 s alone, 1 s beside another, 2 s beside another and a decode
+    batch. Two prefills on two cores slow nothing, so no others; beside the decode a prefill at half speed is what
+    every weight up to 1/2 gives (the decode's share of two cores, 2 / (2w + 1), is a whole core or more: it keeps
+    one, the two prefills split the other), so the highest, 1/2. At equal weights (1.5 s beside the decode: 2/3 of a
+    core each) the weight is 1. (The eighth pass's run ``s8_8`` read 1.14x and 3.11x, which no number of others
+    gives at equal weights: one, the bound, gives 2x and 2x.)"""
+    from test_accounting import _sim_to_real
+
+    bench = _sim_to_real()
+    read = {"contention_compute_s_alone": 1.0, "contention_compute_s_pair": 1.0,
+            "contention_compute_s_beside_decode": 2.0}
+    host = bench.host_model(2, {})
+    assert bench.host_weight_and_others(read, host, 1 / 3) == (pytest.approx(0.5), 0.0)
+    assert bench.host_weight_and_others({**read, "contention_compute_s_beside_decode": 1.5}, host, 1 / 3) == (
+        1.0, 0.0)
+    assert bench.host_weight_and_others({}, host, 1 / 3) == (1.0, 0.0)  # nothing measured: equal weights
+
+
+def test_the_profile_reading_keeps_the_decode_slowdown_the_host_sharing_does_not_give():
+    """By hand, two cores, equal weights: the bursts' decode steps ran 1.4x (1.8x) slower beside a prefill than
+    apart. With one other process of the host's, a decode batch alone is two busy (full speed), beside a prefill
+    three (2/3: 1.5x), so the simulator's sharing gives 1.5x itself and nothing is left of 1.4x (1.0), 1.2x of
+    1.8x; with no others a prefill beside the batch slows it not at all and all 1.4x is left. Left out
+    (``decode_residual`` False): 1."""
+    from test_accounting import _sim_to_real
+
+    bench = _sim_to_real()
+    probed = {"prefill_scale": 1.0, "decode_scale": 1.0, "decode_join_s": 0.01, "shared_host_decode_slowdown": 1.4}
+    assert bench.from_profile(SLOW_LINK, {**probed, "host_other_busy": 1.0}, 2)["shared_host_decode_slowdown"] == 1.0
+    assert bench.from_profile(SLOW_LINK, {**probed, "host_other_busy": 1.0, "shared_host_decode_slowdown": 1.8},
+                              2)["shared_host_decode_slowdown"] == pytest.approx(1.2)
+    assert bench.from_profile(SLOW_LINK, probed, 2)["shared_host_decode_slowdown"] == pytest.approx(1.4)
+    assert bench.from_profile(SLOW_LINK, {**probed, "decode_residual": False}, 2)["shared_host_decode_slowdown"] == 1.0
