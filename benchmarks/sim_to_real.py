@@ -322,11 +322,13 @@ HOST_VARIANTS = {"_profile_equal_weights": {"host_prefill_weight": 1.0},
                  "_profile_cfs_weight": {"host_prefill_weight": "cfs"},
                  "_profile_no_streaming": {"stream_cpu_s_per_token": 0.0},
                  "_profile_no_residual": {"decode_residual": False},
+                 "_profile_pairs_join": {"stream_join": False},
                  "_profile_s8_host": {"host_prefill_weight": 1.0, "stream_cpu_s_per_token": 0.0,
-                                      "decode_residual": False}}
+                                      "decode_residual": False, "stream_join": False}}
 """The profile reading with parts of the host model changed (each refitted: others, the bursts' engine): equal
 weights for prefill and decode processes; the prefills' CFS weight at nice 5 (not fitted); no streaming load; no
-residual decode slowdown beside a prefill (``decode_residual``); the eighth pass's host (equal weights, neither)."""
+residual decode slowdown beside a prefill (``decode_residual``); the pairs' join, not growing with the batch
+(``stream_join``); the eighth pass's (equal weights, none of the rest)."""
 
 
 def host_variant(probed: dict, costs, burst_engine, burst_runs, cores: int, prefill: int, **changes) -> dict:
@@ -344,6 +346,28 @@ def host_variant(probed: dict, costs, burst_engine, burst_runs, cores: int, pref
             varied, host_model(cores, varied, 0.0, costs), varied.get("host_prefill_cfs_weight", 1.0))
     varied.update(engine_in_bursts(burst_engine, burst_runs, costs, host_model(cores, varied, costs=costs), prefill))
     return varied
+
+
+def join_line(probed: dict) -> tuple[float, float] | None:
+    """The decode instance's time to take a request in against the requests its batch runs, from the streaming
+    probe's joins (``stream_join_s_b{n}``, ``stream_load``): ``(at no batch, per request)``, the least-squares line
+    through them (per request at least 0; where the line falls, their mean at 0 per request). None with fewer than
+    two batch sizes read.
+
+    Why: the replays' first token gaps (the join, then a step) grew with the batch the request joined (eighth pass:
+    13-14 ms joining no batch, 16-20 ms joining one or two requests), and the probe's joins with it (5.4 ms beside no
+    batch, 12 ms beside four, 24 ms beside eight, ``s9_1``): the decode process sends every running request's tokens
+    on the interpreter that takes the new one in. The pairs' join (``probe``, a batch of one or two) is one point
+    of that line."""
+    points = sorted((int(k.rsplit("_b", 1)[1]), v) for k, v in probed.items()
+                    if k.startswith("stream_join_s_b") and v is not None and math.isfinite(v))
+    if len({n for n, _ in points}) < 2:
+        return None
+    x, y = np.array(points, float).T
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope < 0:
+        return max(0.0, float(y.mean())), 0.0
+    return max(0.0, float(intercept)), float(slope)
 
 
 def process_ids(cluster) -> dict[str, int]:
@@ -842,6 +866,10 @@ def from_profile(costs, probed: dict, cores: int, others: float | None = None) -
     if "engine_coef_bursts" in probed:  # its own shape over the trace's lengths, fitted to the same work
         coef = list(probed["engine_coef_bursts"])
     join = probed["decode_join_s"] * decoding_alone  # the pairs': no prefill beside (the bursts' ran 3 busy)
+    per_request = 0.0
+    line = join_line(probed) if probed.get("stream_join", True) else None
+    if line is not None:  # the joins beside each batch the streaming probe ran: growing with the batch
+        join, per_request = line[0] * decoding_alone, line[1] * decoding_alone
     # the bursts' decode beside a prefill over apart, less what the host's sharing gives it (a prefill beside a batch)
     residual = 1.0
     if probed.get("decode_residual", True):
@@ -854,6 +882,7 @@ def from_profile(costs, probed: dict, cores: int, others: float | None = None) -
             "decode_scale": probed["decode_scale"] * decoding_alone,
             "decode_token_delivery_s": probed.get("decode_token_delivery_s", 0.0) * decoding_alone,
             "decode_join_s": join, "decode_join_stall_s": min(probed.get("decode_join_stall_s", 0.0), join),
+            "decode_join_per_request_s": per_request,
             "shared_host_decode_slowdown": residual,
             "decode_step_spread": list(probed.get("decode_step_spread", ())),
             "host_cores": cores, "host_prefill_weight": host["weight"], "host_other_busy": host["others"],
@@ -883,6 +912,7 @@ def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: f
                       prefill_slowdown_steps=tuple(map(tuple, overheads.get("prefill_slowdown_steps", ()))),
                       decode_join_s=overheads.get("decode_join_s", 0.0),
                       decode_join_stall_s=overheads.get("decode_join_stall_s", 0.0),
+                      decode_join_per_request_s=overheads.get("decode_join_per_request_s", 0.0),
                       shared_host_decode_slowdown=overheads.get("shared_host_decode_slowdown", 1.0),
                       decode_step_spread=tuple(overheads.get("decode_step_spread", ())),
                       host_cores=overheads.get("host_cores"),

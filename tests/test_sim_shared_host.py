@@ -326,3 +326,42 @@ def test_the_profile_reading_keeps_the_decode_slowdown_the_host_sharing_does_not
                               2)["shared_host_decode_slowdown"] == pytest.approx(1.2)
     assert bench.from_profile(SLOW_LINK, probed, 2)["shared_host_decode_slowdown"] == pytest.approx(1.4)
     assert bench.from_profile(SLOW_LINK, {**probed, "decode_residual": False}, 2)["shared_host_decode_slowdown"] == 1.0
+
+
+def test_a_join_takes_longer_beside_a_bigger_batch():
+    """A (1,000 tokens, 200 decode steps of 10 ms) prefills 0-2 s, its KV pushed 2-3 s; B (1,000 tokens, 10 steps)
+    arrives at 2.5 s on the other prefill instance: prefill 2.5-4.5 s, KV 4.5-5.5 s. A join takes 0.1 s plus 50 ms
+    per request the batch runs when it is booked (``decode_join_per_request_s``): A's, booked at 2 s beside no batch,
+    0.1 s (taken in at 3.1 s); B's, booked at 4.5 s beside A, 0.15 s: it waits 0.15 s from its first token (5.5 s)
+    to its first decode step (5.65 s, one of A's step boundaries), 0.1 s without the per-request part. Separate
+    machines (no host sharing)."""
+    trace = Trace([TraceRequest(0.0, 1000, 201, (1, 2)), TraceRequest(2.5, 1000, 11, (3, 4))])
+    run = dict(prefill=2, decode=1, hardware=SLOW_LINK, release_timing=REAL_INSTANCES, decode_join_s=0.1)
+    a, b = simulate(trace, **run, decode_join_per_request_s=0.05).requests
+    assert a.decode_start_at - a.first_token_at == pytest.approx(0.1)
+    assert b.first_token_at == pytest.approx(5.5)
+    assert b.decode_start_at - b.first_token_at == pytest.approx(0.15, abs=1e-6)
+    _, b = simulate(trace, **run).requests
+    assert b.decode_start_at - b.first_token_at == pytest.approx(0.1, abs=0.01)
+    with pytest.raises(ValueError, match="decode_join_per_request_s"):
+        SimConfig(decode_join_per_request_s=-0.01)
+
+
+def test_the_join_line_is_read_from_the_streaming_probe():
+    """By hand: joins of 5, 7, 13 and 21 ms beside batches of 0, 1, 4 and 8 requests lie on 5 ms + 2 ms per request;
+    the profile reading takes that line (two cores, no others: the decode alone at full speed). Falling joins give
+    their mean at no growth; one batch size read gives no line (the pairs' join is kept)."""
+    from test_accounting import _sim_to_real
+
+    bench = _sim_to_real()
+    joins = {"stream_join_s_b0": 0.005, "stream_join_s_b1": 0.007, "stream_join_s_b4": 0.013,
+             "stream_join_s_b8": 0.021}
+    assert bench.join_line(joins) == (pytest.approx(0.005), pytest.approx(0.002))
+    assert bench.join_line({"stream_join_s_b0": 0.01, "stream_join_s_b4": 0.006}) == (pytest.approx(0.008), 0.0)
+    assert bench.join_line({"stream_join_s_b0": 0.01}) is None
+    probed = {"prefill_scale": 1.0, "decode_scale": 1.0, "decode_join_s": 0.03, **joins}
+    inputs = bench.from_profile(SLOW_LINK, probed, 2)
+    assert (inputs["decode_join_s"], inputs["decode_join_per_request_s"]) == (pytest.approx(0.005),
+                                                                              pytest.approx(0.002))
+    pairs = bench.from_profile(SLOW_LINK, {**probed, "stream_join": False}, 2)
+    assert (pairs["decode_join_s"], pairs["decode_join_per_request_s"]) == (pytest.approx(0.03), 0.0)

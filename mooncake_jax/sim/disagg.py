@@ -234,10 +234,11 @@ class DisaggregatedSim(ClusterSim):
             req.status, req.finished_at = COMPLETED, req.first_token_at
             self.state.finished(req.request_id, now)
         else:
-            # the decode instance takes the request into its batch decode_join_s after its KV is there, the last
-            # decode_join_stall_s of it on its engine loop (``_join``), one request at a time
+            # the decode instance takes the request into its batch decode_join_s after its KV is there (and
+            # decode_join_per_request_s for each request its batch runs then), the last decode_join_stall_s of it
+            # on its engine loop (``_join``), one request at a time
             cfg, d = self.config, self.by_id[req.decode_id]
-            join_s = cfg.decode_join_s * self._join_stretch(d)
+            join_s = (cfg.decode_join_s + cfg.decode_join_per_request_s * d.batch.batch) * self._join_stretch(d)
             taken_in = req.kv_ready_at + join_s
             if join_s:
                 taken_in = max(req.kv_ready_at, d.join_free_at) + join_s
