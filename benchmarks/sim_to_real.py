@@ -322,13 +322,14 @@ HOST_VARIANTS = {"_profile_equal_weights": {"host_prefill_weight": 1.0},
                  "_profile_cfs_weight": {"host_prefill_weight": "cfs"},
                  "_profile_no_streaming": {"stream_cpu_s_per_token": 0.0},
                  "_profile_no_residual": {"decode_residual": False},
-                 "_profile_pairs_join": {"stream_join": False},
+                 "_profile_join_line": {"stream_join": True},
                  "_profile_s8_host": {"host_prefill_weight": 1.0, "stream_cpu_s_per_token": 0.0,
-                                      "decode_residual": False, "stream_join": False}}
+                                      "decode_residual": False}}
 """The profile reading with parts of the host model changed (each refitted: others, the bursts' engine): equal
 weights for prefill and decode processes; the prefills' CFS weight at nice 5 (not fitted); no streaming load; no
-residual decode slowdown beside a prefill (``decode_residual``); the pairs' join, not growing with the batch
-(``stream_join``); the eighth pass's (equal weights, none of the rest)."""
+residual decode slowdown beside a prefill (``decode_residual``); the join growing with the batch as the streaming
+probe read it (``stream_join``, ``join_line``; the headline keeps the pairs' join); the eighth pass's (equal
+weights, no streaming, no residual)."""
 
 
 def host_variant(probed: dict, costs, burst_engine, burst_runs, cores: int, prefill: int, **changes) -> dict:
@@ -351,15 +352,19 @@ def host_variant(probed: dict, costs, burst_engine, burst_runs, cores: int, pref
 def join_line(probed: dict) -> tuple[float, float] | None:
     """The decode instance's time to take a request in against the requests its batch runs, from the streaming
     probe's joins (``stream_join_s_b{n}``, ``stream_load``): ``(at no batch, per request)``, the least-squares line
-    through them (per request at least 0; where the line falls, their mean at 0 per request). None with fewer than
-    two batch sizes read.
+    through them (per request at least 0; where the line falls, their mean at 0 per request), each join counted at
+    the share of a core the decode process had then (``stream_decode_cores_b{n}``: its CPU time, the host's other
+    load of that moment taken out; in ``s9_2`` it had 0.4 of a core beside four and eight requests, 0.9 in
+    ``s9_1``). None with fewer than two batch sizes read.
 
     Why: the replays' first token gaps (the join, then a step) grew with the batch the request joined (eighth pass:
     13-14 ms joining no batch, 16-20 ms joining one or two requests), and the probe's joins with it (5.4 ms beside no
     batch, 12 ms beside four, 24 ms beside eight, ``s9_1``): the decode process sends every running request's tokens
     on the interpreter that takes the new one in. The pairs' join (``probe``, a batch of one or two) is one point
     of that line."""
-    points = sorted((int(k.rsplit("_b", 1)[1]), v) for k, v in probed.items()
+    points = sorted((int(k.rsplit("_b", 1)[1]), v * min(1.0, probed.get(f"stream_decode_cores_b{k.rsplit('_b', 1)[1]}",
+                                                                          1.0)))
+                    for k, v in probed.items()
                     if k.startswith("stream_join_s_b") and v is not None and math.isfinite(v))
     if len({n for n, _ in points}) < 2:
         return None
@@ -867,7 +872,7 @@ def from_profile(costs, probed: dict, cores: int, others: float | None = None) -
         coef = list(probed["engine_coef_bursts"])
     join = probed["decode_join_s"] * decoding_alone  # the pairs': no prefill beside (the bursts' ran 3 busy)
     per_request = 0.0
-    line = join_line(probed) if probed.get("stream_join", True) else None
+    line = join_line(probed) if probed.get("stream_join", False) else None
     if line is not None:  # the joins beside each batch the streaming probe ran: growing with the batch
         join, per_request = line[0] * decoding_alone, line[1] * decoding_alone
     # the bursts' decode beside a prefill over apart, less what the host's sharing gives it (a prefill beside a batch)

@@ -349,8 +349,9 @@ def test_a_join_takes_longer_beside_a_bigger_batch():
 
 def test_the_join_line_is_read_from_the_streaming_probe():
     """By hand: joins of 5, 7, 13 and 21 ms beside batches of 0, 1, 4 and 8 requests lie on 5 ms + 2 ms per request;
-    the profile reading takes that line (two cores, no others: the decode alone at full speed). Falling joins give
-    their mean at no growth; one batch size read gives no line (the pairs' join is kept)."""
+    with ``stream_join`` the profile reading takes that line (two cores, no others: the decode alone at full speed;
+    the headline keeps the pairs' join). A join read while the decode process had half a core counts half (its CPU
+    time). Falling joins give their mean at no growth; one batch size read gives no line."""
     from test_accounting import _sim_to_real
 
     bench = _sim_to_real()
@@ -359,7 +360,9 @@ def test_the_join_line_is_read_from_the_streaming_probe():
     assert bench.join_line(joins) == (pytest.approx(0.005), pytest.approx(0.002))
     assert bench.join_line({"stream_join_s_b0": 0.01, "stream_join_s_b4": 0.006}) == (pytest.approx(0.008), 0.0)
     assert bench.join_line({"stream_join_s_b0": 0.01}) is None
-    probed = {"prefill_scale": 1.0, "decode_scale": 1.0, "decode_join_s": 0.03, **joins}
+    halved = {**joins, "stream_join_s_b8": 0.042, "stream_decode_cores_b8": 0.5}
+    assert bench.join_line(halved) == (pytest.approx(0.005), pytest.approx(0.002))
+    probed = {"prefill_scale": 1.0, "decode_scale": 1.0, "decode_join_s": 0.03, "stream_join": True, **joins}
     inputs = bench.from_profile(SLOW_LINK, probed, 2)
     assert (inputs["decode_join_s"], inputs["decode_join_per_request_s"]) == (pytest.approx(0.005),
                                                                               pytest.approx(0.002))
