@@ -323,6 +323,7 @@ HOST_VARIANTS = {"_profile_equal_weights": {"host_prefill_weight": 1.0},
                  "_profile_no_streaming": {"stream_cpu_s_per_token": 0.0},
                  "_profile_no_residual": {"decode_residual": False},
                  "_profile_join_line": {"stream_join": True},
+                 "_profile_bursts_join": {"bursts_join": True},
                  "_profile_s8_host": {"host_prefill_weight": 1.0, "stream_cpu_s_per_token": 0.0,
                                       "decode_residual": False}}
 """The profile reading with parts of the host model changed (each refitted: others, the bursts' engine): equal
@@ -875,6 +876,9 @@ def from_profile(costs, probed: dict, cores: int, others: float | None = None) -
     line = join_line(probed) if probed.get("stream_join", False) else None
     if line is not None:  # the joins beside each batch the streaming probe ran: growing with the batch
         join, per_request = line[0] * decoding_alone, line[1] * decoding_alone
+    if probed.get("bursts_join", False) and probed.get("decode_join_s_bursts"):
+        # the bursts' joins, one after another beside two prefills: the sharing the simulator gives that divided out
+        join = probed["decode_join_s_bursts"] * host_rates(host, 2, 2)[1]
     # the bursts' decode beside a prefill over apart, less what the host's sharing gives it (a prefill beside a batch)
     residual = 1.0
     if probed.get("decode_residual", True):
