@@ -36,7 +36,12 @@
    join, the bursts' decode, time to a decision and time off the engine, and the host's core count, its cores shared
    between the simulated instances (``SimConfig.host_cores``) and the host's other runnable processes as a
    contention probe measured them (``contention``: a prefill alone, two at once, two beside a decode batch;
-   ``SimConfig.host_other_busy``).
+   ``SimConfig.host_other_busy``), with the prefill processes' effective weight fitted from the same probe
+   (``host_weight_and_others``), the CPU a streamed token costs beside the instances (``stream_load``, per-process
+   ``schedstat`` over decode batches of 1, 4 and 8: ``SimConfig.decode_stream_cpu_s``) and the bursts' decode
+   slowdown beside a prefill that this sharing does not give (``SimConfig.shared_host_decode_slowdown``); the host
+   model with each part changed is reported beside it (``HOST_VARIANTS``).
+8. ``--resimulate T``: no cluster; points 4-7 again, with this code, on what a run saved with ``--token-times T``.
 
     python benchmarks/sim_to_real.py --json /tmp/sim_to_real.json
 """
