@@ -36,7 +36,12 @@
    join, the bursts' decode, time to a decision and time off the engine, and the host's core count, its cores shared
    between the simulated instances (``SimConfig.host_cores``) and the host's other runnable processes as a
    contention probe measured them (``contention``: a prefill alone, two at once, two beside a decode batch;
-   ``SimConfig.host_other_busy``).
+   ``SimConfig.host_other_busy``), with the prefill processes' effective weight fitted from the same probe
+   (``host_weight_and_others``), the CPU a streamed token costs beside the instances (``stream_load``, per-process
+   ``schedstat`` over decode batches of 1, 4 and 8: ``SimConfig.decode_stream_cpu_s``) and the bursts' decode
+   slowdown beside a prefill that this sharing does not give (``SimConfig.shared_host_decode_slowdown``); the host
+   model with each part changed is reported beside it (``HOST_VARIANTS``).
+8. ``--resimulate T``: no cluster; points 4-7 again, with this code, on what a run saved with ``--token-times T``.
 
     python benchmarks/sim_to_real.py --json /tmp/sim_to_real.json
 """
@@ -64,10 +69,12 @@ from mooncake_jax.conductor.profile import costs_from_profile  # noqa: E402
 from mooncake_jax.slo import tbt_of_times  # noqa: E402
 
 from mooncake_jax.demo import ENGINE_BLOCK  # noqa: E402
-from mooncake_jax.sim.host import shared_rates  # noqa: E402
+from mooncake_jax.sim.host import cfs_weight, rates_with_streaming  # noqa: E402
 PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 512, 1024), 16, 3
 BURST, BURST_ROUNDS, BURST_LONG_TOKENS, SPREAD_QUANTILES = 8, 6, 200, 20
 CONTENTION_TOKENS, CONTENTION_ROUNDS = 512, 5
+STREAM_BATCHES, STREAM_TOKENS, STREAM_WINDOW_S, STREAM_IDLE_S, STREAM_JOINS = (1, 4, 8), 400, 0.5, 1.0, 3
+STREAM_CONTEXT_TOKENS = 64  # each request's KV tokens when reading a batch's step for its streaming (the probes')
 SHARE_SAMPLES = 40  # points per reported compute interval at which engine_in_bursts reads the host's sharing
 SLICE_S = 12.0  # the replay's slices over which the prefill's speed is read again (four of the trace's bursts)
 
@@ -229,16 +236,44 @@ def contention(cluster, vocab_size: int, rounds: int = CONTENTION_ROUNDS) -> dic
             if any(v)}
 
 
-CONTENTION_REGIMES = {"pair": (2, 0), "beside_decode": (2, 1)}  # busy (prefills, decodes) beside the lone one's (1, 0)
+CONTENTION_REGIMES = {"pair": (2, 0), "beside_decode": (2, 1)}  # busy (prefills, decoding) beside the lone one's (1, 0)
 
 
-def host_other_busy(read: dict, cores: int) -> float:
+def host_model(cores: int, probed: dict, others: float | None = None, costs=None) -> dict:
+    """The simulator's host as the readings describe it (what ``host_rates`` shares by): ``cores``, the prefill
+    processes' weight (``host_prefill_weight``: their CFS weight where the cluster runs them niced, 1 where not
+    read), the host's other processes (``others``, default the probed ``host_other_busy``), the CPU a streamed
+    token costs off the instances (``stream_cpu_s_per_token``) and, for the tokens a batch streams a second, the
+    decode step (``costs``' decode model as ``profiled_costs`` scales it with the probed decode readings; without
+    ``costs`` no streaming is counted)."""
+    step = None
+    if costs is not None and "decode_scale" in probed:
+        step = profiled_costs(costs, {"prefill_scale": 1.0, **probed}).decode.step_seconds
+    return {"cores": cores, "weight": probed.get("host_prefill_weight", 1.0),
+            "others": probed.get("host_other_busy", 0.0) if others is None else others,
+            "cpu_per_token": probed.get("stream_cpu_s_per_token", 0.0) if step is not None else 0.0,
+            "step": step}
+
+
+def host_rates(host: dict, prefills: int, batch: int) -> tuple[float, float]:
+    """(prefill speed, decode speed) the simulator gives ``prefills`` computing beside a decode instance running
+    ``batch`` requests (0: idle) on ``host`` (``host_model``): ``host.rates_with_streaming`` with the tokens that
+    batch streams a second at its modelled step (each request's context taken as ``STREAM_CONTEXT_TOKENS``)."""
+    tokens_per_s = 0.0
+    if batch and host["cpu_per_token"]:
+        tokens_per_s = batch / float(host["step"](batch, batch * STREAM_CONTEXT_TOKENS))
+    return rates_with_streaming(host["cores"], prefills, int(batch > 0), host["weight"], host["others"],
+                                tokens_per_s, host["cpu_per_token"])[:2]
+
+
+def host_other_busy(read: dict, host: dict) -> float:
     """The host's other runnable processes (``SimConfig.host_other_busy``) under which the simulator's sharing
-    (``host.shared_rates``) slows a prefill as the contention probe measured: the number (0 to ``cores - 1``, in
-    hundredths) whose predicted slowdowns of two prefills, and of two beside a decode batch, over one alone are
-    nearest the measured ones (least squares in log). 0 where nothing was measured. Past ``cores - 1`` others the
-    lone prefill is slowed too and the predicted ratios fall again (four others on two cores: 1.2x and 1.4x), so
-    the smallest number that fits is the one in that range."""
+    (``host_rates`` on ``host``: its cores, the prefills' weight, the streaming a decode batch brings) slows a
+    prefill as the contention probe measured: the number (0 to ``cores - 1``, in hundredths) whose predicted
+    slowdowns of two prefills, and of two beside a decode batch of one request, over one alone are nearest the
+    measured ones (least squares in log). 0 where nothing was measured. Past ``cores - 1`` others the lone prefill
+    is slowed too and the predicted ratios fall again (four others on two cores: 1.2x and 1.4x), so the smallest
+    number that fits is the one in that range."""
     alone = read.get("contention_compute_s_alone")
     measured = {k: read[f"contention_compute_s_{k}"] / alone for k in CONTENTION_REGIMES
                 if alone and read.get(f"contention_compute_s_{k}")}
@@ -246,11 +281,231 @@ def host_other_busy(read: dict, cores: int) -> float:
         return 0.0
 
     def miss(others: float) -> float:
-        lone = shared_rates(cores, 1, 0, 1.0, others)[0]
-        return sum((math.log(ratio) - math.log(lone / shared_rates(cores, *CONTENTION_REGIMES[k], 1.0, others)[0]))
-                   ** 2 for k, ratio in measured.items())
+        at = {**host, "others": others}
+        lone = host_rates(at, 1, 0)[0]
+        return sum((math.log(ratio) - math.log(lone / host_rates(at, *CONTENTION_REGIMES[k])[0])) ** 2
+                   for k, ratio in measured.items())
 
-    return min(np.arange(0, 100 * max(0, cores - 1) + 1) / 100, key=lambda others: (miss(float(others)), others)).item()
+    top = 100 * max(0, host["cores"] - 1)
+    return min(np.arange(0, top + 1) / 100, key=lambda others: (miss(float(others)), others)).item()
+
+
+def contention_miss(read: dict, host: dict) -> float:
+    """How far ``host``'s predicted slowdowns of the contention probe's regimes are from the measured ones (sum of
+    squared log ratios; 0 where nothing was measured)."""
+    alone = read.get("contention_compute_s_alone")
+    lone = host_rates(host, 1, 0)[0]
+    return sum((math.log(read[f"contention_compute_s_{k}"] / alone) - math.log(lone / host_rates(host, *n)[0])) ** 2
+               for k, n in CONTENTION_REGIMES.items() if alone and read.get(f"contention_compute_s_{k}"))
+
+
+def host_weight_and_others(read: dict, host: dict, lowest: float) -> tuple[float, float]:
+    """The prefill processes' effective weight (``lowest`` to 1 in twentieths) and the host's others
+    (``host_other_busy`` under it) that put the contention probe's two slowdowns nearest the measured ones, the
+    highest weight among equals (1 where nothing was measured).
+
+    Why fitted and not the prefills' CFS weight (0.33 at nice 5): the two regimes disagree with any one weight. A
+    prefill beside a decode batch of one ran 2.3-3.1x slower than alone where two prefills ran 1.0-1.25x (runs
+    ``s8_5``, ``s8_8``, ``s8_headline_1``, ``s8_quiet_1``): at equal weights no number of others gives both (the
+    others bound, 1, put the decode at half speed beside two prefills and the TBT 42-156% high); at 0.33 the decode
+    keeps its core beside them, and the replays' decode steps and joins ran slower beside prefills than alone
+    (TBT 15-34% low in four of seven runs). The scheduler's weights are not the whole of it (wake-up latency,
+    threads of each process beyond the engine's), so the weight is read as the probe measures it."""
+    if not read.get("contention_compute_s_alone"):
+        return 1.0, host["others"]
+    best = None
+    for weight in np.unique(np.r_[lowest, np.arange(math.ceil(lowest * 20), 21) / 20]):
+        at = {**host, "weight": float(weight)}
+        others = host_other_busy(read, at)
+        miss = contention_miss(read, {**at, "others": others})
+        if best is None or miss <= best[0] + 1e-12:
+            best = (miss, at["weight"], others)
+    return best[1], best[2]
+
+
+HOST_VARIANTS = {"_profile_equal_weights": {"host_prefill_weight": 1.0},
+                 "_profile_cfs_weight": {"host_prefill_weight": "cfs"},
+                 "_profile_no_streaming": {"stream_cpu_s_per_token": 0.0},
+                 "_profile_no_residual": {"decode_residual": False},
+                 "_profile_join_line": {"stream_join": True},
+                 "_profile_bursts_join": {"bursts_join": True},
+                 "_profile_s8_host": {"host_prefill_weight": 1.0, "stream_cpu_s_per_token": 0.0,
+                                      "decode_residual": False}}
+"""The profile reading with parts of the host model changed (each refitted: others, the bursts' engine): equal
+weights for prefill and decode processes; the prefills' CFS weight at nice 5 (not fitted); no streaming load; no
+residual decode slowdown beside a prefill (``decode_residual``); the join growing with the batch as the streaming
+probe read it (``stream_join``, ``join_line``; the headline keeps the pairs' join); the eighth pass's (equal
+weights, no streaming, no residual)."""
+
+
+def host_variant(probed: dict, costs, burst_engine, burst_runs, cores: int, prefill: int, **changes) -> dict:
+    """The probed readings with ``changes`` to the host model (``host_prefill_weight``, ``stream_cpu_s_per_token``),
+    the host's others and the bursts' engine read again under it (``host_other_busy``, ``engine_in_bursts``): what
+    the profile reading would have been with that host model."""
+    varied = {k: v for k, v in probed.items() if not (k.startswith("engine_") and k.endswith("_bursts"))}
+    varied.update(changes)
+    if varied.get("host_prefill_weight") == "cfs":  # the prefills' CFS weight as it is
+        varied["host_prefill_weight"] = varied.get("host_prefill_cfs_weight", 1.0)
+    if "host_prefill_weight" in changes:  # that weight: the others under it
+        varied["host_other_busy"] = host_other_busy(varied, host_model(cores, varied, 0.0, costs))
+    else:  # both read from the contention probe, the weight at least the prefills' CFS weight
+        varied["host_prefill_weight"], varied["host_other_busy"] = host_weight_and_others(
+            varied, host_model(cores, varied, 0.0, costs), varied.get("host_prefill_cfs_weight", 1.0))
+    varied.update(engine_in_bursts(burst_engine, burst_runs, costs, host_model(cores, varied, costs=costs), prefill))
+    return varied
+
+
+def join_line(probed: dict) -> tuple[float, float] | None:
+    """The decode instance's time to take a request in against the requests its batch runs, from the streaming
+    probe's joins (``stream_join_s_b{n}``, ``stream_load``): ``(at no batch, per request)``, the least-squares line
+    through them (per request at least 0; where the line falls, their mean at 0 per request), each join counted at
+    the share of a core the decode process had then (``stream_decode_cores_b{n}``: its CPU time, the host's other
+    load of that moment taken out; in ``s9_2`` it had 0.4 of a core beside four and eight requests, 0.9 in
+    ``s9_1``). None with fewer than two batch sizes read.
+
+    Why: the replays' first token gaps (the join, then a step) grew with the batch the request joined (eighth pass:
+    13-14 ms joining no batch, 16-20 ms joining one or two requests), and the probe's joins with it (5.4 ms beside no
+    batch, 12 ms beside four, 24 ms beside eight, ``s9_1``): the decode process sends every running request's tokens
+    on the interpreter that takes the new one in. The pairs' join (``probe``, a batch of one or two) is one point
+    of that line."""
+    points = sorted((int(k.rsplit("_b", 1)[1]), v * min(1.0, probed.get(f"stream_decode_cores_b{k.rsplit('_b', 1)[1]}",
+                                                                          1.0)))
+                    for k, v in probed.items()
+                    if k.startswith("stream_join_s_b") and v is not None and math.isfinite(v))
+    if len({n for n, _ in points}) < 2:
+        return None
+    x, y = np.array(points, float).T
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope < 0:
+        return max(0.0, float(y.mean())), 0.0
+    return max(0.0, float(intercept)), float(slope)
+
+
+def process_ids(cluster) -> dict[str, int]:
+    """The cluster's processes by role: ``launcher`` (this one: the gateway's backend and the clients), and where
+    they run as processes of their own the ``conductor`` and each instance (by instance id)."""
+    pids = {"launcher": os.getpid()}
+    conductor = getattr(cluster.conductor, "proc", None)
+    if conductor is not None:
+        pids["conductor"] = conductor.pid
+    for instance_id, instance in cluster.instances.items():
+        if getattr(instance, "proc", None) is not None:
+            pids[instance_id] = instance.proc.pid
+    return pids
+
+
+def cpu_seconds(pid: int, waited: bool = False) -> float:
+    """CPU time process ``pid`` has run, all its threads (Linux ``schedstat``, nanoseconds; 0 where not readable:
+    its threads that ended no longer count, so read it over windows in which none end); ``waited``: the time its
+    threads were runnable but waited for a core instead."""
+    total = 0
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[int(waited)])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
+def cpu_used(pids: dict[str, int]) -> dict[str, float]:
+    """Every process's CPU seconds so far (``cpu_seconds``) and, as ``<name>_waited``, its time waiting for a core."""
+    return {**{k: cpu_seconds(p) for k, p in pids.items()}, **{f"{k}_waited": cpu_seconds(p, True)
+                                                                 for k, p in pids.items()}}
+
+
+def stream_load(cluster, vocab_size: int, batches=STREAM_BATCHES) -> dict:
+    """What a decode batch costs the host off the instances' processes, before the replay: decode batches of
+    ``batches`` requests (fresh 32-token prompts, ``STREAM_TOKENS`` output tokens each, nothing prefilling once all
+    have joined), and over a window in which all decode, the CPU time of every process of the cluster beside the
+    instances (the launcher: the gateway's backend and the clients' threads; the Conductor) and of the decode
+    instance, and the tokens the clients received. ``stream_cpu_s_per_token``: the CPU beside the instances per token
+    received (their sum over every window over the tokens' sum, each process's idle rate, read first, taken off).
+    ``stream_decode_cores_b{n}``, ``stream_beside_cores_b{n}``, ``stream_tokens_per_s_b{n}``,
+    ``stream_decode_waited_b{n}`` (the decode process's time waiting for a core, per second): per batch, for the
+    record; and after each window (and before the first batch, ``b0``), ``STREAM_JOINS`` short requests joining the
+    running batch one after another (``join``: how the decode instance's time to take a request in grows with the
+    batch it streams for). {} where the instances do not run as processes of their own (their CPU is the
+    launcher's then).
+
+    Why: a prefill beside a decode batch of one request ran 2.7-3.1x slower than alone in every quiet run of the
+    seventh and eighth passes, more than any constant number of other processes gives on two cores; the load that
+    comes with a decode batch is its tokens' way to the clients, which grows with the tokens it streams."""
+    from mooncake_jax.gateway.backend import TokenOut
+
+    pids = process_ids(cluster)
+    decode_ids = [c.instance_id for c in cluster.configs if c.role == "decode" and c.instance_id in pids]
+    beside = [k for k in pids if k in ("launcher", "conductor")]
+    if not decode_ids or len(pids) < 3:
+        return {}
+    rng = np.random.default_rng(97531)
+
+    def snapshot() -> tuple[float, dict]:
+        return time.perf_counter(), cpu_used(pids)
+
+    t0, c0 = snapshot()
+    time.sleep(STREAM_IDLE_S)
+    t1, c1 = snapshot()
+    idle = {k: (c1[k] - c0[k]) / (t1 - t0) for k in pids}
+    read = {f"stream_idle_cores_{k}": v for k, v in idle.items()}
+    cpu, tokens = 0.0, 0
+
+    def join(n: int, ended: threading.Event | None = None) -> None:
+        """Requests joining a batch of ``n`` (one after another, while it still runs): their first token gap
+        (``stream_join_gap_s_b{n}``) and its excess over their later gaps (``stream_join_s_b{n}``), medians."""
+        gaps = []
+        for _ in range(STREAM_JOINS):
+            if ended is not None and ended.is_set():
+                break
+            times = np.diff(token_times(cluster, rng.integers(0, vocab_size, 32).tolist(), 6))
+            if len(times) > 2:
+                gaps.append((times[0], times[0] - float(np.median(times[1:]))))
+        if gaps:
+            read[f"stream_join_gap_s_b{n}"], read[f"stream_join_s_b{n}"] = map(float, np.median(gaps, axis=0))
+
+    join(0)
+    with ThreadPoolExecutor(max(batches)) as pool:
+        for n in batches:
+            received, joined, ended = [], [threading.Event() for _ in range(n)], threading.Event()
+
+            def run(signal):
+                count = 0
+                for item in cluster.stream(rng.integers(0, vocab_size, 32).tolist(), max_new_tokens=STREAM_TOKENS):
+                    if isinstance(item, TokenOut):
+                        received.append(time.perf_counter())
+                        count += 1
+                        if count == 2:
+                            signal.set()
+                signal.set()
+                ended.set()
+
+            futures = [pool.submit(run, e) for e in joined]
+            for e in joined:
+                e.wait(60)
+            start, before = snapshot()
+            ended.wait(STREAM_WINDOW_S)  # the window ends when the first of the batch does, at the latest
+            end, after = snapshot()
+            join(n, ended)
+            [f.result() for f in futures]
+            wall = end - start
+            count = sum(start <= t < end for t in received)
+            used = {k: (after[k] - before[k]) / wall - idle[k] for k in pids}
+            if count == 0:
+                continue
+            cpu += sum(used[k] for k in beside) * wall
+            tokens += count
+            read[f"stream_beside_cores_b{n}"] = sum(used[k] for k in beside)
+            read[f"stream_decode_cores_b{n}"] = sum(used[k] for k in decode_ids)
+            read[f"stream_tokens_per_s_b{n}"] = count / wall
+            read[f"stream_decode_waited_b{n}"] = sum(after[f"{k}_waited"] - before[f"{k}_waited"]
+                                                     for k in decode_ids) / wall
+    if tokens:
+        read["stream_cpu_s_per_token"] = max(0.0, cpu / tokens)
+    return read
 
 
 def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.ndarray]], list[float], list[tuple],
@@ -299,13 +554,14 @@ def bursts(cluster, items, vocab_size: int) -> tuple[list[tuple[float, int, np.n
     return runs, off_engine, engine, decided
 
 
-def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_instances: int = 2) -> dict:
+def engine_in_bursts(engine, runs, costs, host: dict, prefill_instances: int = 2) -> dict:
     """The prefill engine's speed alone, read from the bursts' reported compute (``bursts``: the replay's regime,
     two prefills beside a decode batch streaming tokens to many clients) with the sharing the simulator would have
-    given them divided out: each request's compute is re-timed as the work the simulator's host
-    (``host.shared_rates`` with ``cores`` and ``others``) would have done over that interval, given the prefills
-    computing then (every burst request's reported compute interval, at most ``prefill_instances``) and whether the
-    decode batch was busy (some request between its first and last token); then ``work = engine_fixed +
+    given them divided out: each request's compute is re-timed as the work the simulator's host (``host_rates`` on
+    ``host``, ``host_model``: cores, weights, the host's others, the decode batch's streaming) would have done over
+    that interval, given the prefills computing then (every burst request's reported compute interval, at most
+    ``prefill_instances``) and the decode batch then (the requests between their first and last token); then
+    ``work = engine_fixed +
     engine_scale * profile`` (least squares in relative error; the ratio of the sums where that line is not
     increasing or has a negative intercept); and ``engine_coef_bursts``: the start-up calibration's polynomial
     (``fit_prefill_poly``: relative error, coefficients >= 0) fitted to the same work over the tokens each request
@@ -335,7 +591,7 @@ def engine_in_bursts(engine, runs, costs, cores: int, others: float, prefill_ins
         rates = []
         for t in begin + compute * (np.arange(SHARE_SAMPLES) + 0.5) / SHARE_SAMPLES:
             busy = min(prefill_instances, max(1, sum(a <= t < b for a, b in prefilling)))
-            rates.append(shared_rates(cores, busy, int(any(a <= t < b for a, b in decoding)), 1.0, others)[0])
+            rates.append(host_rates(host, busy, sum(a <= t < b for a, b in decoding))[0])
         reused = reused_tokens(n, cached)
         points.append((prefill_work_s(costs.prefill, n, reused), compute * float(np.mean(rates)),
                        float(np.mean(rates)), reused + costs.prefill.computed_tokens(n - reused), reused))
@@ -610,9 +866,9 @@ def from_profile(costs, probed: dict, cores: int, others: float | None = None) -
       twice (``others=0``: as before).
 
     Nothing here is read from the replay."""
-    others = probed.get("host_other_busy", 0.0) if others is None else others
-    in_pairs = shared_rates(cores, 2, 0, 1.0, others)[0]  # the pairs' engine ran at this share of a core
-    decoding_alone = shared_rates(cores, 0, 1, 1.0, others)[1]
+    host = host_model(cores, probed, others, costs)
+    in_pairs = host_rates(host, 2, 0)[0]  # the pairs' engine ran at this share of a core
+    decoding_alone = host_rates(host, 0, 2)[1]  # and their decode, a batch of two
     scale = probed.get("engine_scale", probed["prefill_scale"]) * in_pairs
     fixed = probed.get("engine_fixed_s", 0.0) * in_pairs
     if "engine_scale_bursts" in probed:  # the bursts' engine, read with these others' sharing divided out
@@ -621,6 +877,18 @@ def from_profile(costs, probed: dict, cores: int, others: float | None = None) -
     if "engine_coef_bursts" in probed:  # its own shape over the trace's lengths, fitted to the same work
         coef = list(probed["engine_coef_bursts"])
     join = probed["decode_join_s"] * decoding_alone  # the pairs': no prefill beside (the bursts' ran 3 busy)
+    per_request = 0.0
+    line = join_line(probed) if probed.get("stream_join", False) else None
+    if line is not None:  # the joins beside each batch the streaming probe ran: growing with the batch
+        join, per_request = line[0] * decoding_alone, line[1] * decoding_alone
+    if probed.get("bursts_join", False) and probed.get("decode_join_s_bursts"):
+        # the bursts' joins, one after another beside two prefills: the sharing the simulator gives that divided out
+        join = probed["decode_join_s_bursts"] * host_rates(host, 2, 2)[1]
+    # the bursts' decode beside a prefill over apart, less what the host's sharing gives it (a prefill beside a batch)
+    residual = 1.0
+    if probed.get("decode_residual", True):
+        residual = max(1.0, probed.get("shared_host_decode_slowdown", 1.0) * host_rates(host, 1, 2)[1]
+                       / host_rates(host, 0, 2)[1])
     return {"prefill_coef": coef,
             "prefill_scale": scale, "request_overhead_s": 0.0,
             "prefill_off_engine_s": probed.get("off_engine_s_bursts", probed.get("off_engine_s", 0.0))
@@ -628,8 +896,11 @@ def from_profile(costs, probed: dict, cores: int, others: float | None = None) -
             "decode_scale": probed["decode_scale"] * decoding_alone,
             "decode_token_delivery_s": probed.get("decode_token_delivery_s", 0.0) * decoding_alone,
             "decode_join_s": join, "decode_join_stall_s": min(probed.get("decode_join_stall_s", 0.0), join),
-            "shared_host_decode_slowdown": 1.0, "decode_step_spread": list(probed.get("decode_step_spread", ())),
-            "host_cores": cores, "host_prefill_weight": 1.0, "host_other_busy": others}
+            "decode_join_per_request_s": per_request,
+            "shared_host_decode_slowdown": residual,
+            "decode_step_spread": list(probed.get("decode_step_spread", ())),
+            "host_cores": cores, "host_prefill_weight": host["weight"], "host_other_busy": host["others"],
+            "decode_stream_cpu_s": host["cpu_per_token"]}
 
 
 def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: float, cache_tokens: int,
@@ -655,11 +926,14 @@ def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: f
                       prefill_slowdown_steps=tuple(map(tuple, overheads.get("prefill_slowdown_steps", ()))),
                       decode_join_s=overheads.get("decode_join_s", 0.0),
                       decode_join_stall_s=overheads.get("decode_join_stall_s", 0.0),
+                      decode_join_per_request_s=overheads.get("decode_join_per_request_s", 0.0),
                       shared_host_decode_slowdown=overheads.get("shared_host_decode_slowdown", 1.0),
                       decode_step_spread=tuple(overheads.get("decode_step_spread", ())),
                       host_cores=overheads.get("host_cores"),
                       host_prefill_weight=overheads.get("host_prefill_weight", 1.0),
                       host_other_busy=overheads.get("host_other_busy", 0.0) if overheads.get("host_cores") else 0.0,
+                      decode_stream_cpu_s=overheads.get("decode_stream_cpu_s", 0.0) if overheads.get("host_cores")
+                      else 0.0,
                       **slo)
     by_item = [None] * len(items)
     for req, i in zip(result.requests, order):
@@ -687,19 +961,53 @@ def main() -> None:
     parser.add_argument("--token-times", type=Path,
                         help="also write every real request's token times (s from submission) here, for reading "
                              "which gaps make up the TBT")
+    parser.add_argument("--resimulate", type=Path, metavar="T",
+                        help="no cluster: read everything measured from the token-times file T of an earlier run "
+                             "(its JSON beside it, T without '_tokens', for the run's load and times) and compare "
+                             "again with this code's readings (the runs were on this host's core count)")
     args = parser.parse_args()
     if args.requests < 10 or args.speed <= 0:
         parser.error("--requests must be >= 10 and --speed > 0")
+    if args.resimulate is not None and not args.resimulate.is_file():
+        parser.error(f"--resimulate: no file {args.resimulate}")
 
-    from mooncake_jax.instance.cluster import Cluster
+    from mooncake_jax.instance.cluster import PREFILL_NICENESS
     from mooncake_jax.model.config import PRESETS
 
     cfg = PRESETS["tiny"]
-    items = trace_slice(args.requests, cfg.vocab_size, cfg.max_seq_len)
     slo = {"ttft_slo_s": 30.0, "tbt_slo_s": 1.0}
     pool_blocks = 8192
-    load_start = os.getloadavg()[0]
     cores = os.cpu_count() or 1
+    if args.resimulate is not None:
+        measured = json.loads(args.resimulate.read_text())
+        real, profile_json, used = measured["replay"], measured["profile_json"], measured.get("replay_cpu", {})
+        items = trace_slice(len(real), cfg.vocab_size, cfg.max_seq_len)
+        costs = costs_from_profile(profile_json)
+        burst_runs = [(start, n, np.array(times)) for start, n, times in measured["bursts"]]
+        burst_engine = [tuple(e) for e in measured["burst_engine"]]
+        overheads = dict(measured["overheads"])
+        overheads.setdefault("host_prefill_cfs_weight", 1.0 if args.in_process else cfs_weight(PREFILL_NICENESS))
+        overheads = host_variant(overheads, costs, burst_engine, burst_runs, cores, args.prefill)
+        beside = args.resimulate.with_name(args.resimulate.name.replace("_tokens", ""))
+        recorded = json.loads(beside.read_text()) if beside != args.resimulate and beside.is_file() else {}
+        meta = {k: recorded.get(k) for k in ("load_average_at_start", "load_average_at_end", "replay_wall_s",
+                                             "total_wall_s", "cpu_model", "cpus")}
+        meta["resimulated_from"] = str(args.resimulate)
+    else:
+        items = trace_slice(args.requests, cfg.vocab_size, cfg.max_seq_len)
+        costs, profile_json, overheads, burst_runs, burst_engine, real, used, meta = measure(
+            args, items, cfg, slo, pool_blocks, cores)
+        meta["cpu_model"], meta["cpus"] = cpu_model(), os.cpu_count()
+    report(args, items, costs, overheads, burst_runs, burst_engine, real, used, meta, slo, pool_blocks, cores)
+
+
+def measure(args, items, cfg, slo: dict, pool_blocks: int, cores: int):
+    """Start the cluster, probe it, replay the slice (points 1-3 of the module docstring): (costs, profile JSON,
+    the probed readings, the bursts' runs and engine reports, the replay's records, the replay's CPU per process,
+    the run's load and times); writes ``--token-times`` too."""
+    from mooncake_jax.instance.cluster import PREFILL_NICENESS, Cluster
+
+    load_start = os.getloadavg()[0]
     t_start = time.perf_counter()
     with Cluster.local("tiny", prefill=args.prefill, decode=args.decode, processes=not args.in_process,
                        admission="none", pool_dram_blocks=pool_blocks, **slo) as cluster:
@@ -707,25 +1015,37 @@ def main() -> None:
         profile_json = getattr(first, "profile_json", None) or first.info["profile_json"]
         costs = costs_from_profile(profile_json)
         overheads = probe(cluster, costs, cfg.vocab_size)
+        overheads.update(stream_load(cluster, cfg.vocab_size))
         overheads.update(contention(cluster, cfg.vocab_size))
-        overheads["host_other_busy"] = host_other_busy(overheads, cores)
         burst_runs, burst_off_engine, burst_engine, burst_decided = bursts(cluster, items, cfg.vocab_size)
         overheads.update(decode_in_bursts(burst_runs, costs))
-        overheads.update(engine_in_bursts(burst_engine, burst_runs, costs, cores, overheads["host_other_busy"],
-                                          args.prefill))
+        # the host as the simulator shares it: the prefills at their niced weight where they are processes, the
+        # decode batch's streaming, then the others that make the contention probe's slowdowns
+        overheads["host_prefill_cfs_weight"] = 1.0 if args.in_process else cfs_weight(PREFILL_NICENESS)
+        overheads = host_variant(overheads, costs, burst_engine, burst_runs, cores, args.prefill)
         if burst_off_engine:
             overheads["off_engine_s_bursts"] = max(0.0, float(np.median(burst_off_engine)))
             overheads["decided_s_bursts"] = float(np.median(burst_decided))
         overheads["decode_join_stall_s"] = min(overheads.get("decode_join_stall_s", 0.0), overheads["decode_join_s"])
         print(f"profile: {costs.name}; probed overheads {overheads}", flush=True)
+        pids = process_ids(cluster)
+        used_before = cpu_used(pids)
         t_replay = time.perf_counter()
         real = replay(cluster, items, args.speed)
         replay_s = time.perf_counter() - t_replay
+        used = {k: v - used_before.get(k, 0.0) for k, v in cpu_used(pids).items()}
     if args.token_times:
         args.token_times.write_text(json.dumps({
             "replay": real, "overheads": overheads, "profile_json": profile_json,
             "bursts": [(start, n, times.tolist()) for start, n, times in burst_runs],
-            "burst_engine": burst_engine}) + "\n")
+            "burst_engine": burst_engine, "replay_cpu": used}) + "\n")
+    meta = {"load_average_at_start": load_start, "load_average_at_end": os.getloadavg()[0], "replay_wall_s": replay_s,
+            "total_wall_s": time.perf_counter() - t_start}
+    return costs, profile_json, overheads, burst_runs, burst_engine, real, used, meta
+
+
+def report(args, items, costs, overheads, burst_runs, burst_engine, real, used, meta, slo, pool_blocks, cores):
+    """Simulate the slice with each reading and write the comparison (points 4-7 of the module docstring)."""
     window = replay_window(items, real, costs)
     window.setdefault("decode_join_s", overheads["decode_join_s"])  # the pairs' where no request decoded 3 tokens
     window["decode_join_stall_s"] = min(window.get("decode_join_stall_s", 0.0), window["decode_join_s"])
@@ -755,7 +1075,8 @@ def main() -> None:
     profile_inputs = from_profile(costs, overheads, cores)
     pairs_engine = {k: v for k, v in overheads.items() if not k.startswith("engine_") or not k.endswith("_bursts")}
     line_engine = {k: v for k, v in overheads.items() if k != "engine_coef_bursts"}
-    no_contention = {**overheads, **engine_in_bursts(burst_engine, burst_runs, costs, cores, 0.0, args.prefill)}
+    no_contention = {**overheads, **engine_in_bursts(burst_engine, burst_runs, costs,
+                                                     host_model(cores, overheads, 0.0, costs), args.prefill)}
     readings = {"": compare(profile_inputs, None),  # the headline: the profile reading (point 6 of the docstring)
                 "_window": compare(window, arrivals),
                 "_exact_steps": compare({**window, "decode_step_spread": ()}, arrivals),
@@ -767,17 +1088,23 @@ def main() -> None:
                 "_profile_no_contention": compare(from_profile(costs, no_contention, cores, 0.0), None),
                 "_profile_pairs_engine": compare(from_profile(costs, pairs_engine, cores), None),
                 "_profile_line_engine": compare(from_profile(costs, line_engine, cores), None)}
+    for suffix, changes in HOST_VARIANTS.items():  # the host model with a part of it left out, each refitted
+        varied = host_variant(overheads, costs, burst_engine, burst_runs, cores, args.prefill, **changes)
+        readings[suffix] = compare(from_profile(costs, varied, cores), None)
     readings["_profile"] = readings[""]  # the headline's old name, kept as an alias (not simulated twice)
     sim_figures, sim = readings[""]
     results = {
         "requests": len(items), "completed_real": len(done), "completed_sim": sim.summary["completed"],
         "speed": args.speed, "prefill": args.prefill, "decode": args.decode, "model": "tiny",
-        "cpu_model": cpu_model(), "cpus": os.cpu_count(), "load_average_at_start": load_start,
-        "load_average_at_end": os.getloadavg()[0], "replay_wall_s": replay_s,
-        "total_wall_s": time.perf_counter() - t_start, "profile": costs.name,
+        **meta, "profile": costs.name,
         "prefill_coef": list(costs.prefill.coef), "decode_coef": list(costs.decode.coef),
         "release_timing": f"{REAL_INSTANCES.kv_push}/{REAL_INSTANCES.first_token}",
         "cache_hit_ratio_sim": sim.summary["cache_hit_ratio"], **order_figures,
+        **{f"replay_cpu_s_{k}": v for k, v in used.items()},
+        # the streaming's reading over the replay itself, for the record (not fed in): the CPU of the processes
+        # beside the instances per token received
+        "replay_stream_cpu_s_per_token": (sum(used.get(k, 0.0) for k in ("launcher", "conductor"))
+                                          / max(1, sum(len(r["times"]) for r in real if r))),
         **{f"probe_{k}": v for k, v in overheads.items()}, **window,
         **{f"profile_{k}": v for k, v in profile_inputs.items() if k != "decode_step_spread"},
         "prefill_queue_sim_s_p50": sim_figures["queue"].get("p50"),

@@ -66,6 +66,11 @@ class ContinuousBatch:
     def step_seconds(self) -> float:
         return self.c0 + self.c1 * self.batch + self.c2 * self.context
 
+    def base_step_seconds(self) -> float:
+        """The next step's time at the cost model's speed (no ``slowdown``)."""
+        c0, c1, c2 = self._coef
+        return c0 + c1 * self.batch + c2 * self.context
+
     def duration(self, k: int) -> float:
         """Seconds the next ``k`` steps take with the current batch."""
         return k * self.step_seconds() + self.c2 * self.batch * k * (k - 1) / 2

@@ -32,7 +32,7 @@ from mooncake_jax.conductor.accounting import prefill_work_s, reused_tokens
 from mooncake_jax.conductor.costs import transfer_seconds
 from mooncake_jax.sim.batch import ContinuousBatch
 from mooncake_jax.sim.cache import make_cache
-from mooncake_jax.sim.host import shared_rates
+from mooncake_jax.sim.host import rates_with_streaming
 from mooncake_jax.slo import tbt_of_gaps
 from mooncake_jax.sim.records import COMPLETED, REJECTED_EARLY, REJECTED_LATE, SimRequest
 from mooncake_jax.sim.runner import ClusterSim
@@ -234,10 +234,11 @@ class DisaggregatedSim(ClusterSim):
             req.status, req.finished_at = COMPLETED, req.first_token_at
             self.state.finished(req.request_id, now)
         else:
-            # the decode instance takes the request into its batch decode_join_s after its KV is there, the last
-            # decode_join_stall_s of it on its engine loop (``_join``), one request at a time
+            # the decode instance takes the request into its batch decode_join_s after its KV is there (and
+            # decode_join_per_request_s for each request its batch runs then), the last decode_join_stall_s of it
+            # on its engine loop (``_join``), one request at a time
             cfg, d = self.config, self.by_id[req.decode_id]
-            join_s = cfg.decode_join_s * self._join_stretch(d)
+            join_s = (cfg.decode_join_s + cfg.decode_join_per_request_s * d.batch.batch) * self._join_stretch(d)
             taken_in = req.kv_ready_at + join_s
             if join_s:
                 taken_in = max(req.kv_ready_at, d.join_free_at) + join_s
@@ -253,14 +254,28 @@ class DisaggregatedSim(ClusterSim):
         end; the part that stalls the batch, ``decode_join_stall_s``, is not stretched)."""
         if self.config.host_cores is None:
             return 1.0
-        return 1.0 / self._host_rates(sum(e is d or e.batch.batch > 0 for e in self.decode))[1]
+        return 1.0 / self._host_rates([e for e in self.decode if e is d or e.batch.batch > 0])[1]
 
-    def _host_rates(self, decodes: int) -> tuple[float, float]:
+    def _host_rates(self, busy: list[DecodeNode]) -> tuple[float, float]:
         """``host.shared_rates`` on the configured host (``SimConfig.host_cores`` set) with the prefills computing
-        now and ``decodes`` decode instances busy: (each prefill's speed, each decode's speed)."""
+        now and the ``busy`` decode instances, and the streaming load of their batches' tokens
+        (``SimConfig.decode_stream_cpu_s``: their batches' tokens a second at the cost model's steps,
+        ``host.rates_with_streaming``): (each prefill's speed, each decode's speed)."""
         cfg = self.config
-        return shared_rates(cfg.host_cores, sum(p.running is not None for p in self.prefill), decodes,
-                            cfg.host_prefill_weight, cfg.host_other_busy)
+        tokens_per_s = 0.0
+        if cfg.decode_stream_cpu_s:
+            tokens_per_s = sum(d.batch.batch / d.batch.base_step_seconds() for d in busy if d.batch.batch)
+        prefill, decode, _ = rates_with_streaming(cfg.host_cores, sum(p.running is not None for p in self.prefill),
+                                                  len(busy), cfg.host_prefill_weight, cfg.host_other_busy,
+                                                  tokens_per_s, cfg.decode_stream_cpu_s)
+        return prefill, decode
+
+    def _host_busy(self) -> tuple:
+        """What the host's sharing depends on in the decode pool: which batches are busy, and with the streaming
+        load (``SimConfig.decode_stream_cpu_s``) how many requests each runs."""
+        if self.config.decode_stream_cpu_s:
+            return tuple(d.batch.batch for d in self.decode)
+        return tuple(d.batch.batch > 0 for d in self.decode)
 
     def _host_load_changed(self) -> None:
         """Instances sharing one host. ``SimConfig.host_cores``: the busy instances (prefills computing, decode
@@ -279,7 +294,7 @@ class DisaggregatedSim(ClusterSim):
                 now, prefilling = self.events.now, any(p.running is not None for p in self.prefill)
                 stretch = 1.0
                 if cores is not None:
-                    prefill_rate, decode_rate = self._host_rates(sum(d.batch.batch > 0 for d in self.decode))
+                    prefill_rate, decode_rate = self._host_rates([d for d in self.decode if d.batch.batch > 0])
                     stretch = 1.0 / decode_rate
                     for p in self.prefill:
                         if p.running is not None and p.rate != prefill_rate:
@@ -291,11 +306,11 @@ class DisaggregatedSim(ClusterSim):
                 factor = stretch * (slowdown if prefilling else 1.0)
                 for d in self.decode:
                     if d.batch.slowdown != factor:
-                        was_busy = d.batch.batch > 0
+                        before = self._host_busy()
                         self._advance_to(d, now)
                         d.batch.set_slowdown(factor)
                         self._reschedule(d)
-                        changed = changed or (cores is not None and was_busy != (d.batch.batch > 0))
+                        changed = changed or (cores is not None and before != self._host_busy())
         finally:
             self._sharing = False
 
@@ -327,8 +342,8 @@ class DisaggregatedSim(ClusterSim):
         b.join(req, req.input_tokens, req.input_tokens + req.output_tokens, req.output_tokens - 1,
                req.first_token_at)
         self.state.decode_started(req.request_id, b.time)
-        if self.config.host_cores is not None and b.batch == 1:  # one more busy instance on the host
-            self._host_load_changed()
+        if self.config.host_cores is not None and (b.batch == 1 or self.config.decode_stream_cpu_s):
+            self._host_load_changed()  # one more busy instance on the host, or one more request streaming
 
     def _advance_to(self, d: DecodeNode, when: float) -> None:
         b = d.batch
@@ -345,8 +360,8 @@ class DisaggregatedSim(ClusterSim):
             self.state.finished(req.request_id, req.finished_at)
         while d.waiting and b.fits(d.waiting[0].input_tokens + d.waiting[0].output_tokens):
             self._join(d, d.waiting.popleft())
-        if self.config.host_cores is not None and done and not b.batch:  # one fewer busy instance on the host
-            self._host_load_changed()
+        if self.config.host_cores is not None and done and (not b.batch or self.config.decode_stream_cpu_s):
+            self._host_load_changed()  # one fewer busy instance on the host, or fewer requests streaming
 
     def _reschedule(self, d: DecodeNode) -> None:
         """Put the batch's next finish on the clock (any earlier plan is void)."""
