@@ -104,7 +104,7 @@ def test_prefill_instance_feeds_its_meter_compute_less_first_use_compiles(monkey
     """An unwarmed layer-wise prefill instance: its first request compiles the layer programs on the engine loop,
     the second (same length, no shared prefix) runs them. The meter gets each job's time less what that thread spent
     compiling, which JAX's own backend-compile events (the test's listener, on the engine thread) bound from below.
-    Before the fix the first request's compile went in whole: a ratio at the meter's cap, 100x, for 30 s."""
+    Before the fix the first request's compile went in whole (in this test: 25.9 s recorded, 22.2 s of it compiling)."""
     import mooncake_jax as mj
     from mooncake_jax.instance import prefill as prefill_module
     from reference_model import random_prompts

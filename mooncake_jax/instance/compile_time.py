@@ -4,8 +4,8 @@ cache) within a span of its time, read from JAX's own monitoring events.
 Why: a prefill instance's ``SlowdownMeter`` compares each request's measured compute with its cost model, and the
 Conductor scales every prediction for that instance by the result. A request that is the first to reach a program
 (a shape the warm-up did not compile, or any shape after a restart that skipped the warm-up) spends seconds in the
-compiler on a 2-core host, 10-100x its model; counted as compute, a few such requests made the meter report the
-instance far slower than it was, and the Conductor refused every request for the meter's window. Compiling is not a
+compiler on a 2-core host, many times its model; counted as compute, one such request made the meter report the
+instance 8-27x slower than its model, and the Conductor refused every request for the meter's window. Compiling is not a
 slowdown of the model: the meter is fed the compute less the compile time measured here.
 
 JAX reports each compile stage as a time span on the thread that does it (the caller of the jitted function: the

@@ -70,10 +70,10 @@ class SlowdownMeter:
     scaled compute (measured: without it, 3% of admitted requests missed a 2 s SLO under overload).
 
     The caller records compute less the seconds it spent compiling programs on first use (``compile_time.py``):
-    those are no slowdown of the model, and a few of them are no outliers the median ignores. The first requests of
-    a layer-wise bfloat16 prefill instance each compiled for 10-19 s against 0.01-0.1 s predicted (the ratio's cap,
-    100); their weight was the whole window's, the Conductor scaled every prediction 100x and refused every request
-    of ``demo --hetero`` for the window's 30 s."""
+    those are no slowdown of the model, and a few of them are no outliers the median ignores. The first request of
+    each layer-wise bfloat16 prefill instance of ``demo --hetero`` compiled its programs (nothing had), and was the
+    meter's only sample: 8.5x and 27x; the Conductor scaled every prediction by that and refused all 20 requests of
+    the replay (docs/benchmarks/demo.md, hetero ninth pass)."""
 
     def __init__(self, window_s: float = 30.0, samples: int = 32, clock=time.monotonic):
         self.window_s, self._clock = window_s, clock
@@ -175,9 +175,9 @@ class PrefillService(InstanceService):
             inst.link.report(request.request_id, "PREFILL_DONE")
         t_end = time.perf_counter()
         # its compute against what the cost model predicted for it, less any program compiled on first use (no
-        # slowdown of the model: counted in, a few first requests of new shapes read as a host 100x slower and the
-        # Conductor refused every request for the meter's window); the rest of its own time (staging, pushing the
-        # KV) apart, as a fixed cost
+        # slowdown of the model: counted in, one first request read as a host 8-27x slower and the Conductor refused
+        # every request for the meter's window); the rest of its own time (staging, pushing the KV) apart, as a
+        # fixed cost
         compute = t_prefilled - started.get("t", queued_at) - started.get("compile_s", 0.0)
         self.slowdown.record(max(0.0, compute), predicted, overhead_s=(t_fetched - t0) + (t_end - t_prefilled))
         return messages.PrefillReply(

@@ -5,7 +5,7 @@ runs other ones: each stage's embedding, one layer program per (chunk, context) 
 load and save of the prefix and new KV (one program per bucketed page count). Left to the first request of each shape,
 each compiled for seconds on the engine loop (measured on 2 shared cores at load 10, tiny model in bfloat16: 10-19 s
 for a request whose prefill then takes 1-2 s), so those requests missed the TTFT SLO, and the instance's slowdown
-meter read them as a host 100x slower than its model (the demo with unlike instances refused every request).
+meter read them as a host 8-27x slower than its model (``demo --hetero`` refused every request).
 
 Everything runs on the scratch page (nothing allocated, no sequence touched), through the runner's own layer-hook
 path with the layer-wise prefill's own hooks, so the programs compiled are exactly those serving runs.
