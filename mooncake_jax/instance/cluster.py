@@ -68,11 +68,18 @@ def lower_priority(pid: int, niceness: int) -> None:
             return
 
 
+READY_TIMEOUT_S = 2400.0
+"""How long an instance process may take to say it is ready: the budgets it gives itself (warm-up 1,800 s, calibration
+600 s). A cold start of ``demo --hetero`` on 2 shared cores (load 9-12, empty compile cache) outran the 600 s this
+was: the first prefill instance was killed in its warm-up, twice, before its layer-wise programs were compiled too
+(measured then: 854 s of warm-up)."""
+
+
 class ChildInstance:
     """An instance process (``instance/main.py``), or with ``command="conductor"`` the Conductor's, tied to this
     process through its standard input."""
 
-    def __init__(self, args: list[str], log_path: Path | None, timeout_s: float = 600.0,
+    def __init__(self, args: list[str], log_path: Path | None, timeout_s: float = READY_TIMEOUT_S,
                  auth_token: str | None = None, niceness: int = 0, command: str = "instance"):
         self.command = command
         self.log_path = log_path

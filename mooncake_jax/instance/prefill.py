@@ -45,6 +45,7 @@ from ..blocks import BlockKey
 from ..conductor.accounting import prefill_work_s
 from ..transfer.offload import LayerwisePrefill, request_keys
 from ..engine.runner_loop import wait
+from . import compile_time
 from .rpc import InstanceService, LateRejection, logprob_message, messages, rpc, sampling_params, validated
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,16 @@ class SlowdownMeter:
     admits requests that then miss the TTFT SLO. Compute only: fixed per-request costs (staging, pushing the KV)
     are no slowdown of the model, and counted in would make a 20-token prompt look 10x slow (measured: the demo
     refused 9 of 100 requests that then met their SLO). The weights let the long prompts that decide the SLO
-    decide the scale; the median ignores a few outliers (a program compiled on first use); the window lets an
+    decide the scale; the median ignores a few outliers; the window lets an
     instance nobody sends work to any more (it looked slow) return to its model's figures. ``overhead`` is the
     median of the same requests' fixed costs, which the instance's own last-resort check adds to each request's
-    scaled compute (measured: without it, 3% of admitted requests missed a 2 s SLO under overload)."""
+    scaled compute (measured: without it, 3% of admitted requests missed a 2 s SLO under overload).
+
+    The caller records compute less the seconds it spent compiling programs on first use (``compile_time.py``):
+    those are no slowdown of the model, and a few of them are no outliers the median ignores. The first request of
+    each layer-wise bfloat16 prefill instance of ``demo --hetero`` compiled its programs (nothing had), and was the
+    meter's only sample: 8.5x and 27x; the Conductor scaled every prediction by that and refused all 20 requests of
+    the replay (docs/benchmarks/demo.md, hetero ninth pass)."""
 
     def __init__(self, window_s: float = 30.0, samples: int = 32, clock=time.monotonic):
         self.window_s, self._clock = window_s, clock
@@ -112,6 +119,7 @@ class PrefillService(InstanceService):
                                     "prefill_refused_ttft"))
         self._queued_s = 0.0
         self.slowdown = SlowdownMeter()
+        compile_time.clock()  # listening from now on: the meter is fed compute less compile time
         self._peer_same_spec: dict[str, bool] = {}
         self._layerwise = _layerwise(instance.engine) if instance.config.layerwise else None
 
@@ -166,10 +174,12 @@ class PrefillService(InstanceService):
         if inst.link is not None:
             inst.link.report(request.request_id, "PREFILL_DONE")
         t_end = time.perf_counter()
-        # its compute against what the cost model predicted for it; the rest of its own time (staging, pushing the KV)
-        # apart, as a fixed cost
-        compute = t_prefilled - started.get("t", queued_at)
-        self.slowdown.record(compute, predicted, overhead_s=(t_fetched - t0) + (t_end - t_prefilled))
+        # its compute against what the cost model predicted for it, less any program compiled on first use (no
+        # slowdown of the model: counted in, one first request read as a host 8-27x slower and the Conductor refused
+        # every request for the meter's window); the rest of its own time (staging, pushing the KV) apart, as a
+        # fixed cost
+        compute = t_prefilled - started.get("t", queued_at) - started.get("compile_s", 0.0)
+        self.slowdown.record(max(0.0, compute), predicted, overhead_s=(t_fetched - t0) + (t_end - t_prefilled))
         return messages.PrefillReply(
             first_token=seq.output[0], cached_tokens=seq.cached_tokens, kv_keys=keys,
             queue_s=started.get("t", queued_at) - queued_at, prefill_s=t_prefilled - started.get("t", queued_at),
@@ -243,7 +253,7 @@ class PrefillService(InstanceService):
         """On the engine loop: prefill ``seq`` over its cached and staged prefix (after ``check()``, which may
         refuse it); returns the keys of the prompt's blocks the pool lacks and those blocks (host), for a transfer
         thread to store."""
-        started["t"] = time.perf_counter()
+        started["t"], since = time.perf_counter(), time.time()
         if check is not None:
             check()
         pool = self.instance.pool
@@ -263,6 +273,7 @@ class PrefillService(InstanceService):
             return [keys[i] for i in new], engine.read_blocks([seq.pages[i] for i in new])
         finally:
             engine.release(seq)
+            started["compile_s"] = compile_time.clock().seconds(since)  # this thread's (the engine loop's), this job
 
     def _store_and_push(self, new_keys: list[BlockKey], new_blocks, keys: list[BlockKey], push_to: str) -> None:
         """On a transfer thread: the new blocks into the pool, then the request's blocks to the decode instance."""

@@ -165,6 +165,10 @@ class InstanceServer:
             prefill = self.config.role == PREFILL
             t = time.perf_counter()
             n = wait(self.loop.submit(lambda engine: engine.warmup(prefill=prefill, decode=not prefill)), 1800)
+            if prefill and self.config.layerwise:  # the layer-by-layer programs too (transfer/layerwise_warmup.py)
+                from ..transfer.layerwise_warmup import warm_layerwise
+
+                n += wait(self.loop.submit(warm_layerwise), 1800)
             log.info("%s: compiled %d step shapes in %.1f s", self.instance_id, n, time.perf_counter() - t)
         profile = self.config.profile_json
         if profile is None:

@@ -1,0 +1,58 @@
+"""Compile the layer-wise prefill's programs before a layer-wise prefill instance serves.
+
+``Engine.warmup`` compiles the programs of the whole-stage steps. A layer-wise prefill (``offload.LayerwisePrefill``)
+runs other ones: each stage's embedding, one layer program per (chunk, context) shape, the head, and the per-layer
+load and save of the prefix and new KV (one program per bucketed page count). Left to the first request of each shape,
+each compiled for seconds on the engine loop (measured on 2 shared cores at load 10, tiny model in bfloat16: 10-19 s
+for a request whose prefill then takes 1-2 s), so those requests missed the TTFT SLO, and the instance's slowdown
+meter read them as a host 8-27x slower than its model (``demo --hetero`` refused every request).
+
+Everything runs on the scratch page (nothing allocated, no sequence touched), through the runner's own layer-hook
+path with the layer-wise prefill's own hooks, so the programs compiled are exactly those serving runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from ..model.attention import SCRATCH_PAGE
+from ..model.engine import SAMPLING_MODES, Engine, buckets
+from ..model.map_budget import check_map_headroom
+from ..sharding.pipeline import LayerPages
+from .offload import _OffloadHooks
+
+
+def layerwise_shapes(engine: Engine) -> list[tuple[int, int, int | None, int]]:
+    """(chunk tokens, context pages, pages loaded or None, pages saved) of the warm-up's runs: every chunk bucket
+    with every context bucket (each pair is one layer program), loading the context's own page count where there is
+    one (a prefix is loaded in the chunk it is the context of), and the saved page counts cycled over the runs so
+    that each bucket of them is compiled."""
+    chunks = buckets(engine.prefill_chunk_size, 16, engine.bucket_factor)
+    contexts = [0] + buckets(engine.max_pages_per_seq)
+    saves = itertools.cycle(buckets(engine.max_pages_per_seq))
+    return [(t, p, p or None, next(saves)) for t in chunks for p in contexts]
+
+
+def warm_layerwise(engine: Engine, modes=SAMPLING_MODES) -> int:
+    """Run every shape of ``layerwise_shapes`` once (per sampling mode) on the scratch page; returns the runs made.
+    Call on the engine's own thread (the engine loop), like ``Engine.warmup``."""
+    kv_shape = engine.cfg.block_shape()
+    dtype = engine.runner.kv[0][0].dtype  # the pool's, as the instance stores and stages blocks
+    runs = 0
+    for mode in modes:
+        for t, width, load, save in layerwise_shapes(engine):
+            check_map_headroom()
+            step = engine._step(np.zeros((1, t), np.int32), np.arange(t, dtype=np.int32)[None],
+                                *engine._warm_context(1, width), np.full((1, t), engine._scratch_slot, np.int32),
+                                np.array([t - 1], np.int32), [], 1, mode=mode)
+            prefix = None if load is None else np.zeros((load, *kv_shape), dtype)
+            hooks = _OffloadHooks(prefix)
+            pages = LayerPages(None if load is None else np.full(load, SCRATCH_PAGE, np.int32),
+                               np.full(save, SCRATCH_PAGE, np.int32))
+            outputs = engine.runner.run([step], hooks, pages)
+            np.asarray(outputs[-1][1][0])  # the last-token logits, read as ``Engine.prefill`` reads them (a program)
+            hooks.blocks(engine.cfg.n_layers, 1)  # waits for the saved layers' copies to the host
+            runs += 1
+    return runs
