@@ -48,6 +48,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from .config import ATTENTION_IMPLS
+from .kv_scatter import set_at
 
 MASKED = -1e30
 """Score of a masked key: exp() of it underflows to exactly 0, and unlike -inf it never produces NaN."""
@@ -95,8 +96,8 @@ def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array
     """
     bs = pages.shape[2]
     flat_slots = slots.reshape(-1)
-    rows = jnp.moveaxis(new.reshape((-1,) + new.shape[2:]), 1, 0).astype(pages.dtype)  # [H, B*T, D]
-    return pages.at[:, flat_slots // bs, flat_slots % bs].set(rows, mode="promise_in_bounds")
+    rows = jnp.moveaxis(new.reshape((-1,) + new.shape[2:]), 1, 0)  # [H, B*T, D]
+    return set_at(pages, (slice(None), flat_slots // bs, flat_slots % bs), rows, mode="promise_in_bounds")
 
 
 def gather_context(pages: jax.Array, page_table: jax.Array) -> jax.Array:

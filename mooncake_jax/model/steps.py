@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .attention import PagedBatch
+from .kv_scatter import set_at
 from .llama import layer_apply
 from .sampling import GREEDY, SamplingInputs, sample_out
 
@@ -127,8 +128,8 @@ def write_blocks(kv, pages, blocks, n_layers: int):
     rows = _rows(kv, pages, n_layers)
     k, v = kv
     # [n, L, bs, H, D] -> [H, L, n, bs, D], the layout of k[:, rows]
-    k = k.at[:, rows].set(jnp.transpose(blocks[:, :, 0], (3, 1, 0, 2, 4)).astype(k.dtype))
-    v = v.at[:, rows].set(jnp.transpose(blocks[:, :, 1], (3, 1, 0, 2, 4)).astype(v.dtype))
+    k = set_at(k, (slice(None), rows), jnp.transpose(blocks[:, :, 0], (3, 1, 0, 2, 4)))
+    v = set_at(v, (slice(None), rows), jnp.transpose(blocks[:, :, 1], (3, 1, 0, 2, 4)))
     return k, v
 
 
@@ -146,8 +147,8 @@ def write_layer(kv, layer, pages, blocks, n_layers: int):
     ``layer`` (traced)."""
     rows = layer * (kv[0].shape[1] // n_layers) + pages
     k, v = kv
-    k = k.at[:, rows].set(jnp.transpose(blocks[:, 0], (2, 0, 1, 3)).astype(k.dtype))
-    v = v.at[:, rows].set(jnp.transpose(blocks[:, 1], (2, 0, 1, 3)).astype(v.dtype))
+    k = set_at(k, (slice(None), rows), jnp.transpose(blocks[:, 0], (2, 0, 1, 3)))
+    v = set_at(v, (slice(None), rows), jnp.transpose(blocks[:, 1], (2, 0, 1, 3)))
     return k, v
 
 

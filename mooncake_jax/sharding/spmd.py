@@ -42,6 +42,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from ..model.attention import SCRATCH_PAGE, PagedBatch
 from ..model.config import ModelConfig
 from ..model.kv_cache import kv_shape, zeros_program
+from ..model.kv_scatter import set_at
 from ..model.llama import Llama, Stage, _slice_layers, stacked_layers
 from ..model.sampling import sample_out
 from .mesh import MESH_AXES, STAGE, MeshSpec
@@ -245,8 +246,8 @@ def spmd_write_blocks(kv, pages, blocks, *, per_stage: int):
     n_stages = kv[0].shape[0]
     blocks = blocks.reshape((blocks.shape[0], n_stages, per_stage) + blocks.shape[2:])  # [n, S, L/S, 2, bs, H, D]
     k, v = kv
-    k = k.at[:, :, rows].set(jnp.transpose(blocks[:, :, :, 0], (1, 4, 2, 0, 3, 5)).astype(k.dtype))
-    v = v.at[:, :, rows].set(jnp.transpose(blocks[:, :, :, 1], (1, 4, 2, 0, 3, 5)).astype(v.dtype))
+    k = set_at(k, (slice(None), slice(None), rows), jnp.transpose(blocks[:, :, :, 0], (1, 4, 2, 0, 3, 5)))
+    v = set_at(v, (slice(None), slice(None), rows), jnp.transpose(blocks[:, :, :, 1], (1, 4, 2, 0, 3, 5)))
     return k, v
 
 
