@@ -18,6 +18,12 @@ ARCHITECTURES = ("disaggregated", "coupled")
 CACHE_MODES = ("per-node", "global")
 
 
+def _check_non_negative(name: str, value, unit: str = "") -> None:
+    """ValueError unless ``value`` is a finite number >= 0 (not a bool); the message names ``name`` and ``unit``."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a non-negative number{unit}, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
     """One simulated cluster and how it is driven.
@@ -162,11 +168,7 @@ class SimConfig:
                              f"got {steps!r}")
         if not (math.isfinite(self.decode_join_s) and self.decode_join_s >= 0):
             raise ValueError(f"decode_join_s must be a non-negative number, got {self.decode_join_s!r}")
-        if not (isinstance(self.decode_join_per_request_s, (int, float))
-                and not isinstance(self.decode_join_per_request_s, bool)
-                and math.isfinite(self.decode_join_per_request_s) and self.decode_join_per_request_s >= 0):
-            raise ValueError(f"decode_join_per_request_s must be a non-negative number of seconds, got "
-                             f"{self.decode_join_per_request_s!r}")
+        _check_non_negative("decode_join_per_request_s", self.decode_join_per_request_s, " of seconds")
         if not (math.isfinite(self.decode_join_stall_s) and 0 <= self.decode_join_stall_s <= self.decode_join_s):
             raise ValueError(f"decode_join_stall_s must be a number between 0 and decode_join_s "
                              f"({self.decode_join_s!r}), got {self.decode_join_stall_s!r}")
@@ -185,15 +187,10 @@ class SimConfig:
         if not (isinstance(self.host_prefill_weight, (int, float)) and math.isfinite(self.host_prefill_weight)
                 and self.host_prefill_weight > 0):
             raise ValueError(f"host_prefill_weight must be a positive number, got {self.host_prefill_weight!r}")
-        if not (isinstance(self.host_other_busy, (int, float)) and not isinstance(self.host_other_busy, bool)
-                and math.isfinite(self.host_other_busy) and self.host_other_busy >= 0):
-            raise ValueError(f"host_other_busy must be a non-negative number, got {self.host_other_busy!r}")
+        _check_non_negative("host_other_busy", self.host_other_busy)
         if self.host_other_busy and self.host_cores is None:
             raise ValueError("host_other_busy needs host_cores (the host whose cores the other processes share)")
-        if not (isinstance(self.decode_stream_cpu_s, (int, float)) and not isinstance(self.decode_stream_cpu_s, bool)
-                and math.isfinite(self.decode_stream_cpu_s) and self.decode_stream_cpu_s >= 0):
-            raise ValueError(f"decode_stream_cpu_s must be a non-negative number of seconds, got "
-                             f"{self.decode_stream_cpu_s!r}")
+        _check_non_negative("decode_stream_cpu_s", self.decode_stream_cpu_s, " of seconds")
         if self.decode_stream_cpu_s and self.host_cores is None:
             raise ValueError("decode_stream_cpu_s needs host_cores (the host whose cores the streaming shares)")
         if self.eviction not in EVICTIONS:

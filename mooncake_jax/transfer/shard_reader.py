@@ -205,8 +205,7 @@ class ShardReader:
             for i, (shard, offset, out) in enumerate(reads):
                 try:
                     if shard != last_shard:  # a batch's records mostly lie in one shard: its descriptor looked up once
-                        last_shard, fd = -1, self._fd(shard)
-                        last_shard = shard
+                        fd, last_shard = self._fd(shard), shard  # (neither set when the open fails)
                     results[i] = read_with_checksum(fd, out, offset, on_cold)
                 except OSError as err:
                     results[i] = err if err.errno in UNAVAILABLE else None

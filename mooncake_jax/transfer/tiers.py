@@ -89,9 +89,7 @@ class Tier:
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes | memoryview, tuple[int, int] | None] | None:
         """Copy the block's data into ``out`` (flat uint8); its record head (unverified) and the checksum of the
         bytes copied (None when they could not all be read), or None when the store has lost it."""
-        failed = self.store.settle()  # ``settle`` inlined: a batch read settles before every record
-        if failed:
-            self._forget_failed(failed)
+        self.settle()
         found = self.store.read_into(key, out)
         if found is not None:
             self.counters.bytes_read += out.size + len(found[0])
@@ -135,16 +133,12 @@ class Tier:
     def settle(self) -> None:
         """Wait for the writes in flight; forget the blocks of those that failed and raise TierWriteError."""
         failed = self.store.settle()
-        if failed:
-            self._forget_failed(failed)
-
-    def _forget_failed(self, failed: list[tuple[BlockKey, Exception]]) -> None:
-        """Forget the blocks whose writes failed and raise TierWriteError."""
         for key, _ in failed:
             self._present.discard(key)
             self.policy.removed(key)
-        key, err = failed[0]
-        raise TierWriteError(self.name, key, err, [key for key, _ in failed]) from err
+        if failed:
+            key, err = failed[0]
+            raise TierWriteError(self.name, key, err, [key for key, _ in failed]) from err
 
     def delete(self, key: BlockKey) -> None:
         if getattr(self.store, "settle_before_delete", True):  # a DRAM slot is reused: no copy may be in flight
