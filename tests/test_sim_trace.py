@@ -49,6 +49,10 @@ def test_loads_a_path_and_rejects_bad_input(tmp_path):
     bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1, 2]}\n')
     with pytest.raises(ValueError, match="hash_ids"):
         load_trace(bad)
+    for key in (-1, 2**64):  # outside the unsigned 64-bit keys the Conductor's index and the simulator hold
+        bad.write_text(json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [key]}) + "\n")
+        with pytest.raises(ValueError, match=f"bad.jsonl:1: hash_ids must be unsigned 64-bit.*got {key}"):
+            load_trace(bad)
     bad.write_text("not json\n")
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_trace(bad)

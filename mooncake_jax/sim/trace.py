@@ -118,8 +118,9 @@ def _parse_line(line: str, where: str, block_tokens: int) -> TraceRequest:
     if len(request.hash_ids) > -(-request.input_length // block_tokens):
         raise ValueError(f"{where}: {len(request.hash_ids)} hash_ids for {request.input_length} tokens at "
                          f"{block_tokens} tokens per block")
-    if request.hash_ids and min(request.hash_ids) < 0:
-        raise ValueError(f"{where}: hash_ids must be non-negative")
+    if request.hash_ids and not (0 <= min(request.hash_ids) and max(request.hash_ids) < 2**64):
+        raise ValueError(f"{where}: hash_ids must be unsigned 64-bit integers (0 to 2**64 - 1), got "
+                         f"{min(request.hash_ids) if min(request.hash_ids) < 0 else max(request.hash_ids)}")
     return request
 
 
