@@ -170,3 +170,48 @@ def test_a_kernel_that_cannot_compile_leaves_the_dict_index(monkeypatch, caplog)
     assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
     monkeypatch.setattr(index_kernels, "compiled", lambda: None)
     assert type(ClusterState().index) is BlockIndex
+
+
+@needs_numba
+def test_registered_pools_size_the_index_ahead():
+    """A prefill instance's pool capacity, named in its registration's config, sizes the table when it registers:
+    filling the pools then never doubles it (a doubling rehashes every key, on the decision path). A decode
+    instance (it publishes no blocks) and a config naming no pool reserve nothing; a reservation is capped."""
+    from types import SimpleNamespace
+
+    from mooncake_jax.conductor import ClusterState
+    from mooncake_jax.conductor import state as state_module
+    from mooncake_jax.conductor.hardware import instance_costs
+    from mooncake_jax.conductor.service import _index_blocks_of
+
+    def registration(config_json):
+        return SimpleNamespace(config_json=config_json)
+
+    assert _index_blocks_of(registration('{"pool": {"dram_blocks": 3000, "ssd_blocks": 1000}}')) == 4000
+    assert _index_blocks_of(registration('{"pool": {"dram_blocks": 3000, "ssd_blocks": null}}')) == 3000
+    for unknown in ("", "not json", "[1]", '{"pool": 5}', '{"pool": {"dram_blocks": -3}}',
+                    '{"pool": {"dram_blocks": true}}'):
+        assert _index_blocks_of(registration(unknown)) == 0, unknown
+
+    state = ClusterState()
+    costs = instance_costs("8xA800", "llama2-70b")
+    start = state.index.rows
+    state.add_instance("d0", "decode", costs, 0.0)
+    assert state.index.rows == start
+    state.add_instance("p0", "prefill", costs, 0.0, index_blocks=30_000)
+    state.add_instance("p1", "prefill", costs, 0.0, index_blocks=30_000)
+    rows = state.index.rows
+    assert rows >= 60_000 / 0.7 and rows < 2 * 60_000 / 0.7  # both pools: the smallest power of two that holds them
+    state.kv_stored("p0", range(30_000))
+    state.kv_stored("p1", range(30_000, 60_000))
+    assert state.index.rows == rows and len(state.index) == 60_000  # filled: not doubled
+    with pytest.raises(ValueError, match="index_blocks must be a non-negative integer, got -1"):
+        state.add_instance("p2", "prefill", costs, 0.0, index_blocks=-1)
+    capped = ClusterState()
+    state_module_cap = state_module.INDEX_RESERVE_MAX_KEYS
+    try:
+        state_module.INDEX_RESERVE_MAX_KEYS = 1000
+        capped.add_instance("p0", "prefill", costs, 0.0, index_blocks=10**9)
+    finally:
+        state_module.INDEX_RESERVE_MAX_KEYS = state_module_cap
+    assert capped.index.rows < 2 * 1000 / 0.7

@@ -47,6 +47,9 @@ class BlockIndex:
         """Distinct keys held anywhere."""
         return len(self._holders)
 
+    def reserve(self, keys: int) -> None:
+        """Room for ``keys`` keys ahead (``FlatBlockIndex``'s tables; dicts grow by themselves: nothing to do)."""
+
     def blocks_of(self, slot: int) -> int:
         return len(self._keys_of.get(slot, ()))
 

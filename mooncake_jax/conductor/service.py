@@ -138,7 +138,8 @@ class ConductorService(services.ConductorServicer):
         self._check_layout(request, role)
         with self.lock:
             self.state.add_instance(request.instance_id, role, costs, self.clock(), request.address, capacity,
-                                    hardware=request.hardware or None, max_batch=_max_batch_of(request))
+                                    hardware=request.hardware or None, max_batch=_max_batch_of(request),
+                                    index_blocks=_index_blocks_of(request) if role == Role.PREFILL else 0)
             self.state.kv_reset(request.instance_id, request.dram_block_keys, request.ssd_block_keys)
             self.event_seq[request.instance_id] = request.event_seq
             self.model = self.model or _model_of(request)
@@ -293,6 +294,20 @@ def _config_field(request, name: str):
 def _model_of(request) -> str:
     """The model an instance's registration names (its config's), "" when it names none."""
     return str(_config_field(request, "model") or "")
+
+
+def _index_blocks_of(request) -> int:
+    """The blocks an instance's pool can publish to the index, as its registration's config names them (DRAM tier
+    plus SSD tier), 0 when it names none."""
+    pool = _config_field(request, "pool")
+    if not isinstance(pool, dict):
+        return 0
+    total = 0
+    for tier in ("dram_blocks", "ssd_blocks"):
+        value = pool.get(tier)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            total += value
+    return total
 
 
 def _max_batch_of(request) -> int | None:

@@ -32,6 +32,11 @@ _NO_SLOTS = np.zeros(0, np.intp)
 class RequestInFlight(ValueError):
     """A request id that is already in flight (ALREADY_EXISTS over gRPC)."""
 
+INDEX_RESERVE_MAX_KEYS = 1 << 22
+"""Most keys the block index is sized for ahead of them (``add_instance``'s ``index_blocks``): 6M rows, ~144 MB with
+up to 64 instances; past it, the index doubles as it fills."""
+
+
 class ClusterState:
     """Instances, block index, decode ledger and the tracked decode time t_d."""
 
@@ -51,6 +56,7 @@ class ClusterState:
         self._slots_of_kind: dict[str, np.ndarray] = {}
         self._prefill_of: dict[str, int] = {}  # request -> prefill slot, until its prefill is reported done
         self._snapshot: Snapshot | None = None
+        self._index_blocks: dict[str, int] = {}  # instance -> the blocks its pool can publish (``add_instance``)
 
     # ------------------------------------------------------------------------------------------- reading
 
@@ -124,10 +130,13 @@ class ClusterState:
 
     def add_instance(self, instance_id: str, role: Role | str, costs: InstanceCosts, now: float, address: str = "",
                      kv_capacity_tokens: int | None = None, hardware: str | None = None,
-                     max_batch: int | None = None) -> int:
+                     max_batch: int | None = None, index_blocks: int = 0) -> int:
         """Register an instance with its own cost model (a re-registration replaces the old one and its blocks);
         returns its slot. ``hardware`` names its kind (default: what ``costs`` names); ``max_batch``: a decode
-        instance's batch slots (None: unbounded)."""
+        instance's batch slots (None: unbounded); ``index_blocks``: the blocks its pool can publish to the index
+        (the index is sized ahead for the registered instances' sum, up to ``INDEX_RESERVE_MAX_KEYS``)."""
+        if not isinstance(index_blocks, int) or isinstance(index_blocks, bool) or index_blocks < 0:
+            raise ValueError(f"index_blocks must be a non-negative integer, got {index_blocks!r}")
         role = Role[role.upper()] if isinstance(role, str) else Role(role)
         if instance_id in self.instances.slot_of:
             self.remove_instance(instance_id)
@@ -136,6 +145,9 @@ class ClusterState:
         self._slots_of_kind[kind] = np.append(self._slots_of_kind.get(kind, _NO_SLOTS), slot)
         # a new kind starts from the cluster-wide figure, until its own requests report theirs
         self.instances.decode_time_s[slot] = self._decode_s_of_kind.setdefault(kind, self._tracked_decode_s)
+        if index_blocks:
+            self._index_blocks[instance_id] = index_blocks
+            self.index.reserve(min(INDEX_RESERVE_MAX_KEYS, sum(self._index_blocks.values())))
         return slot
 
     def set_link(self, sender: str, receiver: str, bytes_per_s: float, both_ways: bool = True) -> None:
@@ -156,6 +168,7 @@ class ClusterState:
             slots = self._slots_of_kind[kind]
             self._slots_of_kind[kind] = slots[slots != slot]
         self.index.purge(slot)
+        self._index_blocks.pop(instance_id, None)
         lost = self.ledger.remove_slot(slot)
         for request_id in lost:
             self._prefill_of.pop(request_id, None)
