@@ -61,12 +61,15 @@ the core's L2 cache when it is hashed; 256-512 KiB measured fastest for a 160 Mi
 shows below, the hash misses L2 above)."""
 
 
-def copy_with_checksum(dst: np.ndarray, src: np.ndarray, stream: bool = True) -> tuple[int, int]:
+def copy_with_checksum(dst: np.ndarray, src: np.ndarray, stream: bool = True, dst_address: int | None = None,
+                       src_address: int | None = None) -> tuple[int, int]:
     """Copy ``src`` into ``dst`` (flat uint8 arrays of one length) and return the checksum of the bytes copied, in
     one pass over each, so a put or a verified get costs little more than the copy itself. ``stream``: ``dst`` is
     written with streaming stores (``stream_copy.py``: no read of ``dst``'s old lines, and ``dst`` not left in
     the cache), chunk by chunk, each source chunk hashed from cache right after it was copied; else (or where the
-    streaming copy cannot be built) copied by ``np.copyto`` and each copied chunk hashed from cache."""
+    streaming copy cannot be built) copied by ``np.copyto`` and each copied chunk hashed from cache.
+    ``dst_address`` / ``src_address``: where ``dst`` / ``src`` lie, if the caller knows (a slot's is looked up once,
+    as numpy's lookup costs a few microseconds a call)."""
     copy = streaming_copy() if stream else None
     if copy is None:
         return _cached_copy_with_checksum(dst, src)
@@ -77,7 +80,8 @@ def copy_with_checksum(dst: np.ndarray, src: np.ndarray, stream: bool = True) ->
     if not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
         raise ValueError("copy_with_checksum needs C-contiguous arrays and a writable destination")
     src = src.reshape(-1)  # a view: sliced by bytes below
-    to, origin = address(dst), address(src)
+    to = address(dst) if dst_address is None else dst_address
+    origin = address(src) if src_address is None else src_address
     if n <= STREAM_CHUNK_BYTES:  # one chunk (a 16-token block): no streaming hash state to set up
         copy(to, origin, n)
         return split_digest(xxhash.xxh3_128_intdigest(src))
