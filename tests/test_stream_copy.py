@@ -79,21 +79,40 @@ def test_without_the_kernel_the_plain_copy_gives_the_same_bytes_and_checksum(mon
         raise RuntimeError("no code generator here")
 
     monkeypatch.setattr(stream_copy, "_compile", broken)
-    stream_copy.streaming_copy.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING):
-            assert streaming_copy() is None and streaming_copy() is None
-        assert sum("streaming copy unavailable" in r.getMessage() for r in caplog.records) == 1
-        src = np.random.default_rng(1).integers(0, 256, 3 * STREAM_CHUNK_BYTES + 5, dtype=np.uint8)
-        dst = np.zeros_like(src)
-        assert checksum.copy_with_checksum(dst, src) == digest_of(src) and np.array_equal(dst, src)
-        spec = BlockSpec((2, 2, 16, 2, 8), np.float32)
-        block = np.random.default_rng(2).standard_normal(spec.shape).astype(np.float32)
-        with BlockPool(spec, dram_blocks=2) as pool:
-            pool.put(5, block)
-            assert pool.get(5).tobytes() == block.tobytes()
-    finally:
-        stream_copy.streaming_copy.cache_clear()
+    monkeypatch.setattr(stream_copy, "_built", [])
+    with caplog.at_level(logging.WARNING):
+        assert streaming_copy() is None and streaming_copy() is None
+    assert sum("streaming copy unavailable" in r.getMessage() for r in caplog.records) == 1
+    src = np.random.default_rng(1).integers(0, 256, 3 * STREAM_CHUNK_BYTES + 5, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    assert checksum.copy_with_checksum(dst, src) == digest_of(src) and np.array_equal(dst, src)
+    spec = BlockSpec((2, 2, 16, 2, 8), np.float32)
+    block = np.random.default_rng(2).standard_normal(spec.shape).astype(np.float32)
+    with BlockPool(spec, dram_blocks=2) as pool:
+        pool.put(5, block)
+        assert pool.get(5).tobytes() == block.tobytes()
+
+
+def test_threads_asking_first_at_once_get_one_kernel(monkeypatch):
+    """The kernel is built once, and every thread gets that one, however many threads ask for it first."""
+    import threading
+
+    calls = []
+    real = stream_copy._compile
+
+    def counted():
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(stream_copy, "_compile", counted)
+    monkeypatch.setattr(stream_copy, "_built", [])
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(streaming_copy())) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and len(got) == 8 and all(copy is got[0] is not None for copy in got)
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 16, 2, 8), (3, 2, 64, 4, 257)])  # 4 KiB; ~1.5 MiB, several chunks, odd

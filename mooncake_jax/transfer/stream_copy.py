@@ -26,8 +26,8 @@ compile for this machine ``streaming_copy`` returns None and callers copy with `
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -43,10 +43,21 @@ def address(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
 
 
-@functools.cache
+_built: list[Copy | None] = []  # once tried: [the copy] or [None]
+_building = threading.Lock()
+
+
 def streaming_copy() -> Copy | None:
-    """The streaming copy, compiled on the first call and tried once on a small case, or None (one log line)
-    where it cannot be built here."""
+    """The streaming copy, compiled on the first call (once per process, whichever thread asks first) and tried
+    once on a small case, or None (one log line) where it cannot be built here."""
+    if not _built:
+        with _building:
+            if not _built:
+                _built.append(_built_and_tried())
+    return _built[0]
+
+
+def _built_and_tried() -> Copy | None:
     try:
         lines = _compile()
         copy = _with_edges(lines)
@@ -78,13 +89,12 @@ def _with_edges(lines: Callable[[int, int, int], None]) -> Copy:
     return copy
 
 
-_ENGINE = None  # the JIT that holds the compiled code: kept for the life of the process
+_ENGINES: list = []  # the JITs that hold compiled code: kept for the life of the process
 
 
 def _compile() -> Callable[[int, int, int], None]:
     """``lines(dst, src, count)``: ``count`` 64-byte lines from ``src`` (any alignment) to ``dst`` (64-byte
     aligned) with streaming stores, then a store fence."""
-    global _ENGINE
     import llvmlite.binding as llvm
     from llvmlite import ir
 
@@ -125,6 +135,6 @@ def _compile() -> Callable[[int, int, int], None]:
     passes.getModulePassManager().run(parsed, passes)
     engine = llvm.create_mcjit_compiler(parsed, machine)
     engine.finalize_object()
-    _ENGINE = engine
+    _ENGINES.append(engine)
     kind = ctypes.CFUNCTYPE(None, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64)  # releases the GIL
     return kind(engine.get_function_address("stream_lines"))
