@@ -34,9 +34,9 @@ def checksum(data: memoryview | bytes | np.ndarray) -> tuple[int, int]:
 
 
 COPY_CHUNK_BYTES = 1 << 20
-"""Bytes copied then hashed at a time by ``copy_with_checksum``: small enough that the copied chunk is still in
-the core's L2 cache (2 MiB on the machines measured) when it is hashed, large enough that Python's per-chunk cost
-is noise."""
+"""Bytes landed then hashed at a time by ``fill_with_checksum`` (an SSD read's ``preadv``) and by
+``copy_with_checksum`` without streaming stores: small enough that the chunk is still in the core's L2 cache (2 MiB
+on the machines measured) when it is hashed, large enough that Python's per-chunk cost is noise."""
 
 
 def fill_with_checksum(out: np.ndarray, fill: Callable[[np.ndarray, int], bool]) -> tuple[int, int] | None:
