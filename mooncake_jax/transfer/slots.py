@@ -60,9 +60,9 @@ from mooncake_jax.transfer.stream_copy import address
 
 GET_STREAM_BYTES = 1 << 20
 """A get of a larger block writes the caller's buffer with streaming stores (it could not stay in the core's L2
-anyway, and the stores then skip reading the buffer's old lines: 128-token and 70B gets 0.25 -> 0.16 CPU s/GB on
-the Intel Xeon); a smaller one is copied through the cache, where the engine reading it next finds it (streaming
-saved a 16-token get nothing measurable: 0.17 -> 0.16)."""
+anyway, and the stores then skip reading the buffer's old lines: copy-and-hash of 128-token blocks 0.24 -> 0.17 CPU
+s/GB, a 70B get in the pool 0.28 -> 0.16, on the Intel Xeon); a smaller one is copied through the cache, where the
+engine reading it next finds it (streaming a 16-token one saved nothing: 0.168 against 0.176)."""
 PAGE_BYTES = 4096
 CACHE_LINE_BYTES = 64
 SLAB_BYTES = 256 << 20
