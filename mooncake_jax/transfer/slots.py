@@ -2,19 +2,20 @@
 
 The backing store is TensorStore: each slab is a ``[slots, stride]`` uint8 TensorStore array (the ``array`` driver,
 ``ts.array(..., copy=False)``) whose memory is a preallocated host buffer, and records are written into and read out
-of it through TensorStore, without intermediate encodes. A put of a block (``put_block``) and a record received from
-a peer (``put_checked``, the Messenger's store) land straight in the slot's memory (the TensorStore array's own
-buffer), copied and hashed chunk by chunk in one pass on the caller's thread (``copy_with_checksum``: each chunk
-hashed from cache right after it is copied): the two TensorStore hand-offs per record (data and head) cost more than
-the copy itself at 384 KiB (put_record 82 -> 55 us per 16-token block, 340 -> 295 us per 128-token block; a 16-token
-``put_many`` 0.49-0.52 -> 0.96-0.97 of memcpy, 128-token 0.74-0.81 -> 0.87-0.88, A/B in one process, load 4.0). A
-get (``read_into``) is the same one pass from the slot into the caller's staging buffer (16-token ``get_many`` 0.36
--> 1.08 of memcpy, 128-token 0.71 -> 0.74, 70B 0.85 -> 0.90, A/B at load 1.2); a record moved between tiers
-(``put``) is written through TensorStore. Copies in flight are waited for by ``settle`` (the pool settles before
-every read and delete and at the end of every call), which costs a thread hand-off per block instead of one per
-copy. The TensorStore memory kvstore this tier used first copied a record on every write and again on every read,
-and a put had to join the record into one ``bytes`` first (about 0.3 of memcpy). The record layout in a slot is the
-one on SSD and on the wire, so the Messenger sends a slot's bytes as they are (``record`` is a view of the array's
+of it through TensorStore, without intermediate encodes. A put of a block (``put_block``) and a record received from a
+peer (``put_checked``, the Messenger's store) land straight in the slot's memory (the TensorStore array's own buffer),
+copied and hashed chunk by chunk in one pass on the caller's thread (``copy_with_checksum``: the slot written with
+streaming stores, which skip reading its old lines, each source chunk hashed from cache right after it is copied;
+issue 15 eleventh pass: a 70B put 0.28 -> 0.17 CPU s/GB on the Intel Xeon): the two TensorStore hand-offs per record
+(data and head) cost more than the copy itself at 384 KiB (put_record 82 -> 55 us per 16-token block, 340 -> 295 us
+per 128-token block; a 16-token ``put_many`` 0.49-0.52 -> 0.96-0.97 of memcpy, 128-token 0.74-0.81 -> 0.87-0.88, A/B
+in one process, load 4.0). A get (``read_into``) is the same one pass from the slot into the caller's staging buffer
+(16-token ``get_many`` 0.36 -> 1.08 of memcpy, 128-token 0.71 -> 0.74, 70B 0.85 -> 0.90, A/B at load 1.2); a record
+moved between tiers (``put``) is written through TensorStore. Copies in flight are waited for by ``settle`` (the pool
+settles before every read and delete and at the end of every call), which costs a thread hand-off per block instead of
+one per copy. The TensorStore memory kvstore this tier used first copied a record on every write and again on every
+read, and a put had to join the record into one ``bytes`` first (about 0.3 of memcpy). The record layout in a slot is
+the one on SSD and on the wire, so the Messenger sends a slot's bytes as they are (``record`` is a view of the array's
 memory, copied by the pool under its lock).
 
 Slabs are allocated when no slot is free and kept for the life of the tier, so a warm pool writes into memory
@@ -55,7 +56,13 @@ from mooncake_jax.blocks import BlockKey
 from mooncake_jax.transfer.checksum import checksum, copy_with_checksum
 from mooncake_jax.transfer.frame import DATA_OFFSET, CorruptBlockError, record_bytes, record_head
 from mooncake_jax.transfer.spec import BlockSpec
+from mooncake_jax.transfer.stream_copy import address
 
+GET_STREAM_BYTES = 1 << 20
+"""A get of a larger block writes the caller's buffer with streaming stores (it could not stay in the core's L2
+anyway, and the stores then skip reading the buffer's old lines: copy-and-hash of 128-token blocks 0.24 -> 0.17 CPU
+s/GB, a 70B get in the pool 0.28 -> 0.16, on the Intel Xeon); a smaller one is copied through the cache, where the
+engine reading it next finds it (streaming a 16-token one saved nothing: 0.168 against 0.176)."""
 PAGE_BYTES = 4096
 CACHE_LINE_BYTES = 64
 SLAB_BYTES = 256 << 20
@@ -75,7 +82,7 @@ class _Slot:
     received record kept as it arrived (``adopted``: the record, a ``bytes`` or a view into its ``message``;
     ``memory`` a read-only view of it)."""
 
-    __slots__ = ("memory", "record", "head", "data", "adopted", "message")
+    __slots__ = ("memory", "record", "head", "data", "adopted", "message", "data_address")
 
     def __init__(self, memory: np.ndarray, store: ts.TensorStore | None, adopted: bytes | memoryview | None = None,
                  message: bytes | None = None) -> None:
@@ -83,6 +90,8 @@ class _Slot:
         self.record = store
         self.head = memoryview(memory[:DATA_OFFSET])  # the record head, written from bytes without numpy
         self.data = memory[DATA_OFFSET:]  # the block's bytes, viewed once (a put or get copies into or out of it)
+        # a slab slot's address, looked up once (numpy's lookup costs 3-4 us a call); a kept record's when read
+        self.data_address = address(self.data) if store is not None else None
         self.adopted = adopted
         self.message = message
 
@@ -175,7 +184,7 @@ class SlotStore:
         """Store the block whose bytes are ``data`` (flat uint8): copied into the slot and hashed in one pass (nothing
         in flight afterwards)."""
         slot = self._slot_for(key)
-        digest = copy_with_checksum(slot.data, data)
+        digest = copy_with_checksum(slot.data, data, dst_address=slot.data_address)
         slot.head[:] = record_head(self.spec, key, digest)
 
     def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
@@ -184,7 +193,7 @@ class SlotStore:
         pass, chunk by chunk from cache (nothing in flight afterwards; CorruptBlockError and the slot freed if the
         hash differs)."""
         slot = self._slot_for(key)
-        if copy_with_checksum(slot.data, data) != expected:
+        if copy_with_checksum(slot.data, data, dst_address=slot.data_address) != expected:
             self.delete(key)
             raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
         slot.memory[:DATA_OFFSET] = np.frombuffer(head, np.uint8)
@@ -268,7 +277,8 @@ class SlotStore:
         slot = self._slot_of.get(key)
         if slot is None:
             return None
-        digest = copy_with_checksum(out, slot.data)
+        digest = copy_with_checksum(out, slot.data, stream=out.nbytes > GET_STREAM_BYTES,
+                                    src_address=slot.data_address)
         return memoryview(slot.memory[:DATA_OFFSET]), digest
 
     def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None) -> None:
