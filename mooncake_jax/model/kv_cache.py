@@ -28,6 +28,7 @@ import numpy as np
 from ..blocks import BlockKey
 from .attention import SCRATCH_PAGE
 from .config import ModelConfig
+from .kv_scatter import storage_dtype
 
 
 class OutOfPages(RuntimeError):
@@ -151,10 +152,10 @@ def kv_shape(cfg: ModelConfig, num_pages: int, n_layers: int) -> tuple[int, int,
 
 def allocate_kv(cfg: ModelConfig, num_pages: int, dtype=None, sharding=None,
                 n_layers: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """Zeroed stacked (K, V) page arrays for ``n_layers`` layers (all of the model's by default)."""
+    """Zeroed stacked (K, V) page arrays for ``n_layers`` layers (all of the model's by default), of logical
+    ``dtype`` (the model's by default) in its storage dtype on this backend (``kv_scatter.storage_dtype``)."""
     shape = kv_shape(cfg, num_pages, cfg.n_layers if n_layers is None else n_layers)
-    dt = dtype or cfg.param_dtype
-    make = zeros_program(shape, jnp.dtype(dt), sharding)
+    make = zeros_program(shape, storage_dtype(dtype or cfg.param_dtype), sharding)
     return make(), make()
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .attention import PagedBatch
-from .kv_scatter import set_at
+from .kv_scatter import as_logical, set_at
 from .llama import layer_apply
 from .sampling import GREEDY, SamplingInputs, sample_out
 
@@ -137,7 +137,7 @@ def write_blocks(kv, pages, blocks, n_layers: int):
 def read_blocks(kv, pages, n_layers: int):
     """Whole blocks [n, layers, 2, block_size, kv_heads, head_dim] of ``pages`` [n] (KV leaving for the pool)."""
     rows = _rows(kv, pages, n_layers)
-    both = jnp.stack([kv[0][:, rows], kv[1][:, rows]])  # [2, H, L, n, bs, D]
+    both = as_logical(jnp.stack([kv[0][:, rows], kv[1][:, rows]]))  # [2, H, L, n, bs, D]
     return jnp.transpose(both, (3, 2, 0, 4, 1, 5))
 
 
@@ -156,5 +156,5 @@ def write_layer(kv, layer, pages, blocks, n_layers: int):
 def read_layer(kv, layer, pages, n_layers: int):
     """One layer's blocks [n, 2, block_size, kv_heads, head_dim] of ``pages`` [n] (stage-local ``layer``, traced)."""
     rows = layer * (kv[0].shape[1] // n_layers) + pages
-    both = jnp.stack([kv[0][:, rows], kv[1][:, rows]])  # [2, H, n, bs, D]
+    both = as_logical(jnp.stack([kv[0][:, rows], kv[1][:, rows]]))  # [2, H, n, bs, D]
     return jnp.transpose(both, (2, 0, 3, 1, 4))

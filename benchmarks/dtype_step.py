@@ -1,0 +1,143 @@
+"""A 16-bit float engine's step time on this CPU against float32, beside the same ratio for a bare matmul.
+
+XLA:CPU computes bfloat16 (and float16) matmuls slower than float32 ones (no native 16-bit float units on most x86
+CPUs: it converts), so a bfloat16 step cannot be as fast as a float32 one; the limit this benchmark sets beside the
+step ratio is the ratio of the step's own dense matmuls (every layer's projections and the LM head, at the step's
+batch, chained in one program) in each dtype, measured in the same run. Anything the step ratio has beyond that is
+overhead of the 16-bit cache (once: whole-cache copies at the programs' edges, issue 10's bfloat16 pass).
+
+Figures (``tiny`` preset, ``prefill_chunk_size=64``, prompts of ~60 tokens, median of ``--steps`` decode steps
+after three warm ones):
+
+- ``decode_step_ms_{dtype}_b{B}`` for float32, bfloat16 and float16 at each batch of ``--batches``;
+- ``{dtype}_over_float32_b{B}`` (step ratio) and ``matmul_{dtype}_over_float32_b{B}`` (the limit);
+- ``prefill_ms_{dtype}`` and ``layerwise_prefill_ms_{dtype}``: a ``--prefill``-token prompt, plain and layer by
+  layer (layer hooks that load nothing and keep every saved layer, as a layer-wise prefill instance does), median
+  of five, and their ratios to float32.
+
+    python benchmarks/dtype_step.py --json docs/engine/dtype_step.json
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import arg_parser, machine_info, write_json  # noqa: E402
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def median_ms(fn, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times) * 1e3)
+
+
+def step_matmuls_ms(cfg, dtype: str, batch: int, repeats: int) -> float:
+    """Median time of the decode step's dense matmuls alone (every layer's q/k/v/o, gate/up/down, the LM head)
+    at ``batch`` rows, in ``dtype`` with float32 accumulation as the model computes them."""
+    import jax
+    import jax.numpy as jnp
+
+    d, f, hq, hk = cfg.d_model, cfg.ffn_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    rng = np.random.default_rng(0)
+    w = lambda *shape: jnp.asarray(rng.standard_normal(shape) * 0.05, dtype)  # noqa: E731
+    layers = [(w(d, hq + 2 * hk), w(hq, d), w(d, 2 * f), w(f, d)) for _ in range(cfg.n_layers)]
+    head = w(d, cfg.vocab_size)
+
+    @jax.jit
+    def chain(x, layers, head):
+        for qkv, o, gate_up, down in layers:
+            a = jnp.dot(x, qkv, preferred_element_type=jnp.float32).astype(x.dtype)
+            x = x + jnp.dot(a[:, :hq], o, preferred_element_type=jnp.float32).astype(x.dtype)
+            g = jnp.dot(x, gate_up, preferred_element_type=jnp.float32).astype(x.dtype)
+            x = x + jnp.dot(g[:, :f] * g[:, f:], down, preferred_element_type=jnp.float32).astype(x.dtype)
+        return jnp.dot(x, head, preferred_element_type=jnp.float32)
+
+    x = w(batch, d)
+    return median_ms(lambda: chain(x, layers, head).block_until_ready(), repeats)
+
+
+class KeepLayers:
+    """Layer hooks of a layer-wise prefill that loads nothing and holds every layer's saved blocks."""
+
+    def __init__(self):
+        self.saved = {}
+
+    def wait_for_layer_load(self, layer):
+        return None
+
+    def save_layer(self, layer, new_kv):
+        self.saved[layer] = new_kv
+
+
+def main() -> None:
+    p = arg_parser(__doc__)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--batches", default="2,8")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prefill", type=int, default=256)
+    p.add_argument("--dtypes", default=",".join(DTYPES))
+    args = p.parse_args()
+
+    import jax
+
+    import mooncake_jax as mj
+    from mooncake_jax.model.sequence import SamplingParams
+
+    batches = [int(b) for b in args.batches.split(",")]
+    dtypes = args.dtypes.split(",")
+    res = dict(machine_info(), model=args.model, batches=args.batches, steps=args.steps, prefill_tokens=args.prefill,
+               code=mj.__file__, loadavg_start=open("/proc/loadavg").read().split()[0] if os.path.exists(
+                   "/proc/loadavg") else None)
+    for dtype in dtypes:
+        llm = mj.LLM(args.model, dtype=dtype, prefill_chunk_size=64)
+        eng = llm.engine
+        for b in batches:
+            seqs = [eng.new_sequence(list(range(1, 60 + 7 * i)), SamplingParams(max_new_tokens=args.steps + 10,
+                                                                                ignore_eos=True))
+                    for i in range(b)]
+            for s in seqs:
+                eng.admit(s, cached_pages=[])
+                eng.prefill(s)
+            res[f"decode_step_ms_{dtype}_b{b}"] = median_ms(lambda: eng.decode(seqs), args.steps)
+            for s in seqs:
+                eng.release(s)
+            res[f"matmul_ms_{dtype}_b{b}"] = step_matmuls_ms(eng.cfg, dtype, b, 50)
+        prompt = np.random.default_rng(1).integers(2, eng.cfg.vocab_size, args.prefill).tolist()
+        for name, hooks in (("prefill", None), ("layerwise_prefill", KeepLayers)):
+            def once():
+                seq = eng.new_sequence(prompt, SamplingParams(max_new_tokens=1))
+                eng.admit(seq, cached_pages=[])
+                eng.prefill(seq, hooks=hooks() if hooks else None)
+                eng.block_until_ready()
+                eng.release(seq)
+            res[f"{name}_ms_{dtype}"] = median_ms(once, 5, warmup=2)
+        print(dtype, {k: round(v, 3) for k, v in res.items() if dtype in k}, flush=True)
+        del llm, eng
+        jax.clear_caches()
+    for dtype in dtypes:
+        if dtype == "float32" or "float32" not in dtypes:
+            continue
+        for b in batches:
+            res[f"{dtype}_over_float32_b{b}"] = res[f"decode_step_ms_{dtype}_b{b}"] / res[f"decode_step_ms_float32_b{b}"]
+            res[f"matmul_{dtype}_over_float32_b{b}"] = res[f"matmul_ms_{dtype}_b{b}"] / res[f"matmul_ms_float32_b{b}"]
+        for name in ("prefill", "layerwise_prefill"):
+            res[f"{name}_{dtype}_over_float32"] = res[f"{name}_ms_{dtype}"] / res[f"{name}_ms_float32"]
+    res["loadavg_end"] = open("/proc/loadavg").read().split()[0] if os.path.exists("/proc/loadavg") else None
+    write_json(res, args.json)
+
+
+if __name__ == "__main__":
+    main()
