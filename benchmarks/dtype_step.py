@@ -9,7 +9,7 @@ overhead of the 16-bit cache (once: whole-cache copies at the programs' edges, i
 Figures (``tiny`` preset, ``prefill_chunk_size=64``, prompts of ~60 tokens, median of ``--steps`` decode steps
 after three warm ones):
 
-- ``decode_step_ms_{dtype}_b{B}`` for float32, bfloat16 and float16 at each batch of ``--batches``;
+- ``decode_step_ms_{dtype}_b{B}`` for float32 and bfloat16 at each batch of ``--batches``;
 - ``{dtype}_over_float32_b{B}`` (step ratio) and ``matmul_{dtype}_over_float32_b{B}`` (the limit);
 - ``prefill_ms_{dtype}`` and ``layerwise_prefill_ms_{dtype}``: a ``--prefill``-token prompt, plain and layer by
   layer (layer hooks that load nothing and keep every saved layer, as a layer-wise prefill instance does), median
@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from common import arg_parser, machine_info, write_json  # noqa: E402
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16")  # the engine's model dtypes (config.DTYPES); float16 is a KV-only dtype
 
 
 def median_ms(fn, repeats: int, warmup: int = 3) -> float:

@@ -1,0 +1,188 @@
+"""A 16-bit float KV cache stored as 16-bit integers on CPU (``kv_scatter.storage_dtype``) computes bit for bit what
+the same cache stored as its float dtype computes (the path before: scatters through bitcasts, whole-cache copies at
+every program's edges): prefill logits, decode tokens and logprobs, the blocks read back, layer-wise prefill, tensor
+parallelism; and everything outside the engine sees the float dtype (runner ``kv`` views, blocks, a pool round trip).
+The reference engines are built with the storage dtype forced to the logical one."""
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mooncake_jax as mj
+from mooncake_jax.model import kv_cache
+from mooncake_jax.model.engine import Engine
+from mooncake_jax.model.kv_scatter import (LogicalPages, as_logical, logical_dtype, set_at, storage_dtype)
+from mooncake_jax.model.sequence import SamplingParams
+from mooncake_jax.sharding import MeshLayout, MeshSpec
+from mooncake_jax.transfer import BlockPool, BlockSpec
+from mooncake_jax.transfer.offload import LAYERWISE, LayerwisePrefill, request_keys
+
+ON_CPU = jax.default_backend() == "cpu"
+PROMPTS = ([3 + (i * 7) % 500 for i in range(45)], [11 + (i * 13) % 480 for i in range(21)])
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    return mj.LLM("tiny", dtype="bfloat16").model
+
+
+@pytest.fixture(scope="module")
+def f32_model():
+    return mj.LLM("tiny").model
+
+
+@contextlib.contextmanager
+def float_storage():
+    """Engines built inside store their cache as its float dtype: the reference path."""
+    original = kv_cache.storage_dtype
+    kv_cache.storage_dtype = jnp.dtype
+    try:
+        yield
+    finally:
+        kv_cache.storage_dtype = original
+
+
+def build(model, reference: bool, **kwargs) -> Engine:
+    kwargs.setdefault("num_pages", 48)
+    with float_storage() if reference else contextlib.nullcontext():
+        return Engine(model, prefill_chunk_size=32, **kwargs)
+
+
+def bits(a) -> bytes:
+    return np.ascontiguousarray(np.asarray(a)).view(np.uint8).tobytes()
+
+
+def run(engine: Engine):
+    """Prefill logits of every position, then STEPS decode steps of both prompts together (tokens and logprobs),
+    then the blocks of every page the first sequence wrote (prompt and decoded tokens)."""
+    seqs = [engine.new_sequence(p, SamplingParams(max_new_tokens=STEPS + 1, logprobs=3, ignore_eos=True))
+            for p in PROMPTS]
+    logits = []
+    for seq in seqs:
+        engine.admit(seq, cached_pages=[])
+        logits.append(engine.prefill(seq, all_logits=True))
+    for _ in range(STEPS):
+        engine.decode(seqs)
+    outputs = [(s.output, s.logprobs) for s in seqs]
+    blocks = engine.read_blocks(seqs[0].pages)
+    for seq in seqs:
+        engine.release(seq)
+    return logits, outputs, blocks
+
+
+def test_storage_dtype_maps_16_bit_floats_to_integers_on_cpu_only():
+    for dtype, stored in ((jnp.bfloat16, jnp.uint16), (jnp.float16, jnp.int16)):
+        assert storage_dtype(dtype) == (jnp.dtype(stored) if ON_CPU else jnp.dtype(dtype))
+        assert logical_dtype(storage_dtype(dtype)) == jnp.dtype(dtype)
+    assert storage_dtype("float32") == jnp.dtype(jnp.float32) == logical_dtype(jnp.float32)
+    with pytest.raises(ValueError, match="'int8' is not a float dtype"):
+        storage_dtype(jnp.int8)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_stored_writes_and_reads_are_the_float_values_bit_for_bit(dtype):
+    rng = np.random.default_rng(1)
+    values = rng.standard_normal((2, 9, 4, 8)).astype(dtype)  # [H, rows, bs, D], numpy (ml_dtypes) reference
+    stored = jnp.asarray(values.view(np.uint16) if values.itemsize == 2 else values).astype(storage_dtype(dtype))
+    new = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    rows, offsets = np.array([1, 4, 7]), np.array([0, 3, 2])
+    got = jax.jit(lambda a, n: set_at(a, (slice(None), rows, offsets), n))(stored, new)
+    expected = values.copy()
+    expected[:, rows, offsets] = new.astype(dtype)
+    assert got.dtype == stored.dtype
+    assert bits(as_logical(got)) == bits(expected) and as_logical(got).dtype == jnp.dtype(dtype)
+    view = LogicalPages(got)
+    assert view.dtype == jnp.dtype(dtype) and view.shape == values.shape
+    assert bits(np.asarray(view)) == bits(expected)  # the host view of the stored bits
+    assert bits(jnp.asarray(view)) == bits(expected)
+
+
+@pytest.mark.parametrize("model_dtype, kv_dtype", [("bfloat16", None), ("float32", "float16"),
+                                                   ("bfloat16", "float16")])
+def test_engine_equals_the_float_stored_engine_bit_for_bit(bf16_model, f32_model, model_dtype, kv_dtype):
+    model = bf16_model if model_dtype == "bfloat16" else f32_model
+    kv = jnp.dtype(kv_dtype or model_dtype)
+    stored, reference = build(model, False, kv_dtype=kv_dtype), build(model, True, kv_dtype=kv_dtype)
+    assert stored.runner.stages[0].kv[0].dtype == storage_dtype(kv)
+    assert reference.runner.stages[0].kv[0].dtype == kv
+    assert stored.runner.kv[0][0].dtype == kv  # what the instance, the pool and the layouts read
+    (got_logits, got_out, got_blocks), (want_logits, want_out, want_blocks) = run(stored), run(reference)
+    assert [bits(x) for x in got_logits] == [bits(x) for x in want_logits]
+    assert got_out == want_out  # tokens and their logprobs (float32 values, exactly)
+    assert got_blocks.dtype == want_blocks.dtype == kv and bits(got_blocks) == bits(want_blocks)
+    assert np.any(got_blocks[:, :, :, :] != 0)  # the prompt's KV was written, not left zero
+
+
+def layerwise(engine: Engine, prompt):
+    seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    logits, blocks = LayerwisePrefill(engine, LAYERWISE).prefill(seq, None)
+    while not seq.finished:
+        engine.decode([seq])
+    out = list(seq.output)
+    engine.release(seq)
+    return logits, blocks, out
+
+
+def test_layerwise_bfloat16_prefill_equals_the_float_stored_one_and_plain(bf16_model):
+    prompt = PROMPTS[0]
+    got = layerwise(build(bf16_model, False, prefix_caching=False), prompt)
+    want = layerwise(build(bf16_model, True, prefix_caching=False), prompt)
+    assert bits(got[0]) == bits(want[0]) and bits(got[1]) == bits(want[1]) and got[2] == want[2]
+    assert got[1].dtype == jnp.dtype(jnp.bfloat16)
+    plain = build(bf16_model, False, prefix_caching=False)  # the same prompt in one program per chunk
+    seq = plain.new_sequence(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    plain.admit(seq)
+    logits = plain.prefill(seq)
+    blocks = plain.read_blocks(seq.pages)
+    while not seq.finished:
+        plain.decode([seq])
+    assert seq.output == got[2]
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), logits, rtol=0, atol=2e-2 * np.abs(logits).max())
+    np.testing.assert_allclose(got[1].astype(np.float32), blocks.astype(np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
+def test_tensor_parallel_bfloat16_equals_float_stored_and_single_device(bf16_model):
+    layout = lambda: MeshLayout(bf16_model.cfg, MeshSpec(1, 2))  # noqa: E731
+    stored, reference = build(bf16_model, False, layout=layout()), build(bf16_model, True, layout=layout())
+    assert stored.runner.stages[0].kv[0].dtype == storage_dtype(jnp.bfloat16)
+    assert len(stored.runner.stages[0].kv[0].sharding.device_set) == 2
+    got, want = run(stored), run(reference)
+    assert [bits(x) for x in got[0]] == [bits(x) for x in want[0]] and got[1] == want[1]
+    assert bits(got[2]) == bits(want[2])
+    single = run(build(bf16_model, False))
+    assert [out for out, _ in got[1]] == [out for out, _ in single[1]]  # the same greedy tokens
+    for a, b in zip(got[0], single[0]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * np.abs(b).max())
+
+
+def test_pool_round_trip_of_bfloat16_blocks_is_bit_exact(bf16_model):
+    """Blocks leave one bfloat16 engine for the pool in bfloat16 and load into another: its decode continues
+    exactly as the first engine's, and its pages hold the same bits."""
+    src, dst = build(bf16_model, False), build(bf16_model, False)
+    dtype = src.runner.kv[0][0].dtype
+    assert dtype == np.dtype(ml_dtypes.bfloat16)
+    pool = BlockPool(BlockSpec(bf16_model.cfg.block_shape(), dtype), dram_blocks=16)
+    prompt = PROMPTS[0] + [7]  # 46 tokens: two full blocks and a tail
+    seq = src.new_sequence(prompt, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    src.admit(seq)
+    src.prefill(seq)
+    keys = request_keys(seq, src.block_size)
+    sent = src.read_blocks(seq.pages[: len(keys)])
+    assert sent.dtype == dtype
+    pool.put_many(keys, sent)
+    arrived = np.stack(pool.get_many(keys))
+    assert bits(arrived) == bits(sent)
+    pages = dst.load_blocks(keys, arrived)
+    assert bits(dst.read_blocks(pages)) == bits(sent)
+    twin = dst.new_sequence(prompt, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    dst.adopt(twin, pages, seq.output[0])
+    while not seq.finished:
+        src.decode([seq])
+        dst.decode([twin])
+    assert twin.output == seq.output
