@@ -17,7 +17,7 @@ from mooncake_jax.model import kv_cache
 from mooncake_jax.model.engine import Engine
 from mooncake_jax.model.kv_scatter import (LogicalPages, as_logical, logical_dtype, set_at, storage_dtype)
 from mooncake_jax.model.sequence import SamplingParams
-from mooncake_jax.sharding import MeshLayout, MeshSpec
+from mooncake_jax.sharding import MeshLayout, MeshSpec, spmd
 from mooncake_jax.transfer import BlockPool, BlockSpec
 from mooncake_jax.transfer.offload import LAYERWISE, LayerwisePrefill, request_keys
 
@@ -39,12 +39,14 @@ def f32_model():
 @contextlib.contextmanager
 def float_storage():
     """Engines built inside store their cache as its float dtype: the reference path."""
-    original = kv_cache.storage_dtype
-    kv_cache.storage_dtype = jnp.dtype
+    originals = [(module, module.storage_dtype) for module in (kv_cache, spmd)]
+    for module, _ in originals:
+        module.storage_dtype = jnp.dtype
     try:
         yield
     finally:
-        kv_cache.storage_dtype = original
+        for module, original in originals:
+            module.storage_dtype = original
 
 
 def build(model, reference: bool, **kwargs) -> Engine:
@@ -186,3 +188,16 @@ def test_pool_round_trip_of_bfloat16_blocks_is_bit_exact(bf16_model):
         src.decode([seq])
         dst.decode([twin])
     assert twin.output == seq.output
+
+
+@pytest.mark.slow  # 70 s on two loaded cores: every SPMD program compiles twice (stored and float-stored cache)
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
+def test_spmd_pipeline_bfloat16_equals_float_stored(bf16_model):
+    """The SPMD runner (two stages in one program) allocates, writes and reads its stage-stacked cache the same way."""
+    layout = lambda: spmd.SpmdLayout(bf16_model.cfg, MeshSpec(2, 1), devices=jax.devices()[:2])  # noqa: E731
+    stored, reference = build(bf16_model, False, layout=layout()), build(bf16_model, True, layout=layout())
+    assert stored.runner.kv[0][0].storage.dtype == storage_dtype(jnp.bfloat16)
+    assert stored.runner.kv[0][0].dtype == reference.runner.kv[0][0].dtype == jnp.dtype(jnp.bfloat16)
+    got, want = run(stored), run(reference)
+    assert [bits(x) for x in got[0]] == [bits(x) for x in want[0]] and got[1] == want[1]
+    assert bits(got[2]) == bits(want[2])

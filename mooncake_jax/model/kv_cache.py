@@ -4,7 +4,9 @@ Device side: per pipeline stage one K and one V array of shape [kv_heads, n_laye
 head_dim] (``kv_shape``): layer l (0-based within the stage) owns rows l * num_pages .. (l + 1) * num_pages - 1 and
 its page p is row l * num_pages + p. Head-major, so the tensor-parallel KV-head axis leads and paged-attention
 kernels read it without a transpose. Page 0 of every layer is scratch (padded tokens write there, no sequence reads
-it); the managers below hand out page numbers 1 .. num_pages - 1, the same for every layer.
+it); the managers below hand out page numbers 1 .. num_pages - 1, the same for every layer. The arrays are stored in
+``kv_scatter.storage_dtype`` of the cache's dtype: on CPU a bfloat16 (float16) cache as uint16 (int16) bits, which
+the step programs scatter and bitcast after gathering; everything outside them sees the float dtype.
 
 Host side (plain classes, tested without an accelerator):
 

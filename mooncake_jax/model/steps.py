@@ -5,7 +5,9 @@ B sequences through one stage of the model (its layers under one ``lax.scan``) o
 returns (next tokens, logits or hidden states, updated KV). Prefill is a call with one sequence and T = chunk
 length; decode is a call with B sequences and T = 1. The KV arrays are donated, so XLA updates them in place. A
 JAX user can embed these functions directly: their inputs are the stage's parameter state (``nnx.split``), the
-stage's (K, V) arrays [kv_heads, n_layers * num_pages, block_size, head_dim], int32 arrays and a few statics.
+stage's (K, V) arrays [kv_heads, n_layers * num_pages, block_size, head_dim] (in ``kv_scatter.storage_dtype``: on
+CPU a 16-bit float cache as 16-bit integers; ``read_blocks`` / ``read_layer`` return the float values, the writes
+take them), int32 arrays and a few statics.
 
 Layer by layer (when layer hooks run between layers): ``embed_step``, then ``layer_step`` (scanned stage: the layer
 index is a traced argument that slices the stacked parameters) or ``layer_apply_step`` (unrolled stage: the layer's
