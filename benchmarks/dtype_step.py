@@ -141,7 +141,8 @@ def main() -> None:
         if dtype == "float32" or "float32" not in dtypes:
             continue
         for b in batches:
-            res[f"{dtype}_over_float32_b{b}"] = res[f"decode_step_ms_{dtype}_b{b}"] / res[f"decode_step_ms_float32_b{b}"]
+            step = res[f"decode_step_ms_{dtype}_b{b}"]
+            res[f"{dtype}_over_float32_b{b}"] = step / res[f"decode_step_ms_float32_b{b}"]
             res[f"matmul_{dtype}_over_float32_b{b}"] = res[f"matmul_ms_{dtype}_b{b}"] / res[f"matmul_ms_float32_b{b}"]
         for name in ("prefill", "layerwise_prefill"):
             res[f"{name}_{dtype}_over_float32"] = res[f"{name}_ms_{dtype}"] / res[f"{name}_ms_float32"]

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import mooncake_jax as mj
+from mooncake_jax.llm import build_model
 from mooncake_jax.model import kv_cache
 from mooncake_jax.model.engine import Engine
 from mooncake_jax.model.kv_scatter import (LogicalPages, as_logical, logical_dtype, set_at, storage_dtype)
@@ -28,12 +28,12 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def bf16_model():
-    return mj.LLM("tiny", dtype="bfloat16").model
+    return build_model("tiny", dtype="bfloat16")
 
 
 @pytest.fixture(scope="module")
 def f32_model():
-    return mj.LLM("tiny").model
+    return build_model("tiny")
 
 
 @contextlib.contextmanager
@@ -77,6 +77,17 @@ def run(engine: Engine):
     return logits, outputs, blocks
 
 
+@pytest.fixture(scope="module")
+def engines(bf16_model):
+    """(stored, reference) bfloat16 engines, shared by the tests below (each program compiles once per engine)."""
+    return build(bf16_model, False), build(bf16_model, True)
+
+
+@pytest.fixture(scope="module")
+def runs(engines):
+    return tuple(run(engine) for engine in engines)
+
+
 def test_storage_dtype_maps_16_bit_floats_to_integers_on_cpu_only():
     for dtype, stored in ((jnp.bfloat16, jnp.uint16), (jnp.float16, jnp.int16)):
         assert storage_dtype(dtype) == (jnp.dtype(stored) if ON_CPU else jnp.dtype(dtype))
@@ -104,20 +115,27 @@ def test_stored_writes_and_reads_are_the_float_values_bit_for_bit(dtype):
     assert bits(jnp.asarray(view)) == bits(expected)
 
 
-@pytest.mark.parametrize("model_dtype, kv_dtype", [("bfloat16", None), ("float32", "float16"),
-                                                   ("bfloat16", "float16")])
-def test_engine_equals_the_float_stored_engine_bit_for_bit(bf16_model, f32_model, model_dtype, kv_dtype):
-    model = bf16_model if model_dtype == "bfloat16" else f32_model
-    kv = jnp.dtype(kv_dtype or model_dtype)
-    stored, reference = build(model, False, kv_dtype=kv_dtype), build(model, True, kv_dtype=kv_dtype)
-    assert stored.runner.stages[0].kv[0].dtype == storage_dtype(kv)
-    assert reference.runner.stages[0].kv[0].dtype == kv
-    assert stored.runner.kv[0][0].dtype == kv  # what the instance, the pool and the layouts read
-    (got_logits, got_out, got_blocks), (want_logits, want_out, want_blocks) = run(stored), run(reference)
+def check_equal(got, want, kv_dtype):
+    (got_logits, got_out, got_blocks), (want_logits, want_out, want_blocks) = got, want
     assert [bits(x) for x in got_logits] == [bits(x) for x in want_logits]
     assert got_out == want_out  # tokens and their logprobs (float32 values, exactly)
-    assert got_blocks.dtype == want_blocks.dtype == kv and bits(got_blocks) == bits(want_blocks)
-    assert np.any(got_blocks[:, :, :, :] != 0)  # the prompt's KV was written, not left zero
+    assert got_blocks.dtype == want_blocks.dtype == kv_dtype and bits(got_blocks) == bits(want_blocks)
+    assert np.count_nonzero(got_blocks.astype(np.float32)) > got_blocks.size // 2  # the KV was written
+
+
+def test_bfloat16_engine_equals_the_float_stored_engine_bit_for_bit(engines, runs):
+    stored, reference = engines
+    assert stored.runner.stages[0].kv[0].dtype == storage_dtype(jnp.bfloat16)
+    assert reference.runner.stages[0].kv[0].dtype == jnp.dtype(jnp.bfloat16)
+    assert stored.runner.kv[0][0].dtype == jnp.dtype(jnp.bfloat16)  # what the instance, pool and layouts read
+    check_equal(*runs, jnp.dtype(jnp.bfloat16))
+
+
+def test_float16_kv_of_a_float32_model_equals_the_float_stored_one_bit_for_bit(f32_model):
+    stored, reference = build(f32_model, False, kv_dtype="float16"), build(f32_model, True, kv_dtype="float16")
+    assert stored.runner.stages[0].kv[0].dtype == storage_dtype(jnp.float16)
+    assert stored.runner.kv[0][0].dtype == reference.runner.stages[0].kv[0].dtype == jnp.dtype(jnp.float16)
+    check_equal(run(stored), run(reference), jnp.dtype(jnp.float16))
 
 
 def layerwise(engine: Engine, prompt):
@@ -130,47 +148,48 @@ def layerwise(engine: Engine, prompt):
     return logits, blocks, out
 
 
-def test_layerwise_bfloat16_prefill_equals_the_float_stored_one_and_plain(bf16_model):
-    prompt = PROMPTS[0]
-    got = layerwise(build(bf16_model, False, prefix_caching=False), prompt)
-    want = layerwise(build(bf16_model, True, prefix_caching=False), prompt)
+def test_layerwise_bfloat16_prefill_equals_the_float_stored_one_and_plain(engines):
+    prompt = [5 + (i * 3) % 490 for i in range(40)]
+    got, want = (layerwise(engine, prompt) for engine in engines)
     assert bits(got[0]) == bits(want[0]) and bits(got[1]) == bits(want[1]) and got[2] == want[2]
     assert got[1].dtype == jnp.dtype(jnp.bfloat16)
-    plain = build(bf16_model, False, prefix_caching=False)  # the same prompt in one program per chunk
+    plain = engines[0]  # the same prompt in one program per chunk
     seq = plain.new_sequence(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
-    plain.admit(seq)
+    plain.admit(seq, cached_pages=[])
     logits = plain.prefill(seq)
     blocks = plain.read_blocks(seq.pages)
     while not seq.finished:
         plain.decode([seq])
+    plain.release(seq)
     assert seq.output == got[2]
     np.testing.assert_allclose(np.asarray(got[0], np.float32), logits, rtol=0, atol=2e-2 * np.abs(logits).max())
     np.testing.assert_allclose(got[1].astype(np.float32), blocks.astype(np.float32), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
-def test_tensor_parallel_bfloat16_equals_float_stored_and_single_device(bf16_model):
-    layout = lambda: MeshLayout(bf16_model.cfg, MeshSpec(1, 2))  # noqa: E731
-    stored, reference = build(bf16_model, False, layout=layout()), build(bf16_model, True, layout=layout())
-    assert stored.runner.stages[0].kv[0].dtype == storage_dtype(jnp.bfloat16)
-    assert len(stored.runner.stages[0].kv[0].sharding.device_set) == 2
-    got, want = run(stored), run(reference)
-    assert [bits(x) for x in got[0]] == [bits(x) for x in want[0]] and got[1] == want[1]
-    assert bits(got[2]) == bits(want[2])
-    single = run(build(bf16_model, False))
-    assert [out for out, _ in got[1]] == [out for out, _ in single[1]]  # the same greedy tokens
-    for a, b in zip(got[0], single[0]):
+def test_tensor_parallel_bfloat16_equals_single_device(bf16_model, runs):
+    """Two devices, each holding one KV head of the stored cache: the single-device engine's tokens, its logits to
+    bfloat16 precision (the output projection's sum over heads is split between the devices) and its KV."""
+    engine = build(bf16_model, False, layout=MeshLayout(bf16_model.cfg, MeshSpec(1, 2)))
+    pages = engine.runner.stages[0].kv[0]
+    assert pages.dtype == storage_dtype(jnp.bfloat16) and len(pages.sharding.device_set) == 2
+    got_logits, got_out, got_blocks = run(engine)
+    want_logits, want_out, want_blocks = runs[0]
+    assert [out for out, _ in got_out] == [out for out, _ in want_out]  # the same greedy tokens
+    for a, b in zip(got_logits, want_logits):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * np.abs(b).max())
+    assert got_blocks.dtype == jnp.dtype(jnp.bfloat16)
+    np.testing.assert_allclose(got_blocks.astype(np.float32), want_blocks.astype(np.float32), rtol=2e-2, atol=2e-2)
 
 
-def test_pool_round_trip_of_bfloat16_blocks_is_bit_exact(bf16_model):
-    """Blocks leave one bfloat16 engine for the pool in bfloat16 and load into another: its decode continues
-    exactly as the first engine's, and its pages hold the same bits."""
-    src, dst = build(bf16_model, False), build(bf16_model, False)
+def test_pool_round_trip_of_bfloat16_blocks_is_bit_exact(bf16_model, engines):
+    """Blocks leave the stored engine for the pool in bfloat16 and load into the float-stored one: the pages hold the
+    same bits and both decode the same tokens."""
+    src, dst = engines
     dtype = src.runner.kv[0][0].dtype
     assert dtype == np.dtype(ml_dtypes.bfloat16)
     pool = BlockPool(BlockSpec(bf16_model.cfg.block_shape(), dtype), dram_blocks=16)
-    prompt = PROMPTS[0] + [7]  # 46 tokens: two full blocks and a tail
+    prompt = [9 + (i * 5) % 470 for i in range(46)]  # two full blocks and a tail
     seq = src.new_sequence(prompt, SamplingParams(max_new_tokens=5, ignore_eos=True))
     src.admit(seq)
     src.prefill(seq)
@@ -188,6 +207,8 @@ def test_pool_round_trip_of_bfloat16_blocks_is_bit_exact(bf16_model):
         src.decode([seq])
         dst.decode([twin])
     assert twin.output == seq.output
+    src.release(seq)
+    dst.release(twin)
 
 
 @pytest.mark.slow  # 70 s on two loaded cores: every SPMD program compiles twice (stored and float-stored cache)
