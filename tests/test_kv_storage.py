@@ -168,8 +168,9 @@ def test_layerwise_bfloat16_prefill_equals_the_float_stored_one_and_plain(engine
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
 def test_tensor_parallel_bfloat16_equals_single_device(bf16_model, runs):
-    """Two devices, each holding one KV head of the stored cache: the single-device engine's tokens, its logits to
-    bfloat16 precision (the output projection's sum over heads is split between the devices) and its KV."""
+    """Two devices, each holding one KV head of the stored cache: the single-device engine's tokens, its logits and
+    KV to bfloat16 precision (the output projection's sum over heads is split between the devices, and XLA blocks
+    the sharded matmuls differently: not bit for bit)."""
     engine = build(bf16_model, False, layout=MeshLayout(bf16_model.cfg, MeshSpec(1, 2)))
     pages = engine.runner.stages[0].kv[0]
     assert pages.dtype == storage_dtype(jnp.bfloat16) and len(pages.sharding.device_set) == 2
@@ -179,7 +180,8 @@ def test_tensor_parallel_bfloat16_equals_single_device(bf16_model, runs):
     for a, b in zip(got_logits, want_logits):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * np.abs(b).max())
     assert got_blocks.dtype == jnp.dtype(jnp.bfloat16)
-    np.testing.assert_allclose(got_blocks.astype(np.float32), want_blocks.astype(np.float32), rtol=2e-2, atol=2e-2)
+    want = want_blocks.astype(np.float32)  # deeper layers carry the split sums' bfloat16 rounding
+    np.testing.assert_allclose(got_blocks.astype(np.float32), want, rtol=0, atol=5e-2 * np.abs(want).max())
 
 
 def test_pool_round_trip_of_bfloat16_blocks_is_bit_exact(bf16_model, engines):
