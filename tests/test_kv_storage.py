@@ -5,6 +5,7 @@ parallelism; and everything outside the engine sees the float dtype (runner ``kv
 The reference engines are built with the storage dtype forced to the logical one."""
 
 import contextlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import pytest
 
 from mooncake_jax.llm import build_model
 from mooncake_jax.model import kv_cache
+from mooncake_jax.model.attention import gather_context, write_pages
 from mooncake_jax.model.engine import Engine
 from mooncake_jax.model.kv_scatter import (LogicalPages, as_logical, logical_dtype, set_at, storage_dtype)
 from mooncake_jax.model.sequence import SamplingParams
@@ -113,6 +115,36 @@ def test_stored_writes_and_reads_are_the_float_values_bit_for_bit(dtype):
     assert view.dtype == jnp.dtype(dtype) and view.shape == values.shape
     assert bits(np.asarray(view)) == bits(expected)  # the host view of the stored bits
     assert bits(jnp.asarray(view)) == bits(expected)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="XLA:CPU's bitcasts")
+def test_a_step_over_a_stored_cache_copies_nothing_of_the_cache_size():
+    """A write then a read of the pages, compiled as a step is (cache donated): over a bfloat16 array XLA:CPU copies
+    the whole cache at the bitcasts (the reference, so this can fail); over the stored uint16 array nothing of the
+    cache's size is made but the scatter, in place."""
+    new = jnp.ones((2, 1, 2, 8), jnp.bfloat16)  # [B, T, H, D]
+    slots, table = jnp.asarray([[17], [40]], jnp.int32), jnp.asarray([[1, 2], [2, 3]], jnp.int32)
+
+    def step(pages, new, slots, table):
+        pages = write_pages(pages, new, slots)
+        return pages, gather_context(pages, table).astype(jnp.float32).sum()
+
+    def cache_sized(dtype) -> list[str]:
+        """Instructions making an array of the cache's shape, other than the parameter, the scatter (whose fusion
+        writes in place) and free bitcasts: each is a whole-cache copy."""
+        pages = jnp.zeros((2, 64, 16, 8), dtype)
+        hlo = jax.jit(step, donate_argnums=0).lower(pages, new, slots, table).compile().as_text()
+        made = []
+        for line in hlo.splitlines():
+            m = re.match(r"\s*(?:ROOT )?%(\S+) = \w+\[2,64,16,8\]\S* ([\w-]+)\(", line)
+            calls = re.search(r"calls=%([\w.-]+)", line)
+            called = calls.group(1) if calls else ""
+            if m and m.group(2) not in ("parameter", "scatter", "bitcast") and "scatter" not in called:
+                made.append(f"{m.group(1)} {m.group(2)} {called}")
+        return made
+
+    assert any("bitcast-convert" in op or "copy" in op for op in cache_sized(jnp.bfloat16))
+    assert cache_sized(storage_dtype(jnp.bfloat16)) == []
 
 
 def check_equal(got, want, kv_dtype):
