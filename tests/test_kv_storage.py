@@ -164,7 +164,9 @@ def test_bfloat16_engine_equals_the_float_stored_engine_bit_for_bit(engines, run
 
 
 def test_float16_kv_of_a_float32_model_equals_the_float_stored_one_bit_for_bit(f32_model):
-    stored, reference = build(f32_model, False, kv_dtype="float16"), build(f32_model, True, kv_dtype="float16")
+    # layers under lax.scan (the GPU/TPU default): the stored arrays ride the scan's carry
+    stored, reference = (build(f32_model, reference, kv_dtype="float16", scan_layers=True)
+                         for reference in (False, True))
     assert stored.runner.stages[0].kv[0].dtype == storage_dtype(jnp.float16)
     assert stored.runner.kv[0][0].dtype == reference.runner.stages[0].kv[0].dtype == jnp.dtype(jnp.float16)
     check_equal(run(stored), run(reference), jnp.dtype(jnp.float16))
@@ -203,7 +205,7 @@ def test_tensor_parallel_bfloat16_equals_single_device(bf16_model, runs):
     """Two devices, each holding one KV head of the stored cache: the single-device engine's tokens, its logits and
     KV to bfloat16 precision (the output projection's sum over heads is split between the devices, and XLA blocks
     the sharded matmuls differently: not bit for bit)."""
-    engine = build(bf16_model, False, layout=MeshLayout(bf16_model.cfg, MeshSpec(1, 2)))
+    engine = build(bf16_model, False, layout=MeshLayout(bf16_model.cfg, MeshSpec(1, 2)), scan_layers=True)
     pages = engine.runner.stages[0].kv[0]
     assert pages.dtype == storage_dtype(jnp.bfloat16) and len(pages.sharding.device_set) == 2
     got_logits, got_out, got_blocks = run(engine)
