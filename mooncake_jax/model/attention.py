@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 from .config import ATTENTION_IMPLS
-from .kv_scatter import set_at
+from .kv_scatter import as_logical, set_at
 
 MASKED = -1e30
 """Score of a masked key: exp() of it underflows to exactly 0, and unlike -inf it never produces NaN."""
@@ -104,11 +104,12 @@ def gather_context(pages: jax.Array, page_table: jax.Array) -> jax.Array:
     """The context keys (or values) of each sequence, head-major: [H, B, P * block_size, D].
 
     Gathers whole pages as rows of a 3-D view [H, rows, bs * D]: XLA:CPU copies contiguous rows several times
-    faster than it gathers the same bytes from the 4-D array. Only the xla implementation's prefill uses it.
+    faster than it gathers the same bytes from the 4-D array. ``pages`` may be a stored 16-bit cache
+    (``kv_scatter``): the gathered rows are bitcast to their float dtype, never the whole cache.
     """
     b, p = page_table.shape
     h, n, bs, d = pages.shape
-    return jnp.take(pages.reshape(h, n, bs * d), page_table, axis=1).reshape(h, b, p * bs, d)
+    return as_logical(jnp.take(pages.reshape(h, n, bs * d), page_table, axis=1).reshape(h, b, p * bs, d))
 
 
 # ---- the xla implementation ------------------------------------------------------------------------------------
@@ -398,6 +399,9 @@ def _pallas(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
     backend = jax.default_backend()
     if backend == "tpu" and q.shape[1] > 1:
         return _xla(q, k_new, v_new, k_pages, v_pages, batch)  # see the module docstring
+    # The kernels index the pages themselves: a stored 16-bit cache (CPU only, where they run interpreted for
+    # tests) is bitcast whole here; on GPU and TPU the cache is stored as its float dtype and this is a no-op.
+    k_pages, v_pages = as_logical(k_pages), as_logical(v_pages)
     local = functools.partial(_pallas_local, backend=backend)
     mesh = _tensor_mesh(k_pages.shape[0])
     if mesh is None:

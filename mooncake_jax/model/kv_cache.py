@@ -4,7 +4,9 @@ Device side: per pipeline stage one K and one V array of shape [kv_heads, n_laye
 head_dim] (``kv_shape``): layer l (0-based within the stage) owns rows l * num_pages .. (l + 1) * num_pages - 1 and
 its page p is row l * num_pages + p. Head-major, so the tensor-parallel KV-head axis leads and paged-attention
 kernels read it without a transpose. Page 0 of every layer is scratch (padded tokens write there, no sequence reads
-it); the managers below hand out page numbers 1 .. num_pages - 1, the same for every layer.
+it); the managers below hand out page numbers 1 .. num_pages - 1, the same for every layer. The arrays are stored in
+``kv_scatter.storage_dtype`` of the cache's dtype: on CPU a bfloat16 (float16) cache as uint16 (int16) bits, which
+the step programs scatter and bitcast after gathering; everything outside them sees the float dtype.
 
 Host side (plain classes, tested without an accelerator):
 
@@ -28,6 +30,7 @@ import numpy as np
 from ..blocks import BlockKey
 from .attention import SCRATCH_PAGE
 from .config import ModelConfig
+from .kv_scatter import storage_dtype
 
 
 class OutOfPages(RuntimeError):
@@ -151,10 +154,10 @@ def kv_shape(cfg: ModelConfig, num_pages: int, n_layers: int) -> tuple[int, int,
 
 def allocate_kv(cfg: ModelConfig, num_pages: int, dtype=None, sharding=None,
                 n_layers: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """Zeroed stacked (K, V) page arrays for ``n_layers`` layers (all of the model's by default)."""
+    """Zeroed stacked (K, V) page arrays for ``n_layers`` layers (all of the model's by default), of logical
+    ``dtype`` (the model's by default) in its storage dtype on this backend (``kv_scatter.storage_dtype``)."""
     shape = kv_shape(cfg, num_pages, cfg.n_layers if n_layers is None else n_layers)
-    dt = dtype or cfg.param_dtype
-    make = zeros_program(shape, jnp.dtype(dt), sharding)
+    make = zeros_program(shape, storage_dtype(dtype or cfg.param_dtype), sharding)
     return make(), make()
 
 

@@ -5,7 +5,9 @@ B sequences through one stage of the model (its layers under one ``lax.scan``) o
 returns (next tokens, logits or hidden states, updated KV). Prefill is a call with one sequence and T = chunk
 length; decode is a call with B sequences and T = 1. The KV arrays are donated, so XLA updates them in place. A
 JAX user can embed these functions directly: their inputs are the stage's parameter state (``nnx.split``), the
-stage's (K, V) arrays [kv_heads, n_layers * num_pages, block_size, head_dim], int32 arrays and a few statics.
+stage's (K, V) arrays [kv_heads, n_layers * num_pages, block_size, head_dim] (in ``kv_scatter.storage_dtype``: on
+CPU a 16-bit float cache as 16-bit integers; ``read_blocks`` / ``read_layer`` return the float values, the writes
+take them), int32 arrays and a few statics.
 
 Layer by layer (when layer hooks run between layers): ``embed_step``, then ``layer_step`` (scanned stage: the layer
 index is a traced argument that slices the stacked parameters) or ``layer_apply_step`` (unrolled stage: the layer's
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .attention import PagedBatch
-from .kv_scatter import set_at
+from .kv_scatter import as_logical, set_at
 from .llama import layer_apply
 from .sampling import GREEDY, SamplingInputs, sample_out
 
@@ -137,7 +139,7 @@ def write_blocks(kv, pages, blocks, n_layers: int):
 def read_blocks(kv, pages, n_layers: int):
     """Whole blocks [n, layers, 2, block_size, kv_heads, head_dim] of ``pages`` [n] (KV leaving for the pool)."""
     rows = _rows(kv, pages, n_layers)
-    both = jnp.stack([kv[0][:, rows], kv[1][:, rows]])  # [2, H, L, n, bs, D]
+    both = as_logical(jnp.stack([kv[0][:, rows], kv[1][:, rows]]))  # [2, H, L, n, bs, D]
     return jnp.transpose(both, (3, 2, 0, 4, 1, 5))
 
 
@@ -156,5 +158,5 @@ def write_layer(kv, layer, pages, blocks, n_layers: int):
 def read_layer(kv, layer, pages, n_layers: int):
     """One layer's blocks [n, 2, block_size, kv_heads, head_dim] of ``pages`` [n] (stage-local ``layer``, traced)."""
     rows = layer * (kv[0].shape[1] // n_layers) + pages
-    both = jnp.stack([kv[0][:, rows], kv[1][:, rows]])  # [2, H, n, bs, D]
+    both = as_logical(jnp.stack([kv[0][:, rows], kv[1][:, rows]]))  # [2, H, n, bs, D]
     return jnp.transpose(both, (2, 0, 3, 1, 4))

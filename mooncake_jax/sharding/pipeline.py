@@ -35,6 +35,7 @@ from flax import nnx
 
 from ..model.attention import PagedBatch
 from ..model.kv_cache import allocate_kv, kv_shape
+from ..model.kv_scatter import LogicalPages, logical_pages
 from ..model.layer_hooks import LayerHooks
 from ..model.llama import Llama, Stage
 from ..model.sampling import SamplingInputs
@@ -188,9 +189,10 @@ class PipelineRunner:
         return outputs
 
     @property
-    def kv(self) -> list[tuple[jax.Array, jax.Array]]:
-        """Every stage's stacked (K, V) pages, in stage order (each on its stage's devices)."""
-        return [stage.kv for stage in self.stages]
+    def kv(self) -> list[tuple[LogicalPages, LogicalPages]]:
+        """Every stage's stacked (K, V) pages, in stage order (each on its stage's devices), as views of their
+        logical dtype (``kv_scatter``: on CPU a 16-bit float cache is stored as 16-bit integers)."""
+        return [logical_pages(stage.kv) for stage in self.stages]
 
     def read_blocks(self, pages: np.ndarray) -> np.ndarray:
         """Whole blocks [n, layers, 2, block_size, kv_heads, head_dim] of ``pages``, gathered to the host."""
@@ -204,4 +206,4 @@ class PipelineRunner:
             stage.kv = write_blocks(stage.kv, *layers, n_layers=stage.n_layers)
 
     def block_until_ready(self) -> None:
-        jax.block_until_ready(self.kv)
+        jax.block_until_ready([stage.kv for stage in self.stages])

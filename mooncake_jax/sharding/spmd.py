@@ -42,7 +42,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from ..model.attention import SCRATCH_PAGE, PagedBatch
 from ..model.config import ModelConfig
 from ..model.kv_cache import kv_shape, zeros_program
-from ..model.kv_scatter import set_at
+from ..model.kv_scatter import LogicalPages, as_logical, logical_pages, set_at, storage_dtype
 from ..model.llama import Llama, Stage, _slice_layers, stacked_layers
 from ..model.sampling import sample_out
 from .mesh import MESH_AXES, STAGE, MeshSpec
@@ -137,7 +137,7 @@ class SpmdPrograms:
 
     def allocate_kv(self, num_pages: int, dtype) -> tuple[jax.Array, jax.Array]:
         shape = (self.n_stages,) + kv_shape(self.cfg, num_pages, self.per_stage)
-        make = zeros_program(shape, jnp.dtype(dtype), self.kv_sharding(shape))
+        make = zeros_program(shape, storage_dtype(dtype), self.kv_sharding(shape))
         return make(), make()
 
     def replicated(self, tree):
@@ -233,7 +233,7 @@ def _rows(kv, pages, per_stage: int):
 def spmd_read_blocks(kv, pages, *, per_stage: int, mesh: Mesh):
     """Blocks [n, layers, 2, block_size, kv_heads, head_dim] of ``pages`` [n], replicated on the whole mesh."""
     rows = _rows(kv, pages, per_stage)
-    both = jnp.stack([kv[0][:, :, rows], kv[1][:, :, rows]])  # [2, S, H, L/S, n, bs, D]
+    both = as_logical(jnp.stack([kv[0][:, :, rows], kv[1][:, :, rows]]))  # [2, S, H, L/S, n, bs, D]
     out = jnp.transpose(both, (4, 1, 3, 0, 5, 2, 6))  # [n, S, L/S, 2, bs, H, D]
     out = out.reshape((out.shape[0], -1) + out.shape[3:])
     return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P()))
@@ -318,8 +318,8 @@ class SpmdRunner:
         self._dispatch("write_blocks", (np.asarray(pages, np.int32), np.asarray(blocks)))
 
     @property
-    def kv(self) -> list[tuple[jax.Array, jax.Array]]:
-        return [self._kv]
+    def kv(self) -> list[tuple[LogicalPages, LogicalPages]]:
+        return [logical_pages(self._kv)]
 
     def block_until_ready(self) -> None:
         jax.block_until_ready(self._kv)
