@@ -10,9 +10,13 @@ Trace lengths are scaled to the tiny model: a trace block of 512 tokens becomes 
 shared prefixes are real shared prefixes in the engine.
 
 ``--hetero`` runs the same job on unlike instances under the same Conductor (``HETERO``): layer-wise bfloat16
-prefill instances with 2-way tensor parallelism and 16-token pages, a float32 decode instance with 4-way tensor
-parallelism and 32-token pages (the decode side converts the KV it pulls), each on its own fake CPU devices (8 for
-the default 2 + 1). Its summary adds ``instances``: each instance's role, shape, dtype, block size and devices.
+prefill instances on one device each with 16-token pages, a float32 decode instance with 2-way tensor parallelism
+and 32-token pages (the decode side converts the KV it pulls), each on its own fake CPU devices (4 for the default
+2 + 1). Its summary adds ``instances``: each instance's role, shape, dtype, block size and devices.
+
+Every refused request's reason is kept (``refusals`` in the summary: the Conductor's, with its predictions, for an
+early refusal; the instance's, with its work and the time left, for a late one) and counted in one printed line, so
+a stray refusal explains itself.
 """
 
 from __future__ import annotations
@@ -32,10 +36,24 @@ from .slo import tbt_of_times
 
 TRACE_BLOCK, ENGINE_BLOCK = 512, 16
 
-HETERO = dict(prefill_shape="tensor=2", prefill_dtype="bfloat16", prefill_block_size=ENGINE_BLOCK, layerwise=True,
-              decode_shape="tensor=4", decode_dtype="float32", decode_block_size=2 * ENGINE_BLOCK)
+HETERO = dict(prefill_shape="tensor=1", prefill_dtype="bfloat16", prefill_block_size=ENGINE_BLOCK, layerwise=True,
+              decode_shape="tensor=2", decode_dtype="float32", decode_block_size=2 * ENGINE_BLOCK)
 """``demo --hetero``'s per-role shapes (``Cluster.local`` options): unlike in tensor parallelism, dtype and page
-size, so every request's KV is re-laid out between its prefill and decode instance."""
+size, so every request's KV is re-laid out between its prefill and decode instance. Chosen by measurement on two
+shared cores (Intel Xeon (207), tiny, fake CPU devices; docs/benchmarks/demo.md, hetero tenth pass): a 4-way decode
+step took 311-447 ms in the ninth pass (the TBT SLO is 0.25 s), a 2-way one a few ms; a bfloat16 layer-wise
+prefill of 512 tokens took 35 ms on one device and 77 ms on two, so the prefill, which decides TTFT, runs on one."""
+
+
+def hetero_device_count(prefill: int, decode: int) -> int:
+    """Devices ``demo --hetero`` needs for ``prefill`` + ``decode`` instances (each on its own)."""
+    from .instance.config import parse_shape
+
+    def count(role: str) -> int:
+        shape = parse_shape(HETERO[f"{role}_shape"])
+        return shape["tensor_parallel"] * shape["pipeline_stages"]
+
+    return prefill * count("prefill") + decode * count("decode")
 
 
 def add_arguments(p) -> None:
@@ -50,8 +68,8 @@ def add_arguments(p) -> None:
                    help="instances as threads instead of processes (one process holds every instance's compiled "
                         "programs: with --hetero, use --prefill 1 to stay within Linux's memory-map limit)")
     p.add_argument("--hetero", action="store_true",
-                   help="unlike instances: bfloat16 tensor=2 layer-wise prefill (16-token pages), float32 tensor=4 "
-                        "decode (32-token pages), each on its own fake CPU devices")
+                   help="unlike instances: bfloat16 layer-wise prefill on one device each (16-token pages), float32 "
+                        "tensor=2 decode (32-token pages), each on its own fake CPU devices")
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-cpus", default=None,
                        help=f"host cores of the {role} instances' own, e.g. 1 (the rest keep off them; default: "
@@ -248,7 +266,7 @@ def run(args) -> int:
     if shapes and args.in_process:  # this process holds every instance: it needs their devices (CPU: fake ones)
         from .instance.devices import reserve_cpu_devices
 
-        reserve_cpu_devices(2 * args.prefill + 4 * args.decode)
+        reserve_cpu_devices(hetero_device_count(args.prefill, args.decode))
     print(f"starting the cluster: tiny model, {args.prefill} prefill + {args.decode} decode instances"
           f"{' (unlike: ' + ', '.join(f'{k}={v}' for k, v in shapes.items()) + ')' if shapes else ''} ...",
           flush=True)

@@ -236,7 +236,7 @@ class Cluster:
         instances: dict = {}
         try:
             if processes:
-                starter = _ProcessStarter(auth_token, log_dir, compile_cache)
+                starter = _ProcessStarter(auth_token, log_dir, compile_cache, jax.default_backend() == "cpu")
             else:
                 if compile_cache is not None:
                     enable_compilation_cache(compile_cache or None)
@@ -421,14 +421,28 @@ def _supervise_conductor(cluster: Cluster, launcher: ConductorLauncher) -> Super
     return Supervisor({"conductor": cluster.conductor}, restart, what="Conductor").start()
 
 
+def child_config(config: InstanceConfig, cpu_platform: bool) -> InstanceConfig:
+    """``config`` as its own process gets it. On the CPU platform each process has its own (fake) devices, threads
+    on the same host cores whatever their ids, so an instance process numbers its devices from 0: instances of one
+    shape then compile the same programs for the same device assignment, and the persistent compile cache, whose
+    keys include the device assignment on CPU (``jax._src.cache_key`` strips it on GPU only), serves a second
+    instance the first one's programs. Measured: with devices 2-3, ``demo --hetero``'s prefill-1 compiled all of
+    prefill-0's programs again (docs/benchmarks/demo.md, hetero tenth pass). Elsewhere device ids name real
+    devices and are kept."""
+    if cpu_platform and config.devices is not None and config.num_processes == 1:
+        return config.replace(devices=tuple(range(len(config.devices))))
+    return config
+
+
 class _ProcessStarter:
-    def __init__(self, auth_token: str | None, log_dir: Path, compile_cache):
+    def __init__(self, auth_token: str | None, log_dir: Path, compile_cache, cpu_platform: bool = False):
         self.auth_token, self.log_dir = auth_token, log_dir
+        self.cpu_platform = cpu_platform
         self.compile_cache = "none" if compile_cache is None else str(compile_cache)
         self._profile_dir = tempfile.TemporaryDirectory(prefix="mooncake-profile-")
 
     def start(self, config: InstanceConfig, profile_json: str | None) -> ChildInstance:
-        args = config.to_args() + ["--compile-cache", self.compile_cache]
+        args = child_config(config, self.cpu_platform).to_args() + ["--compile-cache", self.compile_cache]
         if profile_json:
             digest = hashlib.blake2b(profile_json.encode(), digest_size=8).hexdigest()
             path = Path(self._profile_dir.name) / f"profile-{digest}.json"
