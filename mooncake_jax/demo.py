@@ -115,10 +115,53 @@ def send(url: str, item: dict, timeout_s: float = 300.0) -> dict:
                 usage = chunk.get("usage") or usage
     except urllib.error.HTTPError as e:
         return {"status": "rejected" if e.code == 429 else "failed", "code": e.code,
-                "error": e.read().decode(errors="replace")[:300]}
+                "error": error_message(e.read().decode(errors="replace"))}
     except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
         return {"status": "failed", "error": str(e)}
     return {"status": "completed", "times": times, "usage": usage, "prompt_tokens": len(item["prompt"])}
+
+
+def error_message(body: str) -> str:
+    """The message of an OpenAI-style error body (``{"error": {"message": ...}}``), else the body's start."""
+    try:
+        return str(json.loads(body)["error"]["message"])[:1000]
+    except (ValueError, KeyError, TypeError):
+        return body[:1000]
+
+
+def refusals(results: list[dict], items: list[dict]) -> list[dict]:
+    """Each refused request (a 429) with its reason: ``stage`` early (the Conductor refused it before any work:
+    its message starts "overloaded (reason): predicted ...", ``instance/backend.py``) or late (an instance did,
+    after the Conductor had placed it: its message names the instance, its work and the time left)."""
+    out = []
+    for i, r in enumerate(results):
+        if r["status"] == "rejected":
+            reason = r.get("error", "")
+            out.append({"request": i, "at_s": round(items[i]["at"], 3), "prompt_tokens": len(items[i]["prompt"]),
+                        "stage": "early" if reason.startswith("overloaded (") else "late", "reason": reason})
+    return out
+
+
+def refusal_line(refused: list[dict]) -> str:
+    """One line counting ``refusals`` by stage and cause: the Conductor's reason for early ones, the refusing
+    instance for late ones, e.g. "refused 3: early 2 (ttft_slo 2), late 1 (prefill-1 1)"."""
+    if not refused:
+        return "refused 0"
+    parts = []
+    for stage in ("early", "late"):
+        causes: dict[str, int] = {}
+        for r in refused:
+            if r["stage"] == stage:
+                if stage == "early":
+                    cause = r["reason"][len("overloaded ("):].split(")", 1)[0]
+                else:
+                    words = r["reason"].split()
+                    cause = words[2] if len(words) > 2 and words[1] == "instance" else "other"
+                causes[cause] = causes.get(cause, 0) + 1
+        if causes:
+            parts.append(f"{stage} {sum(causes.values())} ("
+                         + ", ".join(f"{c} {n}" for c, n in sorted(causes.items())) + ")")
+    return f"refused {len(refused)}: " + ", ".join(parts)
 
 
 _done_counter = None  # the client process's count of finished requests (shared memory; the parent's bar reads it)
@@ -293,7 +336,12 @@ def run(args) -> int:
                             counters_since(before, cluster.stats()))
         if shapes:
             summary["instances"] = describe_instances(cluster.configs, cfg)
+        summary["refusals"] = refusals(results, items)
     print_table(summary)
+    print(f"  {refusal_line(summary['refusals'])}")
+    for r in summary["refusals"][:5]:
+        print(f"  refused {r['stage']}: request {r['request']} ({r['prompt_tokens']} tokens at {r['at_s']} s): "
+              f"{r['reason']}")
     for r in [r for r in results if r["status"] == "failed"][:5]:
         print(f"  failed: {r.get('code', '')} {r.get('error', '')}")
     if args.json:
