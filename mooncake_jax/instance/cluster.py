@@ -244,14 +244,14 @@ class Cluster:
             # the first instance of each kind of engine measures it; the others of that kind reuse its profile
             profiles: dict = {}
             firsts = [c for i, c in enumerate(configs)
-                      if c.engine_key() not in {x.engine_key() for x in configs[:i]}]
+                      if profile_key(c) not in {profile_key(x) for x in configs[:i]}]
             for c in firsts:
                 inst = starter.start(c, profile_json)
                 instances[inst.instance_id] = inst
-                profiles[c.engine_key()] = profile_json or starter.profile_of(inst)
+                profiles[profile_key(c)] = profile_json or starter.profile_of(inst)
             rest = [c for c in configs if c.instance_id not in instances]
             with ThreadPoolExecutor(max(1, len(rest))) as pool:
-                started = list(pool.map(lambda c: starter.start(c, profiles[c.engine_key()]), rest))
+                started = list(pool.map(lambda c: starter.start(c, profiles[profile_key(c)]), rest))
             instances.update({inst.instance_id: inst for inst in started})
         except BaseException:
             for inst in instances.values():
@@ -272,7 +272,7 @@ class Cluster:
             # a restart skips the warm-up: back in seconds instead of a minute of compiling on a loaded host (its
             # programs compile, or load from the persistent cache, on first use), so the cluster heals quickly
             cluster.supervisor = Supervisor(instances, lambda instance_id: starter.start(
-                configs_of[instance_id].replace(warmup=False), profiles[configs_of[instance_id].engine_key()])
+                configs_of[instance_id].replace(warmup=False), profiles[profile_key(configs_of[instance_id])])
             ).start()
         return cluster
 
@@ -419,6 +419,12 @@ def _supervise_conductor(cluster: Cluster, launcher: ConductorLauncher) -> Super
         return cluster.conductor
 
     return Supervisor({"conductor": cluster.conductor}, restart, what="Conductor").start()
+
+
+def profile_key(config: InstanceConfig) -> tuple:
+    """Instances equal in this share one measured profile: the same engine (``engine_key``) serving the same
+    prefill path (a layer-wise prefill instance calibrates the layer-wise one, ``calibrate.py``)."""
+    return config.engine_key(), config.role == PREFILL and config.layerwise
 
 
 def child_config(config: InstanceConfig, cpu_platform: bool) -> InstanceConfig:
