@@ -5,7 +5,7 @@ outcome with its refusal message (the Conductor's reason, or the prefill instanc
 
     PYTHONPATH=. python benchmarks/demo_diagnose.py --hetero --requests 20
 
-Used for demo --hetero's ninth pass (docs/benchmarks/demo.md).
+Used for demo --hetero's ninth and tenth passes (docs/benchmarks/demo.md).
 """
 
 import argparse
@@ -20,7 +20,7 @@ from mooncake_jax.instance.cluster import Cluster
 from mooncake_jax.instance.main import settle_serving_process
 from mooncake_jax.model.config import PRESETS
 
-WORDS = ("slowdown", "queued", "predicted_queue", "refused", "rejected", "prefill_requests")
+WORDS = ("slowdown", "queued", "predicted_queue", "refused", "rejected", "prefill_requests", "decode_step")
 
 
 def keyed(stats: dict) -> dict:
@@ -61,6 +61,7 @@ def main() -> None:
             outcome = f"TTFT {r['times'][0]:.3f} s" if r.get("times") else r.get("error", "")[:240]
             print(i, f"at {items[i]['at']:.2f} s", f"{len(items[i]['prompt'])} tokens", r["status"], outcome, flush=True)
         print("after replay", json.dumps(keyed(cluster.stats())), flush=True)
+        print(demo.refusal_line(demo.refusals(results, items)), flush=True)
 
 
 if __name__ == "__main__":
