@@ -36,7 +36,17 @@ from .slo import tbt_of_times
 
 TRACE_BLOCK, ENGINE_BLOCK = 512, 16
 
+HETERO_PREFILL_PAGES = 513
+"""KV pages of a ``--hetero`` prefill instance's engine: two of the tiny model's longest prompts (4,096 tokens, 256
+16-token pages each) and the scratch page. A layer-wise prefill instance holds no KV in its engine between requests
+(each prompt's prefix is staged from the pool, its pages released after), so this is all it uses. The engine's
+default sizes for a decode batch, 8,193 pages, and a bfloat16 prefill's cost grew with it: measured (tiny, one
+fake CPU device, Intel Xeon (207), load 7), a 16-token layer-wise prefill took 0.39 s over 8,193 pages and 0.023 s
+over 256 (float32 over 8,193: 0.016 s): each layer's bfloat16 KV write still copies the whole cache (model/,
+branch kv16)."""
+
 HETERO = dict(prefill_shape="tensor=1", prefill_dtype="bfloat16", prefill_block_size=ENGINE_BLOCK, layerwise=True,
+              prefill_num_pages=HETERO_PREFILL_PAGES,
               decode_shape="tensor=2", decode_dtype="float32", decode_block_size=2 * ENGINE_BLOCK)
 """``demo --hetero``'s per-role shapes (``Cluster.local`` options): unlike in tensor parallelism, dtype and page
 size, so every request's KV is re-laid out between its prefill and decode instance. Chosen by measurement on two

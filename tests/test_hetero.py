@@ -276,7 +276,10 @@ def test_demo_hetero_cluster_is_unlike_and_fits_its_devices():
                 for role in ("prefill", "decode")}
     options = {k: v for k, v in HETERO.items() if not k.startswith(("prefill_", "decode_"))}
     assert hetero_device_count(2, 1) == 4 and hetero_device_count(1, 2) == 5
+    cfg = get_config("tiny")
+    assert HETERO["prefill_num_pages"] == 1 + 2 * -(-cfg.max_seq_len // HETERO["prefill_block_size"])
     configs = check_cluster("tiny", role_configs("tiny", 2, 1, options=options, per_role=per_role), 4)
+    assert [c.num_pages for c in configs] == [HETERO["prefill_num_pages"]] * 2 + [None]  # decode: its default
     described = {d["instance_id"]: d for d in describe_instances(configs, get_config("tiny"))}
     assert described["prefill-0"] == {"instance_id": "prefill-0", "role": "prefill", "shape": "tensor=1,stage=1",
                                       "tensor_parallel": 1, "pipeline_stages": 1, "dtype": "bfloat16",

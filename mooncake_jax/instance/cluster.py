@@ -173,6 +173,7 @@ class Cluster:
               decode_shape: str | None = None, prefill_dtype: str | None = None, decode_dtype: str | None = None,
               prefill_block_size: int | None = None, decode_block_size: int | None = None,
               prefill_cpus: str | None = None, decode_cpus: str | None = None,
+              prefill_num_pages: int | None = None, decode_num_pages: int | None = None,
               instances: list | None = None, cluster_file: str | Path | None = None,
               heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0,
               kvcache_balancing_threshold: float = 1.0, profile_json: str | None = None,
@@ -184,7 +185,9 @@ class Cluster:
         Instances are alike (``instance_options``: any ``InstanceConfig`` field, e.g. ``prefill_chunk_size``,
         ``max_batch``, ``num_pages``, ``dtype``, ``block_size``, ``layerwise`` (prefill only), ``pool_dram_blocks``,
         ``pool_ssd_path``), or shaped per role: ``prefill_shape="tensor=2,stage=2"``, ``decode_shape="tensor=4"``,
-        ``prefill_dtype`` / ``decode_dtype``, ``prefill_block_size`` / ``decode_block_size``, host cores of their
+        ``prefill_dtype`` / ``decode_dtype``, ``prefill_block_size`` / ``decode_block_size``, KV pages of their engines
+        ``prefill_num_pages`` / ``decode_num_pages`` (a layer-wise prefill instance keeps no KV in its engine
+        between requests: it needs room for the prompts it prefills, not a decode batch's), host cores of their
         own ``prefill_cpus`` / ``decode_cpus`` (e.g. ``decode_cpus="1"``: ``cpus.py``); or listed one by one
         (``instances``: ``InstanceConfig`` s or their dicts; ``cluster_file``: JSON, see ``cluster_spec.py``).
         Instances spanning several devices get their own (``devices``, else the next free ones); everything is
@@ -202,9 +205,11 @@ class Cluster:
         """
         configs = _instance_configs(model, prefill, decode, seed, warmup, instances, cluster_file, instance_options,
                                     {PREFILL: dict(shape=prefill_shape, dtype=prefill_dtype,
-                                                   block_size=prefill_block_size, cpus=prefill_cpus),
+                                                   block_size=prefill_block_size, cpus=prefill_cpus,
+                                                   num_pages=prefill_num_pages),
                                      DECODE: dict(shape=decode_shape, dtype=decode_dtype,
-                                                  block_size=decode_block_size, cpus=decode_cpus)})
+                                                  block_size=decode_block_size, cpus=decode_cpus,
+                                                  num_pages=decode_num_pages)})
         model = configs[0].model
         if processes:  # on the CPU platform the launcher may still ask for the devices the shapes need
             reserve_cpu_devices(sum(c.device_count for c in configs))
