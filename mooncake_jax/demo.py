@@ -266,6 +266,17 @@ def summarize(results: list[dict], ttft_slo: float, tbt_slo: float, wall_s: floa
     }
 
 
+def slowdowns(stats: dict[str, float]) -> dict[str, float]:
+    """Each prefill instance's slowdown meter at the end of the replay (measured over predicted compute of its
+    recent prefills, ``instance/prefill.py``): how far its registered cost model was off while serving."""
+    out = {}
+    for key, value in stats.items():
+        name, _, labels = key.partition("{")
+        if name.endswith("prefill_slowdown") and 'instance="' in labels:
+            out[labels.split('instance="', 1)[1].split('"', 1)[0]] = round(value, 3)
+    return dict(sorted(out.items()))
+
+
 def describe_instances(configs, model_config) -> list[dict]:
     """Each instance's shape as the summary reports it (dtype and block size resolved to the model's own where the
     config leaves them to it)."""
@@ -342,8 +353,9 @@ def run(args) -> int:
         bar = tqdm(total=len(items), desc="requests", unit="req")
         results, wall = replay_in_own_process(url, items, args.speed, bar)  # wall: the replay's, not the spawn's
         bar.close()
-        summary = summarize(results, args.ttft_slo_s, args.tbt_slo_s, wall,
-                            counters_since(before, cluster.stats()))
+        after = cluster.stats()
+        summary = summarize(results, args.ttft_slo_s, args.tbt_slo_s, wall, counters_since(before, after))
+        summary["prefill_slowdown"] = slowdowns(after)
         if shapes:
             summary["instances"] = describe_instances(cluster.configs, cfg)
         summary["refusals"] = refusals(results, items)

@@ -73,3 +73,9 @@ def test_refusals_through_the_gateway_explain_themselves():
     [refusal] = demo.refusals([result], items)
     assert refusal["stage"] == "late" and refusal["reason"].startswith("decode instance decode-0 rejected")
     assert demo.refusal_line([refusal]) == "refused 1: late 1 (decode-0 1)"
+
+
+def test_slowdowns_read_each_prefill_instances_meter():
+    stats = {'instance_prefill_slowdown{instance="prefill-1"}': 1.23456, 'cluster_rejected_early_total': 3.0,
+             'instance_prefill_slowdown{instance="prefill-0"}': 0.9, 'instance_prefill_queued_s{instance="p"}': 2.0}
+    assert demo.slowdowns(stats) == {"prefill-0": 0.9, "prefill-1": 1.235}
