@@ -437,9 +437,10 @@ def child_config(config: InstanceConfig, cpu_platform: bool) -> InstanceConfig:
     on the same host cores whatever their ids, so an instance process numbers its devices from 0: instances of one
     shape then compile the same programs for the same device assignment, and the persistent compile cache, whose
     keys include the device assignment on CPU (``jax._src.cache_key`` strips it on GPU only), serves a second
-    instance the first one's programs. Measured: with devices 2-3, ``demo --hetero``'s prefill-1 compiled all of
-    prefill-0's programs again (docs/benchmarks/demo.md, hetero tenth pass). Elsewhere device ids name real
-    devices and are kept."""
+    instance the first one's programs (checked: one program compiled for devices 0,1 and then 2,3 wrote two
+    entries; with this, ``demo --hetero``'s prefill-1 loaded its 123 step shapes in 68-139 s, adding one entry,
+    where prefill-0 compiled them cold in 703-751 s: docs/benchmarks/demo.md, hetero tenth pass). Elsewhere
+    device ids name real devices and are kept."""
     if cpu_platform and config.devices is not None and config.num_processes == 1:
         return config.replace(devices=tuple(range(len(config.devices))))
     return config
