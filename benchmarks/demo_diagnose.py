@@ -5,7 +5,7 @@ outcome with its refusal message (the Conductor's reason, or the prefill instanc
 
     PYTHONPATH=. python benchmarks/demo_diagnose.py --hetero --requests 20
 
-Used for demo --hetero's ninth pass (docs/benchmarks/demo.md).
+Used for demo --hetero's ninth and tenth passes (docs/benchmarks/demo.md).
 """
 
 import argparse
@@ -16,11 +16,13 @@ import threading
 import time
 
 from mooncake_jax import demo
+from mooncake_jax.conductor.accounting import prefill_work_s
+from mooncake_jax.conductor.profile import costs_from_profile
 from mooncake_jax.instance.cluster import Cluster
 from mooncake_jax.instance.main import settle_serving_process
 from mooncake_jax.model.config import PRESETS
 
-WORDS = ("slowdown", "queued", "predicted_queue", "refused", "rejected", "prefill_requests")
+WORDS = ("slowdown", "queued", "predicted_queue", "refused", "rejected", "prefill_requests", "decode_step")
 
 
 def keyed(stats: dict) -> dict:
@@ -40,6 +42,10 @@ def main() -> None:
     cluster = Cluster.local("tiny", prefill=2, decode=1, processes=True, admission="predictive", ttft_slo_s=2.0,
                             tbt_slo_s=0.25, log_dir=log_dir, **(demo.HETERO if args.hetero else {}))
     print(f"started in {time.time() - t0:.1f} s (logs in {log_dir})", flush=True)
+    for name, inst in cluster.instances.items():  # what each registered: its cost model's prefill at a few lengths
+        costs = costs_from_profile(inst.info["profile_json"])
+        print(name, "profile prefill s at 16/64/256/512/724 tokens:",
+              [round(prefill_work_s(costs.prefill, n, 0), 4) for n in (16, 64, 256, 512, 724)], flush=True)
     with cluster:
         print("before warm-up", json.dumps(keyed(cluster.stats())), flush=True)
         tw = time.time()
@@ -61,6 +67,7 @@ def main() -> None:
             outcome = f"TTFT {r['times'][0]:.3f} s" if r.get("times") else r.get("error", "")[:240]
             print(i, f"at {items[i]['at']:.2f} s", f"{len(items[i]['prompt'])} tokens", r["status"], outcome, flush=True)
         print("after replay", json.dumps(keyed(cluster.stats())), flush=True)
+        print(demo.refusal_line(demo.refusals(results, items)), flush=True)
 
 
 if __name__ == "__main__":

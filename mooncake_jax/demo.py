@@ -10,9 +10,13 @@ Trace lengths are scaled to the tiny model: a trace block of 512 tokens becomes 
 shared prefixes are real shared prefixes in the engine.
 
 ``--hetero`` runs the same job on unlike instances under the same Conductor (``HETERO``): layer-wise bfloat16
-prefill instances with 2-way tensor parallelism and 16-token pages, a float32 decode instance with 4-way tensor
-parallelism and 32-token pages (the decode side converts the KV it pulls), each on its own fake CPU devices (8 for
-the default 2 + 1). Its summary adds ``instances``: each instance's role, shape, dtype, block size and devices.
+prefill instances on one device each with 16-token pages, a float32 decode instance with 2-way tensor parallelism
+and 32-token pages (the decode side converts the KV it pulls), each on its own fake CPU devices (4 for the default
+2 + 1). Its summary adds ``instances``: each instance's role, shape, dtype, block size and devices.
+
+Every refused request's reason is kept (``refusals`` in the summary: the Conductor's, with its predictions, for an
+early refusal; the instance's, with its work and the time left, for a late one) and counted in one printed line, so
+a stray refusal explains itself.
 """
 
 from __future__ import annotations
@@ -32,10 +36,34 @@ from .slo import tbt_of_times
 
 TRACE_BLOCK, ENGINE_BLOCK = 512, 16
 
-HETERO = dict(prefill_shape="tensor=2", prefill_dtype="bfloat16", prefill_block_size=ENGINE_BLOCK, layerwise=True,
-              decode_shape="tensor=4", decode_dtype="float32", decode_block_size=2 * ENGINE_BLOCK)
+HETERO_PREFILL_PAGES = 513
+"""KV pages of a ``--hetero`` prefill instance's engine: two of the tiny model's longest prompts (4,096 tokens, 256
+16-token pages each) and the scratch page. A layer-wise prefill instance holds no KV in its engine between requests
+(each prompt's prefix is staged from the pool, its pages released after), so this is all it uses. The engine's
+default sizes for a decode batch, 8,193 pages, and a bfloat16 prefill's cost grew with it: measured (tiny, one
+fake CPU device, Intel Xeon (207), load 7), a 16-token layer-wise prefill took 0.39 s over 8,193 pages and 0.023 s
+over 256 (float32 over 8,193: 0.016 s): each layer's bfloat16 KV write still copies the whole cache (model/,
+branch kv16)."""
+
+HETERO = dict(prefill_shape="tensor=1", prefill_dtype="bfloat16", prefill_block_size=ENGINE_BLOCK, layerwise=True,
+              prefill_num_pages=HETERO_PREFILL_PAGES,
+              decode_shape="tensor=2", decode_dtype="float32", decode_block_size=2 * ENGINE_BLOCK)
 """``demo --hetero``'s per-role shapes (``Cluster.local`` options): unlike in tensor parallelism, dtype and page
-size, so every request's KV is re-laid out between its prefill and decode instance."""
+size, so every request's KV is re-laid out between its prefill and decode instance. Chosen by measurement on two
+shared cores (Intel Xeon (207), tiny, fake CPU devices; docs/benchmarks/demo.md, hetero tenth pass): a 4-way decode
+step took 311-447 ms in the ninth pass (the TBT SLO is 0.25 s), a 2-way one a few ms; a bfloat16 layer-wise
+prefill of 512 tokens took 35 ms on one device and 77 ms on two, so the prefill, which decides TTFT, runs on one."""
+
+
+def hetero_device_count(prefill: int, decode: int) -> int:
+    """Devices ``demo --hetero`` needs for ``prefill`` + ``decode`` instances (each on its own)."""
+    from .instance.config import parse_shape
+
+    def count(role: str) -> int:
+        shape = parse_shape(HETERO[f"{role}_shape"])
+        return shape["tensor_parallel"] * shape["pipeline_stages"]
+
+    return prefill * count("prefill") + decode * count("decode")
 
 
 def add_arguments(p) -> None:
@@ -50,8 +78,8 @@ def add_arguments(p) -> None:
                    help="instances as threads instead of processes (one process holds every instance's compiled "
                         "programs: with --hetero, use --prefill 1 to stay within Linux's memory-map limit)")
     p.add_argument("--hetero", action="store_true",
-                   help="unlike instances: bfloat16 tensor=2 layer-wise prefill (16-token pages), float32 tensor=4 "
-                        "decode (32-token pages), each on its own fake CPU devices")
+                   help="unlike instances: bfloat16 layer-wise prefill on one device each (16-token pages), float32 "
+                        "tensor=2 decode (32-token pages), each on its own fake CPU devices")
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-cpus", default=None,
                        help=f"host cores of the {role} instances' own, e.g. 1 (the rest keep off them; default: "
@@ -97,10 +125,53 @@ def send(url: str, item: dict, timeout_s: float = 300.0) -> dict:
                 usage = chunk.get("usage") or usage
     except urllib.error.HTTPError as e:
         return {"status": "rejected" if e.code == 429 else "failed", "code": e.code,
-                "error": e.read().decode(errors="replace")[:300]}
+                "error": error_message(e.read().decode(errors="replace"))}
     except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
         return {"status": "failed", "error": str(e)}
     return {"status": "completed", "times": times, "usage": usage, "prompt_tokens": len(item["prompt"])}
+
+
+def error_message(body: str) -> str:
+    """The message of an OpenAI-style error body (``{"error": {"message": ...}}``), else the body's start."""
+    try:
+        return str(json.loads(body)["error"]["message"])[:1000]
+    except (ValueError, KeyError, TypeError):
+        return body[:1000]
+
+
+def refusals(results: list[dict], items: list[dict]) -> list[dict]:
+    """Each refused request (a 429) with its reason: ``stage`` early (the Conductor refused it before any work:
+    its message starts "overloaded (reason): predicted ...", ``instance/backend.py``) or late (an instance did,
+    after the Conductor had placed it: its message names the instance, its work and the time left)."""
+    out = []
+    for i, r in enumerate(results):
+        if r["status"] == "rejected":
+            reason = r.get("error", "")
+            out.append({"request": i, "at_s": round(items[i]["at"], 3), "prompt_tokens": len(items[i]["prompt"]),
+                        "stage": "early" if reason.startswith("overloaded (") else "late", "reason": reason})
+    return out
+
+
+def refusal_line(refused: list[dict]) -> str:
+    """One line counting ``refusals`` by stage and cause: the Conductor's reason for early ones, the refusing
+    instance for late ones, e.g. "refused 3: early 2 (ttft_slo 2), late 1 (prefill-1 1)"."""
+    if not refused:
+        return "refused 0"
+    parts = []
+    for stage in ("early", "late"):
+        causes: dict[str, int] = {}
+        for r in refused:
+            if r["stage"] == stage:
+                if stage == "early":
+                    cause = r["reason"][len("overloaded ("):].split(")", 1)[0]
+                else:
+                    words = r["reason"].split()
+                    cause = words[2] if len(words) > 2 and words[1] == "instance" else "other"
+                causes[cause] = causes.get(cause, 0) + 1
+        if causes:
+            parts.append(f"{stage} {sum(causes.values())} ("
+                         + ", ".join(f"{c} {n}" for c, n in sorted(causes.items())) + ")")
+    return f"refused {len(refused)}: " + ", ".join(parts)
 
 
 _done_counter = None  # the client process's count of finished requests (shared memory; the parent's bar reads it)
@@ -195,6 +266,17 @@ def summarize(results: list[dict], ttft_slo: float, tbt_slo: float, wall_s: floa
     }
 
 
+def slowdowns(stats: dict[str, float]) -> dict[str, float]:
+    """Each prefill instance's slowdown meter at the end of the replay (measured over predicted compute of its
+    recent prefills, ``instance/prefill.py``): how far its registered cost model was off while serving."""
+    out = {}
+    for key, value in stats.items():
+        name, _, labels = key.partition("{")
+        if name.endswith("prefill_slowdown") and 'instance="' in labels:
+            out[labels.split('instance="', 1)[1].split('"', 1)[0]] = round(value, 3)
+    return dict(sorted(out.items()))
+
+
 def describe_instances(configs, model_config) -> list[dict]:
     """Each instance's shape as the summary reports it (dtype and block size resolved to the model's own where the
     config leaves them to it)."""
@@ -248,7 +330,7 @@ def run(args) -> int:
     if shapes and args.in_process:  # this process holds every instance: it needs their devices (CPU: fake ones)
         from .instance.devices import reserve_cpu_devices
 
-        reserve_cpu_devices(2 * args.prefill + 4 * args.decode)
+        reserve_cpu_devices(hetero_device_count(args.prefill, args.decode))
     print(f"starting the cluster: tiny model, {args.prefill} prefill + {args.decode} decode instances"
           f"{' (unlike: ' + ', '.join(f'{k}={v}' for k, v in shapes.items()) + ')' if shapes else ''} ...",
           flush=True)
@@ -271,11 +353,17 @@ def run(args) -> int:
         bar = tqdm(total=len(items), desc="requests", unit="req")
         results, wall = replay_in_own_process(url, items, args.speed, bar)  # wall: the replay's, not the spawn's
         bar.close()
-        summary = summarize(results, args.ttft_slo_s, args.tbt_slo_s, wall,
-                            counters_since(before, cluster.stats()))
+        after = cluster.stats()
+        summary = summarize(results, args.ttft_slo_s, args.tbt_slo_s, wall, counters_since(before, after))
+        summary["prefill_slowdown"] = slowdowns(after)
         if shapes:
             summary["instances"] = describe_instances(cluster.configs, cfg)
+        summary["refusals"] = refusals(results, items)
     print_table(summary)
+    print(f"  {refusal_line(summary['refusals'])}")
+    for r in summary["refusals"][:5]:
+        print(f"  refused {r['stage']}: request {r['request']} ({r['prompt_tokens']} tokens at {r['at_s']} s): "
+              f"{r['reason']}")
     for r in [r for r in results if r["status"] == "failed"][:5]:
         print(f"  failed: {r.get('code', '')} {r.get('error', '')}")
     if args.json:

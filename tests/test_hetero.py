@@ -265,24 +265,45 @@ def test_conductor_hands_out_slos_and_refuses_unexchangeable_kv_at_registration(
 
 
 # ---- demo --hetero ------------------------------------------------------------------------------------------------
-def test_demo_hetero_cluster_is_unlike_and_fits_eight_devices():
+def test_demo_hetero_cluster_is_unlike_and_fits_its_devices():
     """``demo --hetero``'s shapes as the cluster checks them: every instance on its own devices, prefill and decode
-    unlike in tensor parallelism, dtype and page size; the summary's ``instances`` names each one's shape."""
-    from mooncake_jax.demo import HETERO, describe_instances
+    unlike in tensor parallelism, dtype and page size; the summary's ``instances`` names each one's shape; the
+    devices the demo reserves (``hetero_device_count``) are exactly those the shapes take."""
+    from mooncake_jax.demo import HETERO, describe_instances, hetero_device_count
     from mooncake_jax.model.config import get_config
 
     per_role = {role: {k[len(role) + 1:]: v for k, v in HETERO.items() if k.startswith(role + "_")}
                 for role in ("prefill", "decode")}
     options = {k: v for k, v in HETERO.items() if not k.startswith(("prefill_", "decode_"))}
-    configs = check_cluster("tiny", role_configs("tiny", 2, 1, options=options, per_role=per_role), 8)
+    assert hetero_device_count(2, 1) == 4 and hetero_device_count(1, 2) == 5
+    cfg = get_config("tiny")
+    assert HETERO["prefill_num_pages"] == 1 + 2 * -(-cfg.max_seq_len // HETERO["prefill_block_size"])
+    configs = check_cluster("tiny", role_configs("tiny", 2, 1, options=options, per_role=per_role), 4)
+    assert [c.num_pages for c in configs] == [HETERO["prefill_num_pages"]] * 2 + [None]  # decode: its default
     described = {d["instance_id"]: d for d in describe_instances(configs, get_config("tiny"))}
-    assert described["prefill-0"] == {"instance_id": "prefill-0", "role": "prefill", "shape": "tensor=2,stage=1",
-                                      "tensor_parallel": 2, "pipeline_stages": 1, "dtype": "bfloat16",
-                                      "block_size": 16, "layerwise": True, "devices": "0-1"}
-    assert described["prefill-1"]["devices"] == "2-3"
-    assert described["decode-0"] == {"instance_id": "decode-0", "role": "decode", "shape": "tensor=4,stage=1",
-                                     "tensor_parallel": 4, "pipeline_stages": 1, "dtype": "float32",
-                                     "block_size": 32, "layerwise": False, "devices": "4-7"}
+    assert described["prefill-0"] == {"instance_id": "prefill-0", "role": "prefill", "shape": "tensor=1,stage=1",
+                                      "tensor_parallel": 1, "pipeline_stages": 1, "dtype": "bfloat16",
+                                      "block_size": 16, "layerwise": True, "devices": "0"}
+    assert described["prefill-1"]["devices"] == "1"
+    assert described["decode-0"] == {"instance_id": "decode-0", "role": "decode", "shape": "tensor=2,stage=1",
+                                     "tensor_parallel": 2, "pipeline_stages": 1, "dtype": "float32",
+                                     "block_size": 32, "layerwise": False, "devices": "2-3"}
+    with pytest.raises(ValueError, match="needs 2 devices but only 1 are left"):  # one device short
+        check_cluster("tiny", role_configs("tiny", 2, 1, options=options, per_role=per_role), 3)
+
+
+def test_instance_processes_number_their_cpu_devices_from_zero():
+    """On the CPU platform each instance process gets its devices renumbered from 0 (its own fake devices), so
+    instances of one shape compile for the same device assignment and share the persistent compile cache, whose
+    keys include it on CPU; on other platforms, and for multi-process instances, the ids are kept."""
+    from mooncake_jax.instance.cluster import child_config
+
+    decode = InstanceConfig("decode", tensor_parallel=2, devices="2-3")
+    assert child_config(decode, cpu_platform=True).devices == (0, 1)
+    assert child_config(decode, cpu_platform=True).replace(devices=(2, 3)) == decode  # nothing else changes
+    assert child_config(decode, cpu_platform=False).devices == (2, 3)
+    single = InstanceConfig("prefill")
+    assert child_config(single, cpu_platform=True).devices is None
 
 
 @pytest.mark.slow  # two unlike engines to compile and measure: minutes on 2 shared cores (-m slow)
@@ -306,4 +327,4 @@ def test_demo_hetero_summary(tmp_path):
     assert summary["completed"] == 3 and summary["failed"] == 0
     assert {"slo_attainment", "tbt_p99_s", "ttft_p50_s", "transfer_bytes"} <= set(summary)
     assert {(i["role"], i["tensor_parallel"], i["dtype"], i["block_size"]) for i in summary["instances"]} == {
-        ("prefill", 2, "bfloat16", 16), ("decode", 4, "float32", 32)}
+        ("prefill", 1, "bfloat16", 16), ("decode", 2, "float32", 32)}

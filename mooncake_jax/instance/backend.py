@@ -48,6 +48,15 @@ MISSING_ROLE = {"no_prefill_instance": "prefill", "no_decode_instance": "decode"
 """Schedule's reasons that mean "nothing to serve with", not overload: 503, naming the role."""
 
 
+def predictions(decision) -> str:
+    """What the Conductor predicted for a request it refused (a ``ScheduleReply``), for the refusal's message: a
+    stray refusal in a demo run then says which instance looked slow and by how much."""
+    on_decode = f" on {decision.decode_id}" if decision.decode_id else " (no decode instance had room)"
+    return (f"predicted TTFT {decision.predicted_ttft_s:.3f} s (queue {decision.predicted_queue_s:.3f} s + prefill "
+            f"{decision.predicted_prefill_s:.3f} s on {decision.prefill_id or '-'}), TBT "
+            f"{decision.predicted_tbt_s:.4f} s{on_decode}")
+
+
 def _with_first(error: Exception, first: Exception | None) -> Exception:
     """``error`` of a retry, saying also why the first try failed (the instance that actually failed)."""
     if first is None or not isinstance(error, Unavailable):
@@ -204,7 +213,8 @@ class ClusterBackend:
                 self._count(failed=1)
                 raise Unavailable(f"no {missing} instance alive (the Conductor lists none); retry when one is back")
             self._count(rejected_early=1)
-            raise Rejected(f"overloaded ({decision.reject_reason})", decision.retry_after_s, REJECT_EARLY)
+            raise Rejected(f"overloaded ({decision.reject_reason}): {predictions(decision)}", decision.retry_after_s,
+                           REJECT_EARLY)
         prefill_at = (decision.prefill_id, decision.prefill_address, "prefill")
         decode_at = (decision.decode_id, decision.decode_address, "decode")
         sampling = sampling_message(params)

@@ -4,17 +4,26 @@ The Conductor predicts TTFT and TBT from each instance's cost model; on a real c
 by ``mooncake-jax profile`` (or a built-in hardware profile). A local cluster measures a small grid on the engine
 it is about to serve with (which also compiles the shapes serving will use), fits the same models and registers
 with the resulting profile JSON.
+
+It measures the prefill path the instance serves: a layer-wise prefill instance (``LayerwisePrefill``: its cached
+prefix handed in as host blocks, every layer's new KV read out as the layers run) times that path, not the plain
+``Engine.prefill``. Measured on the plain path, ``demo --hetero``'s layer-wise instances registered a model their
+requests then ran 1.4-3.6x over, with no compile in them (docs/benchmarks/demo.md, hetero ninth pass): until their
+slowdown meters had samples, the Conductor admitted work they could not do in time.
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 
 from ..conductor.profile import build_profile
 from ..model.engine import Engine, buckets
 from ..model.measure import decode_step_seconds, prefill_seconds
+from ..model.sequence import SamplingParams
+from ..transfer.offload import LayerwisePrefill, usable_prefix_blocks
 
 PREFILL_GRID = ((16, 0), (64, 0), (128, 64), (256, 0), (384, 128), (512, 0), (512, 256))
 """(prompt, cached prefix) tokens measured: every new-token count a chunk length the engine compiles (16, 64, 256,
@@ -36,16 +45,36 @@ def decode_grid(limit: int, max_batch: int) -> list[tuple[int, int]]:
     return sorted((b, c) for b, c in points if c >= 1)
 
 
-def calibrate(engine: Engine, name: str, model: str, kv_capacity_tokens: int, repeats: int = 2) -> str:
-    """Measure ``engine`` on the grid (fastest of ``repeats`` after a compiling run) and return profile JSON."""
+def layerwise_prefill_seconds(engine: Engine, prompt: list[int], prefix_tokens: int = 0) -> float:
+    """Seconds of a layer-wise prefill of ``prompt`` as a prefill instance runs one (``instance/prefill.py``): its
+    first ``prefix_tokens`` (rounded down to whole blocks) handed in as host blocks, as staged from the pool, and
+    the new blocks returned on the host. The prefix's values do not change the work: zeros."""
+    seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=1))
+    n = min(prefix_tokens // engine.block_size, usable_prefix_blocks(seq, engine.block_size))
+    kv_dtype = engine.runner.kv[0][0].dtype
+    prefix = np.zeros((n,) + engine.cfg.block_shape(), kv_dtype) if n else None
+    t = time.perf_counter()
+    try:
+        LayerwisePrefill(engine).prefill(seq, prefix)  # the new blocks come back on the host: nothing left running
+        engine.block_until_ready()
+        return time.perf_counter() - t
+    finally:
+        engine.release(seq)
+
+
+def calibrate(engine: Engine, name: str, model: str, kv_capacity_tokens: int, repeats: int = 2,
+              layerwise: bool = False) -> str:
+    """Measure ``engine`` on the grid (fastest of ``repeats`` after a compiling run) and return profile JSON;
+    ``layerwise``: its prefill as a layer-wise prefill instance serves it (``layerwise_prefill_seconds``)."""
     cfg = engine.cfg
     limit = min(cfg.max_seq_len, (engine.num_pages - 1) * engine.block_size // 2)
     rng = np.random.default_rng(0)
+    timer = layerwise_prefill_seconds if layerwise else prefill_seconds
     prefill_points = []
     for n, prefix in PREFILL_GRID:
         if n <= limit:
             prompt = rng.integers(0, cfg.vocab_size, n).tolist()
-            seconds = min(prefill_seconds(engine, prompt, prefix) for _ in range(repeats + 1))
+            seconds = min(timer(engine, prompt, prefix) for _ in range(repeats + 1))
             prefill_points.append((n, prefix, seconds))
     decode_points = []
     for batch, context in decode_grid(limit, engine.max_batch):

@@ -173,6 +173,7 @@ class Cluster:
               decode_shape: str | None = None, prefill_dtype: str | None = None, decode_dtype: str | None = None,
               prefill_block_size: int | None = None, decode_block_size: int | None = None,
               prefill_cpus: str | None = None, decode_cpus: str | None = None,
+              prefill_num_pages: int | None = None, decode_num_pages: int | None = None,
               instances: list | None = None, cluster_file: str | Path | None = None,
               heartbeat_interval_s: float = 0.5, heartbeat_timeout_s: float = 3.0,
               kvcache_balancing_threshold: float = 1.0, profile_json: str | None = None,
@@ -184,7 +185,9 @@ class Cluster:
         Instances are alike (``instance_options``: any ``InstanceConfig`` field, e.g. ``prefill_chunk_size``,
         ``max_batch``, ``num_pages``, ``dtype``, ``block_size``, ``layerwise`` (prefill only), ``pool_dram_blocks``,
         ``pool_ssd_path``), or shaped per role: ``prefill_shape="tensor=2,stage=2"``, ``decode_shape="tensor=4"``,
-        ``prefill_dtype`` / ``decode_dtype``, ``prefill_block_size`` / ``decode_block_size``, host cores of their
+        ``prefill_dtype`` / ``decode_dtype``, ``prefill_block_size`` / ``decode_block_size``, KV pages of their engines
+        ``prefill_num_pages`` / ``decode_num_pages`` (a layer-wise prefill instance keeps no KV in its engine
+        between requests: it needs room for the prompts it prefills, not a decode batch's), host cores of their
         own ``prefill_cpus`` / ``decode_cpus`` (e.g. ``decode_cpus="1"``: ``cpus.py``); or listed one by one
         (``instances``: ``InstanceConfig`` s or their dicts; ``cluster_file``: JSON, see ``cluster_spec.py``).
         Instances spanning several devices get their own (``devices``, else the next free ones); everything is
@@ -202,9 +205,11 @@ class Cluster:
         """
         configs = _instance_configs(model, prefill, decode, seed, warmup, instances, cluster_file, instance_options,
                                     {PREFILL: dict(shape=prefill_shape, dtype=prefill_dtype,
-                                                   block_size=prefill_block_size, cpus=prefill_cpus),
+                                                   block_size=prefill_block_size, cpus=prefill_cpus,
+                                                   num_pages=prefill_num_pages),
                                      DECODE: dict(shape=decode_shape, dtype=decode_dtype,
-                                                  block_size=decode_block_size, cpus=decode_cpus)})
+                                                  block_size=decode_block_size, cpus=decode_cpus,
+                                                  num_pages=decode_num_pages)})
         model = configs[0].model
         if processes:  # on the CPU platform the launcher may still ask for the devices the shapes need
             reserve_cpu_devices(sum(c.device_count for c in configs))
@@ -236,7 +241,7 @@ class Cluster:
         instances: dict = {}
         try:
             if processes:
-                starter = _ProcessStarter(auth_token, log_dir, compile_cache)
+                starter = _ProcessStarter(auth_token, log_dir, compile_cache, jax.default_backend() == "cpu")
             else:
                 if compile_cache is not None:
                     enable_compilation_cache(compile_cache or None)
@@ -244,14 +249,14 @@ class Cluster:
             # the first instance of each kind of engine measures it; the others of that kind reuse its profile
             profiles: dict = {}
             firsts = [c for i, c in enumerate(configs)
-                      if c.engine_key() not in {x.engine_key() for x in configs[:i]}]
+                      if profile_key(c) not in {profile_key(x) for x in configs[:i]}]
             for c in firsts:
                 inst = starter.start(c, profile_json)
                 instances[inst.instance_id] = inst
-                profiles[c.engine_key()] = profile_json or starter.profile_of(inst)
+                profiles[profile_key(c)] = profile_json or starter.profile_of(inst)
             rest = [c for c in configs if c.instance_id not in instances]
             with ThreadPoolExecutor(max(1, len(rest))) as pool:
-                started = list(pool.map(lambda c: starter.start(c, profiles[c.engine_key()]), rest))
+                started = list(pool.map(lambda c: starter.start(c, profiles[profile_key(c)]), rest))
             instances.update({inst.instance_id: inst for inst in started})
         except BaseException:
             for inst in instances.values():
@@ -272,7 +277,7 @@ class Cluster:
             # a restart skips the warm-up: back in seconds instead of a minute of compiling on a loaded host (its
             # programs compile, or load from the persistent cache, on first use), so the cluster heals quickly
             cluster.supervisor = Supervisor(instances, lambda instance_id: starter.start(
-                configs_of[instance_id].replace(warmup=False), profiles[configs_of[instance_id].engine_key()])
+                configs_of[instance_id].replace(warmup=False), profiles[profile_key(configs_of[instance_id])])
             ).start()
         return cluster
 
@@ -421,14 +426,35 @@ def _supervise_conductor(cluster: Cluster, launcher: ConductorLauncher) -> Super
     return Supervisor({"conductor": cluster.conductor}, restart, what="Conductor").start()
 
 
+def profile_key(config: InstanceConfig) -> tuple:
+    """Instances equal in this share one measured profile: the same engine (``engine_key``) serving the same
+    prefill path (a layer-wise prefill instance calibrates the layer-wise one, ``calibrate.py``)."""
+    return config.engine_key(), config.role == PREFILL and config.layerwise
+
+
+def child_config(config: InstanceConfig, cpu_platform: bool) -> InstanceConfig:
+    """``config`` as its own process gets it. On the CPU platform each process has its own (fake) devices, threads
+    on the same host cores whatever their ids, so an instance process numbers its devices from 0: instances of one
+    shape then compile the same programs for the same device assignment, and the persistent compile cache, whose
+    keys include the device assignment on CPU (``jax._src.cache_key`` strips it on GPU only), serves a second
+    instance the first one's programs (checked: one program compiled for devices 0,1 and then 2,3 wrote two
+    entries; with this, ``demo --hetero``'s prefill-1 loaded its 123 step shapes in 68-139 s, adding one entry,
+    where prefill-0 compiled them cold in 703-751 s: docs/benchmarks/demo.md, hetero tenth pass). Elsewhere
+    device ids name real devices and are kept."""
+    if cpu_platform and config.devices is not None and config.num_processes == 1:
+        return config.replace(devices=tuple(range(len(config.devices))))
+    return config
+
+
 class _ProcessStarter:
-    def __init__(self, auth_token: str | None, log_dir: Path, compile_cache):
+    def __init__(self, auth_token: str | None, log_dir: Path, compile_cache, cpu_platform: bool = False):
         self.auth_token, self.log_dir = auth_token, log_dir
+        self.cpu_platform = cpu_platform
         self.compile_cache = "none" if compile_cache is None else str(compile_cache)
         self._profile_dir = tempfile.TemporaryDirectory(prefix="mooncake-profile-")
 
     def start(self, config: InstanceConfig, profile_json: str | None) -> ChildInstance:
-        args = config.to_args() + ["--compile-cache", self.compile_cache]
+        args = child_config(config, self.cpu_platform).to_args() + ["--compile-cache", self.compile_cache]
         if profile_json:
             digest = hashlib.blake2b(profile_json.encode(), digest_size=8).hexdigest()
             path = Path(self._profile_dir.name) / f"profile-{digest}.json"

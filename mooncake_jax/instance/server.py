@@ -173,8 +173,9 @@ class InstanceServer:
         profile = self.config.profile_json
         if profile is None:
             log.info("%s: measuring the engine for its cost profile", self.config.instance_id)
+            layerwise = self.config.role == PREFILL and self.config.layerwise  # the path it serves
             profile = wait(self.loop.submit(lambda engine: calibrate(
-                engine, self.config.instance_id, self.config.model, self.kv_capacity_tokens)), 600)
+                engine, self.config.instance_id, self.config.model, self.kv_capacity_tokens, layerwise=layerwise)), 600)
         self.profile_json = profile
         self.costs = costs_from_profile(profile)
         self._server.start()
