@@ -160,6 +160,7 @@ def test_bfloat16_engine_equals_the_float_stored_engine_bit_for_bit(engines, run
     assert stored.runner.stages[0].kv[0].dtype == storage_dtype(jnp.bfloat16)
     assert reference.runner.stages[0].kv[0].dtype == jnp.dtype(jnp.bfloat16)
     assert stored.runner.kv[0][0].dtype == jnp.dtype(jnp.bfloat16)  # what the instance, pool and layouts read
+    assert stored.kv_dtype == np.dtype(jnp.bfloat16)  # the same, as the engine names it
     check_equal(*runs, jnp.dtype(jnp.bfloat16))
 
 

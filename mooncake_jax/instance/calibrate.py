@@ -51,7 +51,7 @@ def layerwise_prefill_seconds(engine: Engine, prompt: list[int], prefix_tokens: 
     the new blocks returned on the host. The prefix's values do not change the work: zeros."""
     seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=1))
     n = min(prefix_tokens // engine.block_size, usable_prefix_blocks(seq, engine.block_size))
-    kv_dtype = engine.runner.kv[0][0].dtype
+    kv_dtype = engine.kv_dtype
     prefix = np.zeros((n,) + engine.cfg.block_shape(), kv_dtype) if n else None
     t = time.perf_counter()
     try:

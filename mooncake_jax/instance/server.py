@@ -15,7 +15,6 @@ import time
 from concurrent import futures
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..conductor.profile import costs_from_profile
@@ -91,13 +90,13 @@ class InstanceServer:
                                  f"{getattr(config, name)!r}")
         self.engine = build_engine(config, self.model)
         self.kv_layout = dataclasses.replace(config.kv_layout(cfg),
-                                             dtype=np.dtype(self.engine.runner.kv[0][0].dtype).name)
+                                             dtype=self.engine.kv_dtype.name)
         self.loop = RunnerLoop(self.engine, name=f"engine-{config.instance_id}", max_waiting=config.max_waiting,
                                join_budget_steps=config.join_budget_steps if config.role == DECODE else None)
         self.transfers = TransferWorkers(config.transfer_workers, max(config.max_waiting, config.transfer_workers),
                                          name=f"transfer-{config.instance_id}")
         self.link: ConductorLink | None = None
-        self.pool = BlockPool(BlockSpec(cfg.block_shape(), self.engine.runner.kv[0][0].dtype),
+        self.pool = BlockPool(BlockSpec(cfg.block_shape(), self.engine.kv_dtype),
                               dram_blocks=config.pool.dram_blocks, ssd_path=config.pool.ssd_path,
                               ssd_blocks=config.pool.ssd_blocks, on_event=self._on_pool_event)
         # admission before grpcio's queue (proto/guards.py): work calls beyond the scheduler's own bounds are

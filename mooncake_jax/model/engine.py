@@ -103,6 +103,12 @@ class Engine:
         return self.kv.num_pages
 
     @property
+    def kv_dtype(self) -> np.dtype:
+        """The KV cache's dtype as everything outside the engine sees it (blocks read, written, pooled, sent): the
+        logical float dtype, whatever the backend stores it as (``kv_scatter.storage_dtype``)."""
+        return np.dtype(self.runner.kv[0][0].dtype)
+
+    @property
     def free_pages(self) -> int:
         """Pages neither in use nor promised (cached-only pages count as used until evicted)."""
         return self.kv.free_pages
@@ -411,7 +417,7 @@ class Engine:
 
     def _warm_block_moves(self) -> int:
         """Compile the block moves for every padded page count a request can need (scratch page only)."""
-        dtype = self.runner.kv[0][0].dtype
+        dtype = self.kv_dtype
         sizes = [1 << i for i in range(bucket(self.max_pages_per_seq, 1 << 30).bit_length())]
         for n in sizes:
             pages = np.full(n, SCRATCH_PAGE, np.int32)

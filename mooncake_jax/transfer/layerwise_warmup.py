@@ -39,7 +39,7 @@ def warm_layerwise(engine: Engine, modes=SAMPLING_MODES) -> int:
     """Run every shape of ``layerwise_shapes`` once (per sampling mode) on the scratch page; returns the runs made.
     Call on the engine's own thread (the engine loop), like ``Engine.warmup``."""
     kv_shape = engine.cfg.block_shape()
-    dtype = engine.runner.kv[0][0].dtype  # the pool's, as the instance stores and stages blocks
+    dtype = engine.kv_dtype  # the pool's, as the instance stores and stages blocks
     runs = 0
     for mode in modes:
         for t, width, load, save in layerwise_shapes(engine):
