@@ -203,9 +203,15 @@ def _batched(q, k_new, v_new, k_ctx, v_ctx, ctx_len):
 
 
 DECODE_CHUNK_ROWS = 256
-"""Sequence-pages the xla decode reads per loop iteration (batch x pages per chunk, at least 8 pages): at batch 32
-and block size 16, 8 pages (128 tokens) of K and V, about 4 MiB for the small preset, which stay in cache; small
-batches take longer chunks so that their loop runs few iterations."""
+"""Sequence-pages the xla decode reads per loop iteration (batch x pages per chunk, 8 to ``DECODE_CHUNK_PAGES``
+pages): at batch 32 and block size 16, 8 pages (128 tokens) of K and V, about 4 MiB for the small preset, which
+stay in cache; small batches take longer chunks so that their loop runs few iterations."""
+
+DECODE_CHUNK_PAGES = 16
+"""The longest chunk (pages per sequence). The loop reads whole chunks up to the longest context, so a long chunk
+wastes up to a chunk per sequence: at batch 8 the old 32-page chunk read 1,024 positions for a 530-token context
+(two chunks, the second nearly all masked), 16 pages read 768 (decode step CPU time at batch 8 -20 to -30%, Intel
+Xeon (207); docs/benchmarks/engine.md, Xeon decode tenth pass)."""
 
 
 def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
@@ -229,7 +235,7 @@ def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
     b, _, hk, g, d = q.shape
     bs = k_pages.shape[2]
     table = batch.page_table
-    chunk = min(max(8, DECODE_CHUNK_ROWS // b), table.shape[1])
+    chunk = min(max(8, min(DECODE_CHUNK_PAGES, DECODE_CHUNK_ROWS // b)), table.shape[1])
     if table.shape[1] % chunk:
         table = jnp.pad(table, ((0, 0), (0, chunk - table.shape[1] % chunk)))  # scratch pages, masked below
     q1 = jnp.transpose(q[:, 0], (1, 0, 2, 3))  # [H, B, G, D]
