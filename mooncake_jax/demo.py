@@ -40,10 +40,10 @@ HETERO_PREFILL_PAGES = 513
 """KV pages of a ``--hetero`` prefill instance's engine: two of the tiny model's longest prompts (4,096 tokens, 256
 16-token pages each) and the scratch page. A layer-wise prefill instance holds no KV in its engine between requests
 (each prompt's prefix is staged from the pool, its pages released after), so this is all it uses. The engine's
-default sizes for a decode batch, 8,193 pages, and a bfloat16 prefill's cost grew with it: measured (tiny, one
-fake CPU device, Intel Xeon (207), load 7), a 16-token layer-wise prefill took 0.39 s over 8,193 pages and 0.023 s
-over 256 (float32 over 8,193: 0.016 s): each layer's bfloat16 KV write still copies the whole cache (model/,
-branch kv16)."""
+default sizes for a decode batch, 8,193 pages. Chosen when a bfloat16 prefill's cost still grew with the cache
+(tiny, one fake CPU device, Intel Xeon (207), load 7: a 16-token layer-wise prefill 0.39 s over 8,193 pages, 0.023 s
+over 256; float32 over 8,193: 0.016 s), before the cache was stored as 16-bit integers on CPU (``kv_scatter``),
+which removed that growth; kept because it is all such an instance uses."""
 
 HETERO = dict(prefill_shape="tensor=1", prefill_dtype="bfloat16", prefill_block_size=ENGINE_BLOCK, layerwise=True,
               prefill_num_pages=HETERO_PREFILL_PAGES,
