@@ -27,13 +27,6 @@ is reading. A helper only pays with a core free for it: with both threads on one
 read and hash). So each batch goes the way that has read faster lately (``Pace``: the median seconds per byte of
 each way's last batches, the other way tried every ``Pace.explore_every`` batches).
 
-A single large record (``PIPELINE_BYTES``: a 512-token block of a 70B model) is read on two threads the same way
-when ``Pace`` finds it faster (``read_pipelined``): the helper lands it step by step, the caller hashes each step
-once it has landed, so the kernel's copy and XXH3 overlap (XXH3 must see the record's bytes in order, so the steps
-cannot be shared out as a batch's records are). On the Intel Xeon measured the helper's reads cost the raw read's
-CPU (0.19 s/GB) and the caller's thread 0.10 (the hash and the waits), where one thread costs both in turn (0.27-0.29):
-with a free core, the record's critical path is the raw read's.
-
 Open files are kept in a small LRU (``MAX_OPEN_FILES``): a tier of many shards does not run out of descriptors, and
 a deleted shard's descriptor is closed with it (``forget``) so its space is freed at once.
 """
@@ -42,7 +35,6 @@ from __future__ import annotations
 
 import errno
 import os
-import queue
 import statistics
 import threading
 import time
@@ -52,17 +44,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
-from xxhash import xxh3_128, xxh3_128_intdigest
+from xxhash import xxh3_128_intdigest
 
 from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, fill_with_checksum, split_digest
 
-PIPELINE_BYTES = 16 << 20
-"""A record at least this large (one 512-token block of a 70B model: 160 MiB) may be read on two threads at once
-(``read_pipelined``): a helper thread lands it step by step while the caller hashes the steps already landed."""
-PIPELINE_STEP_BYTES = 2 << 20
-"""Bytes a ``read_pipelined`` helper lands per ``preadv`` and hands to the hashing caller: 80 hand-offs for a
-160 MiB record; the hash runs from memory at any step size here (the kernel's copy leaves little of a step in
-cache)."""
 MAX_OPEN_FILES = 32
 """Shard files kept open for reading at once (least recently read closed first)."""
 UNAVAILABLE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
@@ -101,48 +86,6 @@ def read_with_checksum(fd: int, out: np.ndarray, offset: int,
             return None
         return split_digest(xxh3_128_intdigest(out))
     return fill_with_checksum(out, lambda chunk, start: _pread(fd, chunk, offset + start, on_cold) == chunk.size)
-
-
-def read_pipelined(fd: int, out: np.ndarray, offset: int, helper: ThreadPoolExecutor,
-                   on_cold: Callable[[], None] | None = None) -> tuple[int, int] | None:
-    """``read_with_checksum`` on two threads: ``helper`` lands ``out`` by ``PIPELINE_STEP_BYTES`` with ``preadv``
-    while this thread hashes each step once it has landed, so the kernel's copy (0.21 CPU s/GB on the Intel Xeon
-    measured) and XXH3 (0.05-0.08 there, the step no longer in cache) overlap instead of adding up. The same digest
-    of the same bytes (XXH3 is fed the steps in order); None when the file ends first; an ``OSError`` of a read is
-    raised here. The helper has stopped when this returns, so nothing writes into ``out`` afterwards."""
-    n = out.size
-    steps = [(start, min(PIPELINE_STEP_BYTES, n - start)) for start in range(0, n, PIPELINE_STEP_BYTES)]
-    landed: queue.SimpleQueue = queue.SimpleQueue()  # per step: True, False (cut short) or the OSError
-    stop = threading.Event()
-
-    def land() -> None:
-        for start, size in steps:
-            if stop.is_set():
-                return
-            try:
-                whole = _pread(fd, out[start : start + size], offset + start, on_cold) == size
-            except OSError as err:
-                landed.put(err)
-                return
-            landed.put(whole)
-            if not whole:
-                return
-
-    landing = helper.submit(land)
-    hasher = xxh3_128()
-    try:
-        for start, size in steps:
-            got = landed.get()
-            if got is not True:
-                if isinstance(got, OSError):
-                    raise got
-                return None
-            hasher.update(out[start : start + size])
-    finally:
-        stop.set()
-        if not landing.cancel():
-            wait([landing])
-    return split_digest(hasher.intdigest())
 
 
 class Pace:
@@ -221,31 +164,12 @@ class ShardReader:
     def read(self, shard: int, offset: int, out: np.ndarray) -> tuple[int, int] | None:
         """Read a chunk of ``shard`` at ``offset`` into ``out`` (flat uint8); its digest, or None when the file is
         missing, unreadable or too short (a damaged record). An ``UNAVAILABLE`` error is raised."""
-        on_cold = self._advise_wanted if self._wanted else None
         try:
-            if out.size >= PIPELINE_BYTES:
-                return self._read_large(self._fd(shard), out, offset, on_cold)
-            return read_with_checksum(self._fd(shard), out, offset, on_cold)
+            return read_with_checksum(self._fd(shard), out, offset, self._advise_wanted if self._wanted else None)
         except OSError as err:
             if err.errno in UNAVAILABLE:
                 raise
             return None
-
-    def _read_large(self, fd: int, out: np.ndarray, offset: int,
-                    on_cold: Callable[[], None] | None) -> tuple[int, int] | None:
-        """A record of ``PIPELINE_BYTES`` or more: read on two threads (``read_pipelined``) or on this one, the way
-        this size's ``Pace`` has found faster lately (a helper only pays with a core free for it)."""
-        helped = self._pace.helped()
-        started = time.perf_counter()
-        if helped:
-            if self._helper is None:
-                self._helper = ThreadPoolExecutor(1, thread_name_prefix="ssd-read")
-            digest = read_pipelined(fd, out, offset, self._helper, on_cold)
-        else:
-            digest = read_with_checksum(fd, out, offset, on_cold)
-        if digest is not None:
-            self._pace.took(helped, time.perf_counter() - started, out.size)
-        return digest
 
     def read_many(self, reads: Sequence[tuple[int, int, np.ndarray]]) -> list[ReadResult]:
         """Read and hash each ``(shard, offset, out)`` chunk, on this thread and, when ``Pace`` finds it faster, a
