@@ -5,7 +5,7 @@ it, the sender checks its own copy when told and drops it."""
 
 import numpy as np
 import pytest
-from test_messenger import SPEC, assert_exact, block_of, filled_pool, serve  # noqa: F401 (fixture)
+from test_messenger import SPEC, assert_exact, filled_pool, serve  # noqa: F401 (serve: the fixture)
 
 from mooncake_jax.transfer import BlockPool, BlockSpec
 from mooncake_jax.transfer.messenger import BlocksNotFoundError, MessengerClient, TransferError

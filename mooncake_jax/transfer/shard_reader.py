@@ -6,10 +6,10 @@ TensorStore a 16-token get cost 0.31-0.40 CPU s/GB (thread hand-offs and chunk d
 record beyond the copy) where a raw read of the same bytes cost 0.07-0.10; read here, 0.13-0.20. The tier wrote
 every shard itself (``shard_writer.py``), or found its index when it opened the shard (TensorStore may have
 rewritten it: the chunks may lie anywhere after the index), so a record's offset is known in memory and a read is
-one ``preadv`` per ``READ_STEP_BYTES`` (a record up to ``ONE_READ_BYTES`` in one), each hashed from the core's cache right
-after it lands: the same kernel copy a raw ``read`` makes, plus the hash. The files stay TensorStore's zarr3 shards
-(TensorStore still opens, lists and reads them: tested). A location that is wrong (a shard rewritten behind the
-tier's back) reads other bytes, which fail the checksum: never served.
+one ``preadv`` per ``READ_STEP_BYTES`` (a record up to ``ONE_READ_BYTES`` in one), each step hashed from the core's
+L2 cache right after it lands: the same kernel copy a raw ``read`` makes, plus the hash. The files stay
+TensorStore's zarr3 shards (TensorStore still opens, lists and reads them: tested). A location that is wrong (a
+shard rewritten behind the tier's back) reads other bytes, which fail the checksum: never served.
 
 A batch read names the runs of chunks it will read (``want``); they are handed to the kernel as
 ``POSIX_FADV_WILLNEED`` only once a read finds its bytes not in the page cache (``preadv`` with ``RWF_NOWAIT``
