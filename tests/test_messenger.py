@@ -279,15 +279,15 @@ def test_deadline_ends_a_slow_transfer(serve):
     sender = filled_pool(range(6))
     slow_get = sender.get_record
 
-    def get_record_slowly(key, promote=True):
+    def get_record_slowly(key, promote=True, **options):
         time.sleep(0.15)
-        return slow_get(key, promote)
+        return slow_get(key, promote, **options)
 
     slow_join = sender.join_records
 
-    def join_records_slowly(keys, separator):  # small blocks go several to a message, read by join_records
+    def join_records_slowly(keys, separator, **options):  # small blocks go several to a message, by join_records
         time.sleep(0.15 * len(keys))
-        return slow_join(keys, separator)
+        return slow_join(keys, separator, **options)
 
     sender.get_record = get_record_slowly
     sender.join_records = join_records_slowly

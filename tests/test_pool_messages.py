@@ -87,8 +87,8 @@ def spy_on_joins(pool: BlockPool) -> list:
     seen = []
     real = pool.join_records
 
-    def join_records(keys, separator):
-        got = real(keys, separator)
+    def join_records(keys, separator, **options):
+        got = real(keys, separator, **options)
         seen.append(got[0])
         return got
 

@@ -35,7 +35,8 @@ def test_chunk_offsets_follow_the_index_in_any_order():
     assert chunk_offsets(bytes(damaged), 3, 10) is None and chunk_offsets(index[:-1], 3, 10) is None
 
 
-@pytest.mark.parametrize("size", [1000, 1 << 20, (1 << 20) + 3, 3 << 20])
+@pytest.mark.parametrize("size", [1000, shard_reader.READ_STEP_BYTES, shard_reader.ONE_READ_BYTES,
+                                  shard_reader.ONE_READ_BYTES + 1, 1 << 20, (1 << 20) + 3, 3 << 20])
 def test_read_with_checksum_is_the_bytes_and_their_hash(tmp_path, size):
     data = np.random.default_rng(size).integers(0, 256, size + 50, dtype=np.uint8)
     path = tmp_path / "f"

@@ -34,13 +34,15 @@ class TierCounters:
 
 @dataclass
 class TransferCounters:
-    """Blocks and bytes a Messenger end moved, and the seconds its transfers took (for rates)."""
+    """Blocks and bytes a Messenger end moved, and the seconds its transfers took (for rates). ``blocks_refused``:
+    received records that failed their checks on arrival (never stored; a pushed one is named to its sender)."""
 
     transfers: int = 0
     failures: int = 0
     blocks_sent: int = 0
     blocks_received: int = 0
     blocks_skipped: int = 0
+    blocks_refused: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     busy_s: float = 0.0

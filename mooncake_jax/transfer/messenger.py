@@ -34,6 +34,7 @@ from mooncake_jax.transfer.frame import decode as decode_record
 from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.messenger_server import MessengerServer
 from mooncake_jax.transfer.messenger_wire import (
+    CORRUPT_KEYS_METADATA,
     MISSING_KEYS_METADATA,
     SERVICE,
     describe_keys,
@@ -249,6 +250,11 @@ class MessengerClient:
         """Copy the blocks of ``keys`` that the peer lacks from this pool to it.
 
         Raises BlocksNotFoundError (nothing sent) if this pool lacks any, TransferError on any other failure.
+        The records go as stored, checked end to end by the peer (hashed as they land there) instead of here too:
+        one the peer refuses is named back (``CORRUPT_KEYS_METADATA``) and checked here then; damaged here, it is
+        dropped from this pool (as any read that fails its checksum drops it) and reported as
+        BlocksNotFoundError naming it, as a block found damaged before it was sent always was; sound here, it was
+        damaged on the way (TransferError, DATA_LOSS). Either way ``stored`` lists the blocks before it.
         """
         keys = _unique(keys)
         absent = [key for key in keys if key not in self.pool]
@@ -267,7 +273,7 @@ class MessengerClient:
 
         def outgoing_messages() -> Iterator[bytes]:
             nonlocal sent_bytes
-            with Outgoing(self.pool, to_send, batch_bytes) as outgoing:
+            with Outgoing(self.pool, to_send, batch_bytes, verify=False) as outgoing:
                 for message, keys_sent in outgoing:
                     yield message
                     sent.extend(keys_sent)
@@ -284,7 +290,7 @@ class MessengerClient:
                     self._push_raw(outgoing_messages(), timeout=max(deadline - time.monotonic(), 0.001))
                 except grpc.RpcError as err:
                     self._failed(sent_bytes, 0, started, sending=True)
-                    raise self._error("push", err) from err
+                    raise self._refused(err, to_send) or self._error("push", err) from err
         seconds = time.perf_counter() - started
         self._meter.add(
             transfers=1, blocks_sent=len(sent), bytes_sent=sent_bytes, blocks_skipped=len(skipped), busy_s=seconds
@@ -402,6 +408,23 @@ class MessengerClient:
     def _failed(self, n_bytes: int, n_blocks: int, started: float, sending: bool = False) -> None:
         direction = {"bytes_sent": n_bytes} if sending else {"bytes_received": n_bytes, "blocks_received": n_blocks}
         self._meter.add(failures=1, busy_s=time.perf_counter() - started, **direction)
+
+    def _refused(self, err: grpc.RpcError, to_send: list[BlockKey]) -> TransferError | None:
+        """The error for a push the peer ended because a record failed its checks there (DATA_LOSS naming it), or
+        None for any other failure. The named block is checked here (``get_record`` verifies it, and drops it if
+        damaged): the peer stored the blocks before it, in order, and none after."""
+        if err.code() != grpc.StatusCode.DATA_LOSS:
+            return None
+        listed = dict(err.trailing_metadata() or ()).get(CORRUPT_KEYS_METADATA, b"")
+        if len(listed) != 8 or struct.unpack("<Q", listed)[0] not in to_send:
+            return None
+        key = struct.unpack("<Q", listed)[0]
+        stored = to_send[: to_send.index(key)]
+        if self.pool.get_record(key, promote=False) is None:
+            message = f"push to {self.address}: block {key:#018x} failed its checksum here (refused by the peer)"
+            return BlocksNotFoundError(message, [key], err.code(), stored)
+        message = f"push to {self.address}: block {key:#018x} was damaged on its way (sound here): {err.details()}"
+        return TransferError(message, err.code(), stored)
 
     def _error(self, what: str, err: grpc.RpcError, stored: Sequence[BlockKey] = ()) -> TransferError:
         code, details = err.code(), err.details()

@@ -24,6 +24,7 @@ from mooncake_jax.transfer.counters import Meter, TransferCounters
 from mooncake_jax.transfer.device_plane import PULL_BYTES, device_plane
 from mooncake_jax.transfer.frame import CorruptBlockError
 from mooncake_jax.transfer.messenger_wire import (
+    CORRUPT_KEYS_METADATA,
     MAX_LISTED_KEYS,
     MISSING_KEYS_METADATA,
     SERVICE,
@@ -118,7 +119,9 @@ class _Servicer:
         new: list[bool] = []
         try:
             self.pool.put_records(records, new)
-        except CorruptBlockError as err:
+        except CorruptBlockError as err:  # refused, counted, and named to the sender, which checks its own copy
+            self.meter.add(blocks_refused=1)
+            context.set_trailing_metadata(((CORRUPT_KEYS_METADATA, struct.pack("<Q", records[len(new)][0])),))
             context.abort(grpc.StatusCode.DATA_LOSS, f"{err}; {stored + sum(new)} earlier block(s) were stored")
         except ValueError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err}; {stored + sum(new)} earlier block(s) were stored")

@@ -13,6 +13,10 @@ messages, services = load("messenger")
 SERVICE = "mooncake.v1.Messenger"
 MISSING_KEYS_METADATA = "mooncake-missing-keys-bin"
 """Trailing metadata of a NOT_FOUND: the missing keys as packed little-endian uint64 (at most MAX_LISTED_KEYS)."""
+CORRUPT_KEYS_METADATA = "mooncake-corrupt-keys-bin"
+"""Trailing metadata of a DATA_LOSS from a receiver: the key of the record that failed its checks on arrival, as a
+packed little-endian uint64. A pusher sends its records unchecked (the receiver's check is end to end) and checks
+its own copy of the named block when told (``MessengerClient.push``): a block damaged in its memory is dropped there."""
 MAX_LISTED_KEYS = 512
 _NAMED_IN_MESSAGE = 16
 

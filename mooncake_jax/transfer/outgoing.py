@@ -7,7 +7,10 @@ then joining them copied twice), or, when they lie in one message kept as receiv
 that message (verified where they lie, no copy); a block that fills a message alone is read as its record
 (``get_record``) and sent as it is, or in pieces (``pieces.batched``).
 A block that fails its checksum here (the pool drops it) ends the messages after the blocks before it, which are
-still sent; ``lost`` then names it, for the caller to report once the stream is over.
+still sent; ``lost`` then names it, for the caller to report once the stream is over. With ``verify=False`` (a
+push: the receiver checks every record end to end, hashing it as it lands, and names one that fails,
+``messenger_wire.CORRUPT_KEYS_METADATA``) the records go as stored, unchecked here: the sender's XXH3 pass over
+every byte it sends is the receiver's instead, done once.
 """
 
 from __future__ import annotations
@@ -22,11 +25,14 @@ from mooncake_jax.transfer.readahead import Ahead
 
 class Outgoing:
     """Iterates ``(message, keys it completes)`` for the blocks of ``keys`` in ``pool``, in order, several to a
-    message up to ``batch_bytes`` (0: one piece per message, for a peer of an older build)."""
+    message up to ``batch_bytes`` (0: one piece per message, for a peer of an older build); ``verify=False``:
+    records sent unchecked, for a receiver that checks them (module docstring)."""
 
-    def __init__(self, pool: BlockPool, keys: Sequence[BlockKey], batch_bytes: int, depth: int = 4) -> None:
+    def __init__(self, pool: BlockPool, keys: Sequence[BlockKey], batch_bytes: int, depth: int = 4,
+                 verify: bool = True) -> None:
         self.lost: BlockKey | None = None
         self._pool = pool
+        self._verify = verify
         per_message = records_per_message(pool.frame_bytes, batch_bytes)
         if per_message > 1:
             messages = self._joined(list(keys), per_message)
@@ -39,12 +45,12 @@ class Outgoing:
         at = 0
         while at < len(keys):
             group = keys[at : at + per_message]
-            message, count = self._pool.join_records(group, separator)
+            message, count = self._pool.join_records(group, separator, verify=self._verify)
             if count:
                 yield message, group[:count]
                 at += count
             if count < len(group):  # absent or corrupt in its fastest tier: the usual read tries the others
-                record = self._pool.get_record(keys[at], promote=False)
+                record = self._pool.get_record(keys[at], promote=False, verify=self._verify)
                 if record is None:
                     self.lost = keys[at]
                     return
@@ -53,8 +59,8 @@ class Outgoing:
 
     def _records(self, keys: list[BlockKey]) -> Iterator[tuple[BlockKey, bytes]]:
         for key in keys:
-            record = self._pool.get_record(key, promote=False)
-            if record is None:  # failed its checksum just now: gone from the pool
+            record = self._pool.get_record(key, promote=False, verify=self._verify)
+            if record is None:  # failed its checksum just now (or lost from its tier): gone from the pool
                 self.lost = key
                 return
             yield key, record

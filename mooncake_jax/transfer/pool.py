@@ -28,7 +28,8 @@ from mooncake_jax.transfer.counters import TierCounters
 from mooncake_jax.transfer.events import BlockEvent, EventKind, EventListener
 from mooncake_jax.transfer.eviction import PolicyChoice, make_policy
 from mooncake_jax.transfer.frame import (DATA_OFFSET, VERSION, CorruptBlockError, StaleFormatError, check_digest,
-                                         check_head, check_key, data_bytes, frame_bytes, record_bytes, verify)
+                                         check_head, check_key, data_bytes, frame_bytes, record_bytes)
+from mooncake_jax.transfer.frame import verify as verify_record
 from mooncake_jax.transfer.host_memory import keep_freed_buffers
 from mooncake_jax.transfer.slots import joined, message_of
 from mooncake_jax.transfer.spec import BlockSpec
@@ -281,23 +282,30 @@ class BlockPool:
                 blocks.append(block if found else None)
         return blocks
 
-    def get_record(self, key: BlockKey, promote: bool = True) -> bytes | None:
+    def get_record(self, key: BlockKey, promote: bool = True, verify: bool = True) -> bytes | None:
         """The verified record of ``key`` (what the Messenger sends), or None on a miss.
 
         ``promote=False`` serves an SSD hit without copying it into DRAM: a block sent to a peer is not
-        thereby hot here.
+        thereby hot here. ``verify=False`` (only with ``promote=False``): the record as stored, its checksum not
+        checked here, for a sender whose receiver checks it end to end (a Messenger push: the head carries the
+        checksum taken when the block was stored, and the receiver hashes the data as it lands); never served or
+        stored here unverified.
         """
         key = check_key(key)
+        if not verify and promote:
+            raise ValueError("an unverified record cannot be promoted: pass promote=False with verify=False")
         with self._operation():
-            return self._read_record(key, promote)
+            return self._read_record(key, promote, verify)
 
-    def join_records(self, keys: Sequence[BlockKey], separator: bytes) -> tuple[bytes, int]:
+    def join_records(self, keys: Sequence[BlockKey], separator: bytes,
+                     verify: bool = True) -> tuple[bytes, int]:
         """The verified records of the leading ``keys``, joined into one ``bytes`` with ``separator`` between them
         (copied once, straight out of their slots: the Messenger sends several small blocks to a message; or no
         copy at all when they are exactly the records of one message kept as received, in order, which is then
         returned as it lies, ``slots.joined``), and how many it holds. It stops before the first key its fastest
         tier cannot serve (absent, or failing its checksum: dropped as a bad block), for ``get_record`` to try the
-        tiers below. Not promoted, as ``promote=False``."""
+        tiers below. Not promoted, as ``promote=False``. ``verify=False``: the records as stored, their checksums not
+        checked here (``get_record``'s ``verify``): a corrupt one is then sent, for the receiver to refuse."""
         keys = [check_key(key) for key in keys]
         with self._operation():
             self._check_open()
@@ -322,10 +330,14 @@ class BlockPool:
             # one copy (the slots' views are valid until the lock is released), or none when the records lie in one
             # received message in this order: that message is relayed as it is
             message = joined(parts, separator)
+            if not verify:
+                for tier, key in found:
+                    self._hit(0, tier, key, lambda _: None)
+                return message, len(found)
             view, at = memoryview(message), 0
             for i, (tier, key) in enumerate(found):
                 try:  # the copy is verified: what is sent is what was checked
-                    verify(self.spec, key, view[at : at + self.record_bytes])
+                    verify_record(self.spec, key, view[at : at + self.record_bytes])
                 except CorruptBlockError as err:
                     self._bad_block(tier, key, err)
                     return message[: max(at - len(separator), 0)], i
@@ -473,9 +485,9 @@ class BlockPool:
             return True
         return False
 
-    def _read_record(self, key: BlockKey, promote: bool) -> bytes | None:
+    def _read_record(self, key: BlockKey, promote: bool, verify: bool = True) -> bytes | None:
         """The verified record of ``key`` from the fastest tier holding a sound copy (promoting an SSD hit if
-        ``promote``), or None."""
+        ``promote``), or None; ``verify=False``: from the fastest tier holding one, unchecked (``get_record``)."""
         self._check_open()
         for level, tier in enumerate(self._tiers):
             if key not in tier:
@@ -492,7 +504,8 @@ class BlockPool:
                 # copied first (a DRAM record is a view of a slot a later write may reuse; an adopted one is
                 # immutable bytes, which bytes() returns as it is), then verified: the copy is still in cache
                 record = bytes(record)
-                verify(self.spec, key, record)
+                if verify:
+                    verify_record(self.spec, key, record)
             except CorruptBlockError as err:
                 self._bad_block(tier, key, err)
                 continue

@@ -6,10 +6,10 @@ TensorStore a 16-token get cost 0.31-0.40 CPU s/GB (thread hand-offs and chunk d
 record beyond the copy) where a raw read of the same bytes cost 0.07-0.10; read here, 0.13-0.20. The tier wrote
 every shard itself (``shard_writer.py``), or found its index when it opened the shard (TensorStore may have
 rewritten it: the chunks may lie anywhere after the index), so a record's offset is known in memory and a read is
-one ``preadv`` per ``COPY_CHUNK_BYTES`` (``checksum.fill_with_checksum``), each hashed from the core's cache right
-after it lands: the same kernel copy a raw ``read`` makes, plus the hash. The files stay TensorStore's zarr3 shards
-(TensorStore still opens, lists and reads them: tested). A location that is wrong (a shard rewritten behind the
-tier's back) reads other bytes, which fail the checksum: never served.
+one ``preadv`` per ``READ_STEP_BYTES`` (a record up to ``ONE_READ_BYTES`` in one), each step hashed from the core's
+L2 cache right after it lands: the same kernel copy a raw ``read`` makes, plus the hash. The files stay
+TensorStore's zarr3 shards (TensorStore still opens, lists and reads them: tested). A location that is wrong (a
+shard rewritten behind the tier's back) reads other bytes, which fail the checksum: never served.
 
 A batch read names the runs of chunks it will read (``want``); they are handed to the kernel as
 ``POSIX_FADV_WILLNEED`` only once a read finds its bytes not in the page cache (``preadv`` with ``RWF_NOWAIT``
@@ -44,10 +44,20 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
-from xxhash import xxh3_128_intdigest
+from xxhash import xxh3_128, xxh3_128_intdigest
 
-from mooncake_jax.transfer.checksum import COPY_CHUNK_BYTES, fill_with_checksum, split_digest
+from mooncake_jax.transfer.checksum import split_digest
 
+READ_STEP_BYTES = 256 << 10
+"""Bytes landed by one ``preadv`` then hashed, for records over ``ONE_READ_BYTES``: small enough that what the
+kernel's copy just wrote is still in the core's L2 cache when XXH3 reads it. On the Intel Xeon measured (2 MiB of
+L2 a core) the hash cost 0.043-0.047 CPU s/GB after 192-384 KiB reads and 0.075 after 1 MiB ones (the kernel's copy
+reads the page cache and writes the destination through L2: 2 MiB of lines for a 1 MiB read), the reads
+themselves 0.215-0.226 at every size: a 160 MiB record read and hashed for 0.262 CPU s/GB in 256 KiB steps
+against 0.288 in 1 MiB steps (the raw read 0.193), 9 alternated rounds, load 3.7 (docs/benchmarks/pool.md, twelfth
+pass)."""
+ONE_READ_BYTES = 2 * READ_STEP_BYTES
+"""A record up to this size (a 16-token block of the ``small`` preset, 384 KiB) is read by one ``preadv``."""
 MAX_OPEN_FILES = 32
 """Shard files kept open for reading at once (least recently read closed first)."""
 UNAVAILABLE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
@@ -81,11 +91,18 @@ def read_with_checksum(fd: int, out: np.ndarray, offset: int,
     """Read ``out.size`` bytes of ``fd`` at ``offset`` into ``out`` (flat uint8) and return their XXH3-128 digest
     as ``(high, low)``; None when the file ends first (a shard file cut short). ``on_cold``: called when a part is
     not in the page cache, before it is read from the device."""
-    if out.size <= COPY_CHUNK_BYTES:  # one read, hashed from cache (a 16-token block): no closure, no call through
-        if _pread(fd, out, offset, on_cold) != out.size:
+    n = out.size
+    if n <= ONE_READ_BYTES:  # one read, hashed from cache (a 16-token block)
+        if _pread(fd, out, offset, on_cold) != n:
             return None
         return split_digest(xxh3_128_intdigest(out))
-    return fill_with_checksum(out, lambda chunk, start: _pread(fd, chunk, offset + start, on_cold) == chunk.size)
+    hasher = xxh3_128()
+    for start in range(0, n, READ_STEP_BYTES):
+        step = out[start : start + READ_STEP_BYTES]
+        if _pread(fd, step, offset + start, on_cold) != step.size:
+            return None
+        hasher.update(step)
+    return split_digest(hasher.intdigest())
 
 
 class Pace:
