@@ -128,20 +128,14 @@ thread with a token to send) waits up to this long for the holder to yield: 5 ms
 model's decode step."""
 
 
-def settle_serving_process(token_path: bool = True) -> None:
+def settle_serving_process() -> None:
     """Tune this process for serving once its servers are up (instances here; ``serve`` and ``demo`` for the
     gateway). Everything alive now (JAX, the model, compiled programs: millions of objects) stays for the process's
     life: freezing it keeps a full garbage collection (~90 ms measured) from walking it while requests run, a pause
-    every running stream would see as a token gap. A process on the token path (``token_path``: a decode instance,
-    the gateway; not a prefill instance) gets short scheduler slices (``slices.py``): on shared cores each of a
-    token's hand-offs between threads waits less in a run queue, at no gain in CPU share."""
+    every running stream would see as a token gap."""
     gc.collect()
     gc.freeze()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    if token_path:
-        from .slices import shorten_slices
-
-        shorten_slices()
 
 
 def _stop_followers(config: InstanceConfig, server: InstanceServer | None) -> None:
@@ -200,7 +194,7 @@ def run(args) -> int:
         raise
     stop = roles.stop_event()
     roles.exit_with_stdin(args, stop)
-    settle_serving_process(token_path=config.role == DECODE)
+    settle_serving_process()
     log.info("%s instance %s serving on %s:%d, registered as %s", config.role, config.instance_id, config.host,
              server.port, server.address)
     roles.announce(instance_id=config.instance_id, address=server.address, port=server.port,
