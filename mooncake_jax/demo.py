@@ -85,6 +85,9 @@ def add_arguments(p) -> None:
                        help=f"host cores of the {role} instances' own, e.g. 1 (the rest keep off them; default: "
                             f"none, every process on every core)")
     p.add_argument("--json", type=Path, default=None, help="also write the results table as JSON")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="also write each request's client-side token times as JSON (diagnostics: its start on the "
+                        "host's monotonic clock, time.perf_counter, and each token's time from it)")
 
 
 def workload(n: int, vocab_size: int, max_context: int) -> list[dict]:
@@ -110,7 +113,7 @@ def send(url: str, item: dict, timeout_s: float = 300.0) -> dict:
                        "temperature": 0.0, "stream": True, "ignore_eos": True}).encode()
     request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    times, usage = [], {}
+    times, usage, completion_id = [], {}, None
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             for raw in response:
@@ -120,6 +123,7 @@ def send(url: str, item: dict, timeout_s: float = 300.0) -> dict:
                 chunk = json.loads(line[5:])
                 if "error" in chunk:
                     return {"status": "failed", "error": chunk["error"].get("message", "")}
+                completion_id = completion_id or chunk.get("id")
                 if chunk.get("choices"):
                     times += [time.perf_counter() - t0] * len(chunk["choices"][0].get("token_ids") or [])
                 usage = chunk.get("usage") or usage
@@ -128,7 +132,8 @@ def send(url: str, item: dict, timeout_s: float = 300.0) -> dict:
                 "error": error_message(e.read().decode(errors="replace"))}
     except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
         return {"status": "failed", "error": str(e)}
-    return {"status": "completed", "times": times, "usage": usage, "prompt_tokens": len(item["prompt"])}
+    return {"status": "completed", "times": times, "usage": usage, "prompt_tokens": len(item["prompt"]),
+            "id": completion_id, "started": t0}
 
 
 def error_message(body: str) -> str:
@@ -220,6 +225,15 @@ def replay_in_own_process(url: str, items: list[dict], speed: float, bar) -> tup
         results, wall_s = future.result()
     bar.update(len(items) - bar.n)
     return results, wall_s
+
+
+def client_trace(results: list[dict], items: list[dict]) -> list[dict]:
+    """Each request as its client saw it: arrival in the trace, status, the completion's id, when it was sent (the
+    client process's ``time.perf_counter``: on Linux the host's monotonic clock, the same in every process) and
+    each token's time from then. What ``--trace`` writes, to set a long token gap beside what the servers did."""
+    return [{"request": i, "at_s": items[i]["at"], "prompt_tokens": len(items[i]["prompt"]), "status": r["status"],
+             "id": r.get("id"), "started": r.get("started"), "times": r.get("times")}
+            for i, r in enumerate(results)]
 
 
 def counters_since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -368,4 +382,6 @@ def run(args) -> int:
         print(f"  failed: {r.get('code', '')} {r.get('error', '')}")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    if getattr(args, "trace", None):
+        args.trace.write_text(json.dumps(client_trace(results, items)) + "\n")
     return 0 if summary["failed"] == 0 else 1

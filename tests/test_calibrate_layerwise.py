@@ -30,7 +30,7 @@ def layerwise_s(engine, prompt, prefix=0):
 def test_the_profile_fits_the_path_calibrated(monkeypatch, layerwise, timer):
     """With hand-made timings for each path, the profile's predicted prefill at every grid point is that path's
     time (the other path's is 3x off)."""
-    monkeypatch.setattr(cal, "prefill_seconds", plain_s)
+    monkeypatch.setattr(cal, "served_prefill_seconds", plain_s)
     monkeypatch.setattr(cal, "layerwise_prefill_seconds", layerwise_s)
     monkeypatch.setattr(cal, "decode_step_seconds", lambda engine, rng, batch, context, **kw: 1e-3 + 1e-6 * batch)
     engine = types.SimpleNamespace(cfg=get_config("tiny"), num_pages=512, block_size=16, max_batch=16,

@@ -21,13 +21,19 @@ import numpy as np
 
 from ..conductor.profile import build_profile
 from ..model.engine import Engine, buckets
-from ..model.measure import decode_step_seconds, prefill_seconds
+from ..model.measure import decode_step_seconds
 from ..model.sequence import SamplingParams
 from ..transfer.offload import LayerwisePrefill, usable_prefix_blocks
 
-PREFILL_GRID = ((16, 0), (64, 0), (128, 64), (256, 0), (384, 128), (512, 0), (512, 256))
+PREFILL_GRID = ((16, 0), (64, 0), (128, 64), (256, 0), (384, 128), (512, 0), (512, 256), (1024, 0), (2048, 0),
+                (2048, 1024))
 """(prompt, cached prefix) tokens measured: every new-token count a chunk length the engine compiles (16, 64, 256,
-512 with its default buckets), where padding costs nothing, so the fit is of the work the engine really does."""
+512 with its default buckets) or a whole number of 512-token chunks, where padding costs nothing, so the fit is of
+the work the engine really does. Up to 2,048 new tokens: the prompts served reach the context window (the demo's
+up to 3,770 tokens), and a fit to points of at most 512 tokens under-predicted the longer ones more the longer they
+were (tiny, Intel Xeon (207), quiet process, load 5: served over predicted 1.3x below 128 new tokens, 1.9x at
+512-1,024, 2.1x at 1,024-2,048, 2.6x beyond; docs/benchmarks/demo.md, eleventh pass). The slowdown meter weighs
+each request by its predicted seconds, so the long prompts decided its reading."""
 DECODE_GRID = ((1, 64), (4, 64), (8, 256), (16, 128), (16, 512))
 LOOPBACK_BYTES_PER_S = 0.5e9  # gRPC on loopback moves about this much KV per second on a 2-core machine
 
@@ -43,6 +49,29 @@ def decode_grid(limit: int, max_batch: int) -> list[tuple[int, int]]:
     points = {(1, limit // 2 - 8), (1, limit // 8 - 8), (wide, limit // (2 * wide) - 8), (wide, limit // (8 * wide) - 8),
               (1, limit // 4 - 8)}
     return sorted((b, c) for b, c in points if c >= 1)
+
+
+def served_prefill_seconds(engine: Engine, prompt: list[int], prefix_tokens: int = 0) -> float:
+    """Seconds of a plain prefill of ``prompt`` as a prefill instance serves one (``instance/prefill.py``): over its
+    first ``prefix_tokens`` (whole blocks) cached in the engine, then the new blocks read out to the host for the
+    pool. ``prefill_seconds`` without that read under-counts what the instance's slowdown meter measures."""
+    cached = prefix_tokens // engine.block_size
+    warm = None
+    if cached:
+        warm = engine.new_sequence(prompt[: cached * engine.block_size + 1], SamplingParams(max_new_tokens=1))
+        engine.admit(warm, cached_pages=[])
+        engine.prefill(warm)
+    seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=1))
+    engine.admit(seq, cached_pages=warm.pages[:cached] if warm else [])
+    try:
+        t = time.perf_counter()
+        engine.prefill(seq)
+        engine.read_blocks(seq.pages[cached:])  # comes back on the host: nothing left running
+        return time.perf_counter() - t
+    finally:
+        engine.release(seq)
+        if warm:
+            engine.release(warm)
 
 
 def layerwise_prefill_seconds(engine: Engine, prompt: list[int], prefix_tokens: int = 0) -> float:
@@ -69,7 +98,7 @@ def calibrate(engine: Engine, name: str, model: str, kv_capacity_tokens: int, re
     cfg = engine.cfg
     limit = min(cfg.max_seq_len, (engine.num_pages - 1) * engine.block_size // 2)
     rng = np.random.default_rng(0)
-    timer = layerwise_prefill_seconds if layerwise else prefill_seconds
+    timer = layerwise_prefill_seconds if layerwise else served_prefill_seconds
     prefill_points = []
     for n, prefix in PREFILL_GRID:
         if n <= limit:

@@ -73,7 +73,15 @@ class SlowdownMeter:
     those are no slowdown of the model, and a few of them are no outliers the median ignores. The first request of
     each layer-wise bfloat16 prefill instance of ``demo --hetero`` compiled its programs (nothing had), and was the
     meter's only sample: 8.5x and 27x; the Conductor scaled every prediction by that and refused all 20 requests of
-    the replay (docs/benchmarks/demo.md, hetero ninth pass)."""
+    the replay (docs/benchmarks/demo.md, hetero ninth pass).
+
+    What it reads is the served slowdown, not a bias of the model, as long as the model was measured on the path
+    served at the lengths served (``calibrate.py``). Measured (tiny, the demo's 100 prompts, Intel Xeon (207) 2
+    cores, docs/benchmarks/demo.md eleventh pass): with a calibration of prompts up to 512 tokens without the read-out
+    of the new blocks, one prefill process alone at niceness 0 read 2.0 (long prompts 2-2.6x their model); with the
+    calibration of the served path up to 2,048 new tokens, 1.65 (1.03-1.21x up to 1,024 new tokens). At niceness 5
+    beside a busy decode and a second prefill process (what the demo's prefill instances serve in) short prompts run
+    4-5x their model and long ones 2.5-4x: that part is real, and the Conductor's scaled predictions should carry it."""
 
     def __init__(self, window_s: float = 30.0, samples: int = 32, clock=time.monotonic):
         self.window_s, self._clock = window_s, clock
