@@ -109,7 +109,10 @@ def gather_context(pages: jax.Array, page_table: jax.Array) -> jax.Array:
     """
     b, p = page_table.shape
     h, n, bs, d = pages.shape
-    return as_logical(jnp.take(pages.reshape(h, n, bs * d), page_table, axis=1).reshape(h, b, p * bs, d))
+    # Page tables only hold allocated rows or the scratch row: promised in bounds, the gather is a plain copy
+    # (jnp.take's default fills out-of-bounds rows with NaN: a bounds test and a select on every element copied).
+    rows = pages.reshape(h, n, bs * d).at[:, page_table.reshape(-1)].get(mode="promise_in_bounds")
+    return as_logical(rows.reshape(h, b, p * bs, d))
 
 
 # ---- the xla implementation ------------------------------------------------------------------------------------

@@ -23,6 +23,14 @@ ATTENTION_IMPLS = ("xla", "pallas")
 kernels (interpret mode on CPU)."""
 
 
+DECODE_WEIGHTS = ("output_major", "canonical")
+"""Values of ``ModelConfig.decode_weights``: whether an unrolled (CPU) stage keeps a second, transposed copy of its
+weight matrices for its decode programs (``llama.OUTPUT_MAJOR``; about 15% less CPU time per ``small`` decode step
+at batch 32 on a 2-core Xeon) or decodes on the canonical copy. The copy costs the stage's layer weights and LM
+head once more: +0.4 GB for ``small`` in float32, about +137 GB for a ``llama2-70b`` shape in bfloat16 (per device
+group, of its own layers). Scanned stages (GPU/TPU) never hold it."""
+
+
 def resolve_dtype(name) -> np.dtype:
     """The numpy dtype for a dtype name in ``DTYPES`` (or an already resolved dtype); ValueError otherwise."""
     if isinstance(name, str):
@@ -67,6 +75,7 @@ class ModelConfig:
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
     attention: str = "xla"  # implementation behind the attention seam: "xla" (portable) or "pallas" (kernels)
+    decode_weights: str = "output_major"  # an unrolled stage's decode weight copy, see DECODE_WEIGHTS
 
     def __post_init__(self):
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
@@ -84,6 +93,9 @@ class ModelConfig:
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"{self.name}: unknown attention implementation {self.attention!r}; "
                              f"allowed: {', '.join(ATTENTION_IMPLS)}")
+        if self.decode_weights not in DECODE_WEIGHTS:
+            raise ValueError(f"{self.name}: unknown decode_weights {self.decode_weights!r}; "
+                             f"allowed: {', '.join(DECODE_WEIGHTS)}")
         for tok in ("bos_token_id", "eos_token_id"):
             value = getattr(self, tok)
             if value is not None and not 0 <= value < self.vocab_size:

@@ -29,16 +29,32 @@ from .attention import PagedBatch, paged_attention, write_pages
 from .config import ModelConfig
 from .rope import apply_rope, inverse_frequencies
 
+OUTPUT_MAJOR = {
+    "wq": (1, 2, 0), "wk": (1, 2, 0), "wv": (1, 2, 0), "wo": (2, 0, 1),  # [h, hd, d] and [d, h, hd]
+    "w_gate": (1, 0), "w_up": (1, 0), "w_down": (1, 0), "lm_head": (1, 0),
+}
+"""How an unrolled (CPU) stage's decode copy holds each weight matrix: its canonical axes permuted so that the
+contracted axes (the input features) come last, i.e. each output feature's weights are contiguous. XLA:CPU's
+small-batch matmuls (YNNPACK) stream a [out, in] weight faster than the canonical [in, out] (48 chained
+768 x 2048 products on a 2-core Xeon (207), CPU time: 102 against 165 ms at M = 32, 57 against 79 at M = 8), but
+the 2048-token prefill of a stage holding only [out, in] copies ran 17-20% slower (tenth pass), so the stage keeps
+both: canonical for prefill, this for decode (``ModelConfig.decode_weights``; docs/benchmarks/engine.md, eleventh
+pass). The model, its checkpoints, HF import and scanned stages keep the canonical layout only."""
+
 KVPages = tuple[jax.Array, jax.Array]
 """A stage's (K pages, V pages), each [kv_heads, n_layers * num_pages, block_size, head_dim] (a single layer's
 view inside the scan is the same arrays with the page table offset to its rows)."""
 
 
-def _param(rngs: nnx.Rngs | None, shape, axes, dtype, std: float | None, stack: int | None = None) -> nnx.Param:
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, std: float | None, stack: int | None = None,
+           order: tuple[int, ...] | None = None) -> nnx.Param:
     """A parameter with logical axis names; ``std=None`` means ones (norm scales); ``rngs=None`` zeros.
 
     ``stack``: a leading ``layers`` axis of that size (the parameter of every layer of a stacked layer module).
+    ``order``: the canonical shape and axes permuted (``OUTPUT_MAJOR``): the same weight held transposed.
     """
+    if order is not None:
+        shape, axes = tuple(shape[i] for i in order), tuple(axes[i] for i in order)
     if stack is not None:
         shape, axes = (stack,) + tuple(shape), ("layers",) + tuple(axes)
     if std is None:
@@ -64,22 +80,23 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     """Grouped-query attention: ``n_heads`` query heads share ``n_kv_heads`` K/V heads in groups."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None, stack: int | None = None):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None, stack: int | None = None,
+                 output_major: bool = False):
         d, h, kv, hd, dt = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
         std_in, std_out = 1.0 / math.sqrt(d), 1.0 / math.sqrt(h * hd)
-        self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), dt, std_in, stack)
-        self.wk = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), dt, std_in, stack)
-        self.wv = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), dt, std_in, stack)
-        self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), dt, std_out, stack)
+        order = (lambda name: OUTPUT_MAJOR[name]) if output_major else (lambda name: None)
+        self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), dt, std_in, stack, order("wq"))
+        self.wk = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), dt, std_in, stack, order("wk"))
+        self.wv = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), dt, std_in, stack, order("wv"))
+        self.wo = _param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), dt, std_out, stack, order("wo"))
+        self.output_major = output_major
         self.n_kv_heads, self.q_per_kv, self.head_dim = kv, cfg.q_per_kv, hd
         self.inv_freq = nnx.static(tuple(inverse_frequencies(cfg).tolist()))
         self.impl = cfg.attention
 
     def __call__(self, x, positions, kv: KVPages, batch: PagedBatch):
         b, t, _ = x.shape
-        q = jnp.einsum("btd,dhk->bthk", x, self.wq[...])
-        k = jnp.einsum("btd,dhk->bthk", x, self.wk[...])
-        v = jnp.einsum("btd,dhk->bthk", x, self.wv[...])
+        q, k, v = (self._project(x, w[...]) for w in (self.wq, self.wk, self.wv))
         q = apply_rope(q, positions, self.inv_freq)
         k = apply_rope(k, positions, self.inv_freq)
         q = q.reshape(b, t, self.n_kv_heads, self.q_per_kv, self.head_dim)
@@ -89,34 +106,51 @@ class Attention(nnx.Module):
         v_pages = write_pages(kv[1], v, batch.write_slots)
         out = paged_attention(q, k, v, k_pages, v_pages, batch, 1.0 / math.sqrt(self.head_dim), impl=self.impl)
         out = out.reshape(b, t, self.n_kv_heads * self.q_per_kv, self.head_dim).astype(x.dtype)
-        y = jnp.einsum("bthk,hkd->btd", out, self.wo[...])
+        if self.output_major:  # one [d, h * hd] matrix (a free reshape), so XLA sees a plain 2-D product
+            wo = self.wo[...]
+            y = jnp.einsum("btn,dn->btd", out.reshape(b, t, -1), wo.reshape(wo.shape[0], -1))
+        else:
+            y = jnp.einsum("bthk,hkd->btd", out, self.wo[...])
         return y, (k_pages, v_pages)
+
+    def _project(self, x, w):
+        """x [B, T, d] times a q/k/v weight: [d, h, hd], or [h, hd, d] output-major, seen as one [h * hd, d]
+        matrix: with the two output axes kept apart, XLA:CPU transposed the whole weight back every step."""
+        if not self.output_major:
+            return jnp.einsum("btd,dhk->bthk", x, w)
+        h, hd, d = w.shape
+        return jnp.einsum("btd,nd->btn", x, w.reshape(h * hd, d)).reshape(x.shape[:2] + (h, hd))
 
 
 class MLP(nnx.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None, stack: int | None = None):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None, stack: int | None = None,
+                 output_major: bool = False):
         d, f, dt = cfg.d_model, cfg.ffn_dim, cfg.param_dtype
-        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), dt, 1.0 / math.sqrt(d), stack)
-        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), dt, 1.0 / math.sqrt(d), stack)
-        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), dt, 1.0 / math.sqrt(f), stack)
+        order = (lambda name: OUTPUT_MAJOR[name]) if output_major else (lambda name: None)
+        self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), dt, 1.0 / math.sqrt(d), stack, order("w_gate"))
+        self.w_up = _param(rngs, (d, f), ("embed", "mlp"), dt, 1.0 / math.sqrt(d), stack, order("w_up"))
+        self.w_down = _param(rngs, (f, d), ("mlp", "embed"), dt, 1.0 / math.sqrt(f), stack, order("w_down"))
+        self.output_major = output_major
 
     def __call__(self, x):
-        gate = jnp.einsum("btd,df->btf", x, self.w_gate[...])
-        up = jnp.einsum("btd,df->btf", x, self.w_up[...])
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.w_down[...])
+        up_proj, down_proj = ("btd,fd->btf", "btf,df->btd") if self.output_major else ("btd,df->btf", "btf,fd->btd")
+        gate = jnp.einsum(up_proj, x, self.w_gate[...])
+        up = jnp.einsum(up_proj, x, self.w_up[...])
+        return jnp.einsum(down_proj, jax.nn.silu(gate) * up, self.w_down[...])
 
 
 class DecoderLayer(nnx.Module):
     """One decoder layer; built with ``stack=n`` it holds the parameters of ``n`` layers (leading ``layers`` axis),
     and ``stacked_layers`` runs them under a scan (the body sees one layer's slice)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None, stack: int | None = None):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None, stack: int | None = None,
+                 output_major: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, stack)
-        self.attn = Attention(cfg, rngs, stack)
+        self.attn = Attention(cfg, rngs, stack, output_major)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, stack)
-        self.mlp = MLP(cfg, rngs, stack)
+        self.mlp = MLP(cfg, rngs, stack, output_major)
 
     def __call__(self, x, positions, kv: KVPages, batch: PagedBatch):
         h, kv = self.attn(self.attn_norm(x), positions, kv, batch)
@@ -164,18 +198,31 @@ def _slice_layers(layers: DecoderLayer, start: int, stop: int) -> DecoderLayer:
     return nnx.merge(graphdef, jax.tree.map(take, state))
 
 
-def _unstack_layers(layers: DecoderLayer, cfg: ModelConfig, start: int, stop: int) -> list[DecoderLayer]:
+def _transposed(x, order: tuple[int, ...] | None):
+    """``x`` (an array or a ``jax.ShapeDtypeStruct``) with its axes permuted by ``order`` (None: as it is)."""
+    if order is None:
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(tuple(x.shape[i] for i in order), x.dtype)
+    return jnp.transpose(x, order)
+
+
+def _unstack_layers(layers: DecoderLayer, cfg: ModelConfig, start: int, stop: int,
+                    output_major: bool = False) -> list[DecoderLayer]:
     """Layers ``start .. stop`` of a stacked module as plain layers, each with buffers of its own (copies) and the
-    logical axes of an unstacked layer (no ``layers`` axis)."""
-    graphdef, template = nnx.split(nnx.eval_shape(lambda: DecoderLayer(cfg, None)))
+    logical axes of an unstacked layer (no ``layers`` axis); with ``output_major`` each weight matrix transposed as
+    ``OUTPUT_MAJOR`` says."""
+    graphdef, template = nnx.split(nnx.eval_shape(lambda: DecoderLayer(cfg, None, output_major=output_major)))
     stacked = nnx.to_pure_dict(nnx.state(layers))
     out = []
     for i in range(start, stop):
-        def take(x, i=i):
-            return jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x[i]
+        def take(path, x, i=i):
+            name = path[-1].key
+            one = jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x[i]
+            return _transposed(one, OUTPUT_MAJOR.get(name) if output_major else None)
 
         state = jax.tree.map(lambda v: v, template)  # a fresh state to fill
-        nnx.replace_by_pure_dict(state, jax.tree.map(take, stacked))
+        nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(take, stacked))
         out.append(nnx.merge(graphdef, state))
     return out
 
@@ -208,6 +255,10 @@ class Stage(nnx.Module):
     layer's parameters as buffers of their own (copied out of the stack once) and unrolls the layers: XLA:CPU
     materialises a dynamic slice of each weight before its matmul, which made a memory-bound decode step of the
     ``small`` preset about 3x slower scanned than unrolled.
+
+    Decode copy (``ModelConfig.decode_weights == "output_major"``, unrolled stages only): the stage also holds its
+    layers' weight matrices and LM head transposed (``OUTPUT_MAJOR``), and a step of one token per sequence (decode,
+    T = 1) runs on them; longer steps (prefill) keep the canonical copies. Scanned stages (GPU/TPU) hold one copy.
     """
 
     def __init__(self, model: Llama, start: int, stop: int, scan: bool = True):
@@ -229,25 +280,36 @@ class Stage(nnx.Module):
             self.layers = _slice_layers(model.layers, start, stop)
         self.final_norm = model.final_norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
+        copy = not scan and cfg.decode_weights == "output_major"
+        self.decode_layers = (nnx.List(_unstack_layers(model.layers, cfg, start, stop, output_major=True))
+                              if copy else None)
+        head = None
+        if copy and self.lm_head is not None:
+            order, axes = OUTPUT_MAJOR["lm_head"], model.lm_head.get_metadata()["out_sharding"]
+            head = nnx.Param(_transposed(model.lm_head.get_value(), order), eager_sharding=False,
+                             out_sharding=tuple(axes[i] for i in order))
+        self.decode_lm_head = head
 
     def embed(self, inputs):
         """The first stage's hidden states of token ids [B, T]; other stages' inputs are hidden states already."""
         return jnp.take(self.embedding[...], inputs, axis=0) if self.is_first else inputs
 
-    def head(self, x):
-        """Logits (float32) of hidden states ``x`` [..., d]."""
+    def head(self, x, decode: bool = False):
+        """Logits (float32) of hidden states ``x`` [..., d] (``decode``: through the decode copy, if any)."""
         x = self.final_norm(x)
+        if decode and self.decode_lm_head is not None:
+            return jnp.einsum("...d,vd->...v", x, self.decode_lm_head[...], preferred_element_type=jnp.float32)
         if self.lm_head is None:
             return jnp.einsum("...d,vd->...v", x, self.embedding[...], preferred_element_type=jnp.float32)
         return jnp.einsum("...d,dv->...v", x, self.lm_head[...], preferred_element_type=jnp.float32)
 
-    def output(self, x, logits_index=None):
+    def output(self, x, logits_index=None, decode: bool = False):
         """What the stage hands on: hidden states, or (last stage) logits at ``logits_index`` [B] (None: all)."""
         if not self.is_last:
             return x
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-        return self.head(x)
+        return self.head(x, decode)
 
     def layer(self, layer, x, positions, kv: KVPages, batch: PagedBatch):
         """Only (stage-local) layer ``layer`` of a scanned stage, which may be traced: one program serves every
@@ -264,13 +326,14 @@ class Stage(nnx.Module):
         ``inputs`` are token ids [B, T] for the first stage, hidden states [B, T, d] for the others.
         """
         x = self.embed(inputs)
+        decode = positions.shape[1] == 1 and self.decode_layers is not None
         if self.scan:
             x, kv = stacked_layers(self.layers, self.n_layers, x, positions, kv, batch)
         else:
             num_pages, block_size = kv[0].shape[1] // self.n_layers, kv[0].shape[2]
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.decode_layers if decode else self.layers):
                 x, kv = layer(x, positions, kv, layer_batch(batch, i, num_pages, block_size))
-        return self.output(x, logits_index), kv
+        return self.output(x, logits_index, decode), kv
 
 
 def layer_apply(graphdef, layer_params, layer, x, positions, kv: KVPages, batch: PagedBatch, n_layers: int):

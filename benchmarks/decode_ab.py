@@ -1,0 +1,82 @@
+"""Decode step with and without the stage's output-major decode copy (``ModelConfig.decode_weights``), in one
+process on the same sequences, steps interleaved (one of each in turn), so both see the same load.
+
+On a shared 2-core machine a figure taken by one process and compared with another's moves by +-10% between runs;
+interleaving steps in one process leaves both variants the same disturbances. Reports wall (min, quartile, median)
+and process CPU time (all threads) per step.
+
+    python benchmarks/decode_ab.py --batch 32 --json out.json
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import arg_parser, machine_info, write_json  # noqa: E402
+
+
+def main() -> None:
+    p = arg_parser(__doc__)
+    p.add_argument("--model", default="small")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=16, help="timed steps per variant")
+    args = p.parse_args()
+
+    from flax import nnx
+
+    import mooncake_jax as mj
+    from mooncake_jax.model.llama import Stage
+    from mooncake_jax.model.sequence import SamplingParams
+    from mooncake_jax.model.steps import HashedGraph, plain_arrays
+
+    b, ctx = args.batch, args.context
+    llm = mj.LLM(args.model, prefill_chunk_size=512, max_batch=b, num_pages=1 + b * (ctx // 16 + 8) + 64)
+    eng = llm.engine
+    runner = eng.runner.stages[0]
+    if runner.scan or len(eng.runner.stages) != 1:
+        raise SystemExit("decode_ab needs the single-stage unrolled (CPU) engine")
+    plain = Stage(llm.model, 0, llm.config.n_layers, scan=False)
+    plain.decode_layers = plain.decode_lm_head = None  # the same stage without its decode copy
+    graphdef, params = nnx.split(plain)
+    variants = {"decode_copy": (runner.graphdef, runner.params),
+                "canonical": (HashedGraph(graphdef), plain_arrays(runner.layout.place_params(0, params)))}
+    rng = np.random.default_rng(0)
+    seqs = []
+    for _ in range(b):
+        s = eng.new_sequence(rng.integers(0, llm.config.vocab_size, ctx).tolist(),
+                             SamplingParams(max_new_tokens=(args.steps + 1) * len(variants) + 2, ignore_eos=True))
+        eng.admit(s, cached_pages=[])
+        eng.prefill(s)
+        seqs.append(s)
+    times = {name: [] for name in variants}
+    for name, (g, prm) in variants.items():  # compile each
+        runner.graphdef, runner.params = g, prm
+        eng.decode(seqs)
+    res = dict(machine_info(), model=args.model, batch=b, context=ctx, steps=args.steps,
+               load_start=open("/proc/loadavg").read().split()[0])
+    for _ in range(args.steps):
+        for name, (g, prm) in variants.items():
+            runner.graphdef, runner.params = g, prm
+            t, c = time.perf_counter(), time.process_time()
+            eng.decode(seqs)
+            times[name].append((time.perf_counter() - t, time.process_time() - c))
+    res["load_end"] = open("/proc/loadavg").read().split()[0]
+    for name, ts in times.items():
+        wall, cpu = np.sort([w for w, _ in ts]) * 1e3, np.sort([c for _, c in ts]) * 1e3
+        res[f"{name}_wall_min_ms"] = round(float(wall[0]), 2)
+        res[f"{name}_wall_p25_ms"] = round(float(np.percentile(wall, 25)), 2)
+        res[f"{name}_wall_median_ms"] = round(float(np.median(wall)), 2)
+        res[f"{name}_cpu_median_ms"] = round(float(np.median(cpu)), 2)
+    res["wall_median_ratio"] = round(res["decode_copy_wall_median_ms"] / res["canonical_wall_median_ms"], 3)
+    res["cpu_median_ratio"] = round(res["decode_copy_cpu_median_ms"] / res["canonical_cpu_median_ms"], 3)
+    write_json(res, args.json)
+
+
+if __name__ == "__main__":
+    main()
