@@ -76,6 +76,15 @@ def test_decode_steps_run_on_the_copy_and_match_the_reference():
     assert np.abs(step_z - step).max() > 1e-2
 
 
+def test_auto_keeps_the_copy_for_small_models_only():
+    """``auto`` (the default) doubles the weights of a small model only: a 7B model on a CPU host keeps one copy."""
+    assert PRESETS["tiny"].decode_weights == "auto" and PRESETS["tiny"].keeps_decode_copy()
+    assert PRESETS["small"].keeps_decode_copy()
+    assert not PRESETS["llama2-7b"].keeps_decode_copy()
+    assert PRESETS["llama2-7b"].replace(decode_weights="output_major").keeps_decode_copy()
+    assert not PRESETS["small"].replace(decode_weights="canonical").keeps_decode_copy()
+
+
 def test_unknown_decode_weights_is_refused():
-    with pytest.raises(ValueError, match="decode_weights 'row_major'.*allowed: output_major, canonical"):
+    with pytest.raises(ValueError, match="decode_weights 'row_major'.*allowed: auto, output_major, canonical"):
         PRESETS["tiny"].replace(decode_weights="row_major")

@@ -23,12 +23,17 @@ ATTENTION_IMPLS = ("xla", "pallas")
 kernels (interpret mode on CPU)."""
 
 
-DECODE_WEIGHTS = ("output_major", "canonical")
+DECODE_WEIGHTS = ("auto", "output_major", "canonical")
 """Values of ``ModelConfig.decode_weights``: whether an unrolled (CPU) stage keeps a second, transposed copy of its
-weight matrices for its decode programs (``llama.OUTPUT_MAJOR``; about 15% less CPU time per ``small`` decode step
-at batch 32 on a 2-core Xeon) or decodes on the canonical copy. The copy costs the stage's layer weights and LM
-head once more: +0.4 GB for ``small`` in float32, about +137 GB for a ``llama2-70b`` shape in bfloat16 (per device
-group, of its own layers). Scanned stages (GPU/TPU) never hold it."""
+weight matrices for its decode programs (``llama.OUTPUT_MAJOR``; 0.84x the wall time of a ``small`` decode step at
+batch 32, 0.86x at batch 8 on a 2-core Xeon) or decodes on the canonical copy. The copy costs the stage's layer
+weights and LM head once more: +0.4 GB for ``small`` in float32, about +137 GB for a ``llama2-70b`` shape in
+bfloat16. ``auto`` (the default) keeps it only for a model whose weights take at most ``DECODE_COPY_AUTO_BYTES``, so
+a large model on a CPU host does not need twice its memory unasked. Scanned stages (GPU/TPU) never hold it."""
+
+DECODE_COPY_AUTO_BYTES = 2 << 30
+"""Largest model (bytes of weights) for which ``decode_weights="auto"`` keeps the decode copy: ``small`` and the
+test presets, not a 7B model (28 GB in float32)."""
 
 
 def resolve_dtype(name) -> np.dtype:
@@ -75,7 +80,7 @@ class ModelConfig:
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
     attention: str = "xla"  # implementation behind the attention seam: "xla" (portable) or "pallas" (kernels)
-    decode_weights: str = "output_major"  # an unrolled stage's decode weight copy, see DECODE_WEIGHTS
+    decode_weights: str = "auto"  # an unrolled stage's decode weight copy, see DECODE_WEIGHTS
 
     def __post_init__(self):
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
@@ -117,6 +122,12 @@ class ModelConfig:
         per_layer = d * hd * (2 * h + 2 * kv) + 3 * d * f + 2 * d
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.n_layers * per_layer + d + head
+
+    def keeps_decode_copy(self) -> bool:
+        """Whether an unrolled stage of this model holds the output-major decode copy (``DECODE_WEIGHTS``)."""
+        if self.decode_weights == "auto":
+            return self.param_count() * self.param_dtype.itemsize <= DECODE_COPY_AUTO_BYTES
+        return self.decode_weights == "output_major"
 
     def matmul_params_per_token(self) -> int:
         """Weights touched by one token's matmuls in the decoder layers (no embedding gather, no LM head)."""

@@ -256,7 +256,7 @@ class Stage(nnx.Module):
     materialises a dynamic slice of each weight before its matmul, which made a memory-bound decode step of the
     ``small`` preset about 3x slower scanned than unrolled.
 
-    Decode copy (``ModelConfig.decode_weights == "output_major"``, unrolled stages only): the stage also holds its
+    Decode copy (``ModelConfig.keeps_decode_copy()``, unrolled stages only): the stage also holds its
     layers' weight matrices and LM head transposed (``OUTPUT_MAJOR``), and a step of one token per sequence (decode,
     T = 1) runs on them; longer steps (prefill) keep the canonical copies. Scanned stages (GPU/TPU) hold one copy.
     """
@@ -280,7 +280,7 @@ class Stage(nnx.Module):
             self.layers = _slice_layers(model.layers, start, stop)
         self.final_norm = model.final_norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
-        copy = not scan and cfg.decode_weights == "output_major"
+        copy = not scan and cfg.keeps_decode_copy()
         self.decode_layers = (nnx.List(_unstack_layers(model.layers, cfg, start, stop, output_major=True))
                               if copy else None)
         head = None
