@@ -50,13 +50,18 @@ def _busy_decode(ready, stop) -> None:
 
     engine = _engine("decode")
     rng = np.random.default_rng(1)
-    seqs = []
-    for _ in range(2):
-        seq = engine.new_sequence(rng.integers(0, engine.cfg.vocab_size, 500).tolist(),
-                                  SamplingParams(max_new_tokens=3000, ignore_eos=True))
-        engine.admit(seq, cached_pages=[])
-        engine.prefill(seq)
-        seqs.append(seq)
+
+    def two_sequences() -> list:
+        seqs = []
+        for _ in range(2):
+            seq = engine.new_sequence(rng.integers(0, engine.cfg.vocab_size, 500).tolist(),
+                                      SamplingParams(max_new_tokens=3000, ignore_eos=True))
+            engine.admit(seq, cached_pages=[])
+            engine.prefill(seq)
+            seqs.append(seq)
+        return seqs
+
+    seqs = two_sequences()
     engine.decode(seqs)
     ready.set()
     n, t = 0, time.perf_counter()
@@ -66,13 +71,7 @@ def _busy_decode(ready, stop) -> None:
         if seqs[0].num_tokens > 3400:  # start over before the pages run out
             for seq in seqs:
                 engine.release(seq)
-            seqs = []
-            for _ in range(2):
-                seq = engine.new_sequence(rng.integers(0, engine.cfg.vocab_size, 500).tolist(),
-                                          SamplingParams(max_new_tokens=3000, ignore_eos=True))
-                engine.admit(seq, cached_pages=[])
-                engine.prefill(seq)
-                seqs.append(seq)
+            seqs = two_sequences()
     print(f"busy decode: {n} steps, {(time.perf_counter() - t) / max(n, 1) * 1e3:.2f} ms a step", flush=True)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..conductor.profile import build_profile
 from ..model.engine import Engine, buckets
-from ..model.measure import decode_step_seconds
+from ..model.measure import decode_step_seconds, prefill_seconds
 from ..model.sequence import SamplingParams
 from ..transfer.offload import LayerwisePrefill, usable_prefix_blocks
 
@@ -54,24 +54,8 @@ def decode_grid(limit: int, max_batch: int) -> list[tuple[int, int]]:
 def served_prefill_seconds(engine: Engine, prompt: list[int], prefix_tokens: int = 0) -> float:
     """Seconds of a plain prefill of ``prompt`` as a prefill instance serves one (``instance/prefill.py``): over its
     first ``prefix_tokens`` (whole blocks) cached in the engine, then the new blocks read out to the host for the
-    pool. ``prefill_seconds`` without that read under-counts what the instance's slowdown meter measures."""
-    cached = prefix_tokens // engine.block_size
-    warm = None
-    if cached:
-        warm = engine.new_sequence(prompt[: cached * engine.block_size + 1], SamplingParams(max_new_tokens=1))
-        engine.admit(warm, cached_pages=[])
-        engine.prefill(warm)
-    seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=1))
-    engine.admit(seq, cached_pages=warm.pages[:cached] if warm else [])
-    try:
-        t = time.perf_counter()
-        engine.prefill(seq)
-        engine.read_blocks(seq.pages[cached:])  # comes back on the host: nothing left running
-        return time.perf_counter() - t
-    finally:
-        engine.release(seq)
-        if warm:
-            engine.release(warm)
+    pool. Without that read the prefill's time under-counts what the instance's slowdown meter measures."""
+    return prefill_seconds(engine, prompt, prefix_tokens, read_out=True)
 
 
 def layerwise_prefill_seconds(engine: Engine, prompt: list[int], prefix_tokens: int = 0) -> float:

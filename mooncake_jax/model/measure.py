@@ -17,8 +17,9 @@ from .engine import Engine
 from .sequence import SamplingParams
 
 
-def prefill_seconds(engine: Engine, prompt: list[int], prefix_tokens: int = 0) -> float:
-    """Seconds to prefill ``prompt`` when its first ``prefix_tokens`` (rounded down to whole blocks) are cached."""
+def prefill_seconds(engine: Engine, prompt: list[int], prefix_tokens: int = 0, read_out: bool = False) -> float:
+    """Seconds to prefill ``prompt`` when its first ``prefix_tokens`` (rounded down to whole blocks) are cached;
+    ``read_out``: and to read its new blocks back to the host, as a prefill instance does for its pool."""
     cached = prefix_tokens // engine.block_size
     warm = None
     if cached:
@@ -27,14 +28,18 @@ def prefill_seconds(engine: Engine, prompt: list[int], prefix_tokens: int = 0) -
         engine.prefill(warm)
     seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=1))
     engine.admit(seq, cached_pages=warm.pages[:cached] if warm else [])
-    t = time.perf_counter()
-    engine.prefill(seq)
-    engine.block_until_ready()
-    seconds = time.perf_counter() - t
-    engine.release(seq)
-    if warm:
-        engine.release(warm)
-    return seconds
+    try:
+        t = time.perf_counter()
+        engine.prefill(seq)
+        if read_out:
+            engine.read_blocks(seq.pages[cached:])  # comes back on the host: nothing left running
+        else:
+            engine.block_until_ready()
+        return time.perf_counter() - t
+    finally:
+        engine.release(seq)
+        if warm:
+            engine.release(warm)
 
 
 def decode_step_seconds(engine: Engine, rng: np.random.Generator, batch: int, context_tokens: int,
