@@ -164,6 +164,7 @@ def test_bfloat16_engine_equals_the_float_stored_engine_bit_for_bit(engines, run
     check_equal(*runs, jnp.dtype(jnp.bfloat16))
 
 
+@pytest.mark.slow  # ~15-40 s on 2 cores; the float16 bits are checked by the unit test above, the engine by bfloat16's
 def test_float16_kv_of_a_float32_model_equals_the_float_stored_one_bit_for_bit(f32_model):
     # layers under lax.scan (the GPU/TPU default): the stored arrays ride the scan's carry
     stored, reference = (build(f32_model, reference, kv_dtype="float16", scan_layers=True)
