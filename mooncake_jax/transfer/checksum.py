@@ -34,21 +34,22 @@ def checksum(data: memoryview | bytes | np.ndarray) -> tuple[int, int]:
 
 
 COPY_CHUNK_BYTES = 1 << 20
-"""Bytes landed then hashed at a time by ``fill_with_checksum`` (an SSD read's ``preadv``) and by
-``copy_with_checksum`` without streaming stores: small enough that the chunk is still in the core's L2 cache (2 MiB
+"""Bytes landed then hashed at a time by ``fill_with_checksum`` (unless told another step: an SSD read's
+``preadv`` takes ``shard_reader.READ_STEP_BYTES``) and by ``copy_with_checksum`` without streaming stores: small enough that the chunk is still in the core's L2 cache (2 MiB
 on the machines measured) when it is hashed, large enough that Python's per-chunk cost is noise."""
 
 
-def fill_with_checksum(out: np.ndarray, fill: Callable[[np.ndarray, int], bool]) -> tuple[int, int] | None:
-    """Fill ``out`` (flat uint8) chunk by chunk, ``fill(chunk, start)`` writing ``out[start:start + chunk.size]``,
-    each chunk hashed from cache right after it lands: one pass over memory instead of two. The checksum of the
-    bytes, or None as soon as ``fill`` says a chunk did not land whole."""
+def fill_with_checksum(out: np.ndarray, fill: Callable[[np.ndarray, int], bool],
+                       step: int = COPY_CHUNK_BYTES) -> tuple[int, int] | None:
+    """Fill ``out`` (flat uint8) ``step`` bytes at a time, ``fill(chunk, start)`` writing
+    ``out[start:start + chunk.size]``, each chunk hashed from cache right after it lands: one pass over memory
+    instead of two. The checksum of the bytes, or None as soon as ``fill`` says a chunk did not land whole."""
     n = out.size
-    if n <= COPY_CHUNK_BYTES:  # one chunk: no streaming state to set up
+    if n <= step:  # one chunk: no streaming state to set up
         return split_digest(xxhash.xxh3_128_intdigest(out)) if fill(out, 0) else None
     hasher = xxhash.xxh3_128()
-    for start in range(0, n, COPY_CHUNK_BYTES):
-        chunk = out[start : start + COPY_CHUNK_BYTES]
+    for start in range(0, n, step):
+        chunk = out[start : start + step]
         if not fill(chunk, start):
             return None
         hasher.update(chunk)

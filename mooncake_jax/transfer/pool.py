@@ -330,14 +330,11 @@ class BlockPool:
             # one copy (the slots' views are valid until the lock is released), or none when the records lie in one
             # received message in this order: that message is relayed as it is
             message = joined(parts, separator)
-            if not verify:
-                for tier, key in found:
-                    self._hit(0, tier, key, lambda _: None)
-                return message, len(found)
             view, at = memoryview(message), 0
             for i, (tier, key) in enumerate(found):
                 try:  # the copy is verified: what is sent is what was checked
-                    verify_record(self.spec, key, view[at : at + self.record_bytes])
+                    if verify:
+                        verify_record(self.spec, key, view[at : at + self.record_bytes])
                 except CorruptBlockError as err:
                     self._bad_block(tier, key, err)
                     return message[: max(at - len(separator), 0)], i

@@ -44,9 +44,9 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
-from xxhash import xxh3_128, xxh3_128_intdigest
+from xxhash import xxh3_128_intdigest
 
-from mooncake_jax.transfer.checksum import split_digest
+from mooncake_jax.transfer.checksum import fill_with_checksum, split_digest
 
 READ_STEP_BYTES = 256 << 10
 """Bytes landed by one ``preadv`` then hashed, for records over ``ONE_READ_BYTES``: small enough that what the
@@ -96,13 +96,8 @@ def read_with_checksum(fd: int, out: np.ndarray, offset: int,
         if _pread(fd, out, offset, on_cold) != n:
             return None
         return split_digest(xxh3_128_intdigest(out))
-    hasher = xxh3_128()
-    for start in range(0, n, READ_STEP_BYTES):
-        step = out[start : start + READ_STEP_BYTES]
-        if _pread(fd, step, offset + start, on_cold) != step.size:
-            return None
-        hasher.update(step)
-    return split_digest(hasher.intdigest())
+    return fill_with_checksum(out, lambda step, start: _pread(fd, step, offset + start, on_cold) == step.size,
+                              READ_STEP_BYTES)
 
 
 class Pace:
