@@ -21,6 +21,7 @@ a stray refusal explains itself.
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 import tempfile
@@ -128,54 +129,48 @@ def send(url: str, item: dict, timeout_s: float = 300.0) -> dict:
                     times += [time.perf_counter() - t0] * len(chunk["choices"][0].get("token_ids") or [])
                 usage = chunk.get("usage") or usage
     except urllib.error.HTTPError as e:
-        return {"status": "rejected" if e.code == 429 else "failed", "code": e.code,
-                "error": error_message(e.read().decode(errors="replace"))}
+        error = error_fields(e.read().decode(errors="replace"))
+        out = {"status": "rejected" if e.code == 429 else "failed", "code": e.code, "error": error["message"]}
+        if e.code == 429:
+            out.update(stage=error.get("stage", ""), cause=error.get("cause", ""))
+        return out
     except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
         return {"status": "failed", "error": str(e)}
     return {"status": "completed", "times": times, "usage": usage, "prompt_tokens": len(item["prompt"]),
             "id": completion_id, "started": t0}
 
 
-def error_message(body: str) -> str:
-    """The message of an OpenAI-style error body (``{"error": {"message": ...}}``), else the body's start."""
+def error_fields(body: str) -> dict:
+    """The ``error`` object of an OpenAI-style error body (``{"error": {"message": ..., ...}}``; a 429's carries
+    ``stage`` and ``cause`` too), else ``{"message": <the body's start>}``."""
     try:
-        return str(json.loads(body)["error"]["message"])[:1000]
+        error = json.loads(body)["error"]
+        return {**error, "message": str(error["message"])[:1000]}
     except (ValueError, KeyError, TypeError):
-        return body[:1000]
+        return {"message": body[:1000]}
 
 
 def refusals(results: list[dict], items: list[dict]) -> list[dict]:
-    """Each refused request (a 429) with its reason: ``stage`` early (the Conductor refused it before any work:
-    its message starts "overloaded (reason): predicted ...", ``instance/backend.py``) or late (an instance did,
-    after the Conductor had placed it: its message names the instance, its work and the time left)."""
-    out = []
-    for i, r in enumerate(results):
-        if r["status"] == "rejected":
-            reason = r.get("error", "")
-            out.append({"request": i, "at_s": round(items[i]["at"], 3), "prompt_tokens": len(items[i]["prompt"]),
-                        "stage": "early" if reason.startswith("overloaded (") else "late", "reason": reason})
-    return out
+    """Each refused request (a 429) with its reason and the gateway's ``stage`` and ``cause`` for it: early (the
+    Conductor refused it before any work, cause its reason, e.g. ``ttft_slo``; the message gives its predictions)
+    or late (an instance did after the Conductor had placed it, cause the instance's id; the message gives its
+    work and the time left)."""
+    return [{"request": i, "at_s": round(items[i]["at"], 3), "prompt_tokens": len(items[i]["prompt"]),
+             "stage": r.get("stage", ""), "cause": r.get("cause", ""), "reason": r.get("error", "")}
+            for i, r in enumerate(results) if r["status"] == "rejected"]
 
 
 def refusal_line(refused: list[dict]) -> str:
-    """One line counting ``refusals`` by stage and cause: the Conductor's reason for early ones, the refusing
-    instance for late ones, e.g. "refused 3: early 2 (ttft_slo 2), late 1 (prefill-1 1)"."""
+    """One line counting ``refusals`` by stage and cause, e.g. "refused 3: early 2 (ttft_slo 2), late 1
+    (prefill-1 1)"."""
     if not refused:
         return "refused 0"
     parts = []
-    for stage in ("early", "late"):
-        causes: dict[str, int] = {}
-        for r in refused:
-            if r["stage"] == stage:
-                if stage == "early":
-                    cause = r["reason"][len("overloaded ("):].split(")", 1)[0]
-                else:
-                    words = r["reason"].split()
-                    cause = words[2] if len(words) > 2 and words[1] == "instance" else "other"
-                causes[cause] = causes.get(cause, 0) + 1
-        if causes:
-            parts.append(f"{stage} {sum(causes.values())} ("
-                         + ", ".join(f"{c} {n}" for c, n in sorted(causes.items())) + ")")
+    order = {"early": 0, "late": 1}
+    for stage in sorted({r["stage"] for r in refused}, key=lambda stage: (order.get(stage, 2), stage)):
+        causes = collections.Counter(r["cause"] or "unknown" for r in refused if r["stage"] == stage)
+        parts.append(f"{stage or 'unknown'} {sum(causes.values())} ("
+                     + ", ".join(f"{c} {n}" for c, n in sorted(causes.items())) + ")")
     return f"refused {len(refused)}: " + ", ".join(parts)
 
 

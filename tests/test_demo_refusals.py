@@ -22,23 +22,30 @@ LATE_DECODE = "decode instance decode-0 rejected the request: no room (retry aft
 
 
 def test_refusals_list_each_reason_and_one_line_counts_them():
-    items = [{"at": 0.5 * i, "prompt": [1] * (10 + i)} for i in range(5)]
-    results = [{"status": "completed", "times": [0.1]}, {"status": "rejected", "code": 429, "error": EARLY},
-               {"status": "rejected", "code": 429, "error": LATE_PREFILL}, {"status": "failed", "error": "x"},
-               {"status": "rejected", "code": 429, "error": LATE_DECODE}]
+    items = [{"at": 0.5 * i, "prompt": [1] * (10 + i)} for i in range(6)]
+    results = [{"status": "completed", "times": [0.1]},
+               {"status": "rejected", "code": 429, "error": EARLY, "stage": "early", "cause": "ttft_slo"},
+               {"status": "rejected", "code": 429, "error": LATE_PREFILL, "stage": "late", "cause": "prefill-1"},
+               {"status": "failed", "error": "x"},
+               {"status": "rejected", "code": 429, "error": LATE_DECODE, "stage": "late", "cause": "decode-0"},
+               {"status": "rejected", "code": 429, "error": "a proxy's 429", "stage": "", "cause": ""}]
     refused = demo.refusals(results, items)
     assert refused == [
-        {"request": 1, "at_s": 0.5, "prompt_tokens": 11, "stage": "early", "reason": EARLY},
-        {"request": 2, "at_s": 1.0, "prompt_tokens": 12, "stage": "late", "reason": LATE_PREFILL},
-        {"request": 4, "at_s": 2.0, "prompt_tokens": 14, "stage": "late", "reason": LATE_DECODE}]
-    assert demo.refusal_line(refused) == "refused 3: early 1 (ttft_slo 1), late 2 (decode-0 1, prefill-1 1)"
+        {"request": 1, "at_s": 0.5, "prompt_tokens": 11, "stage": "early", "cause": "ttft_slo", "reason": EARLY},
+        {"request": 2, "at_s": 1.0, "prompt_tokens": 12, "stage": "late", "cause": "prefill-1", "reason": LATE_PREFILL},
+        {"request": 4, "at_s": 2.0, "prompt_tokens": 14, "stage": "late", "cause": "decode-0", "reason": LATE_DECODE},
+        {"request": 5, "at_s": 2.5, "prompt_tokens": 15, "stage": "", "cause": "", "reason": "a proxy's 429"}]
+    assert demo.refusal_line(refused) == ("refused 4: early 1 (ttft_slo 1), late 2 (decode-0 1, prefill-1 1), "
+                                          "unknown 1 (unknown 1)")
+    assert demo.refusal_line(refused[:3]) == "refused 3: early 1 (ttft_slo 1), late 2 (decode-0 1, prefill-1 1)"
     assert demo.refusal_line([]) == "refused 0"
 
 
-def test_error_message_reads_the_openai_error_body():
-    assert demo.error_message('{"error": {"message": "overloaded (tbt_slo): x", "code": 429}}') == \
-        "overloaded (tbt_slo): x"
-    assert demo.error_message("<html>bad gateway</html>") == "<html>bad gateway</html>"  # not JSON: as it came
+def test_error_fields_read_the_openai_error_body():
+    assert demo.error_fields('{"error": {"message": "overloaded (tbt_slo): x", "code": 429, "stage": "early", '
+                             '"cause": "tbt_slo"}}') == {"message": "overloaded (tbt_slo): x", "code": 429,
+                                                         "stage": "early", "cause": "tbt_slo"}
+    assert demo.error_fields("<html>bad gateway</html>") == {"message": "<html>bad gateway</html>"}  # not JSON
 
 
 def test_the_conductors_refusal_names_its_predictions():
@@ -62,7 +69,8 @@ def test_refusals_through_the_gateway_explain_themselves():
         gateway = cluster.serve_gateway(grpc_port=None, http_port=0)
         result = demo.send(f"http://127.0.0.1:{gateway.http_port}/v1/completions", items[0])
     [refusal] = demo.refusals([result], items)
-    assert refusal["stage"] == "early" and refusal["reason"].startswith("overloaded (ttft_slo): predicted TTFT ")
+    assert (refusal["stage"], refusal["cause"]) == ("early", "ttft_slo")
+    assert refusal["reason"].startswith("overloaded (ttft_slo): predicted TTFT ")
     ttft, prefill = (float(x) for x in re.search(r"predicted TTFT ([\d.]+) s \(queue [\d.]+ s \+ prefill ([\d.]+) s "
                                                  r"on prefill-0\)", refusal["reason"]).groups())
     assert prefill == pytest.approx(prefill_work_s(costs_from_profile(PROFILE).prefill, len(prompt), 0), abs=1e-3)
@@ -71,7 +79,8 @@ def test_refusals_through_the_gateway_explain_themselves():
         gateway = cluster.serve_gateway(grpc_port=None, http_port=0)
         result = demo.send(f"http://127.0.0.1:{gateway.http_port}/v1/completions", items[0])
     [refusal] = demo.refusals([result], items)
-    assert refusal["stage"] == "late" and refusal["reason"].startswith("decode instance decode-0 rejected")
+    assert (refusal["stage"], refusal["cause"]) == ("late", "decode-0")
+    assert refusal["reason"].startswith("decode instance decode-0 rejected")
     assert demo.refusal_line([refusal]) == "refused 1: late 1 (decode-0 1)"
 
 

@@ -119,10 +119,12 @@ def test_the_model_may_be_named(gateway):
 
 
 def test_backend_errors_map_to_status_codes(gateway, backend):
-    backend.fail = Rejected("decode is full", retry_after_s=2.5)
+    backend.fail = Rejected("decode is full", retry_after_s=2.5, stage="early", cause="tbt_slo")
     err = grpc_error(gateway.grpc_port, prompt_token_ids=[1, 5], max_tokens=3)
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "decode is full" in err.details()
-    assert dict(err.trailing_metadata())["retry-after-s"] == "2.5"
+    trailing = dict(err.trailing_metadata())
+    assert (trailing["retry-after-s"], trailing["rejected-stage"], trailing["rejected-cause"]) == ("2.5", "early",
+                                                                                                   "tbt_slo")
     backend.fail = Unavailable("instance p0 died")
     err = grpc_error(gateway.grpc_port, prompt_token_ids=[1, 5], max_tokens=3)
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "p0 died" in err.details()

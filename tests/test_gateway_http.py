@@ -167,10 +167,11 @@ def test_keep_alive_connection_survives_a_bad_request(gateway, backend):
 
 def test_overload_is_429_with_retry_after_and_unavailable_is_503(gateway, backend):
     for stream in (False, True):
-        backend.fail = Rejected("prefill queue too long", retry_after_s=2.2)
+        backend.fail = Rejected("prefill queue too long", retry_after_s=2.2, stage="late", cause="prefill-1")
         status, headers, body = complete(gateway.http_port, {"prompt": "hi", "stream": stream})
         assert status == 429 and headers["Retry-After"] == "3"
         assert "prefill queue too long" in body["error"]["message"] and body["error"]["retry_after_s"] == 2.2
+        assert (body["error"]["stage"], body["error"]["cause"]) == ("late", "prefill-1")
         backend.fail = Unavailable("no decode instance alive")
         status, _, body = complete(gateway.http_port, {"prompt": "hi", "stream": stream})
         assert status == 503 and "no decode instance alive" in body["error"]["message"]

@@ -25,7 +25,9 @@ What a client gets:
   folder's name), ``GET /metrics`` (Prometheus, vLLM's series names under ``mooncake_``), ``GET /health`` (503
   naming what is missing when the backend cannot serve; the gRPC health service follows it).
 - Errors: a bad request is INVALID_ARGUMENT / 400 with a message saying what is wrong; overload is
-  RESOURCE_EXHAUSTED / 429 with a retry hint (trailing metadata ``retry-after-s`` / header ``Retry-After``);
+  RESOURCE_EXHAUSTED / 429 with a retry hint (trailing metadata ``retry-after-s`` / header ``Retry-After``)
+  and what refused it (metadata ``rejected-stage`` and ``rejected-cause`` / the body's ``error.stage`` and
+  ``error.cause``: ``early`` and the Conductor's reason, or ``late`` and the refusing instance);
   a backend that cannot serve is UNAVAILABLE / 503; a missing token is UNAUTHENTICATED / 401.
 
 Modules, one job each: ``backend`` (the contract), ``tokenizer`` (tokenizer.json or bytes, special tokens and

@@ -93,12 +93,15 @@ class DuplicateRequest(InvalidRequest):
 
 class Rejected(RuntimeError):
     """Overload: the request was not (or no longer) accepted. ``stage`` is REJECT_EARLY (before prefill, by the
-    Conductor) or REJECT_LATE (by the decode instance after prefill)."""
+    Conductor) or REJECT_LATE (by the decode instance after prefill); ``cause`` says what refused it in one word a
+    program can count without reading the message: the Conductor's reason (``ttft_slo``, ``tbt_slo``, ...) for an
+    early refusal, the refusing instance's id for a late one. Both travel in the HTTP 429 body's ``error``."""
 
-    def __init__(self, message: str, retry_after_s: float = 1.0, stage: str = REJECT_EARLY):
+    def __init__(self, message: str, retry_after_s: float = 1.0, stage: str = REJECT_EARLY, cause: str = ""):
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.stage = stage
+        self.cause = cause
 
 
 class Unavailable(RuntimeError):

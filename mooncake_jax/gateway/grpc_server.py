@@ -2,7 +2,8 @@
 health service and server reflection.
 
 Status codes: INVALID_ARGUMENT for a bad request (the message says what), RESOURCE_EXHAUSTED for overload with
-the suggested wait in the trailing metadata ``retry-after-s``, UNAVAILABLE when the backend cannot serve,
+the suggested wait in the trailing metadata ``retry-after-s`` (and ``rejected-stage``, ``rejected-cause``: what
+refused it, ``gateway.backend.Rejected``), UNAVAILABLE when the backend cannot serve,
 UNAUTHENTICATED without the shared token (health stays open so orchestrators can probe). A client that cancels
 or disconnects sets the request's ``cancelled`` event at once (an RPC-termination callback), so the backend
 stops and frees the KV even while the handler waits for the next token.
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = messages.DESCRIPTOR.services_by_name["Gateway"].full_name
 RETRY_AFTER_KEY = "retry-after-s"
+REJECTED_STAGE_KEY, REJECTED_CAUSE_KEY = "rejected-stage", "rejected-cause"
 _FINISH = {FINISH_LENGTH: messages.FINISH_REASON_LENGTH, FINISH_STOP: messages.FINISH_REASON_STOP,
            FINISH_ABORT: messages.FINISH_REASON_ABORT}
 
@@ -79,7 +81,8 @@ class GatewayService(services.GatewayServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Rejected as e:
             hint = retry_hint_s(e)
-            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{hint:g}"),))
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, f"{hint:g}"), (REJECTED_STAGE_KEY, e.stage),
+                                           (REJECTED_CAUSE_KEY, e.cause)))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e} (retry after {hint:g} s)")
         except Unavailable as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))

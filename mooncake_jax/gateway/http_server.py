@@ -85,7 +85,7 @@ def _http_error(e: Exception) -> _HttpError:
     if isinstance(e, Rejected):
         hint = retry_hint_s(e)
         return _HttpError(429, f"{e} (retry after {hint:g} s)", {"Retry-After": str(math.ceil(hint))},
-                          retry_after_s=hint)
+                          retry_after_s=hint, stage=e.stage, cause=e.cause)
     if isinstance(e, Unavailable):
         return _HttpError(503, str(e))
     log.error("completion failed", exc_info=e)

@@ -214,7 +214,7 @@ class ClusterBackend:
                 raise Unavailable(f"no {missing} instance alive (the Conductor lists none); retry when one is back")
             self._count(rejected_early=1)
             raise Rejected(f"overloaded ({decision.reject_reason}): {predictions(decision)}", decision.retry_after_s,
-                           REJECT_EARLY)
+                           REJECT_EARLY, cause=decision.reject_reason)
         prefill_at = (decision.prefill_id, decision.prefill_address, "prefill")
         decode_at = (decision.decode_id, decision.decode_address, "decode")
         sampling = sampling_message(params)
@@ -261,7 +261,7 @@ class ClusterBackend:
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self._count(rejected_late=1)
                     raise Rejected(f"decode instance {decision.decode_id} rejected the request: {e.details()}",
-                                   1.0, REJECT_LATE) from None
+                                   1.0, REJECT_LATE, cause=decision.decode_id) from None
                 self._report_dropped(request.request_id)
                 raise self._failure(e, decode_at, [decode_at]) from None
             self._count(ttft_seconds=time.perf_counter() - t0, **ttft_parts)  # once the decode side accepted
@@ -302,7 +302,8 @@ class ClusterBackend:
             return InvalidRequest(error.details())
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self._count(rejected_late=1)
-            return Rejected(f"{called[2]} instance {called[0]} is overloaded: {error.details()}", 1.0, REJECT_LATE)
+            return Rejected(f"{called[2]} instance {called[0]} is overloaded: {error.details()}", 1.0, REJECT_LATE,
+                            cause=called[0])
         dead = [s for s in suspects if not self._alive(s[1])]
         for instance_id, _, role in dead:
             self._drop_instance(instance_id, role)

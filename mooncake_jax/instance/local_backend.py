@@ -65,10 +65,10 @@ class EngineBackend:
             wait(future, self.timeout_s)
         except OutOfPages as e:
             self._count(rejected=1)
-            raise Rejected(f"the engine's KV cache is full: {e}", 1.0, REJECT_EARLY) from None
+            raise Rejected(f"the engine's KV cache is full: {e}", 1.0, REJECT_EARLY, cause="kv_cache_full") from None
         except QueueFull as e:
             self._count(rejected=1)
-            raise Rejected(str(e), 1.0, REJECT_EARLY) from None
+            raise Rejected(str(e), 1.0, REJECT_EARLY, cause="queue_full") from None
         except (LoopStopped, TimeoutError) as e:
             if future is not None and not future.cancel():  # too late to unqueue it: stop it in the batch
                 self.loop.cancel(seq)
