@@ -56,17 +56,6 @@ step took 311-447 ms in the ninth pass (the TBT SLO is 0.25 s), a 2-way one a fe
 prefill of 512 tokens took 35 ms on one device and 77 ms on two, so the prefill, which decides TTFT, runs on one."""
 
 
-def hetero_device_count(prefill: int, decode: int) -> int:
-    """Devices ``demo --hetero`` needs for ``prefill`` + ``decode`` instances (each on its own)."""
-    from .instance.config import parse_shape
-
-    def count(role: str) -> int:
-        shape = parse_shape(HETERO[f"{role}_shape"])
-        return shape["tensor_parallel"] * shape["pipeline_stages"]
-
-    return prefill * count("prefill") + decode * count("decode")
-
-
 def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=100, help="first N requests of the trace")
     p.add_argument("--speed", type=float, default=1.0, help="replay speed (2.0 halves the gaps)")
@@ -336,10 +325,6 @@ def run(args) -> int:
     cfg = PRESETS["tiny"]
     items = workload(args.requests, cfg.vocab_size, cfg.max_seq_len)
     shapes = HETERO if getattr(args, "hetero", False) else {}
-    if shapes and args.in_process:  # this process holds every instance: it needs their devices (CPU: fake ones)
-        from .instance.devices import reserve_cpu_devices
-
-        reserve_cpu_devices(hetero_device_count(args.prefill, args.decode))
     print(f"starting the cluster: tiny model, {args.prefill} prefill + {args.decode} decode instances"
           f"{' (unlike: ' + ', '.join(f'{k}={v}' for k, v in shapes.items()) + ')' if shapes else ''} ...",
           flush=True)

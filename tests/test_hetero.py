@@ -3,6 +3,7 @@ their own devices, KV re-laid out between prefill and decode instances of other 
 and bad cluster shapes refused before anything starts."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -267,15 +268,13 @@ def test_conductor_hands_out_slos_and_refuses_unexchangeable_kv_at_registration(
 # ---- demo --hetero ------------------------------------------------------------------------------------------------
 def test_demo_hetero_cluster_is_unlike_and_fits_its_devices():
     """``demo --hetero``'s shapes as the cluster checks them: every instance on its own devices, prefill and decode
-    unlike in tensor parallelism, dtype and page size; the summary's ``instances`` names each one's shape; the
-    devices the demo reserves (``hetero_device_count``) are exactly those the shapes take."""
-    from mooncake_jax.demo import HETERO, describe_instances, hetero_device_count
+    unlike in tensor parallelism, dtype and page size; the summary's ``instances`` names each one's shape."""
+    from mooncake_jax.demo import HETERO, describe_instances
     from mooncake_jax.model.config import get_config
 
     per_role = {role: {k[len(role) + 1:]: v for k, v in HETERO.items() if k.startswith(role + "_")}
                 for role in ("prefill", "decode")}
     options = {k: v for k, v in HETERO.items() if not k.startswith(("prefill_", "decode_"))}
-    assert hetero_device_count(2, 1) == 4 and hetero_device_count(1, 2) == 5
     cfg = get_config("tiny")
     assert HETERO["prefill_num_pages"] == 1 + 2 * -(-cfg.max_seq_len // HETERO["prefill_block_size"])
     configs = check_cluster("tiny", role_configs("tiny", 2, 1, options=options, per_role=per_role), 4)
@@ -328,3 +327,23 @@ def test_demo_hetero_summary(tmp_path):
     assert {"slo_attainment", "tbt_p99_s", "ttft_p50_s", "transfer_bytes"} <= set(summary)
     assert {(i["role"], i["tensor_parallel"], i["dtype"], i["block_size"]) for i in summary["instances"]} == {
         ("prefill", 1, "bfloat16", 16), ("decode", 2, "float32", 32)}
+
+
+@pytest.mark.timeout(300)
+def test_an_in_process_cluster_gets_the_cpu_devices_its_shapes_take():
+    """``Cluster.local(processes=False)`` in a fresh process (one CPU device by default) asks JAX for the devices
+    its instances' shapes take before JAX starts: a tensor=2 decode instance beside a prefill instance needs 3.
+    (``demo --hetero --in-process`` counted them itself; a user's script had no way to.)"""
+    import subprocess
+    import sys
+
+    script = f"""
+import jax, mooncake_jax as mj
+with mj.Cluster.local("tiny", prefill=1, decode=1, processes=False, decode_shape="tensor=2", warmup=False,
+                      compile_cache=None, profile_json={PROFILE!r}) as cluster:
+    print("devices", jax.device_count(), sorted(cluster.instances))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the suite's 8 fake devices would hide it
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "devices 3 ['decode-0', 'prefill-0']" in out.stdout

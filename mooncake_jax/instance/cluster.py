@@ -211,8 +211,9 @@ class Cluster:
                                                   block_size=decode_block_size, cpus=decode_cpus,
                                                   num_pages=decode_num_pages)})
         model = configs[0].model
-        if processes:  # on the CPU platform the launcher may still ask for the devices the shapes need
-            reserve_cpu_devices(sum(c.device_count for c in configs))
+        # On the CPU platform, before JAX starts, ask for the devices the shapes need: instances in this process
+        # run on them; instance processes are checked against them (each child asks for its own).
+        reserve_cpu_devices(sum(c.device_count for c in configs))
         import jax
 
         configs = check_cluster(model, configs, jax.device_count())
