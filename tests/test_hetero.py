@@ -330,10 +330,13 @@ def test_demo_hetero_summary(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_an_in_process_cluster_gets_the_cpu_devices_its_shapes_take():
+@pytest.mark.parametrize("flagged, expected", [(None, 3), (8, 8)])
+def test_an_in_process_cluster_gets_the_cpu_devices_its_shapes_take(flagged, expected):
     """``Cluster.local(processes=False)`` in a fresh process (one CPU device by default) asks JAX for the devices
     its instances' shapes take before JAX starts: a tensor=2 decode instance beside a prefill instance needs 3.
-    (``demo --hetero --in-process`` counted them itself; a user's script had no way to.)"""
+    (``demo --hetero --in-process`` counted them itself; a user's script had no way to.) It never takes devices
+    from a process that asked XLA for more (``--xla_force_host_platform_device_count=8``: JAX's own setting would
+    override the flag)."""
     import subprocess
     import sys
 
@@ -344,6 +347,8 @@ with mj.Cluster.local("tiny", prefill=1, decode=1, processes=False, decode_shape
     print("devices", jax.device_count(), sorted(cluster.instances))
 """
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the suite's 8 fake devices would hide it
+    if flagged:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={flagged}"
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "devices 3 ['decode-0', 'prefill-0']" in out.stdout
+    assert f"devices {expected} ['decode-0', 'prefill-0']" in out.stdout

@@ -213,7 +213,7 @@ class Cluster:
         model = configs[0].model
         # On the CPU platform, before JAX starts, ask for the devices the shapes need: instances in this process
         # run on them; instance processes are checked against them (each child asks for its own).
-        reserve_cpu_devices(sum(c.device_count for c in configs))
+        reserve_cpu_devices(sum(c.device_count for c in configs), keep_flagged=True)
         import jax
 
         configs = check_cluster(model, configs, jax.device_count())

@@ -9,6 +9,9 @@ its ids need (``reserve_cpu_devices``), so a child of a 1-device parent can stil
 
 from __future__ import annotations
 
+import os
+import re
+
 from .config import InstanceConfig, format_devices
 
 
@@ -45,11 +48,17 @@ def assign_devices(configs: list[InstanceConfig], available: int) -> list[Instan
     return out
 
 
-def reserve_cpu_devices(count: int) -> bool:
-    """Ask JAX for ``count`` CPU devices (only the CPU platform honours it). Works only before JAX has started
-    its backends; returns whether it did."""
+def reserve_cpu_devices(count: int, keep_flagged: bool = False) -> bool:
+    """Ask JAX for ``count`` CPU devices (only the CPU platform honours it); with ``keep_flagged``, never fewer than
+    XLA's own ``--xla_force_host_platform_device_count`` already gives (JAX's setting overrides that flag): a
+    launcher holding instances in its process must not take devices from a program that asked XLA for more. An
+    instance process asks for exactly its own. Works only before JAX has started its backends; returns whether
+    it did."""
     import jax
 
+    if keep_flagged:
+        flagged = re.findall(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+        count = max([count, *(int(n) for n in flagged)])
     try:
         jax.config.update("jax_num_cpu_devices", max(1, count))
         return True
