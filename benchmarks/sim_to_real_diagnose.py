@@ -1,7 +1,9 @@
 """Where the sim-to-real prefill reading misses, from the token files of ``benchmarks/sim_to_real.py`` runs (no
 cluster): per run, the engine compute its instances reported over the start-up profile's prediction, in the bursts
 (the probe a minute before the replay) and in the replay, for prompts under and over 1,024 new tokens, and how much
-of the long prompts' compute ran beside another prefill; with two or more runs, the first two re-simulated (the
+of the long prompts' compute ran beside another prefill, and the profile reading's TTFT error as it is and with
+its prefill engine scaled by the replay's compute over the bursts' (read from the replay: no prediction, how much of
+the miss the engine's level explains); with two or more runs, the first two re-simulated (the
 profile reading, ``from_profile``) with one input taken from the other run: its start-up profile, its bursts, its
 other probes. Twelfth pass (docs/benchmarks/sim.md): the bursts, not the start-up profile, set the simulated TTFT.
 
@@ -69,16 +71,20 @@ def run_figures(measured: dict, items) -> dict:
     return figures
 
 
-def simulated_ttft(measured: dict, items, profile_from: dict, bursts_from: dict, probes_from: dict) -> list[float]:
+def simulated_ttft(measured: dict, items, profile_from: dict, bursts_from: dict, probes_from: dict,
+                   engine_scale: float = 1.0) -> list[float]:
     """TTFT p50, p90 of the profile reading with the start-up profile, the bursts and the other probes each taken
-    from the given run (the replay's arrivals and completions from ``measured``)."""
+    from the given run (the replay's arrivals and completions from ``measured``), its prefill engine times
+    ``engine_scale``."""
     costs = costs_from_profile(profile_from["profile_json"])
     runs = [(start, n, np.array(times)) for start, n, times in bursts_from["bursts"]]
     engine = [tuple(e) for e in bursts_from["burst_engine"]]
     probed = dict(probes_from["overheads"])
     probed.setdefault("host_prefill_cfs_weight", cfs_weight(5))
     probed = host_variant(probed, costs, engine, runs, 2, 2)
-    _, by_item = sim_to_real.simulated(items, costs, from_profile(costs, probed, 2), 2, 1, 1.0, 8192 * ENGINE_BLOCK,
+    inputs = from_profile(costs, probed, 2)
+    inputs["prefill_coef"] = [c * engine_scale for c in inputs["prefill_coef"]]
+    _, by_item = sim_to_real.simulated(items, costs, inputs, 2, 1, 1.0, 8192 * ENGINE_BLOCK,
                                        {"ttft_slo_s": 30.0, "tbt_slo_s": 1.0})
     ttft = [by_item[i].ttft_s for i, r in enumerate(measured["replay"]) if r is not None]
     return [float(v) for v in np.percentile(ttft, [50, 90])]
@@ -98,6 +104,12 @@ def main() -> None:
     out = {}
     for path, m, its in zip(args.token_files, runs, items):
         out[path.name] = figures = run_figures(m, its)
+        real = np.percentile([r["times"][0] for r in m["replay"] if r is not None], [50, 90])
+        scale = figures["replay_all"] / figures["bursts_all"]
+        for label, k in (("", 1.0), ("_engine_at_replay_level", scale)):
+            sim = simulated_ttft(m, its, m, m, m, k)
+            figures[f"ttft_p50_rel_err{label}"], figures[f"ttft_p90_rel_err{label}"] = (
+                float(abs(x - r) / r) for x, r in zip(sim, real))
         print(path.name, {k: None if v is None else round(v, 2) for k, v in figures.items()})
     if len(runs) >= 2:
         for (a, ia), b in (((runs[0], items[0]), runs[1]), ((runs[1], items[1]), runs[0])):
