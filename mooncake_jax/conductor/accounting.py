@@ -11,7 +11,12 @@ Conductor's predictions drift from what the instances report. So the rules live 
   each chunk padded to the length its program was compiled for (``PrefillCost.chunk_buckets``: a 300-token
   prompt costs what 512 tokens cost on an engine with 16/64/256/512-token buckets).
 - **Queue**: the predicted work of every request accepted by the instance and not yet finished, the running one
-  included at its full prediction (``queued_s``; the Conductor drains it at ``now + queued_s``).
+  included at its full prediction (``queued_s``; the Conductor drains it at ``now + queued_s``). An instance counts
+  a request once it holds it; a request the Conductor has sent it and that has not arrived (the decision's reply,
+  the Prefill RPC, fetching and staging its prefix: tens of milliseconds in a burst on a loaded host) is counted by
+  the Conductor, at its decision's prediction: a heartbeat names the requests its instance holds (``active``) and
+  ``ClusterState.heartbeat`` adds the others back. A heartbeat that replaced the queue with the instance's own
+  figure in the middle of a burst made the burst's next requests look free to go there.
 - **KV push and first-token release** (``ReleaseTiming``): the KV goes to the decode instance after the prefill
   (``after-prefill``, one push of the request's blocks) or streams layer by layer during it (``layerwise``); the
   first token is released when the prefill ends (``at-prefill-end``) or once the KV has reached the decode

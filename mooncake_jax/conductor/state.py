@@ -8,6 +8,12 @@ requests spreads over instances instead of all landing on the one that looked id
 predictions: heartbeats (queued work, running decode batch), KV events (blocks stored, evicted, or a whole
 list re-sent), and per-request milestones (prefill done, decode begun, finished, dropped).
 
+A prefill instance's heartbeat counts only the requests that have reached it (``conductor/accounting.py``,
+"Queue"); the ones the Conductor has sent it that are still on their way (the decision's reply, the Prefill RPC,
+fetching and staging their prefix) are added back from the Conductor's own predictions when the heartbeat names
+the requests it holds (``heartbeat``'s ``active``), so a heartbeat in the middle of a burst does not wipe the
+burst's decisions from the instance's queue.
+
 Both the gRPC service and the simulator own one ``ClusterState`` and call ``schedule`` plus these reports.
 """
 
@@ -32,6 +38,12 @@ _NO_SLOTS = np.zeros(0, np.intp)
 class RequestInFlight(ValueError):
     """A request id that is already in flight (ALREADY_EXISTS over gRPC)."""
 
+IN_FLIGHT_MAX_S = 10.0
+"""A decision older than this whose prefill instance still does not hold its request is no longer added to that
+instance's queue (its Prefill RPC failed and nobody reported it dropped): a lost report must not starve an instance
+for good. Requests reach their instance within tens of milliseconds on a loaded 2-core host (the Prefill RPC and
+staging its prefix, ``instance/prefill.py``), a planned fetch within ``FETCH_WAIT_S`` (2 s) more."""
+
 INDEX_RESERVE_MAX_KEYS = 1 << 22
 """Most keys the block index is sized for ahead of them (``add_instance``'s ``index_blocks``): 6M rows, ~144 MB with
 up to 64 instances; past it, the index doubles as it fills."""
@@ -55,6 +67,9 @@ class ClusterState:
         # (a Python loop over a kind's ~40 slots cost ~3 us a finished request)
         self._slots_of_kind: dict[str, np.ndarray] = {}
         self._prefill_of: dict[str, int] = {}  # request -> prefill slot, until its prefill is reported done
+        # prefill slot -> {request: (predicted prefill seconds, decided at)} for the same requests: what a heartbeat
+        # that names the requests its instance holds adds back for the ones not there yet (``heartbeat``)
+        self._sent_to: dict[int, dict[str, tuple[float, float]]] = {}
         self._snapshot: Snapshot | None = None
         self._index_blocks: dict[str, int] = {}  # instance -> the blocks its pool can publish (``add_instance``)
 
@@ -119,6 +134,7 @@ class ClusterState:
                 decision.transfer.n_bytes, table.link(source, prefill), table.send_free_at[source] - now))
         self.ledger.add(request.request_id, decode, end, request.kv_tokens)
         self._prefill_of[request.request_id] = prefill
+        self._sent_to.setdefault(prefill, {})[request.request_id] = (decision.prefill_s, now)
         if store_blocks:
             held = 0
             if fresh:  # its own matched prefix: the decision's prefix less what it fetches
@@ -171,11 +187,12 @@ class ClusterState:
         self._index_blocks.pop(instance_id, None)
         lost = self.ledger.remove_slot(slot)
         for request_id in lost:
-            self._prefill_of.pop(request_id, None)
+            self._forget_prefill(request_id)
         stranded = [r for r, s in self._prefill_of.items() if s == slot]
         for request_id in stranded:
-            del self._prefill_of[request_id]
+            self._forget_prefill(request_id)
             self.ledger.remove(request_id)
+        self._sent_to.pop(slot, None)
         self.instances.remove(instance_id)
         return lost + stranded
 
@@ -198,7 +215,11 @@ class ClusterState:
         ``prefill_slowdown``: how much longer than its cost model a prefill instance's recent requests took
         (a host loaded by other work, a lower priority); its predicted prefill times are scaled by it.
         ``send_backlog_s``: seconds of outgoing transfers queued. ``active``: a decode instance's running
-        batch, request id -> KV tokens: entries it no longer runs are dropped, unknown ones added.
+        batch, request id -> KV tokens: entries it no longer runs are dropped, unknown ones added. From a prefill
+        instance, the requests it holds (counted in its ``queued_s``, or computed and not yet reported done): the
+        requests the Conductor sent it that it does not hold yet are on their way, and their predicted seconds
+        (as decided, for decisions of the last ``IN_FLIGHT_MAX_S``) are added to ``queued_s``
+        (``conductor/accounting.py``, "Queue"). Without ``active`` the figure replaces the queue as it is.
         """
         table = self.instances
         slot = table.slot(instance_id)
@@ -210,12 +231,32 @@ class ClusterState:
                 raise ValueError(f"prefill_slowdown must be a finite positive number, got {prefill_slowdown!r}")
             table.set_prefill_slowdown(slot, prefill_slowdown)
         table.last_seen[slot] = now
+        prefill = table.role[slot] == Role.PREFILL
         if queued_s is not None:
+            if prefill and active is not None:
+                queued_s += self.on_the_way_s(instance_id, now, active)
             table.queue_free_at[slot] = now + queued_s
         if send_backlog_s is not None:
             table.send_free_at[slot] = now + send_backlog_s
-        if active is not None:
+        if active is not None and not prefill:
             self._reconcile_batch(slot, now, active)
+
+    def on_the_way_s(self, instance_id: str, now: float, held: Iterable[str]) -> float:
+        """Predicted prefill seconds of the requests sent to prefill instance ``instance_id`` (decided within the
+        last ``IN_FLIGHT_MAX_S``) that are not among the ``held`` ones (that have not reached it yet)."""
+        sent = self._sent_to.get(self.instances.slot(instance_id))
+        if not sent:
+            return 0.0
+        held = held if isinstance(held, (set, frozenset, dict)) else set(held)
+        return sum(s for request_id, (s, at) in sent.items() if request_id not in held and now - at <= IN_FLIGHT_MAX_S)
+
+    def _forget_prefill(self, request_id: str) -> None:
+        """The request's prefill is done (or it ended): its instance's queue no longer counts it."""
+        slot = self._prefill_of.pop(request_id, None)
+        if slot is not None:
+            sent = self._sent_to.get(slot)
+            if sent is not None:
+                sent.pop(request_id, None)
 
     def _reconcile_batch(self, slot: int, now: float, active: Mapping[str, int]) -> None:
         for request_id in self.ledger.ids_on(slot, started_only=True):
@@ -227,7 +268,7 @@ class ClusterState:
                 self.ledger.add(request_id, slot, now, tokens, started=True)
             elif not known[3]:
                 self.ledger.set_start(request_id, min(known[1], now))
-            self._prefill_of.pop(request_id, None)
+            self._forget_prefill(request_id)
 
     def kv_stored(self, instance_id: str, keys: Iterable[int], tier: Tier = Tier.DRAM) -> None:
         self.index.store(self.instances.slot(instance_id), keys, tier)
@@ -241,18 +282,18 @@ class ClusterState:
 
     def prefill_done(self, request_id: str, now: float) -> bool:
         """The request's first token is out; its KV heads for decode now. False if it is not in flight."""
-        self._prefill_of.pop(request_id, None)
+        self._forget_prefill(request_id)
         return self.ledger.set_start(request_id, now, started=False)
 
     def decode_started(self, request_id: str, now: float) -> bool:
-        self._prefill_of.pop(request_id, None)
+        self._forget_prefill(request_id)
         return self.ledger.set_start(request_id, now, started=True)
 
     def finished(self, request_id: str, now: float) -> bool:
         """The request completed; its decode duration feeds the tracked t_d, the cluster's and its decode
         instance's hardware kind's."""
         entry = self.ledger.get(request_id)
-        self._prefill_of.pop(request_id, None)
+        self._forget_prefill(request_id)
         if entry is None:
             return False
         self.ledger.remove(request_id)
@@ -269,5 +310,5 @@ class ClusterState:
 
     def dropped(self, request_id: str) -> bool:
         """The request ended without completing (late rejection, failure, client gone)."""
-        self._prefill_of.pop(request_id, None)
+        self._forget_prefill(request_id)
         return self.ledger.remove(request_id)

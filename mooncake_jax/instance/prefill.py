@@ -126,15 +126,24 @@ class PrefillService(InstanceService):
                                     "prefill_fetched_blocks", "prefill_pushed_blocks", "prefill_fetch_failures",
                                     "prefill_refused_ttft"))
         self._queued_s = 0.0
+        # request -> prompt tokens: counted in ``_queued_s`` (or computed) and not yet reported done; the heartbeat
+        # names them, so the Conductor adds back the requests it sent here that have not arrived (``load``)
+        self._held: dict[str, int] = {}
         self.slowdown = SlowdownMeter()
         compile_time.clock()  # listening from now on: the meter is fed compute less compile time
         self._peer_same_spec: dict[str, bool] = {}
         self._layerwise = _layerwise(instance.engine) if instance.config.layerwise else None
 
     def load(self) -> dict:
+        """The heartbeat's load: the queue (predicted seconds scaled by the measured slowdown), the slowdown, and
+        the requests that queue counts (``active``, with those computed and not yet reported done): the Conductor
+        adds its own predictions for the requests it sent here that are not among them yet (the Prefill RPC,
+        fetching and staging their prefix), which a heartbeat in the middle of a burst would otherwise drop from
+        this instance's queue (``conductor/state.py``)."""
         slowdown = self.slowdown.slowdown()
         with self._lock:
-            return {"queued_s": self._queued_s * slowdown, "prefill_slowdown": slowdown}
+            return {"queued_s": self._queued_s * slowdown, "prefill_slowdown": slowdown,
+                    "active": dict(self._held)}
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -147,40 +156,46 @@ class PrefillService(InstanceService):
         inst, engine = self.instance, self.instance.engine
         seq = validated(lambda: engine.new_sequence(list(request.prompt), sampling_params(request.sampling)))
         keys = request_keys(seq, engine.block_size)
-        if inst.link is not None:
-            inst.link.ignored_keys.update(keys[len(seq.prompt) // engine.block_size:])  # the tail is private
-        with inst.pool.pin(list(request.fetch_keys) + keys):
-            timeout = inst.config.request_timeout_s
-            if request.fetch_from and request.fetch_keys:
-                wait(inst.transfers.submit(self._fetch, request.fetch_from, list(request.fetch_keys)), timeout)
-            staged = wait(inst.transfers.submit(self._stage_prefix, seq, keys), timeout)
-            t_fetched = time.perf_counter()
-            cached = (staged[0] + len(staged[1])) * engine.block_size  # engine cache + staged pool blocks
-            predicted = prefill_work_s(inst.costs.prefill, len(seq.prompt), cached) if inst.costs else 0.0
-            with self._lock:
-                queued = self._queued_s
-            self._check_deadline(t0, queued + predicted, "on arrival, after the queue")
-            with self._lock:
-                self._queued_s += predicted
-            try:
-                queued_at = time.perf_counter()
-                started = {}
-                check = functools.partial(self._check_deadline, t0, predicted, "out of the queue")
-                future = inst.loop.submit(lambda eng: self._prefill_job(eng, seq, keys, staged, started, check))
-                try:
-                    new_keys, new_blocks = wait(future, timeout)
-                except TimeoutError:
-                    future.cancel()
-                    raise
-            finally:
+        try:
+            if inst.link is not None:
+                inst.link.ignored_keys.update(keys[len(seq.prompt) // engine.block_size:])  # the tail is private
+            with inst.pool.pin(list(request.fetch_keys) + keys):
+                timeout = inst.config.request_timeout_s
+                if request.fetch_from and request.fetch_keys:
+                    wait(inst.transfers.submit(self._fetch, request.fetch_from, list(request.fetch_keys)), timeout)
+                staged = wait(inst.transfers.submit(self._stage_prefix, seq, keys), timeout)
+                t_fetched = time.perf_counter()
+                cached = (staged[0] + len(staged[1])) * engine.block_size  # engine cache + staged pool blocks
+                predicted = prefill_work_s(inst.costs.prefill, len(seq.prompt), cached) if inst.costs else 0.0
                 with self._lock:
-                    self._queued_s = max(0.0, self._queued_s - predicted)
-            t_prefilled = time.perf_counter()
-            wait(inst.transfers.submit(self._store_and_push, new_keys, new_blocks, keys, request.push_to), timeout)
-        self._count(prefill_requests=1, prefill_prompt_tokens=len(seq.prompt),
-                    prefill_cached_tokens=seq.cached_tokens)
-        if inst.link is not None:
-            inst.link.report(request.request_id, "PREFILL_DONE")
+                    queued = self._queued_s
+                self._check_deadline(t0, queued + predicted, "on arrival, after the queue")
+                with self._lock:
+                    self._queued_s += predicted
+                    if request.request_id:
+                        self._held[request.request_id] = len(seq.prompt)
+                try:
+                    queued_at = time.perf_counter()
+                    started = {}
+                    check = functools.partial(self._check_deadline, t0, predicted, "out of the queue")
+                    future = inst.loop.submit(lambda eng: self._prefill_job(eng, seq, keys, staged, started, check))
+                    try:
+                        new_keys, new_blocks = wait(future, timeout)
+                    except TimeoutError:
+                        future.cancel()
+                        raise
+                finally:
+                    with self._lock:
+                        self._queued_s = max(0.0, self._queued_s - predicted)
+                t_prefilled = time.perf_counter()
+                wait(inst.transfers.submit(self._store_and_push, new_keys, new_blocks, keys, request.push_to), timeout)
+            self._count(prefill_requests=1, prefill_prompt_tokens=len(seq.prompt),
+                        prefill_cached_tokens=seq.cached_tokens)
+            if inst.link is not None:
+                inst.link.report(request.request_id, "PREFILL_DONE")
+        finally:
+            with self._lock:
+                self._held.pop(request.request_id, None)
         t_end = time.perf_counter()
         # its compute against what the cost model predicted for it, less any program compiled on first use (no
         # slowdown of the model: counted in, one first request read as a host 8-27x slower and the Conductor refused
