@@ -404,7 +404,7 @@ class FileStore:
     def _write_slot(self, slot: int, key: BlockKey, head: np.ndarray | None, data: np.ndarray) -> None:
         """Append a record's data to the open shard's file (referenced until it is finished, or copied into an
         aligned piece for direct writes); its head is kept for the shard's one heads write after the data."""
-        digest = self._image.append(data)
+        digest = self._image.append(data, digest=head is None)  # a given head carries the checksum already
         if head is None:
             head = np.frombuffer(record_head(self.spec, key, digest), np.uint8)
         self._open_heads[slot % self.shard_slots] = head
