@@ -224,9 +224,8 @@ class SlotStore:
         self._groups[id(message)] = group
         store = as_store(memory)
         self._slabs.append(store)
-        return [_Slot(memory[i * step : i * step + size], store[i * step : i * step + size].translate_to[0], group=group,
-                      index=i)
-                for i in range(count)]
+        return [_Slot(memory[i * step : i * step + size], store[i * step : i * step + size].translate_to[0],
+                      group=group, index=i) for i in range(count)]
 
     def lend(self, keys: Sequence[BlockKey]) -> bytes | None:
         """The message-shaped group holding exactly the records of ``keys`` in this order (its whole ``bytes``,
