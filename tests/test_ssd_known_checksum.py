@@ -20,9 +20,9 @@ def counted_hashes(monkeypatch) -> list:
     seen = []
     real = ShardImage.append
 
-    def append(self, data, digest=True):
+    def append(self, data, digest=True, now=False):
         seen.append(digest)
-        return real(self, data, digest)
+        return real(self, data, digest, now)
 
     monkeypatch.setattr(ShardImage, "append", append)
     return seen

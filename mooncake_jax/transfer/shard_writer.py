@@ -170,7 +170,7 @@ class ShardImage:
         self._piece_fill = 0
         self._offset = self._start  # where the next write handed to the thread goes
         self._errors: list[BaseException] = []
-        writer.submit(self._create)
+        self._created = writer.submit(self._create)
 
     @property
     def start(self) -> int:
@@ -185,13 +185,16 @@ class ShardImage:
             self._errors.append(err)
             raise
 
-    def append(self, data: np.ndarray, digest: bool = True) -> tuple[int, int] | None:
+    def append(self, data: np.ndarray, digest: bool = True, now: bool = False) -> tuple[int, int] | None:
         """Add the next slot's chunk (flat uint8 of ``chunk_bytes``); its checksum (None with ``digest=False``: a
         record whose head already carries it, demoted from DRAM or received and checked, is not hashed again).
-        Buffered, ``data`` is written from where it lies, so it must stay untouched until the shard is finished;
-        direct, it is copied here."""
+        Buffered, ``data`` is written from where it lies, so it must stay untouched until the shard is finished, or
+        (``now``: a DRAM slot refilled as soon as its block is demoted) it is written on the caller's thread before
+        this returns, instead of being copied for the writer thread; direct, it is copied here."""
         if data.size != self._chunk_bytes:
             raise ValueError(f"chunk of {data.size} bytes, expected {self._chunk_bytes}")
+        if not self._direct and now:
+            return self._append_now(data, digest)
         if not self._direct:
             return self._append_in_place(data, digest)
         hasher = xxhash.xxh3_128() if digest else None
@@ -211,6 +214,23 @@ class ShardImage:
                 self._write_piece()
         self._filled += 1
         return None if hasher is None else split_digest(hasher.intdigest())
+
+    def _append_now(self, data: np.ndarray, digest: bool) -> tuple[int, int] | None:
+        """Buffered, written before this returns: the blocks handed over before it go to the thread first (they
+        lie before it in the file), then ``data`` by ``pwritev`` here, straight from where it lies. A failure is the
+        shard's, reported when it finishes, as a failed write on the thread is."""
+        found = checksum(data) if digest else None
+        if self._chunks:
+            self._write_chunks()
+        self._created.exception()  # the file is created on the writer thread
+        if not self._errors:
+            try:
+                _write_all(self._fd[0], [data], self._offset)
+            except BaseException as err:
+                self._errors.append(err)
+        self._offset += data.size
+        self._filled += 1
+        return found
 
     def _append_in_place(self, data: np.ndarray, digest: bool = True) -> tuple[int, int] | None:
         """Buffered: hash ``data`` where it lies and hand it to the thread by ``PIECE_BYTES`` (several blocks to one
