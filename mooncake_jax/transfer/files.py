@@ -365,8 +365,6 @@ class FileStore:
 
     def _store(self, key: BlockKey, head: np.ndarray | None, data: np.ndarray, owned: bool) -> None:
         """Write a record (its head, or None to make it from the data's checksum) into a fresh slot."""
-        if not owned and not self._writer.direct:  # direct writes copy it anyway, before ``put`` returns
-            data = data.copy()
         if key in self._slot_of:  # a record is never rewritten in place: the new one takes a fresh slot
             self._release(self._slot_of.pop(key))
         try:
@@ -376,8 +374,8 @@ class FileStore:
             return
         self._slot_of[key] = slot
         self._staged.append(key)
-        try:
-            self._write_slot(slot, key, head, data)
+        try:  # not owned (a demoted block's DRAM slot, refilled at once): written before this returns, no copy
+            self._write_slot(slot, key, head, data, not owned)  # now: written before this returns
         except Exception as err:  # failed before it was under way: reported by settle like one that failed after
             self._failed.append((key, err))
             self.delete(key)
@@ -401,10 +399,12 @@ class FileStore:
         self._live[shard] += 1
         return slot
 
-    def _write_slot(self, slot: int, key: BlockKey, head: np.ndarray | None, data: np.ndarray) -> None:
-        """Append a record's data to the open shard's file (referenced until it is finished, or copied into an
-        aligned piece for direct writes); its head is kept for the shard's one heads write after the data."""
-        digest = self._image.append(data)
+    def _write_slot(self, slot: int, key: BlockKey, head: np.ndarray | None, data: np.ndarray,
+                    now: bool = False) -> None:
+        """Append a record's data to the open shard's file (referenced until it is finished, written before this
+        returns if ``now``, or copied into an aligned piece for direct writes); its head is kept for the shard's one
+        heads write after the data."""
+        digest = self._image.append(data, digest=head is None, now=now)  # a given head carries the checksum already
         if head is None:
             head = np.frombuffer(record_head(self.spec, key, digest), np.uint8)
         self._open_heads[slot % self.shard_slots] = head

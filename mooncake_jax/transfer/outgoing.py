@@ -11,14 +11,21 @@ still sent; ``lost`` then names it, for the caller to report once the stream is 
 push: the receiver checks every record end to end, hashing it as it lands, and names one that fails,
 ``messenger_wire.CORRUPT_KEYS_METADATA``) the records go as stored, unchecked here: the sender's XXH3 pass over
 every byte it sends is the receiver's instead, done once.
+
+Blocks put together into a DRAM tier lie in message-shaped slot groups (``slots._Group``); asked for in the order
+they were put, a group's own ``bytes`` is the message (``join_records(..., lend=True)``: no join copy, the sender's
+one copy beyond the transport's), lent by the pool until gRPC has taken it. gRPC asks for the next message only
+once it has sent the last (its send copies the ``bytes`` into its own buffer), so the loan ends when the consumer
+comes back for the next message, or when this closes.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.transfer.pieces import batched, next_separator, records_per_message
+from mooncake_jax.transfer.pieces import PIECE_BYTES, batched, next_separator, records_per_message
 from mooncake_jax.transfer.pool import BlockPool
 from mooncake_jax.transfer.readahead import Ahead
 
@@ -33,8 +40,10 @@ class Outgoing:
         self.lost: BlockKey | None = None
         self._pool = pool
         self._verify = verify
+        self._produced: list[bytes] = []  # messages made and not yet taken back from gRPC (some lent by the pool)
+        self._produced_lock = threading.Lock()
         per_message = records_per_message(pool.frame_bytes, batch_bytes)
-        if per_message > 1:
+        if per_message > 1 or pool.frame_bytes <= PIECE_BYTES:  # records that travel whole
             messages = self._joined(list(keys), per_message)
         else:
             messages = batched(self._records(list(keys)), pool.spec.fingerprint, 0)
@@ -45,8 +54,10 @@ class Outgoing:
         at = 0
         while at < len(keys):
             group = keys[at : at + per_message]
-            message, count = self._pool.join_records(group, separator, verify=self._verify)
+            message, count = self._pool.join_records(group, separator, verify=self._verify, lend=True)
             if count:
+                with self._produced_lock:
+                    self._produced.append(message)
                 yield message, group[:count]
                 at += count
             if count < len(group):  # absent or corrupt in its fastest tier: the usual read tries the others
@@ -66,10 +77,28 @@ class Outgoing:
             yield key, record
 
     def __iter__(self) -> Iterator[tuple[bytes, list[BlockKey]]]:
-        return iter(self._ahead)
+        for message, keys in self._ahead:
+            yield message, keys
+            self._taken(message)  # asked for the next one: gRPC has sent (copied) this one
+
+    def _taken(self, message: bytes) -> None:
+        with self._produced_lock:
+            for i, produced in enumerate(self._produced):
+                if produced is message:
+                    del self._produced[i]
+                    break
+            else:
+                return
+        self._pool.give_back(message)
 
     def close(self) -> None:
+        """Stop making messages and end the pool's loans of those not taken back (gRPC is done with them: its
+        consumer has stopped asking)."""
         self._ahead.close()
+        with self._produced_lock:
+            left, self._produced = self._produced, []
+        for message in left:
+            self._pool.give_back(message)
 
     def __enter__(self) -> Outgoing:
         return self

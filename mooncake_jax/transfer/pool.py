@@ -298,14 +298,20 @@ class BlockPool:
             return self._read_record(key, promote, verify)
 
     def join_records(self, keys: Sequence[BlockKey], separator: bytes,
-                     verify: bool = True) -> tuple[bytes, int]:
+                     verify: bool = True, lend: bool = False) -> tuple[bytes, int]:
         """The verified records of the leading ``keys``, joined into one ``bytes`` with ``separator`` between them
         (copied once, straight out of their slots: the Messenger sends several small blocks to a message; or no
         copy at all when they are exactly the records of one message kept as received, in order, which is then
         returned as it lies, ``slots.joined``), and how many it holds. It stops before the first key its fastest
         tier cannot serve (absent, or failing its checksum: dropped as a bad block), for ``get_record`` to try the
         tiers below. Not promoted, as ``promote=False``. ``verify=False``: the records as stored, their checksums not
-        checked here (``get_record``'s ``verify``): a corrupt one is then sent, for the receiver to refuse."""
+        checked here (``get_record``'s ``verify``): a corrupt one is then sent, for the receiver to refuse.
+
+        ``lend=True`` (a sender that hands the message to gRPC and then calls ``give_back(message)`` once gRPC has
+        taken it, ``outgoing.Outgoing``): when the records fill one of the DRAM tier's message-shaped slot groups in
+        order (blocks put together, asked for in the order put, ``slots.SlotStore.lend``), the message is that
+        group's own ``bytes``, no join copy; its slots are not reused until it is given back. The caller must not
+        keep it past ``give_back``."""
         keys = [check_key(key) for key in keys]
         with self._operation():
             self._check_open()
@@ -327,9 +333,12 @@ class BlockPool:
                     break
                 parts.append(record)
                 found.append((tier, key))
-            # one copy (the slots' views are valid until the lock is released), or none when the records lie in one
-            # received message in this order: that message is relayed as it is
-            message = joined(parts, separator)
+            # a group of slots lent as it lies; else one copy (the slots' views are valid until the lock is
+            # released), or none when the records lie in one received message in this order: relayed as it is
+            lent = None
+            if lend and found:
+                lent = self._lend([key for _, key in found], found, separator)
+            message = lent if lent is not None else joined(parts, separator)
             view, at = memoryview(message), 0
             for i, (tier, key) in enumerate(found):
                 try:  # the copy is verified: what is sent is what was checked
@@ -337,10 +346,27 @@ class BlockPool:
                         verify_record(self.spec, key, view[at : at + self.record_bytes])
                 except CorruptBlockError as err:
                     self._bad_block(tier, key, err)
-                    return message[: max(at - len(separator), 0)], i
+                    cut = message[: max(at - len(separator), 0)]
+                    if lent is not None:
+                        self._tiers[0].store.give_back(lent)
+                    return cut, i
                 self._hit(0, tier, key, lambda _: None)
                 at += self.record_bytes + len(separator)
             return message, len(found)
+
+    def _lend(self, keys: list[BlockKey], found: list[tuple[Tier, BlockKey]], separator: bytes) -> bytes | None:
+        """The DRAM tier's slot group holding exactly ``keys``' records in order with ``separator`` between them,
+        lent (``join_records``)."""
+        tier = self._tiers[0]
+        if getattr(tier.store, "separator", None) != separator or any(holder is not tier for holder, _ in found):
+            return None
+        return tier.store.lend(keys)
+
+    def give_back(self, message: object) -> None:
+        """End a loan of ``message`` from ``join_records(..., lend=True)``; nothing for any other object."""
+        with self._lock:
+            if self._tiers and hasattr(self._tiers[0].store, "give_back"):
+                self._tiers[0].store.give_back(message)
 
     @contextlib.contextmanager
     def pin(self, keys: Iterable[BlockKey]) -> Iterator[list[BlockKey]]:

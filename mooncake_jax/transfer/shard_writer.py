@@ -58,6 +58,10 @@ PIECES = 4
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
+def _no_digest(data: np.ndarray) -> None:
+    """What ``append(..., digest=False)`` takes instead of hashing."""
+
+
 def aligned_buffer(size: int) -> np.ndarray:
     """A zeroed, page-aligned uint8 buffer of ``size`` bytes (an anonymous mapping, freed with the array)."""
     return np.frombuffer(mmap.mmap(-1, max(size, 1)), np.uint8)[:size]
@@ -166,7 +170,7 @@ class ShardImage:
         self._piece_fill = 0
         self._offset = self._start  # where the next write handed to the thread goes
         self._errors: list[BaseException] = []
-        writer.submit(self._create)
+        self._created = writer.submit(self._create)
 
     @property
     def start(self) -> int:
@@ -181,14 +185,19 @@ class ShardImage:
             self._errors.append(err)
             raise
 
-    def append(self, data: np.ndarray) -> tuple[int, int]:
-        """Add the next slot's chunk (flat uint8 of ``chunk_bytes``); its checksum. Buffered, ``data`` is written
-        from where it lies, so it must stay untouched until the shard is finished; direct, it is copied here."""
+    def append(self, data: np.ndarray, digest: bool = True, now: bool = False) -> tuple[int, int] | None:
+        """Add the next slot's chunk (flat uint8 of ``chunk_bytes``); its checksum (None with ``digest=False``: a
+        record whose head already carries it, demoted from DRAM or received and checked, is not hashed again).
+        Buffered, ``data`` is written from where it lies, so it must stay untouched until the shard is finished, or
+        (``now``: a DRAM slot refilled as soon as its block is demoted) it is written on the caller's thread before
+        this returns, instead of being copied for the writer thread; direct, it is copied here."""
         if data.size != self._chunk_bytes:
             raise ValueError(f"chunk of {data.size} bytes, expected {self._chunk_bytes}")
+        if not self._direct and now:
+            return self._append_now(data, digest)
         if not self._direct:
-            return self._append_in_place(data)
-        hasher = xxhash.xxh3_128()
+            return self._append_in_place(data, digest)
+        hasher = xxhash.xxh3_128() if digest else None
         pos, n = 0, data.size
         while pos < n:
             if self._piece is None:
@@ -197,43 +206,63 @@ class ShardImage:
             take = min(n - pos, PIECE_BYTES - self._piece_fill, COPY_CHUNK_BYTES)
             dst = piece[self._piece_fill : self._piece_fill + take]
             np.copyto(dst, data[pos : pos + take])
-            hasher.update(dst)
+            if hasher is not None:
+                hasher.update(dst)
             pos += take
             self._piece_fill += take
             if self._piece_fill == PIECE_BYTES:
                 self._write_piece()
         self._filled += 1
-        return split_digest(hasher.intdigest())
+        return None if hasher is None else split_digest(hasher.intdigest())
 
-    def _append_in_place(self, data: np.ndarray) -> tuple[int, int]:
+    def _append_now(self, data: np.ndarray, digest: bool) -> tuple[int, int] | None:
+        """Buffered, written before this returns: the blocks handed over before it go to the thread first (they
+        lie before it in the file), then ``data`` by ``pwritev`` here, straight from where it lies. A failure is the
+        shard's, reported when it finishes, as a failed write on the thread is."""
+        found = checksum(data) if digest else None
+        if self._chunks:
+            self._write_chunks()
+        self._created.exception()  # the file is created on the writer thread
+        if not self._errors:
+            try:
+                _write_all(self._fd[0], [data], self._offset)
+            except BaseException as err:
+                self._errors.append(err)
+        self._offset += data.size
+        self._filled += 1
+        return found
+
+    def _append_in_place(self, data: np.ndarray, digest: bool = True) -> tuple[int, int] | None:
         """Buffered: hash ``data`` where it lies and hand it to the thread by ``PIECE_BYTES`` (several blocks to one
         ``pwritev``), so the kernel's copy of one piece runs beside the hashing of the next; blocks under
         ``HAND_OFF_BYTES`` are handed over by about that much, each before it is hashed (XXH3 releases the GIL),
         so the thread starts on a call's first blocks while the caller hashes them."""
+        hash_of = checksum if digest else _no_digest
         if data.size < HAND_OFF_BYTES:
             self._chunks.append(data)
             self._chunks_bytes += data.size
             if self._chunks_bytes >= HAND_OFF_BYTES:
                 self._write_chunks()
-            digest = checksum(data)
+            found = hash_of(data)
         elif data.size <= PIECE_BYTES:
-            digest = checksum(data)
+            found = hash_of(data)
             self._chunks.append(data)
             self._chunks_bytes += data.size
         else:
-            hasher = xxhash.xxh3_128()
+            hasher = xxhash.xxh3_128() if digest else None
             for start in range(0, data.size, PIECE_BYTES):
                 part = data[start : start + PIECE_BYTES]
-                hasher.update(part)
+                if hasher is not None:
+                    hasher.update(part)
                 self._chunks.append(part)
                 self._chunks_bytes += part.size
                 if self._chunks_bytes >= PIECE_BYTES:
                     self._write_chunks()
-            digest = split_digest(hasher.intdigest())
+            found = None if hasher is None else split_digest(hasher.intdigest())
         if self._chunks_bytes >= PIECE_BYTES:
             self._write_chunks()
         self._filled += 1
-        return digest
+        return found
 
     def _write_chunks(self) -> None:
         self._submit_write(self._chunks, self._offset)

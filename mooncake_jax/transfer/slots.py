@@ -38,15 +38,26 @@ copied into a slot. The tier also holds at most its capacity in blocks. A kept r
 array (it is never written; its slot is dropped, not reused, when the block goes).
 
 A sender asked for exactly a kept message's records in order (a fetch from a pool that received them, or a push
-of them onward) sends that ``bytes`` as it lies (``joined``: the records verified where they lie, no join copy;
-grpcio sends only ``bytes``, so a record in a slot costs a copy to send). Puts are not built as messages (tenth
-pass, tried and not kept): it saved a 16-token push 0.25 CPU s/GB but cost the put 6-9%, and a put's blocks would
-then share their message's memory until the last of them goes, so a prefix cache whose blocks of one put are used
-unevenly (shared prefixes, private tails) would hold fewer blocks than its capacity.
+of them onward) sends that ``bytes`` as it lies (``joined``: the records verified where they lie, no join copy).
+grpcio sends only an exact ``bytes`` (a ``bytearray``, ``memoryview`` or ``bytes`` subclass is refused), which it
+copies into its own buffer when it sends it. So the slots of records that travel whole (a frame of at most
+``PIECE_BYTES``) are laid out as messages (issue 15, thirteenth pass): each slab is a run of groups of
+``records_per_message`` slots, each group the buffer of one ``bytes`` object, written in place through a writable
+view, with the ``next`` separators between its records written once when it is made. Blocks put together land in a
+group's slots in order (free slots are taken in order, and a full pool's LRU victims free them in the order they
+were put), and a sender asking for exactly a group's records in order is lent that ``bytes`` (``lend``): no join
+copy, the sender's one copy beyond gRPC's own (a 16-token push: 0.21 -> 0.09 CPU s/GB over the bare upload stream
+at the sender). While lent, a slot of the group whose block goes is held, not reused, so the ``bytes`` does not
+change under gRPC; the sender gives it back when gRPC asks for the next message (``outgoing.Outgoing``). Its
+memory is never handed anywhere else: a record read from a group is copied (``bytes()`` of a view of a numpy
+array), and ``message_of`` does not take a view of it for a kept ``bytes``. Each slot is still a block of its own
+(evicted, freed and reused alone): only the layout is a message's. Building each put as a fresh message instead
+(tenth pass, not kept) cost the put 6-9% and made a put's blocks share their message's memory until the last went.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import numpy as np
@@ -54,7 +65,8 @@ import tensorstore as ts
 
 from mooncake_jax.blocks import BlockKey
 from mooncake_jax.transfer.checksum import checksum, copy_with_checksum
-from mooncake_jax.transfer.frame import DATA_OFFSET, CorruptBlockError, record_bytes, record_head
+from mooncake_jax.transfer.frame import DATA_OFFSET, CorruptBlockError, frame_bytes, record_bytes, record_head
+from mooncake_jax.transfer.pieces import PIECE_BYTES, next_separator, records_per_message
 from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.stream_copy import address
 
@@ -77,15 +89,41 @@ def as_store(buffer: np.ndarray) -> ts.TensorStore:
     return ts.array(buffer, copy=False, write=True, context=_CONTEXT)
 
 
+class _Group:
+    """Slots laid out as one wire message (``records_per_message`` records, each after the first behind its
+    ``next`` field's tag and length, written once when the group is made), whose memory is the buffer of a ``bytes``
+    object (``message``) written in place through a writable view: when a sender asks for exactly its records in
+    order, that ``bytes`` is what gRPC is handed, no join copy (``SlotStore.lend``). ``lent`` counts the sends that
+    hold it: a slot of a lent group whose block goes is ``held`` (not reused) until the last is given back."""
+
+    __slots__ = ("message", "memory", "size", "lent", "held")
+
+    def __init__(self, message: bytes, memory: np.ndarray, size: int) -> None:
+        self.message = message
+        self.memory = memory
+        self.size = size
+        self.lent = 0
+        self.held: list[_Slot] = []
+
+
+def _writable_view(message: bytes) -> np.ndarray:
+    """A writable uint8 view of a ``bytes`` object's buffer (the object must outlive the view: ``_Group`` holds
+    both)."""
+    n = len(message)
+    base = np.frombuffer(message, np.uint8).__array_interface__["data"][0]
+    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(base))
+
+
 class _Slot:
     """One record's place in a slab: its memory as numpy (for hashing and views) and as TensorStore (for I/O); or a
     received record kept as it arrived (``adopted``: the record, a ``bytes`` or a view into its ``message``;
-    ``memory`` a read-only view of it)."""
+    ``memory`` a read-only view of it). ``group`` / ``index``: the message-shaped group it is record ``index`` of
+    (None for a slot of a plain slab)."""
 
-    __slots__ = ("memory", "record", "head", "data", "adopted", "message", "data_address")
+    __slots__ = ("memory", "record", "head", "data", "adopted", "message", "data_address", "group", "index")
 
     def __init__(self, memory: np.ndarray, store: ts.TensorStore | None, adopted: bytes | memoryview | None = None,
-                 message: bytes | None = None) -> None:
+                 message: bytes | None = None, group: _Group | None = None, index: int = 0) -> None:
         self.memory = memory
         self.record = store
         self.head = memoryview(memory[:DATA_OFFSET])  # the record head, written from bytes without numpy
@@ -94,6 +132,8 @@ class _Slot:
         self.data_address = address(self.data) if store is not None else None
         self.adopted = adopted
         self.message = message
+        self.group = group
+        self.index = index
 
 
 def message_of(record: bytes | memoryview) -> bytes | None:
@@ -155,6 +195,11 @@ class SlotStore:
         self._free: list[_Slot] = []
         self._slot_of: dict[BlockKey, _Slot] = {}
         self._pending: list[tuple[BlockKey, ts.Future]] = []
+        # records that travel whole in a message (at most PIECE_BYTES of frame) sit in message-shaped groups
+        n_frame = frame_bytes(spec)
+        self.group_size = records_per_message(n_frame) if n_frame <= PIECE_BYTES else 0
+        self.separator = next_separator(self.record_bytes)
+        self._groups: dict[int, _Group] = {}  # id(group.message) -> group
 
     def _take_slot(self) -> _Slot:
         if not self._free:
@@ -163,13 +208,64 @@ class SlotStore:
                 count = min(count, (self._capacity_bytes - self.used_bytes) // self._stride)
             if count < 1:
                 raise RuntimeError("the DRAM tier has no free slot (the pool evicts before it writes)")
-            memory = np.empty((count, self._stride), np.uint8)
-            slab = as_store(memory)
-            self._slabs.append(slab)
             self._allocated += count
             size = self.record_bytes
-            self._free.extend(_Slot(memory[i, :size], slab[i, :size]) for i in reversed(range(count)))
+            if self.group_size:
+                slots = [slot for start in range(0, count, self.group_size)
+                         for slot in self._new_group(min(self.group_size, count - start))]
+                self._free.extend(reversed(slots))  # taken in order: blocks put together fill a group in order
+            else:
+                memory = np.empty((count, self._stride), np.uint8)
+                slab = as_store(memory)
+                self._slabs.append(slab)
+                self._free.extend(_Slot(memory[i, :size], slab[i, :size]) for i in reversed(range(count)))
         return self._free.pop()
+
+    def _new_group(self, count: int) -> list[_Slot]:
+        """``count`` slots laid out as one message of ``count`` records (``_Group``), in order. Its bytes are
+        counted at ``count`` slot strides (``used_bytes``), which is more than they take."""
+        size, gap = self.record_bytes, len(self.separator)
+        step = size + gap
+        message = bytes(count * step - gap)
+        memory = _writable_view(message)
+        for i in range(1, count):
+            memory[i * step - gap : i * step] = np.frombuffer(self.separator, np.uint8)
+        group = _Group(message, memory, count)
+        self._groups[id(message)] = group
+        store = as_store(memory)
+        self._slabs.append(store)
+        return [_Slot(memory[i * step : i * step + size], store[i * step : i * step + size].translate_to[0],
+                      group=group, index=i) for i in range(count)]
+
+    def lend(self, keys: Sequence[BlockKey]) -> bytes | None:
+        """The message-shaped group holding exactly the records of ``keys`` in this order (its whole ``bytes``,
+        ``separator`` between the records: byte for byte their join), lent until ``give_back``: while lent, a slot
+        of it whose block goes is not reused, so the ``bytes`` does not change under gRPC, which copies it into its
+        own buffer when it sends it. None when the records lie otherwise (a join copy then)."""
+        first = self._slot_of.get(keys[0]) if keys else None
+        group = None if first is None else first.group
+        if group is None or first.index != 0 or len(keys) != group.size:
+            return None
+        for i in range(1, len(keys)):
+            slot = self._slot_of.get(keys[i])
+            if slot is None or slot.group is not group or slot.index != i:
+                return None
+        size, gap = self.record_bytes, len(self.separator)
+        view = memoryview(group.message)
+        if any(view[i * (size + gap) - gap : i * (size + gap)] != self.separator for i in range(1, group.size)):
+            return None  # not expected (nothing writes there): the join copy is right whatever happened
+        group.lent += 1
+        return group.message
+
+    def give_back(self, message: object) -> None:
+        """End one loan of ``message`` (``lend``); nothing for a message that is not a lent group."""
+        group = self._groups.get(id(message))
+        if group is None or group.message is not message or not group.lent:
+            return
+        group.lent -= 1
+        if not group.lent and group.held:
+            self._free.extend(group.held)
+            group.held.clear()
 
     def _slot_for(self, key: BlockKey) -> _Slot:
         slot = self._slot_of.get(key)
@@ -294,6 +390,8 @@ class SlotStore:
             if not kept[1]:  # the message's last record: its memory no longer counts
                 del self._kept[id(slot.message)]
                 self._kept_bytes -= len(slot.message)
+        elif slot is not None and slot.group is not None and slot.group.lent:
+            slot.group.held.append(slot)  # its bytes are being sent: reused once given back
         elif slot is not None:
             self._free.append(slot)
 
@@ -320,4 +418,5 @@ class SlotStore:
         self._kept_bytes = 0
         self._free.clear()
         self._slabs.clear()
+        self._groups.clear()
 
