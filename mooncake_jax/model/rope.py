@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -32,20 +31,11 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled)
 
 
-MATERIALIZE_ANGLES = True
-"""Whether a step of several tokens per sequence materializes its cos/sin tables before rotating (see apply_rope);
-a module switch for A/B measurement only (benchmarks/prefill_rope_ab.py), not a setting."""
-
-
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq) -> jnp.ndarray:
     """Rotate ``x`` [..., T, heads, head_dim] by ``positions`` [..., T]."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [..., T, hd/2]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    if MATERIALIZE_ANGLES and positions.shape[-1] > 1:
-        # Computed once per token: fused into the rotation, XLA:CPU evaluated cos and sin again for every head and
-        # both halves (12 x 2 times for ``small``): 2.8% of a 2048-token prefill's thread time (Intel Xeon (207)).
-        cos, sin = jax.lax.optimization_barrier((cos, sin))
-    cos, sin = cos[..., None, :], sin[..., None, :]
+    cos = jnp.cos(angles)[..., None, :]
+    sin = jnp.sin(angles)[..., None, :]
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = xf[..., :half], xf[..., half:]
