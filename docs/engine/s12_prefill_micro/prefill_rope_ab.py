@@ -1,4 +1,6 @@
-"""The engine's prefill program with and without RoPE's materialized cos/sin tables (``rope.MATERIALIZE_ANGLES``),
+"""(Kept as a record: it needs the reverted rope.MATERIALIZE_ANGLES switch of commit 7632d48 to run.)
+
+The engine's prefill program with and without RoPE's materialized cos/sin tables (``rope.MATERIALIZE_ANGLES``),
 compiled side by side in one process from the step the engine runs and alternated on the same inputs, so both see
 the same load. Reports wall (min, median) and process CPU time (all threads) per prefill, and the largest
 difference between the two variants' logits.
