@@ -46,6 +46,11 @@ KVPages = tuple[jax.Array, jax.Array]
 view inside the scan is the same arrays with the page table offset to its rows)."""
 
 
+def _orders(output_major: bool):
+    """``name -> axis order`` of a module's weights: ``OUTPUT_MAJOR``'s when held output-major, else None (canonical)."""
+    return (lambda name: OUTPUT_MAJOR[name]) if output_major else (lambda name: None)
+
+
 def _param(rngs: nnx.Rngs | None, shape, axes, dtype, std: float | None, stack: int | None = None,
            order: tuple[int, ...] | None = None) -> nnx.Param:
     """A parameter with logical axis names; ``std=None`` means ones (norm scales); ``rngs=None`` zeros.
@@ -84,7 +89,7 @@ class Attention(nnx.Module):
                  output_major: bool = False):
         d, h, kv, hd, dt = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.param_dtype
         std_in, std_out = 1.0 / math.sqrt(d), 1.0 / math.sqrt(h * hd)
-        order = (lambda name: OUTPUT_MAJOR[name]) if output_major else (lambda name: None)
+        order = _orders(output_major)
         self.wq = _param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), dt, std_in, stack, order("wq"))
         self.wk = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), dt, std_in, stack, order("wk"))
         self.wv = _param(rngs, (d, kv, hd), ("embed", "kv_heads", "head_dim"), dt, std_in, stack, order("wv"))
@@ -128,7 +133,7 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | None, stack: int | None = None,
                  output_major: bool = False):
         d, f, dt = cfg.d_model, cfg.ffn_dim, cfg.param_dtype
-        order = (lambda name: OUTPUT_MAJOR[name]) if output_major else (lambda name: None)
+        order = _orders(output_major)
         self.w_gate = _param(rngs, (d, f), ("embed", "mlp"), dt, 1.0 / math.sqrt(d), stack, order("w_gate"))
         self.w_up = _param(rngs, (d, f), ("embed", "mlp"), dt, 1.0 / math.sqrt(d), stack, order("w_up"))
         self.w_down = _param(rngs, (f, d), ("mlp", "embed"), dt, 1.0 / math.sqrt(f), stack, order("w_down"))
