@@ -184,14 +184,9 @@ def test_decode_step_spread_scales_each_reported_gap_and_keeps_the_clock():
 
 
 def _sim_to_real():
-    import importlib.util
-    from pathlib import Path
+    import benchmark_script
 
-    path = Path(__file__).parent.parent / "benchmarks" / "sim_to_real.py"
-    spec = importlib.util.spec_from_file_location("sim_to_real_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script.load("sim_to_real")
 
 
 def test_token_delivery_is_paid_per_request_in_every_decode_step():

@@ -1,22 +1,16 @@
 """``benchmarks/sim_to_real_diagnose.py``'s two readings, worked by hand: compute over the profile's prediction per
 band of new tokens, and the share of each long prompt's compute that ran beside another prefill."""
 
-import importlib.util
-from pathlib import Path
-
 from types import SimpleNamespace
 
 import pytest
 
+import benchmark_script
 from mooncake_jax.conductor.costs import PrefillCost
 
 
 def _diagnose():
-    path = Path(__file__).parent.parent / "benchmarks" / "sim_to_real_diagnose.py"
-    spec = importlib.util.spec_from_file_location("sim_to_real_diagnose", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script.load("sim_to_real_diagnose")
 
 
 COSTS = SimpleNamespace(prefill=PrefillCost((0.0, 1e-3, 0.0, 0.0)))  # 1 ms per new token, no chunk padding
