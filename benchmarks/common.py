@@ -7,6 +7,8 @@ memcpy bandwidth, raw file write, bare gRPC stream), so the ratio means somethin
 from __future__ import annotations
 
 import argparse
+import glob
+import gzip
 import json
 import os
 import platform
@@ -84,6 +86,14 @@ def write_json(results: dict, path: Path | None) -> None:
 
 
 DONE = "[DONE]"
+
+
+def trace_events(folder) -> list[dict]:
+    """The events of the newest perfetto trace ``jax.profiler.trace(folder, create_perfetto_trace=True)`` wrote
+    under ``folder`` (its ``X`` events are XLA's ops, named by their HLO instruction)."""
+    newest = sorted(glob.glob(f"{folder}/**/*perfetto_trace.json.gz", recursive=True))[-1]
+    events = json.load(gzip.open(newest))
+    return events["traceEvents"] if isinstance(events, dict) else events
 
 
 def sse_payloads(lines):

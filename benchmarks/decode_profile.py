@@ -11,9 +11,6 @@ it, alternating processes (run this script with one tree's PYTHONPATH, then the 
 from __future__ import annotations
 
 import collections
-import glob
-import gzip
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, machine_info, write_json  # noqa: E402
+from common import arg_parser, machine_info, trace_events, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -68,8 +65,7 @@ def main() -> None:
             with jax.profiler.trace(str(out), create_perfetto_trace=True):
                 for _ in range(5):
                     eng.decode(seqs)
-            events = json.load(gzip.open(glob.glob(f"{out}/**/*perfetto_trace.json.gz", recursive=True)[0]))
-            events = events["traceEvents"] if isinstance(events, dict) else events
+            events = trace_events(out)
             per_op = collections.Counter()
             for e in events:
                 if e.get("ph") == "X":

@@ -12,9 +12,6 @@ CPU time (all threads of the process) moves less than wall time on a shared mach
 from __future__ import annotations
 
 import collections
-import glob
-import gzip
-import json
 import re
 import sys
 import time
@@ -23,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, machine_info, write_json  # noqa: E402
+from common import arg_parser, machine_info, trace_events, write_json  # noqa: E402
 
 
 def compiled_prefill_text(eng, prompt) -> str:
@@ -71,9 +68,7 @@ def shares(trace_dir: Path, hlo: str, runs: int) -> dict:
     """Thread-time per op kind (summed over XLA's worker threads, per traced run) from the newest perfetto trace
     under ``trace_dir``: XLA:CPU runs independent ops on both threads at once, so this is CPU time, not wall."""
     names = op_names(hlo)
-    f = sorted(glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True))[-1]
-    events = json.load(gzip.open(f))
-    events = events["traceEvents"] if isinstance(events, dict) else events
+    events = trace_events(trace_dir)
     ms, count = collections.Counter(), collections.Counter()
     for e in events:
         if e.get("ph") == "X" and e.get("name") in names:
