@@ -375,7 +375,7 @@ class FileStore:
         self._slot_of[key] = slot
         self._staged.append(key)
         try:  # not owned (a demoted block's DRAM slot, refilled at once): written before this returns, no copy
-            self._write_slot(slot, key, head, data, not owned)  # now: written before this returns
+            self._write_slot(slot, key, head, data, not owned)  # positional: tests wrap it as (slot, *record)
         except Exception as err:  # failed before it was under way: reported by settle like one that failed after
             self._failed.append((key, err))
             self.delete(key)
