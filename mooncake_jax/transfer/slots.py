@@ -78,7 +78,10 @@ engine reading it next finds it (streaming a 16-token one saved nothing: 0.168 a
 PAGE_BYTES = 4096
 CACHE_LINE_BYTES = 64
 SLAB_BYTES = 256 << 20
-"""Most bytes allocated at once when the tier grows (one slot if a record is larger)."""
+"""Most bytes reserved at once when the tier grows (one slot if a record is larger)."""
+MAKE_SLOTS = 64
+"""Plain slots made at once from a reserved slab: their memory in one numpy buffer (its pages mapped as they are
+first written, so a slab's worth made this way costs what one buffer of it would)."""
 _CONTEXT = ts.Context({"data_copy_concurrency": {"limit": 1}})
 """TensorStore copies on one thread (records moved between tiers here): more
 copy threads only add hand-offs on a 2-core host."""
@@ -188,7 +191,8 @@ class SlotStore:
         align = PAGE_BYTES if self.record_bytes >= 16 * PAGE_BYTES else CACHE_LINE_BYTES
         self._stride = -(-self.record_bytes // align) * align
         self._capacity_bytes = None if capacity_blocks is None else capacity_blocks * self._stride
-        self._allocated = 0
+        self._allocated = 0  # slots counted against the capacity: made, or reserved and not yet made (_unmade)
+        self._unmade = 0
         self._kept: dict[int, list] = {}  # id(message) -> [message, records of it held]: counted whole while held
         self._kept_bytes = 0
         self._slabs: list[ts.TensorStore] = []
@@ -203,23 +207,37 @@ class SlotStore:
 
     def _take_slot(self) -> _Slot:
         if not self._free:
-            count = max(1, SLAB_BYTES // self._stride)
-            if self._capacity_bytes is not None:
-                count = min(count, (self._capacity_bytes - self.used_bytes) // self._stride)
-            if count < 1:
-                raise RuntimeError("the DRAM tier has no free slot (the pool evicts before it writes)")
-            self._allocated += count
-            size = self.record_bytes
-            if self.group_size:
-                slots = [slot for start in range(0, count, self.group_size)
-                         for slot in self._new_group(min(self.group_size, count - start))]
-                self._free.extend(reversed(slots))  # taken in order: blocks put together fill a group in order
-            else:
-                memory = np.empty((count, self._stride), np.uint8)
-                slab = as_store(memory)
-                self._slabs.append(slab)
-                self._free.extend(_Slot(memory[i, :size], slab[i, :size]) for i in reversed(range(count)))
+            if not self._unmade:
+                self._reserve()
+            self._make_slots()
         return self._free.pop()
+
+    def _reserve(self) -> None:
+        """Count a slab's worth of slots as allocated (``used_bytes``): their memory is taken as they are made
+        (``_make_slots``), so a small record's slab of 256 MiB costs nothing up front. Making every slot of it at
+        once (a TensorStore view each) took 8-9 s for a test's 1 KiB records (233,016 slots)."""
+        count = max(1, SLAB_BYTES // self._stride)
+        if self._capacity_bytes is not None:
+            count = min(count, (self._capacity_bytes - self.used_bytes) // self._stride)
+        if count < 1:
+            raise RuntimeError("the DRAM tier has no free slot (the pool evicts before it writes)")
+        self._allocated += count
+        self._unmade = count
+
+    def _make_slots(self) -> None:
+        """Make the next free slots of the reserved slab: one message-shaped group, or up to ``MAKE_SLOTS`` plain
+        slots over one numpy buffer (pushed so that they are taken in order: blocks put together fill a group in
+        order)."""
+        if self.group_size:
+            slots = self._new_group(min(self.group_size, self._unmade))
+        else:
+            count, size = min(MAKE_SLOTS, self._unmade), self.record_bytes
+            memory = np.empty((count, self._stride), np.uint8)
+            slab = as_store(memory)
+            self._slabs.append(slab)
+            slots = [_Slot(memory[i, :size], slab[i, :size]) for i in range(count)]
+        self._unmade -= len(slots)
+        self._free.extend(reversed(slots))
 
     def _new_group(self, count: int) -> list[_Slot]:
         """``count`` slots laid out as one message of ``count`` records (``_Group``), in order. Its bytes are
@@ -315,7 +333,7 @@ class SlotStore:
     def has_room(self, record: bytes | memoryview | None = None) -> bool:
         """Whether the next record fits without evicting: a free slot, or the memory a new one or ``record``'s
         message (a received record that would be kept) needs; the pool evicts until this holds."""
-        if self._capacity_bytes is None or self._free:
+        if self._capacity_bytes is None or self._free or self._unmade:
             return True
         message = None if record is None else message_of(record)
         if message is not None and self._keeps(message):
@@ -328,7 +346,8 @@ class SlotStore:
         copying it into a slot as ``put_checked`` does. CorruptBlockError, and nothing stored, if the hash
         differs."""
         message = message_of(record)
-        if self._free or message is None or self._slot_of.get(key) is not None or not self._keeps(message):
+        if self._free or self._unmade or message is None or self._slot_of.get(key) is not None \
+                or not self._keeps(message):
             self.put_checked(key, memoryview(record)[:DATA_OFFSET], np.frombuffer(record, np.uint8, offset=DATA_OFFSET),
                              expected)
             return
@@ -417,6 +436,7 @@ class SlotStore:
         self._kept.clear()
         self._kept_bytes = 0
         self._free.clear()
+        self._unmade = 0
         self._slabs.clear()
         self._groups.clear()
 
