@@ -94,20 +94,6 @@ def copy_with_checksum(dst: np.ndarray, src: np.ndarray, stream: bool = True, ds
     return split_digest(hasher.intdigest())
 
 
-def copy_into(dst: np.ndarray, src: np.ndarray, dst_address: int | None = None) -> None:
-    """Copy ``src`` into ``dst`` (flat uint8 arrays of one length) with streaming stores, as ``copy_with_checksum``
-    does, for data whose checksum is already known (a received record hashed as it arrived); ``np.copyto`` where the
-    streaming copy cannot be built."""
-    if dst.nbytes != src.nbytes or dst.dtype != np.uint8 or src.dtype != np.uint8:
-        raise ValueError(f"copy of {src.nbytes} bytes ({src.dtype}) into {dst.nbytes} bytes ({dst.dtype}): "
-                         "expected two flat uint8 arrays of one length")
-    copy = streaming_copy()
-    if copy is None or not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
-        np.copyto(dst, src)
-        return
-    copy(address(dst) if dst_address is None else dst_address, address(src), src.nbytes)
-
-
 def _cached_copy_with_checksum(dst: np.ndarray, src: np.ndarray) -> tuple[int, int]:
     if src.size <= COPY_CHUNK_BYTES:  # one chunk (a 16-token block): no closure, no call through fill
         np.copyto(dst, src)

@@ -345,10 +345,9 @@ class FileStore:
         self._store(key, None, data, owned=True)
 
     def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
-                    expected: tuple[int, int], digest: tuple[int, int] | None = None) -> None:
-        """Store a record whose data must hash to ``expected`` (checked before anything is written; ``digest``: its
-        checksum already taken, as the record arrived, compared instead of hashing it again)."""
-        check_digest(key, expected, checksum(data) if digest is None else digest)
+                    expected: tuple[int, int]) -> None:
+        """Store a record whose data must hash to ``expected`` (checked before anything is written)."""
+        check_digest(key, expected, checksum(data))
         self._store(key, _flat(head), data, owned=True)
 
     def put(self, key: BlockKey, parts: Sequence[Buffer], owned: bool) -> None:

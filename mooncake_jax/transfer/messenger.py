@@ -27,7 +27,6 @@ import numpy as np
 
 from mooncake_jax.blocks import BlockKey
 from mooncake_jax.proto.auth import open_channel
-from mooncake_jax.transfer.arrival import hashing, received
 from mooncake_jax.transfer.counters import Meter, TransferCounters
 from mooncake_jax.transfer.device_plane import device_plane, groups
 from mooncake_jax.transfer.frame import PREFIX_BYTES, check_key
@@ -128,10 +127,6 @@ class MessengerClient:
         self._fetch_raw = self._channel.unary_stream(
             f"/{SERVICE}/Fetch", request_serializer=messages.FetchRequest.SerializeToString
         )
-        # a fetch's messages read and hashed on the channel's thread as they arrive (arrival.py)
-        self._fetch_hashed = self._channel.unary_stream(
-            f"/{SERVICE}/Fetch", request_serializer=messages.FetchRequest.SerializeToString,
-            response_deserializer=hashing(pool.spec))
         self._probe_raw = self._channel.unary_stream(
             f"/{SERVICE}/Probe", request_serializer=messages.ProbeRequest.SerializeToString
         )
@@ -179,13 +174,13 @@ class MessengerClient:
         elif wanted:
             request = messages.FetchRequest(keys=wanted, spec_fingerprint=self.pool.spec.fingerprint,
                                             batch_bytes=BATCH_BYTES)
-            call = self._fetch_hashed(request, timeout=timeout_s or self.timeout_s)
+            call = self._fetch_raw(request, timeout=timeout_s or self.timeout_s)
             arriving = Ahead(call, name="receive-ahead", join=False)  # block i is stored while i+1 arrives
             new: list[bool] = []
             try:
-                for records, digests in _records_of(arriving, self.pool.spec, expected):
+                for records in _records_of(arriving, self.pool.spec, expected):
                     try:  # a message's records in one pool call
-                        self.pool.put_records(records, new, digests)
+                        self.pool.put_records(records, new)
                     finally:
                         stored.extend(key for key, _ in records[: len(new)])
                         received += len(new) * self.pool.frame_bytes
@@ -233,7 +228,7 @@ class MessengerClient:
                                         batch_bytes=BATCH_BYTES)
         call = self._fetch_raw(request, timeout=timeout_s or self.timeout_s)
         try:
-            for records, _ in _records_of(call, spec, wanted):
+            for records in _records_of(call, spec, wanted):
                 for key, record in records:
                     got[key] = decode_record(spec, key, bytes(record))
                     received += len(record) - PREFIX_BYTES
@@ -453,13 +448,13 @@ def upload_messages(total_bytes: int, piece_bytes: int, distinct: bool = True) -
 
 def _records_of(call, spec: BlockSpec, asked):
     """The ``(key, record)`` pairs of the whole block records each message of a Fetch stream of ``spec`` blocks
-    completes (messages of one piece or several, raw or as ``arrival.hashing`` read them), a list per message with
-    their digests taken on arrival (or None); TransferError for a block that was not ``asked`` for."""
+    completes (messages of one piece or several), a list per message; TransferError for a block that was not
+    ``asked`` for."""
     assembler = RecordAssembler(spec)
-    for item in call:
-        records, digests = received(assembler, item)
+    for raw in call:
+        records = assembler.records(raw)
         for key in [key for key, _ in records] + [assembler.pending_key]:
             if key is not None and key not in asked:
                 raise TransferError(f"peer sent block {key:#018x}, which was not asked for")
         if records:
-            yield records, digests
+            yield records

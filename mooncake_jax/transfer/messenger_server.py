@@ -20,7 +20,6 @@ from mooncake_jax.blocks import BlockKey
 from mooncake_jax.proto import GRPC_MAX_MESSAGE_BYTES, server_options
 from mooncake_jax.proto.auth import interceptors
 from mooncake_jax.proto.tls import add_port
-from mooncake_jax.transfer.arrival import Arrival, hashing, received
 from mooncake_jax.transfer.counters import Meter, TransferCounters
 from mooncake_jax.transfer.device_plane import PULL_BYTES, device_plane
 from mooncake_jax.transfer.frame import CorruptBlockError
@@ -88,22 +87,20 @@ class _Servicer:
             return self._receive_pushed(received, context)
 
     def _receive_pushed(self, request_iterator, context):
-        """Messages come as ``arrival.hashing`` deserialized them: an ``Arrival`` (whole records of this pool's
-        spec, hashed as they arrived) or the raw ``bytes``."""
         assembler = RecordAssembler(self.pool.spec)
         stored = already = 0
         started = time.perf_counter()
         first = True
-        for item in request_iterator:
+        for raw in request_iterator:
             try:
-                if first and type(item) is not Arrival and assembler.whole_records(item) is None:
-                    self._check_spec(parse_message(item)[0][0].spec_fingerprint, context)  # whole records pass
+                if first and assembler.whole_records(raw) is None:  # whole records of this spec pass the check
+                    self._check_spec(parse_message(raw)[0][0].spec_fingerprint, context)
                 first = False
-                records, digests = received(assembler, item)
+                records = assembler.records(raw)
             except ValueError as err:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err}; {stored} earlier block(s) were stored")
             if records:
-                new, old = self._store(records, stored, context, digests)
+                new, old = self._store(records, stored, context)
                 stored, already = stored + new, already + old
                 self.meter.add(blocks_received=len(records), bytes_received=len(records) * self.pool.frame_bytes)
         if assembler.pending_key is not None:
@@ -115,14 +112,13 @@ class _Servicer:
         self.meter.add(transfers=1, blocks_skipped=already, busy_s=time.perf_counter() - started)
         return messages.PushReply(stored=stored, already_present=already)
 
-    def _store(self, records, stored: int, context, digests=None) -> tuple[int, int]:
-        """Put received ``(key, record)`` pairs into the pool in one call (``digests``: their data's checksums taken
-        as they arrived, or None); how many were new and how many already there. A record that fails its checks or
-        a full pool ends the call with DATA_LOSS / INVALID_ARGUMENT / RESOURCE_EXHAUSTED (``stored`` earlier ones
-        and those of ``records`` before it kept)."""
+    def _store(self, records, stored: int, context) -> tuple[int, int]:
+        """Put received ``(key, record)`` pairs into the pool in one call; how many were new and how many already
+        there. A record that fails its checks or a full pool ends the call with DATA_LOSS / INVALID_ARGUMENT /
+        RESOURCE_EXHAUSTED (``stored`` earlier ones and those of ``records`` before it kept)."""
         new: list[bool] = []
         try:
-            self.pool.put_records(records, new, digests)
+            self.pool.put_records(records, new)
         except CorruptBlockError as err:  # refused, counted, and named to the sender, which checks its own copy
             self.meter.add(blocks_refused=1)
             context.set_trailing_metadata(((CORRUPT_KEYS_METADATA, struct.pack("<Q", records[len(new)][0])),))
@@ -221,9 +217,7 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
                 servicer.Has, messages.HasRequest.FromString, messages.HasReply.SerializeToString
             ),
             "Fetch": grpc.unary_stream_rpc_method_handler(servicer.Fetch, messages.FetchRequest.FromString, as_is),
-            # pushed messages read and hashed on gRPC's thread as they arrive (arrival.py)
-            "Push": grpc.stream_unary_rpc_method_handler(servicer.Push, hashing(servicer.pool.spec),
-                                                         messages.PushReply.SerializeToString),
+            "Push": grpc.stream_unary_rpc_method_handler(servicer.Push, as_is, messages.PushReply.SerializeToString),
             "Probe": grpc.unary_stream_rpc_method_handler(servicer.Probe, messages.ProbeRequest.FromString, as_is),
             "ProbeUpload": grpc.stream_unary_rpc_method_handler(
                 servicer.ProbeUpload, as_is, messages.PushReply.SerializeToString

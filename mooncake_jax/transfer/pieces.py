@@ -296,43 +296,37 @@ class RecordAssembler:
         return done
 
     def whole_records(self, raw: bytes) -> list[tuple[BlockKey, memoryview | bytes]] | None:
-        """``whole_records(self.spec, raw)`` between blocks; None while a large frame's pieces are still coming."""
+        """The records of ``raw`` when it is exactly whole records of this spec (one, or several each behind its
+        ``next`` field's tag and length), each a view into it (a message of one record: ``raw`` itself); None for
+        any other message, which ``records`` parses piece by piece.
+
+        A record prefix pins every field of its piece (key, frame size, spec fingerprint, padding, data tag and
+        length: ``frame.record_prefix``), so a message whose records each start with the prefix of the key they
+        name, separated by the ``next`` tag and length of one record, is read as the field-by-field parse and the
+        assembler would read it, with one varint and one 64-byte comparison per record instead of a dozen fields
+        parsed in Python (a 16-token block's receive was about a third Python). Nothing is accepted here that the
+        full parse would refuse, and a message that fails any check is left to it for its error."""
         if self.pending_key is not None:
             return None
-        return whole_records(self.spec, raw)
-
-
-def whole_records(spec: BlockSpec, raw: bytes) -> list[tuple[BlockKey, memoryview | bytes]] | None:
-    """The records of ``raw`` when it is exactly whole records of ``spec`` (one, or several each behind its ``next``
-    field's tag and length), each a view into it (a message of one record: ``raw`` itself); None for any other
-    message, which ``RecordAssembler.records`` parses piece by piece.
-
-    A record prefix pins every field of its piece (key, frame size, spec fingerprint, padding, data tag and length:
-    ``frame.record_prefix``), so a message whose records each start with the prefix of the key they name, separated
-    by the ``next`` tag and length of one record, is read as the field-by-field parse and the assembler would read it,
-    with one varint and one 64-byte comparison per record instead of a dozen fields parsed in Python (a 16-token
-    block's receive was about a third Python). Nothing is accepted here that the full parse would refuse, and a
-    message that fails any check is left to it for its error. It keeps no state, so a receiver's deserializer can
-    call it on gRPC's thread (``arrival.py``)."""
-    record_size = PREFIX_BYTES + frame_size(spec)
-    separator = next_separator(record_size)
-    end, step = len(raw), record_size + len(separator)
-    if end < record_size or (end + len(separator)) % step:
-        return None
-    if end == record_size:
-        if raw[0] != TAG_KEY:
+        record_size = PREFIX_BYTES + self.frame_bytes
+        separator = next_separator(record_size)
+        end, step = len(raw), record_size + len(separator)
+        if end < record_size or (end + len(separator)) % step:
             return None
-        key = _read_varint(raw, 1)[0]
-        return [(key, raw)] if raw[:PREFIX_BYTES] == record_prefix(spec, key) else None
-    view = memoryview(raw)
-    found = []
-    for at in range(0, end, step):
-        if raw[at] != TAG_KEY:
-            return None
-        key = _read_varint(raw, at + 1)[0]
-        if view[at : at + PREFIX_BYTES] != record_prefix(spec, key):
-            return None
-        if at + record_size < end and view[at + record_size : at + step] != separator:
-            return None
-        found.append((key, view[at : at + record_size]))
-    return found
+        if end == record_size:
+            if raw[0] != TAG_KEY:
+                return None
+            key = _read_varint(raw, 1)[0]
+            return [(key, raw)] if raw[:PREFIX_BYTES] == record_prefix(self.spec, key) else None
+        view = memoryview(raw)
+        found = []
+        for at in range(0, end, step):
+            if raw[at] != TAG_KEY:
+                return None
+            key = _read_varint(raw, at + 1)[0]
+            if view[at : at + PREFIX_BYTES] != record_prefix(self.spec, key):
+                return None
+            if at + record_size < end and view[at + record_size : at + step] != separator:
+                return None
+            found.append((key, view[at : at + record_size]))
+        return found

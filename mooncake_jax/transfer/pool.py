@@ -197,29 +197,18 @@ class BlockPool:
         return new[0]
 
     def put_records(self, records: Sequence[tuple[BlockKey, bytes | bytearray | memoryview]],
-                    new: list[bool], digests: Sequence[tuple[int, int]] | None = None) -> None:
+                    new: list[bool]) -> None:
         """Store received ``(key, record)`` pairs in order, each as ``put_record`` stores one, under one lock: a
         Messenger message of several small blocks is one pool call, not one per block. Appends to ``new``, per
         record stored, whether it was new (False: already held); when a record fails (``CorruptBlockError``,
         ``PoolFullError``, a ValueError for one that is not bytes) the error is raised with ``new`` holding the
-        records stored before it. ``digests``: the XXH3-128 ``(high, low)`` of each record's data, taken as the
-        records arrived (``arrival.py``: while the message was in cache), compared with the checksum each record's
-        head carries instead of hashing the record again (the caller vouches that each digest is of that record's
-        bytes as they lie, which must not change: an immutable ``bytes`` or a view of one); a record that does not
-        match is refused before anything is evicted for it."""
-        if digests is not None and len(digests) != len(records):
-            raise ValueError(f"{len(digests)} digests for {len(records)} records")
+        records stored before it."""
         with self._operation():
-            if digests is None:
-                for key, record in records:
-                    new.append(self._put_checked(check_key(key), record))
-            else:
-                for (key, record), digest in zip(records, digests):
-                    new.append(self._put_checked(check_key(key), record, digest))
+            for key, record in records:
+                new.append(self._put_checked(check_key(key), record))
 
-    def _put_checked(self, key: BlockKey, record: bytes | bytearray | memoryview,
-                     digest: tuple[int, int] | None = None) -> bool:
-        """``put_record`` with the lock held (``digest``: see ``put_records``)."""
+    def _put_checked(self, key: BlockKey, record: bytes | bytearray | memoryview) -> bool:
+        """``put_record`` with the lock held."""
         if not isinstance(record, (bytes, bytearray, memoryview)):
             raise ValueError(f"record must be bytes, got {type(record).__name__}")
         if isinstance(record, memoryview):
@@ -231,15 +220,12 @@ class BlockPool:
         head = memoryview(record)[:DATA_OFFSET]
         expected = check_head(self.spec, key, head)
         data = np.frombuffer(record, np.uint8, offset=DATA_OFFSET)
-        if digest is not None:  # taken as it arrived: refused before anything is evicted for it
-            check_digest(key, expected, digest)
         if self._touch(key):
-            check_digest(key, expected, checksum(data) if digest is None else digest)
+            check_digest(key, expected, checksum(data))
             return False
-        # verified while it is copied in (or hashed where it lies, if kept), or by the digest taken on arrival: a
-        # record that fails leaves nothing behind
+        # verified while it is copied in (or hashed where it lies, if kept): a record that fails leaves nothing behind
         whole = record if message_of(record) is not None else None  # in an immutable bytes: may be kept as it is
-        self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected, whole, digest), whole)
+        self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected, whole), whole)
         return True
 
     def remove(self, key: BlockKey) -> bool:

@@ -64,7 +64,7 @@ import numpy as np
 import tensorstore as ts
 
 from mooncake_jax.blocks import BlockKey
-from mooncake_jax.transfer.checksum import checksum, copy_into, copy_with_checksum
+from mooncake_jax.transfer.checksum import checksum, copy_with_checksum
 from mooncake_jax.transfer.frame import DATA_OFFSET, CorruptBlockError, frame_bytes, record_bytes, record_head
 from mooncake_jax.transfer.pieces import PIECE_BYTES, next_separator, records_per_message
 from mooncake_jax.transfer.spec import BlockSpec
@@ -284,18 +284,10 @@ class SlotStore:
         slot.head[:] = record_head(self.spec, key, digest)
 
     def put_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
-                    expected: tuple[int, int], digest: tuple[int, int] | None = None) -> None:
+                    expected: tuple[int, int]) -> None:
         """Store a record whose data must hash to ``expected``: copied into the slot's memory and hashed in one
         pass, chunk by chunk from cache (nothing in flight afterwards; CorruptBlockError and the slot freed if the
-        hash differs); ``digest``: the data's checksum already taken (as it arrived), compared, and the data only
-        copied."""
-        if digest is not None:
-            if digest != expected:
-                raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
-            slot = self._slot_for(key)
-            copy_into(slot.data, data, dst_address=slot.data_address)
-            slot.memory[:DATA_OFFSET] = np.frombuffer(head, np.uint8)
-            return
+        hash differs)."""
         slot = self._slot_for(key)
         if copy_with_checksum(slot.data, data, dst_address=slot.data_address) != expected:
             self.delete(key)
@@ -330,20 +322,19 @@ class SlotStore:
             return id(message) in self._kept or self.used_bytes + len(message) <= self._capacity_bytes
         return self.used_bytes + self._stride <= self._capacity_bytes
 
-    def adopt_checked(self, key: BlockKey, record: bytes | memoryview, expected: tuple[int, int],
-                      digest: tuple[int, int] | None = None) -> None:
+    def adopt_checked(self, key: BlockKey, record: bytes | memoryview, expected: tuple[int, int]) -> None:
         """Store a received record (its head already checked) whose data must hash to ``expected``, keeping it
         where it lies when no slot is free and it lies in an immutable ``bytes`` (hashed there, never copied), else
         copying it into a slot as ``put_checked`` does. CorruptBlockError, and nothing stored, if the hash
-        differs. ``digest``: the data's checksum already taken (as it arrived), compared instead of hashing."""
+        differs."""
         message = message_of(record)
         if self._free or message is None or self._slot_of.get(key) is not None or not self._keeps(message):
             self.put_checked(key, memoryview(record)[:DATA_OFFSET], np.frombuffer(record, np.uint8, offset=DATA_OFFSET),
-                             expected, digest)
+                             expected)
             return
         if len(record) != self.record_bytes:
             raise ValueError(f"record of {len(record)} bytes, expected {self.record_bytes}")
-        if (checksum(memoryview(record)[DATA_OFFSET:]) if digest is None else digest) != expected:
+        if checksum(memoryview(record)[DATA_OFFSET:]) != expected:
             raise CorruptBlockError(f"block {key:#018x}: checksum mismatch")
         kept = self._kept.get(id(message))
         if kept is None:

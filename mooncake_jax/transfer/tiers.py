@@ -113,16 +113,15 @@ class Tier:
         self._added(key)
 
     def write_checked(self, key: BlockKey, head: bytes | memoryview, data: np.ndarray,
-                      expected: tuple[int, int], whole: bytes | memoryview | None = None,
-                      digest: tuple[int, int] | None = None) -> None:
+                      expected: tuple[int, int], whole: bytes | memoryview | None = None) -> None:
         """Store a record (its checked ``head`` and ``data``, flat uint8) whose data must hash to ``expected``;
         CorruptBlockError, and nothing stored, if it does not. ``whole``: the record (head then data) lying in an
         immutable ``bytes`` (itself, or a view of a received message), which a store that adopts records (DRAM)
-        may keep instead of copying it. ``digest``: the data's checksum, already taken (compared, not taken again)."""
+        may keep instead of copying it."""
         if whole is not None and getattr(self.store, "adopts_records", False):
-            self.store.adopt_checked(key, whole, expected, digest)
+            self.store.adopt_checked(key, whole, expected)
         else:
-            self.store.put_checked(key, head, data, expected, digest)
+            self.store.put_checked(key, head, data, expected)
         self._added(key)
 
     def _added(self, key: BlockKey) -> None:
