@@ -35,7 +35,8 @@ class TierCounters:
 @dataclass
 class TransferCounters:
     """Blocks and bytes a Messenger end moved, and the seconds its transfers took (for rates). ``blocks_refused``:
-    received records that failed their checks on arrival (never stored; a pushed one is named to its sender)."""
+    received records that failed their checks on arrival (never stored; a pushed one is named to its sender, a
+    fetched one asked for again, checked by the sender)."""
 
     transfers: int = 0
     failures: int = 0

@@ -161,6 +161,12 @@ class MessengerClient:
         Each block is stored as soon as it has arrived whole and verified; they are not pinned, so a caller that
         needs them to stay until it uses them holds ``pool.pin(keys)`` around the fetch and the use. Raises
         BlocksNotFoundError (nothing sent) if the peer lacks any, TransferError on any other failure.
+
+        The check is end to end, as a push's: the peer sends its records as stored, unchecked there, and each is
+        hashed as it lands here (an older peer checks them anyway). From a record that fails (or a message that
+        cannot be read) the blocks not yet stored are asked for once more, checked by the peer this time: one
+        damaged there is dropped there and reported as BlocksNotFoundError naming it (``stored``: the blocks before
+        it), as a block found damaged before sending always was; one damaged on the way arrives sound.
         """
         keys = _unique(keys)
         wanted = [key for key in keys if key not in self.pool]
@@ -172,28 +178,16 @@ class MessengerClient:
         if wanted and self.data_plane == "jax":
             stored, received = self._fetch_pulled(wanted, started, timeout_s or self.timeout_s)
         elif wanted:
-            request = messages.FetchRequest(keys=wanted, spec_fingerprint=self.pool.spec.fingerprint,
-                                            batch_bytes=BATCH_BYTES)
-            call = self._fetch_raw(request, timeout=timeout_s or self.timeout_s)
-            arriving = Ahead(call, name="receive-ahead", join=False)  # block i is stored while i+1 arrives
-            new: list[bool] = []
-            try:
-                for records in _records_of(arriving, self.pool.spec, expected):
-                    try:  # a message's records in one pool call
-                        self.pool.put_records(records, new)
-                    finally:
-                        stored.extend(key for key, _ in records[: len(new)])
-                        received += len(new) * self.pool.frame_bytes
-                        new.clear()
-            except grpc.RpcError as err:
-                self._failed(received, len(stored), started)
-                raise self._error("fetch", err, stored) from err
-            except (TransferError, ValueError, PoolFullError) as err:
-                self._failed(received, len(stored), started)
-                raise TransferError(f"fetch from {self.address}: {err}", stored=stored) from err
-            finally:
-                call.cancel()  # nothing once the call is over; else the receiving thread stops at once
-                arriving.close()
+            deadline = time.monotonic() + (timeout_s or self.timeout_s)
+            # the peer sends the records as stored and this end checks each as it lands; from a record that fails,
+            # the rest are asked for again, checked by the peer this time: damaged there, it is dropped there and
+            # named NOT_FOUND (BlocksNotFoundError); damaged on the way, it arrives sound the second time
+            if self._fetch_streamed(wanted, expected, deadline, started, stored, receiver_checks=True):
+                self._meter.add(blocks_refused=1)
+                arrived = set(stored)
+                self._fetch_streamed([key for key in wanted if key not in arrived], expected, deadline, started,
+                                     stored, receiver_checks=False)
+            received = len(stored) * self.pool.frame_bytes
             if len(stored) != len(wanted):
                 self._failed(received, len(stored), started)
                 message = f"fetch from {self.address}: peer sent {len(stored)} of {len(wanted)} blocks"
@@ -202,6 +196,41 @@ class MessengerClient:
         self._meter.add(transfers=1, blocks_received=len(stored), bytes_received=received, busy_s=seconds)
         self._meter.add(blocks_skipped=len(skipped))
         return TransferResult(stored, skipped, received, seconds)
+
+    def _fetch_streamed(self, keys: list[BlockKey], expected: set[BlockKey], deadline: float, started: float,
+                        stored: list[BlockKey], receiver_checks: bool) -> bool:
+        """One Fetch call for ``keys``, storing each record as it arrives (appended to ``stored``). With
+        ``receiver_checks`` the peer sends the records unchecked (``FetchRequest.receiver_checks``), and a record
+        that fails its check here, or a message that cannot be read, ends the call: True (nothing after the blocks
+        in ``stored`` kept). Else such a failure is a TransferError, as is any other (BlocksNotFoundError for a
+        NOT_FOUND)."""
+        request = messages.FetchRequest(keys=keys, spec_fingerprint=self.pool.spec.fingerprint,
+                                        batch_bytes=BATCH_BYTES, receiver_checks=receiver_checks)
+        call = self._fetch_raw(request, timeout=max(deadline - time.monotonic(), 0.001))
+        arriving = Ahead(call, name="receive-ahead", join=False)  # block i is stored while i+1 arrives
+        new: list[bool] = []
+        try:
+            for records in _records_of(arriving, self.pool.spec, expected):
+                try:  # a message's records in one pool call
+                    self.pool.put_records(records, new)
+                finally:
+                    stored.extend(key for key, _ in records[: len(new)])
+                    new.clear()
+        except grpc.RpcError as err:
+            self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
+            raise self._error("fetch", err, stored) from err
+        except (TransferError, ValueError) as err:  # a record failing its check is a CorruptBlockError (ValueError)
+            if receiver_checks:
+                return True
+            self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
+            raise TransferError(f"fetch from {self.address}: {err}", stored=stored) from err
+        except PoolFullError as err:
+            self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
+            raise TransferError(f"fetch from {self.address}: {err}", stored=stored) from err
+        finally:
+            call.cancel()  # nothing once the call is over; else the receiving thread stops at once
+            arriving.close()
+        return False
 
     def same_spec(self, *, timeout_s: float | None = None) -> bool:
         """Whether the peer's pool holds blocks of this pool's spec (so ``push`` and ``fetch`` can move them);
