@@ -2,7 +2,9 @@
 
 Per request, what a real cluster does, on the virtual clock:
 
-1. Arrival: ``ClusterState.schedule`` decides (the same call the gRPC service makes). A rejection is *early*.
+1. Arrival: ``ClusterState.schedule`` decides (the same call the gRPC service makes; its TTFT check against the
+   prefill's budget, ``accounting.prefill_budget_s``, under this simulator's release timing). A rejection is
+   *early*.
 2. A planned prefix fetch starts at once on the NICs (sender's outgoing and receiver's incoming link, each a
    FIFO, so a hot sender congests); the fetched blocks are held for the request, not put in the cache yet.
 3. Prefill, FIFO per instance, one request at a time: it starts when the instance is free and its fetch has
@@ -81,7 +83,8 @@ class DisaggregatedSim(ClusterSim):
         super().__init__(config, trace, observer, progress)
         policy_config = config.policy_config(self.block)
         self.state = ClusterState(policy_config)
-        self.policy = Policy(policy_config)
+        # the Conductor's policy, admitting on the prefill's TTFT budget as this cluster releases first tokens
+        self.policy = Policy(policy_config, timing=config.release_timing, off_engine_s=config.prefill_off_engine_s)
         self.admission = policy_config.admission.value
         prefill_costs, decode_costs = config.pool_costs()
         per_node = config.cache_blocks(self.block)
