@@ -61,7 +61,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_model  # noqa: E402
-from sim_real.host_fit import host_model, host_other_busy, host_weight_and_others, join_line  # noqa: E402,F401
+from sim_real.host_fit import (host_model, host_other_busy, host_weight_and_others, join_line,  # noqa: E402,F401
+                               pair_length_exponent)
 from sim_real.host_fit import profiled_costs  # noqa: E402
 from sim_real.live import (bursts, contention, cpu_used, probe, process_ids, replay, stream_load,  # noqa: E402
                            trace_slice)
@@ -107,6 +108,8 @@ def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: f
                       host_other_busy=overheads.get("host_other_busy", 0.0) if overheads.get("host_cores") else 0.0,
                       decode_stream_cpu_s=overheads.get("decode_stream_cpu_s", 0.0) if overheads.get("host_cores")
                       else 0.0,
+                      host_pair_length_exponent=overheads.get("host_pair_length_exponent", 0.0)
+                      if overheads.get("host_cores") else 0.0,
                       **slo)
     by_item = [None] * len(items)
     for req, i in zip(result.requests, order):
@@ -190,6 +193,9 @@ def measure(args, items, cfg, slo: dict, pool_blocks: int, cores: int):
         overheads = probe(cluster, costs, cfg.vocab_size)
         overheads.update(stream_load(cluster, cfg.vocab_size))
         overheads.update(contention(cluster, cfg.vocab_size))
+        exponent = pair_length_exponent(overheads)  # a prefill's slowdown beside another over its length
+        if exponent is not None:
+            overheads["host_pair_exponent"] = exponent
         burst_runs, burst_off_engine, burst_engine, burst_decided = bursts(cluster, items, cfg.vocab_size)
         overheads.update(decode_in_bursts(burst_runs, costs))
         # the host as the simulator shares it: the prefills at their niced weight where they are processes, the
