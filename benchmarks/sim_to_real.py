@@ -61,8 +61,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_model  # noqa: E402
-from sim_real.host_fit import (host_model, host_other_busy, host_weight_and_others, join_line,  # noqa: E402,F401
-                               pair_length_exponent)
+from sim_real.host_fit import host_model, host_other_busy, host_weight_and_others, join_line  # noqa: E402,F401
 from sim_real.host_fit import profiled_costs  # noqa: E402
 from sim_real.live import (bursts, contention, cpu_used, probe, process_ids, replay, stream_load,  # noqa: E402
                            trace_slice)
@@ -192,10 +191,7 @@ def measure(args, items, cfg, slo: dict, pool_blocks: int, cores: int):
         costs = costs_from_profile(profile_json)
         overheads = probe(cluster, costs, cfg.vocab_size)
         overheads.update(stream_load(cluster, cfg.vocab_size))
-        overheads.update(contention(cluster, cfg.vocab_size))
-        exponent = pair_length_exponent(overheads)  # a prefill's slowdown beside another over its length
-        if exponent is not None:
-            overheads["host_pair_exponent"] = exponent
+        overheads.update(contention(cluster, cfg.vocab_size))  # (host_variant fits host_pair_exponent from it)
         burst_runs, burst_off_engine, burst_engine, burst_decided = bursts(cluster, items, cfg.vocab_size)
         overheads.update(decode_in_bursts(burst_runs, costs))
         # the host as the simulator shares it: the prefills at their niced weight where they are processes, the

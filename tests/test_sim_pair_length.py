@@ -24,15 +24,17 @@ MS_PER_TOKEN = InstanceCosts("ms-per-token", PrefillCost((0.0, 0.001, 0.0, 0.0))
 def test_the_factor_and_the_paired_rate_by_hand():
     assert pair_length_factor(512, 0.5) == 1.0
     assert pair_length_factor(2048, 0.5) == pytest.approx(2.0)
-    assert pair_length_factor(128, 0.5) == pytest.approx(0.5)
+    assert pair_length_factor(128, 0.5) == 1.0  # shorter ones keep the 512-token reference's slowdown
     assert pair_length_factor(4096, 0.0) == 1.0
     assert paired_rate(0.8, 2048, 0.5, 1) == 0.8  # alone: no partner, no factor
     assert paired_rate(0.8, 2048, 0.5, 2) == pytest.approx(0.4)
-    # two prefills and one other process on two cores: 2/3 of a core each; a 256-token one 2/3 * sqrt(2)
+    # two prefills and one other process on two cores: 2/3 of a core each; a 1,024-token one 2/3 / sqrt(2), a
+    # 256-token one 2/3 as at 512
     shared = shared_rates(2, 2, 0, others=1.0)[0]
     assert shared == pytest.approx(2 / 3)
-    assert paired_rate(shared, 256, 0.5, 2) == pytest.approx(2 / 3 * math.sqrt(2))
-    assert paired_rate(0.9, 256, 0.5, 2) == 1.0  # never faster than its cost model
+    assert paired_rate(shared, 1024, 0.5, 2) == pytest.approx(2 / 3 / math.sqrt(2))
+    assert paired_rate(shared, 256, 0.5, 2) == pytest.approx(2 / 3)
+    assert paired_rate(0.9, 2048, -0.5, 2) == 1.0  # never faster than its cost model
     with pytest.raises(ValueError, match="host_pair_length_exponent must be a number from -2 to 2"):
         SimConfig(host_cores=2, host_pair_length_exponent=3.0)
     with pytest.raises(ValueError, match="needs host_cores"):
@@ -70,6 +72,8 @@ def test_the_exponent_is_fitted_from_the_pairs_at_each_length():
     assert pair_length_exponent(_readings(0.3)) == pytest.approx(0.3)
     assert pair_length_exponent(_readings(0.0)) == pytest.approx(0.0, abs=1e-12)
     assert pair_length_exponent(_readings(-0.2, base=1.5)) == pytest.approx(-0.2)
+    # the 256-token pairs are not read: 2.1x there (fixed costs) moves nothing
+    assert pair_length_exponent({**_readings(0.3), "contention_compute_s_pair_256": 0.256 * 2.1}) == pytest.approx(0.3)
     assert pair_length_exponent(_readings(3.0)) == 1.0  # within -1 to 1
     # 1.3x at 1,024 and 1.7x at 2,048 over 1.13x at 512 (the twelfth pass's readings, by request): log-slope
     read = {"contention_compute_s_alone": 1.0, "contention_compute_s_pair": 1.13,
@@ -78,6 +82,8 @@ def test_the_exponent_is_fitted_from_the_pairs_at_each_length():
     x, y = [math.log(2), math.log(4)], [math.log(1.3 / 1.13), math.log(1.7 / 1.13)]
     assert pair_length_exponent(read) == pytest.approx(sum(a * b for a, b in zip(x, y)) / sum(a * a for a in x))
     assert pair_length_exponent({"contention_compute_s_alone": 1.0, "contention_compute_s_pair": 1.1}) is None
+    assert pair_length_exponent({"contention_compute_s_alone": 1.0, "contention_compute_s_pair": 1.1,
+                                 "contention_compute_s_alone_256": 1.0, "contention_compute_s_pair_256": 2.0}) is None
 
 
 def test_the_probe_host_carries_the_exponent_into_the_rates_it_divides_out():

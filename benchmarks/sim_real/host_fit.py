@@ -54,12 +54,15 @@ def pair_length_exponent(read: dict) -> float | None:
     """The exponent of a prefill's slowdown beside another over its length (``SimConfig.host_pair_length_exponent``)
     from the contention probe's pairs and lone prefills at each length (``contention_compute_s_{alone,pair}_{n}``;
     at 512 tokens ``contention_compute_s_{alone,pair}``): the least-squares slope, through 512 tokens, of
-    ``log(pair_n / alone_n) - log(pair_512 / alone_512)`` over ``log(n / 512)``, within -1 to 1. None where fewer
-    than one other length was read."""
+    ``log(pair_n / alone_n) - log(pair_512 / alone_512)`` over ``log(n / 512)`` for the lengths above 512 (the
+    simulator gives shorter ones the 512-token slowdown, ``host.pair_length_factor``), within -1 to 1. None where
+    no longer length was read."""
     ratios = {}
     for key, value in read.items():
         if key.startswith("contention_compute_s_pair_") and value:
             n = int(key.rsplit("_", 1)[1])
+            if n <= PAIR_REFERENCE_TOKENS:
+                continue
             alone = read.get(f"contention_compute_s_alone_{n}")
             if alone:
                 ratios[n] = value / alone

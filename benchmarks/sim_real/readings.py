@@ -13,7 +13,8 @@ import numpy as np
 from mooncake_jax.conductor.accounting import prefill_work_s, reused_tokens
 from mooncake_jax.conductor.costs import fit_prefill_poly, prefill_seconds
 
-from .host_fit import host_model, host_other_busy, host_rates, host_weight_and_others, join_line
+from .host_fit import (host_model, host_other_busy, host_rates, host_weight_and_others, join_line,
+                       pair_length_exponent)
 
 SPREAD_QUANTILES = 20  # quantiles of the steady decode gaps over their regime's mean (``decode_step_spread``)
 SHARE_SAMPLES = 40  # points per reported compute interval at which engine_in_bursts reads the host's sharing
@@ -380,8 +381,13 @@ weights, no streaming, no residual)."""
 def host_variant(probed: dict, costs, burst_engine, burst_runs, cores: int, prefill: int, **changes) -> dict:
     """The probed readings with ``changes`` to the host model (``host_prefill_weight``, ``stream_cpu_s_per_token``),
     the host's others and the bursts' engine read again under it (``host_other_busy``, ``engine_in_bursts``): what
-    the profile reading would have been with that host model."""
+    the profile reading would have been with that host model. A prefill's slowdown beside another over its length
+    (``host_pair_exponent``) is fitted here from the contention probe's lengths where the run read them
+    (``pair_length_exponent``), so a re-simulated run gets this code's fit."""
     varied = {k: v for k, v in probed.items() if not (k.startswith("engine_") and k.endswith("_bursts"))}
+    exponent = pair_length_exponent(varied)  # a prefill's slowdown beside another over its length, where read
+    if exponent is not None:
+        varied["host_pair_exponent"] = exponent
     varied.update(changes)
     if varied.get("host_prefill_weight") == "cfs":  # the prefills' CFS weight as it is
         varied["host_prefill_weight"] = varied.get("host_prefill_cfs_weight", 1.0)

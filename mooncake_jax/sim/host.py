@@ -23,7 +23,8 @@ the longer it is. On two cores a 512-token prefill ran 1.13x slower beside anoth
 tokens 1.3-1.7x (twelfth pass, ``docs/benchmarks/sim.md``). (A likely cause, not separated: alone, a long
 prefill's larger matrix products spread over both cores on XLA's intra-op threads, which beside another prefill
 it no longer has, where a short one never used much more than one.) The shared speed (fitted at the contention probe's 512 tokens) is divided by
-``(tokens / 512) ** exponent`` for each prefill while two or more compute, the exponent fitted on each host.
+``(tokens / 512) ** exponent`` for each prefill of 512 tokens or more while two or more compute, the exponent
+fitted on each host.
 """
 
 from __future__ import annotations
@@ -89,11 +90,13 @@ def rates_with_streaming(cores: int, prefills: int, decodes: int, prefill_weight
 
 def pair_length_factor(tokens: int, exponent: float) -> float:
     """How much slower than the host's shared speed a prefill computing ``tokens`` new tokens runs while another
-    prefill computes too: ``(tokens / PAIR_REFERENCE_TOKENS) ** exponent`` (1 at the reference length, or with
-    exponent 0)."""
+    prefill computes too: ``(max(tokens, PAIR_REFERENCE_TOKENS) / PAIR_REFERENCE_TOKENS) ** exponent`` (1 up to the
+    reference length, or with exponent 0). Shorter prefills keep the reference's slowdown: their compute (10 ms at
+    256 tokens on two cores) is within the host's scheduling jitter, and their pairs read 1.2-2.1x where the longer
+    ones' read 1.0-1.4x (thirteenth pass): no length dependence is read from them."""
     if not exponent:
         return 1.0
-    return (max(1, int(tokens)) / PAIR_REFERENCE_TOKENS) ** exponent
+    return (max(int(tokens), PAIR_REFERENCE_TOKENS) / PAIR_REFERENCE_TOKENS) ** exponent
 
 
 def paired_rate(shared: float, tokens: int, exponent: float, prefills: int) -> float:
