@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sim_to_real  # noqa: E402
+from sim_real.host_fit import pair_length_exponent  # noqa: E402
 from sim_real.live import trace_slice  # noqa: E402
 from sim_real.readings import from_profile, host_variant  # noqa: E402
 
@@ -75,8 +76,9 @@ def run_figures(measured: dict, items) -> dict:
     if probed.get("contention_compute_s_long_beside_short") and probed.get("contention_compute_s_alone_2048"):
         figures["contention_long_beside_short_over_alone_2048"] = (probed["contention_compute_s_long_beside_short"]
                                                                    / probed["contention_compute_s_alone_2048"])
-    if "host_pair_exponent" in probed:
-        figures["host_pair_exponent"] = probed["host_pair_exponent"]
+    exponent = pair_length_exponent(probed)  # as this code fits it (the run may have recorded an earlier fit)
+    if exponent is not None:
+        figures["host_pair_exponent"] = exponent
     figures["replay_long_overlapped"] = overlapped([
         (len(it[1]) - r["cached_tokens"], r["submitted"] + r["decided_s"] + r["queue_s"],
          r["submitted"] + r["decided_s"] + r["queue_s"] + r["compute_s"])
@@ -94,10 +96,9 @@ def simulated_ttft(measured: dict, items, profile_from: dict, bursts_from: dict,
     runs = [(start, n, np.array(times)) for start, n, times in bursts_from["bursts"]]
     engine = [tuple(e) for e in bursts_from["burst_engine"]]
     probed = dict(probes_from["overheads"])
-    if pair_exponent is not None:
-        probed["host_pair_exponent"] = pair_exponent
     probed.setdefault("host_prefill_cfs_weight", cfs_weight(5))
-    probed = host_variant(probed, costs, engine, runs, 2, 2)
+    changes = {} if pair_exponent is None else {"host_pair_exponent": pair_exponent}  # (else refitted there)
+    probed = host_variant(probed, costs, engine, runs, 2, 2, **changes)
     inputs = from_profile(costs, probed, 2)
     inputs["prefill_coef"] = [c * engine_scale for c in inputs["prefill_coef"]]
     _, by_item = sim_to_real.simulated(items, costs, inputs, 2, 1, 1.0, 8192 * ENGINE_BLOCK,
