@@ -106,10 +106,10 @@ class Policy:
         for it. (Not worked out under ``none``: nothing is checked.)"""
         if self.config.admission is Admission.NONE:
             return 0.0
-        push = 0.0
-        if self.timing.first_token == "after-push":
-            push = transfer_seconds(request.input_tokens * table.kv_bytes_per_token.item(prefill.slot),
-                                    table.link(prefill.slot, slot_d))
+        if self.timing.first_token == "at-prefill-end":  # nothing to push first (~2 us a decision saved)
+            return self.off_engine_s
+        push = transfer_seconds(request.input_tokens * table.kv_bytes_per_token.item(prefill.slot),
+                                table.link_bytes_per_s.item(prefill.slot, slot_d))
         return after_prefill_s(self.timing, push, prefill.compute_s, self.off_engine_s)
 
     # ------------------------------------------------------------------------------------------- prefill
