@@ -87,7 +87,7 @@ class SlowdownMeter:
     def __init__(self, window_s: float = 30.0, samples: int = 32, clock=time.monotonic):
         self.window_s, self._clock = window_s, clock
         self._ratios: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=samples)
-        self._overheads: collections.deque[tuple[float, float]] = collections.deque(maxlen=samples)
+        self._overheads: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=samples)
         self._lock = threading.Lock()
 
     def record(self, measured_s: float, predicted_s: float, overhead_s: float | None = None,
