@@ -107,6 +107,8 @@ def simulated(items, costs, overheads: dict, prefill: int, decode: int, speed: f
                       host_other_busy=overheads.get("host_other_busy", 0.0) if overheads.get("host_cores") else 0.0,
                       decode_stream_cpu_s=overheads.get("decode_stream_cpu_s", 0.0) if overheads.get("host_cores")
                       else 0.0,
+                      host_pair_length_exponent=overheads.get("host_pair_length_exponent", 0.0)
+                      if overheads.get("host_cores") else 0.0,
                       **slo)
     by_item = [None] * len(items)
     for req, i in zip(result.requests, order):
@@ -189,7 +191,7 @@ def measure(args, items, cfg, slo: dict, pool_blocks: int, cores: int):
         costs = costs_from_profile(profile_json)
         overheads = probe(cluster, costs, cfg.vocab_size)
         overheads.update(stream_load(cluster, cfg.vocab_size))
-        overheads.update(contention(cluster, cfg.vocab_size))
+        overheads.update(contention(cluster, cfg.vocab_size))  # (host_variant fits host_pair_exponent from it)
         burst_runs, burst_off_engine, burst_engine, burst_decided = bursts(cluster, items, cfg.vocab_size)
         overheads.update(decode_in_bursts(burst_runs, costs))
         # the host as the simulator shares it: the prefills at their niced weight where they are processes, the

@@ -6,6 +6,8 @@ its prefill engine scaled by the replay's compute over the bursts' (read from th
 the miss the engine's level explains); with two or more runs, the first two re-simulated (the
 profile reading, ``from_profile``) with one input taken from the other run: its start-up profile, its bursts, its
 other probes. Twelfth pass (docs/benchmarks/sim.md): the bursts, not the start-up profile, set the simulated TTFT.
+Thirteenth pass: the contention probe's pair slowdown at each length and the fitted ``host_pair_exponent`` where the
+run read them, and each TTFT reading also with the host's length dependence left out (``_no_length``).
 
     python benchmarks/sim_to_real_diagnose.py docs/sim/sim_to_real_s11_xeon_quiet_{1,2}_tokens.json
 """
@@ -21,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import sim_to_real  # noqa: E402
+from sim_real.host_fit import pair_length_exponent  # noqa: E402
 from sim_real.live import trace_slice  # noqa: E402
 from sim_real.readings import from_profile, host_variant  # noqa: E402
 
@@ -64,6 +67,18 @@ def run_figures(measured: dict, items) -> dict:
         figures[f"bursts_{band}"] = compute_over_profile(bursts, costs, lo, hi)
         figures[f"replay_{band}"] = compute_over_profile(replay, costs, lo, hi)
     figures["bursts_long_overlapped"] = overlapped([(n - k, b, b + c) for n, k, b, c in measured["burst_engine"]])
+    probed = measured["overheads"]  # the contention probe's pairs over lengths (thirteenth pass), where read
+    for n in (256, 512, 1024, 2048):
+        suffix = "" if n == 512 else f"_{n}"
+        alone, pair = probed.get(f"contention_compute_s_alone{suffix}"), probed.get(f"contention_compute_s_pair{suffix}")
+        if alone and pair:
+            figures[f"contention_pair_over_alone_{n}"] = pair / alone
+    if probed.get("contention_compute_s_long_beside_short") and probed.get("contention_compute_s_alone_2048"):
+        figures["contention_long_beside_short_over_alone_2048"] = (probed["contention_compute_s_long_beside_short"]
+                                                                   / probed["contention_compute_s_alone_2048"])
+    exponent = pair_length_exponent(probed)  # as this code fits it (the run may have recorded an earlier fit)
+    if exponent is not None:
+        figures["host_pair_exponent"] = exponent
     figures["replay_long_overlapped"] = overlapped([
         (len(it[1]) - r["cached_tokens"], r["submitted"] + r["decided_s"] + r["queue_s"],
          r["submitted"] + r["decided_s"] + r["queue_s"] + r["compute_s"])
@@ -72,16 +87,18 @@ def run_figures(measured: dict, items) -> dict:
 
 
 def simulated_ttft(measured: dict, items, profile_from: dict, bursts_from: dict, probes_from: dict,
-                   engine_scale: float = 1.0) -> list[float]:
+                   engine_scale: float = 1.0, pair_exponent: float | None = None) -> list[float]:
     """TTFT p50, p90 of the profile reading with the start-up profile, the bursts and the other probes each taken
     from the given run (the replay's arrivals and completions from ``measured``), its prefill engine times
-    ``engine_scale``."""
+    ``engine_scale``; ``pair_exponent``: the host's slowdown of a prefill beside another over its length set to
+    this (0: every length alike, the twelfth pass's host) instead of the probed one."""
     costs = costs_from_profile(profile_from["profile_json"])
     runs = [(start, n, np.array(times)) for start, n, times in bursts_from["bursts"]]
     engine = [tuple(e) for e in bursts_from["burst_engine"]]
     probed = dict(probes_from["overheads"])
     probed.setdefault("host_prefill_cfs_weight", cfs_weight(5))
-    probed = host_variant(probed, costs, engine, runs, 2, 2)
+    changes = {} if pair_exponent is None else {"host_pair_exponent": pair_exponent}  # (else refitted there)
+    probed = host_variant(probed, costs, engine, runs, 2, 2, **changes)
     inputs = from_profile(costs, probed, 2)
     inputs["prefill_coef"] = [c * engine_scale for c in inputs["prefill_coef"]]
     _, by_item = sim_to_real.simulated(items, costs, inputs, 2, 1, 1.0, 8192 * ENGINE_BLOCK,
@@ -106,8 +123,9 @@ def main() -> None:
         out[path.name] = figures = run_figures(m, its)
         real = np.percentile([r["times"][0] for r in m["replay"] if r is not None], [50, 90])
         scale = figures["replay_all"] / figures["bursts_all"]
-        for label, k in (("", 1.0), ("_engine_at_replay_level", scale)):
-            sim = simulated_ttft(m, its, m, m, m, k)
+        for label, k, exponent in (("", 1.0, None), ("_engine_at_replay_level", scale, None),
+                                   ("_no_length", 1.0, 0.0), ("_no_length_engine_at_replay_level", scale, 0.0)):
+            sim = simulated_ttft(m, its, m, m, m, k, exponent)
             figures[f"ttft_p50_rel_err{label}"], figures[f"ttft_p90_rel_err{label}"] = (
                 float(abs(x - r) / r) for x, r in zip(sim, real))
         print(path.name, {k: None if v is None else round(v, 2) for k, v in figures.items()})

@@ -242,25 +242,26 @@ def test_a_killed_conductor_process_comes_back_on_its_address_and_the_cluster_se
 
 def test_a_prefill_instance_refuses_a_request_it_can_no_longer_serve_within_the_ttft_slo():
     """The check of last resort (instance/prefill.py): work predicted by the cost model, scaled by the measured
-    slowdown, against what is left of the SLO (10% kept for the decode side) -> RESOURCE_EXHAUSTED (a 429)."""
+    slowdown, against what is left of the prefill's budget (the SLO less the KV push, ``accounting``) ->
+    RESOURCE_EXHAUSTED (a 429). No cost model here: no push predicted, the budget is the whole SLO."""
     from types import SimpleNamespace
 
     from mooncake_jax.instance.prefill import PrefillService, SlowdownMeter
     from mooncake_jax.instance.rpc import InstanceService, LateRejection
 
-    instance = SimpleNamespace(ttft_slo_s=2.0, config=SimpleNamespace(instance_id="prefill-0"))
+    instance = SimpleNamespace(ttft_slo_s=2.0, costs=None, config=SimpleNamespace(instance_id="prefill-0"))
     service = PrefillService.__new__(PrefillService)  # only the check: no engine behind it
     InstanceService.__init__(service, instance, ("prefill_refused_ttft",))
     service.slowdown = SlowdownMeter()
     now = time.perf_counter()
-    service._check_deadline(now, 1.0, "on arrival")  # 1.0 s of work, 1.8 s left
-    service.slowdown.record(0.2, 0.1)  # it runs 2x slower than its model: 2.0 s > 1.8 s
+    service._check_deadline(now, 1.9, "on arrival")  # 1.9 s of work, 2.0 s left (the old 10% share refused it)
+    service.slowdown.record(0.2, 0.1)  # it runs 2x slower than its model: 2.0 s > 2.0 s less the time since
     with pytest.raises(LateRejection, match=r"prefill-0 cannot meet the TTFT SLO of 2 s \(on arrival: 2.00 s of "
-                                            r"work, 1\.\d\d s left\)"):
-        service._check_deadline(now, 1.0, "on arrival")
-    service._check_deadline(now - 1.5, 0.1, "out of the queue")  # waited 1.5 s: 0.2 s of work in 0.3 s left
+                                            r"work, 1\.9\d s left of 2.00 s before the KV push\)"):
+        service._check_deadline(now - 0.05, 1.0, "on arrival")
+    service._check_deadline(now - 1.7, 0.1, "out of the queue")  # waited 1.7 s: 0.2 s of work in 0.3 s left
     with pytest.raises(LateRejection, match=r"out of the queue: 0.40 s of work, 0\.[23]\d s left"):  # (a slow host)
-        service._check_deadline(now - 1.5, 0.2, "out of the queue")
+        service._check_deadline(now - 1.7, 0.2, "out of the queue")
     assert service.counts()["prefill_refused_ttft_total"] == 2
     instance.ttft_slo_s = None  # not registered yet: no SLO to hold it to
     service._check_deadline(now - 100, 5.0, "on arrival")

@@ -143,12 +143,16 @@ def oracle(cfg: PolicyConfig, state: ClusterState, request: Request, now: float)
         predicted_tbt = step(d, seen[d][0] + 1, seen[d][1] + kv)
     out.update(decode=table.ids[d], predicted_tbt_s=predicted_tbt)
 
-    # step 4: admission
+    # step 4: admission, the TTFT against the prefill's budget: the SLO less the push of the request's KV from the
+    # chosen prefill instance to the chosen decode instance (the served cluster's first token waits for it)
     reason, retry = None, 0.0
     if cfg.admission != Admission.NONE:
-        if out["predicted_ttft_s"] > cfg.ttft_slo_s:
+        p = table.slot(out["prefill"])
+        budget = cfg.ttft_slo_s - transfer_seconds(float(n * table.kv_bytes_per_token[p]),
+                                                   float(table.link_bytes_per_s[p, d]))
+        if out["predicted_ttft_s"] > budget:
             reason = RejectReason.TTFT_SLO
-            retry = max(cfg.min_retry_after_s, out["predicted_ttft_s"] - cfg.ttft_slo_s)
+            retry = max(cfg.min_retry_after_s, out["predicted_ttft_s"] - budget)
         elif cfg.admission in (Admission.EARLY, Admission.PREDICTIVE) and predicted_tbt > cfg.tbt_slo_s:
             reason, retry = RejectReason.TBT_SLO, retry_after(d)
     return dict(out, reason=reason, retry_after_s=retry)

@@ -195,9 +195,9 @@ def test_rejections_on_ttft_and_tbt_slo():
     busy(state, "A", 30.0)
     d = policy.decide(req(), state.snapshot(), 0.0)  # 30 + 0.042 > 30
     assert d.reason == RejectReason.TTFT_SLO and not d.accepted
-    assert d.retry_after_s == pytest.approx(0.5)  # the floor: 0.042 s over the SLO
-    busy(state, "A", 31.0)
-    assert policy.decide(req(), state.snapshot(), 0.0).retry_after_s == pytest.approx(1.042)
+    assert d.retry_after_s == pytest.approx(0.5)  # the floor: 0.147 s over the budget
+    busy(state, "A", 31.0)  # over the prefill's budget, the SLO less the push of its KV to D (42 x 250 B at 1e5 B/s)
+    assert policy.decide(req(), state.snapshot(), 0.0).retry_after_s == pytest.approx(1.042 + 0.105)
     busy(state, "A", 29.0)
     assert policy.decide(req(), state.snapshot(), 0.0).accepted
 

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from mooncake_jax.conductor.costs import DecodeCost, PrefillCost
-from mooncake_jax.sim.host import rates_with_streaming
+from mooncake_jax.sim.host import PAIR_REFERENCE_TOKENS, paired_rate, rates_with_streaming
 
 STREAM_CONTEXT_TOKENS = 64  # each request's KV tokens when reading a batch's step for its streaming (the probes')
 CONTENTION_REGIMES = {"pair": (2, 0), "beside_decode": (2, 1)}  # busy (prefills, decoding) beside the lone one's (1, 0)
@@ -30,19 +30,50 @@ def host_model(cores: int, probed: dict, others: float | None = None, costs=None
     return {"cores": cores, "weight": probed.get("host_prefill_weight", 1.0),
             "others": probed.get("host_other_busy", 0.0) if others is None else others,
             "cpu_per_token": probed.get("stream_cpu_s_per_token", 0.0) if step is not None else 0.0,
-            "step": step}
+            "step": step, "pair_exponent": probed.get("host_pair_exponent", 0.0)}
 
 
 
-def host_rates(host: dict, prefills: int, batch: int) -> tuple[float, float]:
+def host_rates(host: dict, prefills: int, batch: int, tokens: int | None = None) -> tuple[float, float]:
     """(prefill speed, decode speed) the simulator gives ``prefills`` computing beside a decode instance running
     ``batch`` requests (0: idle) on ``host`` (``host_model``): ``host.rates_with_streaming`` with the tokens that
-    batch streams a second at its modelled step (each request's context taken as ``STREAM_CONTEXT_TOKENS``)."""
+    batch streams a second at its modelled step (each request's context taken as ``STREAM_CONTEXT_TOKENS``); with
+    ``tokens`` (the prefill's new tokens), its speed beside another prefill as its length makes it
+    (``host.paired_rate``, the host's ``pair_exponent``)."""
     tokens_per_s = 0.0
     if batch and host["cpu_per_token"]:
         tokens_per_s = batch / float(host["step"](batch, batch * STREAM_CONTEXT_TOKENS))
-    return rates_with_streaming(host["cores"], prefills, int(batch > 0), host["weight"], host["others"],
-                                tokens_per_s, host["cpu_per_token"])[:2]
+    prefill, decode = rates_with_streaming(host["cores"], prefills, int(batch > 0), host["weight"], host["others"],
+                                           tokens_per_s, host["cpu_per_token"])[:2]
+    if tokens is not None:
+        prefill = paired_rate(prefill, tokens, host.get("pair_exponent", 0.0), prefills)
+    return prefill, decode
+
+
+def pair_length_exponent(read: dict) -> float | None:
+    """The exponent of a prefill's slowdown beside another over its length (``SimConfig.host_pair_length_exponent``)
+    from the contention probe's pairs and lone prefills at each length (``contention_compute_s_{alone,pair}_{n}``;
+    at 512 tokens ``contention_compute_s_{alone,pair}``): the least-squares slope, through 512 tokens, of
+    ``log(pair_n / alone_n) - log(pair_512 / alone_512)`` over ``log(n / 512)`` for the lengths above 512 (the
+    simulator gives shorter ones the 512-token slowdown, ``host.pair_length_factor``), within -1 to 1. None where
+    no longer length was read."""
+    ratios = {}
+    for key, value in read.items():
+        if key.startswith("contention_compute_s_pair_") and value:
+            n = int(key.rsplit("_", 1)[1])
+            if n <= PAIR_REFERENCE_TOKENS:
+                continue
+            alone = read.get(f"contention_compute_s_alone_{n}")
+            if alone:
+                ratios[n] = value / alone
+    base_pair, base_alone = read.get("contention_compute_s_pair"), read.get("contention_compute_s_alone")
+    if not ratios or not base_pair or not base_alone:
+        return None
+    x = np.log(np.array(sorted(ratios), float) / PAIR_REFERENCE_TOKENS)
+    y = np.log([ratios[n] for n in sorted(ratios)]) - math.log(base_pair / base_alone)
+    if not np.any(x):
+        return None
+    return float(np.clip((x @ y) / (x @ x), -1.0, 1.0))
 
 
 

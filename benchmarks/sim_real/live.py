@@ -19,6 +19,8 @@ from .readings import engine_in_pairs
 PROBE_PROMPT_TOKENS, PROBE_OUTPUT_TOKENS, PROBES = (64, 256, 512, 1024), 16, 3
 BURST, BURST_ROUNDS, BURST_LONG_TOKENS = 8, 6, 200
 CONTENTION_TOKENS, CONTENTION_ROUNDS = 512, 5
+CONTENTION_LENGTHS, CONTENTION_LENGTH_ROUNDS = (256, 1024, 2048), 3
+LONG_BESIDE_SHORT = (2048, 256)  # a long prefill while the other prefill instance runs short ones back to back
 STREAM_BATCHES, STREAM_TOKENS, STREAM_WINDOW_S, STREAM_IDLE_S, STREAM_JOINS = (1, 4, 8), 400, 0.5, 1.0, 3
 
 
@@ -109,13 +111,18 @@ def probe(cluster, costs, vocab_size: int) -> dict:
 
 
 
-def contention(cluster, vocab_size: int, rounds: int = CONTENTION_ROUNDS) -> dict:
+def contention(cluster, vocab_size: int, rounds: int = CONTENTION_ROUNDS, lengths: bool = True) -> dict:
     """How the prefill engine slows as more of the cluster's processes run at once on this host, before the replay:
     fresh ``CONTENTION_TOKENS``-token prompts (no cached prefix, one output token: no decode), their engine compute
     as their instances reported it, in three regimes per round: one alone, two at once (one per prefill instance),
     and two at once while a long request decodes (both prefill instances and the decode instance busy, as in the
     replay's bursts). Returns each regime's median compute (``contention_compute_s_{alone,pair,beside_decode}``);
-    ``host_other_busy`` reads the host's other load from their ratios.
+    ``host_other_busy`` reads the host's other load from their ratios. With ``lengths``, then the same alone and
+    paired at each of ``CONTENTION_LENGTHS`` (``contention_compute_s_{alone,pair}_{n}``: ``pair_length_exponent``
+    fits the host's ``host_pair_exponent`` from them), and a 2,048-token prompt while the other prefill instance
+    computes 256-token ones back to back (``contention_compute_s_long_beside_short``: whether the long one's
+    slowdown is its own length's, whatever the other computes). The two of a pair go to the two instances (the
+    Conductor's least predicted TTFT), as the replay's overlapping prefills do.
 
     Why: equal sharing of the host's cores between the instances alone (``SimConfig.host_cores``) slows a prefill
     at most 1.5x beside another prefill and a decode batch on two cores; the replays' overlapping prefills ran
@@ -125,8 +132,8 @@ def contention(cluster, vocab_size: int, rounds: int = CONTENTION_ROUNDS) -> dic
 
     rng = np.random.default_rng(13579)
 
-    def compute(max_tokens: int = 1, signal=None) -> float | None:
-        prompt = rng.integers(0, vocab_size, CONTENTION_TOKENS if signal is None else 32).tolist()
+    def compute(max_tokens: int = 1, signal=None, tokens: int = CONTENTION_TOKENS) -> float | None:
+        prompt = rng.integers(0, vocab_size, tokens if signal is None else 32).tolist()
         tokens, reported = 0, None
         for item in cluster.stream(prompt, max_new_tokens=max_tokens):
             if isinstance(item, Finished):
@@ -149,6 +156,24 @@ def contention(cluster, vocab_size: int, rounds: int = CONTENTION_ROUNDS) -> dic
             decoding.wait(60)
             read["beside_decode"] += list(pool.map(lambda _: compute(), range(2)))
             long.result()
+        for n in CONTENTION_LENGTHS if lengths else ():  # the pairs' slowdown over the prompt's length
+            read[f"alone_{n}"], read[f"pair_{n}"] = [], []
+            for _ in range(CONTENTION_LENGTH_ROUNDS):
+                read[f"alone_{n}"].append(compute(tokens=n))
+                read[f"pair_{n}"] += list(pool.map(lambda _: compute(tokens=n), range(2)))
+        if lengths:
+            long_n, short_n = LONG_BESIDE_SHORT
+            read["long_beside_short"] = []
+            for _ in range(CONTENTION_LENGTH_ROUNDS):
+                done = threading.Event()
+                long = pool.submit(lambda: (compute(tokens=long_n), done.set())[0])
+
+                def shorts():
+                    while not done.is_set():
+                        compute(tokens=short_n)
+                short = pool.submit(shorts)
+                read["long_beside_short"].append(long.result())
+                short.result()
     return {f"contention_compute_s_{k}": float(np.median([t for t in v if t])) for k, v in read.items()
             if any(v)}
 

@@ -13,7 +13,8 @@ import numpy as np
 from mooncake_jax.conductor.accounting import prefill_work_s, reused_tokens
 from mooncake_jax.conductor.costs import fit_prefill_poly, prefill_seconds
 
-from .host_fit import host_model, host_other_busy, host_rates, host_weight_and_others, join_line
+from .host_fit import (host_model, host_other_busy, host_rates, host_weight_and_others, join_line,
+                       pair_length_exponent)
 
 SPREAD_QUANTILES = 20  # quantiles of the steady decode gaps over their regime's mean (``decode_step_spread``)
 SHARE_SAMPLES = 40  # points per reported compute interval at which engine_in_bursts reads the host's sharing
@@ -86,10 +87,10 @@ def engine_in_bursts(engine, runs, costs, host: dict, prefill_instances: int = 2
         if compute <= 0:
             continue
         rates = []
+        reused = reused_tokens(n, cached)
         for t in begin + compute * (np.arange(SHARE_SAMPLES) + 0.5) / SHARE_SAMPLES:
             busy = min(prefill_instances, max(1, sum(a <= t < b for a, b in prefilling)))
-            rates.append(host_rates(host, busy, sum(a <= t < b for a, b in decoding))[0])
-        reused = reused_tokens(n, cached)
+            rates.append(host_rates(host, busy, sum(a <= t < b for a, b in decoding), n - reused)[0])
         points.append((prefill_work_s(costs.prefill, n, reused), compute * float(np.mean(rates)),
                        float(np.mean(rates)), reused + costs.prefill.computed_tokens(n - reused), reused))
     if len(points) < 4:
@@ -354,6 +355,7 @@ def from_profile(costs, probed: dict, cores: int, others: float | None = None) -
             "shared_host_decode_slowdown": residual,
             "decode_step_spread": list(probed.get("decode_step_spread", ())),
             "host_cores": cores, "host_prefill_weight": host["weight"], "host_other_busy": host["others"],
+            "host_pair_length_exponent": host["pair_exponent"],
             "decode_stream_cpu_s": host["cpu_per_token"]}
 
 
@@ -364,12 +366,14 @@ HOST_VARIANTS = {"_profile_equal_weights": {"host_prefill_weight": 1.0},
                  "_profile_no_residual": {"decode_residual": False},
                  "_profile_join_line": {"stream_join": True},
                  "_profile_bursts_join": {"bursts_join": True},
+                 "_profile_no_length": {"host_pair_exponent": 0.0},
                  "_profile_s8_host": {"host_prefill_weight": 1.0, "stream_cpu_s_per_token": 0.0,
                                       "decode_residual": False}}
 """The profile reading with parts of the host model changed (each refitted: others, the bursts' engine): equal
 weights for prefill and decode processes; the prefills' CFS weight at nice 5 (not fitted); no streaming load; no
 residual decode slowdown beside a prefill (``decode_residual``); the join growing with the batch as the streaming
-probe read it (``stream_join``, ``join_line``; the headline keeps the pairs' join); the eighth pass's (equal
+probe read it (``stream_join``, ``join_line``; the headline keeps the pairs' join); a prefill's slowdown beside
+another the same at every length (``_profile_no_length``: the twelfth pass's host); the eighth pass's (equal
 weights, no streaming, no residual)."""
 
 
@@ -377,8 +381,13 @@ weights, no streaming, no residual)."""
 def host_variant(probed: dict, costs, burst_engine, burst_runs, cores: int, prefill: int, **changes) -> dict:
     """The probed readings with ``changes`` to the host model (``host_prefill_weight``, ``stream_cpu_s_per_token``),
     the host's others and the bursts' engine read again under it (``host_other_busy``, ``engine_in_bursts``): what
-    the profile reading would have been with that host model."""
+    the profile reading would have been with that host model. A prefill's slowdown beside another over its length
+    (``host_pair_exponent``) is fitted here from the contention probe's lengths where the run read them
+    (``pair_length_exponent``), so a re-simulated run gets this code's fit."""
     varied = {k: v for k, v in probed.items() if not (k.startswith("engine_") and k.endswith("_bursts"))}
+    exponent = pair_length_exponent(varied)  # a prefill's slowdown beside another over its length, where read
+    if exponent is not None:
+        varied["host_pair_exponent"] = exponent
     varied.update(changes)
     if varied.get("host_prefill_weight") == "cfs":  # the prefills' CFS weight as it is
         varied["host_prefill_weight"] = varied.get("host_prefill_cfs_weight", 1.0)

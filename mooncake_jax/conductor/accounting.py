@@ -22,6 +22,16 @@ Conductor's predictions drift from what the instances report. So the rules live 
   first token is released when the prefill ends (``at-prefill-end``) or once the KV has reached the decode
   instance (``after-push``). The real instances push after the prefill and answer after the push
   (``REAL_INSTANCES``); the simulator's default is the paper's layer-wise streaming (``LAYERWISE``).
+- **TTFT budget of a prefill** (``prefill_budget_s``): the TTFT SLO less what of the TTFT follows the prefill's end
+  (``after_prefill_s``: the KV push where the first token waits for it, and the time off the engine the first
+  token's release takes where it is measured). The queue, the planned fetch and the compute must fit in it. The
+  Conductor's admission (``admission.rejection``, through ``Policy``), the simulator's (the same ``Policy``, given
+  the simulator's release timing) and the prefill instance's late check (``instance/prefill.py``) all check
+  against it. The push is the one transfer-time formula (``costs.transfer_seconds``) over the pair's link: the
+  Conductor knows the pair, the instance its own NIC (the pair's link is the slower NIC of the two or a measured
+  figure, so on alike instances both predict the same push). A flat share (10% of the SLO, kept by the instance
+  while the Conductor admitted on the whole SLO) made the two disagree on every request predicted within 10% of
+  the SLO: admitted, then refused on arrival ("1.80 s of work, 1.79 s left" at an SLO of 2 s).
 """
 
 from __future__ import annotations
@@ -65,6 +75,31 @@ class ReleaseTiming:
     def first_token_at(self, prefill_end: float, kv_ready_at: float) -> float:
         """When the client gets the first token, given when the prefill ends and when the KV is on decode."""
         return prefill_end if self.first_token == "at-prefill-end" else max(prefill_end, kv_ready_at)
+
+
+def after_prefill_s(timing: ReleaseTiming, push_s: float, prefill_s: float = 0.0,
+                    off_engine_s: float = 0.0) -> float:
+    """Seconds of a request's TTFT that follow its prefill's end, under ``timing``: ``off_engine_s`` (the
+    measured path of the first token off the engine: storing, the reply; 0 where nothing is measured) and, where
+    the first token waits for the KV (``after-push``), the push of ``push_s`` seconds: all of it when pushed after
+    the prefill, what outlasts a prefill of ``prefill_s`` seconds when streamed layer by layer during it."""
+    if not (push_s >= 0 and prefill_s >= 0 and off_engine_s >= 0):
+        raise ValueError(f"push_s, prefill_s and off_engine_s must be non-negative seconds, got {push_s!r}, "
+                         f"{prefill_s!r}, {off_engine_s!r}")
+    if timing.first_token == "at-prefill-end":
+        push = 0.0
+    elif timing.kv_push == "layerwise":
+        push = max(0.0, push_s - prefill_s)
+    else:
+        push = push_s
+    return float(off_engine_s) + float(push)
+
+
+def prefill_budget_s(ttft_slo_s: float, after_s: float) -> float:
+    """Seconds a request's queue, planned fetch and prefill may take, counted from its decision, to meet the TTFT
+    SLO: the SLO less what follows the prefill (``after_prefill_s``). Negative when even an idle instance cannot
+    (the push alone outlasts the SLO)."""
+    return float(ttft_slo_s) - float(after_s)
 
 
 LAYERWISE = ReleaseTiming("layerwise", "at-prefill-end")

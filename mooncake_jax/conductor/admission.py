@@ -21,6 +21,7 @@ stay within the SLO). A request is rejected on decode load only when no decode i
 
 from __future__ import annotations
 
+from mooncake_jax.conductor.accounting import prefill_budget_s
 from mooncake_jax.conductor.api import Admission, PolicyConfig, RejectReason
 from mooncake_jax.conductor.costs import DecodeCost
 
@@ -28,11 +29,13 @@ CHECKS_DECODE_HERE = (Admission.EARLY, Admission.PREDICTIVE)
 """Policies that reject on decode load (TBT, KV capacity) before prefill rather than leaving it to the decode side."""
 
 
-def rejection(config: PolicyConfig, ttft_s: float, tbt_s: float) -> RejectReason | None:
-    """The reason to reject now, if any, given the predicted TTFT and (admission-view) TBT."""
+def rejection(config: PolicyConfig, ttft_s: float, tbt_s: float, after_s: float = 0.0) -> RejectReason | None:
+    """The reason to reject now, if any, given the predicted TTFT up to the prefill's end (queue, fetch, compute),
+    what of the TTFT follows it (``after_s``: ``accounting.after_prefill_s``) and the (admission-view) TBT. The
+    TTFT check is the one budget rule (``accounting.prefill_budget_s``) the prefill instances check too."""
     if config.admission == Admission.NONE:
         return None
-    if ttft_s > config.ttft_slo_s:
+    if ttft_s > prefill_budget_s(config.ttft_slo_s, after_s):
         return RejectReason.TTFT_SLO
     if config.admission in CHECKS_DECODE_HERE and tbt_s > config.tbt_slo_s:
         return RejectReason.TBT_SLO

@@ -18,7 +18,9 @@ One decision:
    and ``predictive`` "can take" means the request's KV fits and the TBT stays within the SLO under the
    admission policy's own view of decode load (current, or predicted at the prefill's end); under ``none``
    and ``baseline`` only that its KV fits beside the routed load, if any instance's does.
-4. Admission (``admission.py``): reject on predicted TTFT over the SLO, and under ``early`` / ``predictive``
+4. Admission (``admission.py``): reject on predicted TTFT over the prefill's budget (the SLO less what follows the
+   prefill: the KV push to the chosen decode instance where the first token waits for it,
+   ``accounting.prefill_budget_s``), and under ``early`` / ``predictive``
    when no decode instance can take the request (KV capacity, then TBT), with a retry-after hint.
 """
 
@@ -33,6 +35,7 @@ import numpy as np
 
 from mooncake_jax.conductor import admission as adm
 from mooncake_jax.conductor import kernels
+from mooncake_jax.conductor.accounting import REAL_INSTANCES, ReleaseTiming, after_prefill_s, prefill_budget_s
 from mooncake_jax.conductor.api import (Admission, Decision, PolicyConfig, RejectReason, Request, Snapshot, Strategy,
                                         Transfer, check_block_count)
 from mooncake_jax.conductor.costs import transfer_seconds
@@ -53,11 +56,19 @@ class Policy:
     """Scheduling strategy + admission policy over snapshots; holds only its (immutable) configuration and, where
     numba is installed, the compiled kernels of its two vector phases (``kernels.py``)."""
 
-    def __init__(self, config: PolicyConfig | None = None, compiled: bool = True):
+    def __init__(self, config: PolicyConfig | None = None, compiled: bool = True,
+                 timing: ReleaseTiming = REAL_INSTANCES, off_engine_s: float = 0.0):
         """``compiled``: make the decode choice and the prefill slot's argmin with the numba kernels
         (``kernels.py``) when numba is installed (compiled, or read from numba's cache, here). The numpy path decides
-        the same (the prefill argmin up to two slots within an ulp of each other) at ~1.6x the CPU a decision."""
+        the same (the prefill argmin up to two slots within an ulp of each other) at ~1.6x the CPU a decision.
+        ``timing`` and ``off_engine_s``: when the instances release the first token and the measured time it
+        takes off the engine (``accounting.after_prefill_s``): what the TTFT budget leaves after the prefill. The
+        served cluster's instances push after the prefill and answer after the push; the simulator passes its
+        own."""
         self.config = config or PolicyConfig()
+        self.timing = timing
+        self.off_engine_s = float(off_engine_s)
+        after_prefill_s(timing, 0.0, 0.0, self.off_engine_s)  # (validates them)
         self._decode_kernel = kernels.decode_choice() if compiled else None
         self._prefill_kernel = kernels.prefill_slot() if compiled else None
 
@@ -77,16 +88,29 @@ class Policy:
         if slot_d is None:
             reason, retry = RejectReason.DECODE_CAPACITY, self._retry_after(snapshot, None, now)
         else:
-            reason = adm.rejection(cfg, prefill.ttft_s, tbt)
+            reason = adm.rejection(cfg, prefill.ttft_s, tbt, self._after_prefill(request, table, prefill, slot_d))
             if reason is None:
                 retry = 0.0
             elif reason is RejectReason.TTFT_SLO:
-                retry = max(cfg.min_retry_after_s, prefill.ttft_s - cfg.ttft_slo_s)
+                budget = prefill_budget_s(cfg.ttft_slo_s, self._after_prefill(request, table, prefill, slot_d))
+                retry = max(cfg.min_retry_after_s, prefill.ttft_s - budget)
             else:  # TBT_SLO
                 retry = self._retry_after(snapshot, slot_d, now)
         return Decision.made(request.request_id, reason, retry, table.ids[prefill.slot],
                              None if slot_d is None else table.ids[slot_d], prefill.transfer, prefill.prefix_blocks,
                              prefill.queue_s, prefill.compute_s, prefill.ttft_s, tbt, end)
+
+    def _after_prefill(self, request: Request, table, prefill: _PrefillChoice, slot_d: int) -> float:
+        """What of this request's TTFT follows its prefill (``accounting.after_prefill_s``): its KV's push from
+        the chosen prefill instance to the chosen decode instance over their link, where the first token waits
+        for it. (Not worked out under ``none``: nothing is checked.)"""
+        if self.config.admission is Admission.NONE:
+            return 0.0
+        if self.timing.first_token == "at-prefill-end":  # nothing to push first (~2 us a decision saved)
+            return self.off_engine_s
+        push = transfer_seconds(request.input_tokens * table.kv_bytes_per_token.item(prefill.slot),
+                                table.link_bytes_per_s.item(prefill.slot, slot_d))
+        return after_prefill_s(self.timing, push, prefill.compute_s, self.off_engine_s)
 
     # ------------------------------------------------------------------------------------------- prefill
 

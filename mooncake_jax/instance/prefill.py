@@ -18,10 +18,11 @@ the heartbeat reports as ``queued_s``, scaled by the instance's measured slowdow
 longer than the cost model its recent requests took, the wait in the queue aside), which the heartbeat reports too
 so the Conductor scales its predictions for this instance alike.
 
-A request that can no longer meet the cluster's TTFT SLO here (``TTFT_SHARE_AFTER_PREFILL`` kept for what follows)
-is refused with RESOURCE_EXHAUSTED (a 429 for its client, within the SLO) instead of being prefilled into a late
-first token: on arrival, when its predicted wait and work, both scaled by the measured slowdown, exceed what is left
-of the SLO, and again when it leaves the queue. The Conductor's prediction should make this rare; it is the check
+A request that can no longer meet the cluster's TTFT SLO here is refused with RESOURCE_EXHAUSTED (a 429 for its
+client, within the SLO) instead of being prefilled into a late first token: on arrival, when its predicted wait and
+work, both scaled by the measured slowdown, exceed what is left of its prefill's budget (the SLO less what follows
+the prefill, ``accounting.prefill_budget_s``: the rule the Conductor admits by), and again when it leaves the
+queue. The Conductor's prediction should make this rare; it is the check
 of last resort for a burst that came before the slowdown was measured. Under admission ``none`` (the Conductor
 says so at registration) nothing is refused.
 """
@@ -42,7 +43,8 @@ from ..model.engine import Engine
 from ..model.sequence import Sequence
 from ..transfer.messenger import BlocksNotFoundError, TransferError
 from ..blocks import BlockKey
-from ..conductor.accounting import prefill_work_s
+from ..conductor.accounting import REAL_INSTANCES, after_prefill_s, prefill_budget_s, prefill_work_s
+from ..conductor.costs import transfer_seconds
 from ..transfer.offload import LayerwisePrefill, request_keys
 from ..engine.runner_loop import wait
 from . import compile_time
@@ -51,9 +53,6 @@ from .rpc import InstanceService, LateRejection, logprob_message, messages, rpc,
 log = logging.getLogger(__name__)
 
 FETCH_WAIT_S = 2.0
-TTFT_SHARE_AFTER_PREFILL = 0.1
-"""Share of the TTFT SLO a prefill instance leaves for what follows its answer (the decode instance's acceptance,
-the gateway): 0.07 s of a 0.9 s mean TTFT measured at load 10 (``benchmarks/serve.py --mode overload``)."""
 
 
 class SlowdownMeter:
@@ -66,8 +65,10 @@ class SlowdownMeter:
     refused 9 of 100 requests that then met their SLO). The weights let the long prompts that decide the SLO
     decide the scale; the median ignores a few outliers; the window lets an
     instance nobody sends work to any more (it looked slow) return to its model's figures. ``overhead`` is the
-    median of the same requests' fixed costs, which the instance's own last-resort check adds to each request's
-    scaled compute (measured: without it, 3% of admitted requests missed a 2 s SLO under overload).
+    median of the same requests' fixed costs; ``after_prefill`` the median of their part after the prefill (storing
+    and pushing the KV), which the instance's own last-resort check leaves room for where it is longer than the
+    predicted push (measured: without the fixed costs, 3% of admitted requests missed a 2 s SLO under overload; the
+    part before the prefill, staging, has already elapsed when the check runs, and is no longer counted twice).
 
     The caller records compute less the seconds it spent compiling programs on first use (``compile_time.py``):
     those are no slowdown of the model, and a few of them are no outliers the median ignores. The first request of
@@ -86,15 +87,18 @@ class SlowdownMeter:
     def __init__(self, window_s: float = 30.0, samples: int = 32, clock=time.monotonic):
         self.window_s, self._clock = window_s, clock
         self._ratios: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=samples)
-        self._overheads: collections.deque[tuple[float, float]] = collections.deque(maxlen=samples)
+        self._overheads: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=samples)
         self._lock = threading.Lock()
 
-    def record(self, measured_s: float, predicted_s: float, overhead_s: float | None = None) -> None:
+    def record(self, measured_s: float, predicted_s: float, overhead_s: float | None = None,
+               after_s: float | None = None) -> None:
+        """``overhead_s``: the request's fixed costs (staging its prefix, storing and pushing its KV); ``after_s``:
+        the part of them after its prefill (storing and pushing), which the late check's budget leaves room for."""
         with self._lock:
             if predicted_s > 0 and measured_s >= 0:
                 self._ratios.append((self._clock(), min(100.0, max(0.01, measured_s / predicted_s)), predicted_s))
             if overhead_s is not None and overhead_s >= 0:
-                self._overheads.append((self._clock(), overhead_s))
+                self._overheads.append((self._clock(), overhead_s, overhead_s if after_s is None else after_s))
 
     def _recent(self, samples: collections.deque) -> list[list[float]]:
         """``samples`` (each ``(at, *values)``) taken within the window, without their times."""
@@ -103,7 +107,12 @@ class SlowdownMeter:
             return [values for at, *values in samples if at >= since]
 
     def overhead(self) -> float:
-        recent = [seconds for (seconds,) in self._recent(self._overheads)]
+        recent = [seconds for seconds, _ in self._recent(self._overheads)]
+        return float(np.median(recent)) if recent else 0.0
+
+    def after_prefill(self) -> float:
+        """Median seconds of the recent requests' work after their prefill (storing and pushing the KV)."""
+        recent = [after for _, after in self._recent(self._overheads)]
         return float(np.median(recent)) if recent else 0.0
 
     def slowdown(self) -> float:
@@ -169,7 +178,7 @@ class PrefillService(InstanceService):
                 predicted = prefill_work_s(inst.costs.prefill, len(seq.prompt), cached) if inst.costs else 0.0
                 with self._lock:
                     queued = self._queued_s
-                self._check_deadline(t0, queued + predicted, "on arrival, after the queue")
+                self._check_deadline(t0, queued + predicted, "on arrival, after the queue", len(seq.prompt))
                 with self._lock:
                     self._queued_s += predicted
                     if request.request_id:
@@ -177,7 +186,8 @@ class PrefillService(InstanceService):
                 try:
                     queued_at = time.perf_counter()
                     started = {}
-                    check = functools.partial(self._check_deadline, t0, predicted, "out of the queue")
+                    check = functools.partial(self._check_deadline, t0, predicted, "out of the queue",
+                                              len(seq.prompt))
                     future = inst.loop.submit(lambda eng: self._prefill_job(eng, seq, keys, staged, started, check))
                     try:
                         new_keys, new_blocks = wait(future, timeout)
@@ -202,7 +212,8 @@ class PrefillService(InstanceService):
         # every request for the meter's window); the rest of its own time (staging, pushing the KV) apart, as a
         # fixed cost
         compute = t_prefilled - started.get("t", queued_at) - started.get("compile_s", 0.0)
-        self.slowdown.record(max(0.0, compute), predicted, overhead_s=(t_fetched - t0) + (t_end - t_prefilled))
+        self.slowdown.record(max(0.0, compute), predicted, overhead_s=(t_fetched - t0) + (t_end - t_prefilled),
+                             after_s=t_end - t_prefilled)
         return messages.PrefillReply(
             first_token=seq.output[0], cached_tokens=seq.cached_tokens, kv_keys=keys,
             queue_s=started.get("t", queued_at) - queued_at, prefill_s=t_prefilled - started.get("t", queued_at),
@@ -211,19 +222,32 @@ class PrefillService(InstanceService):
             prompt_logprobs=[logprob_message(entry) for entry in seq.prompt_logprobs or ()],
             kv_layout=inst.kv_layout.to_json())
 
-    def _check_deadline(self, t0: float, predicted_s: float, where: str) -> None:
+    def _check_deadline(self, t0: float, predicted_s: float, where: str, n_tokens: int = 0) -> None:
         """LateRejection when ``predicted_s`` of this instance's work (cost model seconds, scaled by the measured
-        slowdown, plus its measured fixed costs) no longer fits in what is left of the TTFT SLO for a request that
-        arrived at ``t0``."""
+        slowdown) no longer fits in what is left of the prefill's TTFT budget for a request of ``n_tokens`` that
+        arrived at ``t0``: the one rule (``accounting.prefill_budget_s``) the Conductor admitted it by, what follows
+        the prefill being the push of its KV over this instance's NIC (``after_push_s``), or the measured time of
+        the recent requests' storing and pushing where that is longer. The time the request has spent here
+        (staging its prefix, waiting) is gone from what is left; it is not counted again in its work."""
         slo = self.instance.ttft_slo_s
         if slo is None or predicted_s <= 0:
             return
-        need = predicted_s * self.slowdown.slowdown() + self.slowdown.overhead()
-        left = t0 + slo * (1.0 - TTFT_SHARE_AFTER_PREFILL) - time.perf_counter()
+        need = predicted_s * self.slowdown.slowdown()
+        after = after_prefill_s(REAL_INSTANCES, max(self.after_push_s(n_tokens), self.slowdown.after_prefill()))
+        left = t0 + prefill_budget_s(slo, after) - time.perf_counter()
         if need > left:
             self._count(prefill_refused_ttft=1)
             raise LateRejection(f"prefill instance {self.instance.config.instance_id} cannot meet the TTFT SLO of "
-                                f"{slo:g} s ({where}: {need:.2f} s of work, {max(0.0, left):.2f} s left)")
+                                f"{slo:g} s ({where}: {need:.2f} s of work, {max(0.0, left):.2f} s left of "
+                                f"{slo - after:.2f} s before the KV push)")
+
+    def after_push_s(self, n_tokens: int) -> float:
+        """Predicted seconds to push ``n_tokens`` of KV over this instance's NIC (the one transfer-time formula,
+        ``costs.transfer_seconds``, as the Conductor predicts it for the pair); 0 without a cost model."""
+        costs = self.instance.costs
+        if costs is None or n_tokens <= 0:
+            return 0.0
+        return float(transfer_seconds(n_tokens * costs.kv_bytes_per_token, costs.nic_bytes_per_s))
 
     def _fetch(self, source: str, keys: list[int]) -> None:
         """Run the transfer plan. The Conductor may plan blocks the source is still computing (another request's

@@ -92,6 +92,11 @@ class SimConfig:
     weight, at most one core; 0: none), so a busy decode batch brings a load proportional to the tokens it streams
     a second (``host.rates_with_streaming``): measured as the CPU time of the processes beside the instances while
     decode batches run alone.
+    ``host_pair_length_exponent``: how a prefill's slowdown beside another prefill grows with its length
+    (``host.pair_length_factor``): while two or more prefills compute, each runs at the host's shared speed divided
+    by ``(computed tokens / 512) ** exponent`` (at most its cost model's speed; 0: every length alike, as before).
+    Fitted per host by the contention probe over 256-2,048-token prompts (``benchmarks/sim_real``): on two cores a
+    long prefill beside another ran 1.3-1.7x one beside none where 512-token pairs ran 1.13x (twelfth pass).
     """
 
     prefill: int = 8
@@ -128,6 +133,7 @@ class SimConfig:
     host_prefill_weight: float = 1.0
     host_other_busy: float = 0.0
     decode_stream_cpu_s: float = 0.0
+    host_pair_length_exponent: float = 0.0
 
     def __post_init__(self):
         for name in ("prefill", "decode", "chunk_tokens", "prefill_batch_tokens"):
@@ -190,6 +196,12 @@ class SimConfig:
         _check_non_negative("host_other_busy", self.host_other_busy)
         if self.host_other_busy and self.host_cores is None:
             raise ValueError("host_other_busy needs host_cores (the host whose cores the other processes share)")
+        if not (isinstance(self.host_pair_length_exponent, (int, float))
+                and -2.0 <= self.host_pair_length_exponent <= 2.0):
+            raise ValueError(f"host_pair_length_exponent must be a number from -2 to 2, got "
+                             f"{self.host_pair_length_exponent!r}")
+        if self.host_pair_length_exponent and self.host_cores is None:
+            raise ValueError("host_pair_length_exponent needs host_cores (the host whose cores the prefills share)")
         _check_non_negative("decode_stream_cpu_s", self.decode_stream_cpu_s, " of seconds")
         if self.decode_stream_cpu_s and self.host_cores is None:
             raise ValueError("decode_stream_cpu_s needs host_cores (the host whose cores the streaming shares)")

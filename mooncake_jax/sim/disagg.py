@@ -2,7 +2,9 @@
 
 Per request, what a real cluster does, on the virtual clock:
 
-1. Arrival: ``ClusterState.schedule`` decides (the same call the gRPC service makes). A rejection is *early*.
+1. Arrival: ``ClusterState.schedule`` decides (the same call the gRPC service makes; its TTFT check against the
+   prefill's budget, ``accounting.prefill_budget_s``, under this simulator's release timing). A rejection is
+   *early*.
 2. A planned prefix fetch starts at once on the NICs (sender's outgoing and receiver's incoming link, each a
    FIFO, so a hot sender congests); the fetched blocks are held for the request, not put in the cache yet.
 3. Prefill, FIFO per instance, one request at a time: it starts when the instance is free and its fetch has
@@ -32,7 +34,7 @@ from mooncake_jax.conductor.accounting import prefill_work_s, reused_tokens
 from mooncake_jax.conductor.costs import transfer_seconds
 from mooncake_jax.sim.batch import ContinuousBatch
 from mooncake_jax.sim.cache import make_cache
-from mooncake_jax.sim.host import rates_with_streaming
+from mooncake_jax.sim.host import paired_rate, rates_with_streaming
 from mooncake_jax.slo import tbt_of_gaps
 from mooncake_jax.sim.records import COMPLETED, REJECTED_EARLY, REJECTED_LATE, SimRequest
 from mooncake_jax.sim.runner import ClusterSim
@@ -62,6 +64,7 @@ class PrefillNode(_Node):
         self.rated_at = 0.0
         self.rate = 1.0
         self.end_version = 0
+        self.computed_tokens = 0  # the running prefill's new tokens (its slowdown beside another grows with them)
 
 
 class DecodeNode(_Node):
@@ -81,7 +84,8 @@ class DisaggregatedSim(ClusterSim):
         super().__init__(config, trace, observer, progress)
         policy_config = config.policy_config(self.block)
         self.state = ClusterState(policy_config)
-        self.policy = Policy(policy_config)
+        # the Conductor's policy, admitting on the prefill's TTFT budget as this cluster releases first tokens
+        self.policy = Policy(policy_config, timing=config.release_timing, off_engine_s=config.prefill_off_engine_s)
         self.admission = policy_config.admission.value
         prefill_costs, decode_costs = config.pool_costs()
         per_node = config.cache_blocks(self.block)
@@ -180,6 +184,7 @@ class DisaggregatedSim(ClusterSim):
         req.prefill_start, req.prefill_s = now, compute
         req.prefix_blocks, req.prefix_tokens = prefix, min(prefix * self.block, n)
         p.running, p.busy_until = req, now + duration
+        p.computed_tokens = n - reused
         p.work_left, p.rated_at, p.rate = duration, now, 1.0
         p.end_version += 1
         timing = self.config.release_timing
@@ -281,8 +286,9 @@ class DisaggregatedSim(ClusterSim):
         """Instances sharing one host. ``SimConfig.host_cores``: the busy instances (prefills computing, decode
         batches not empty) share the cores by weight (``host.shared_rates``), each slower than its cost model by
         its share: a running prefill's remaining work is re-timed now, decode steps from each batch's next
-        boundary. ``SimConfig.shared_host_decode_slowdown`` (> 1): decode steps that much slower again while any
-        prefill computes."""
+        boundary; beside another prefill each prefill's speed is divided by its length's factor
+        (``SimConfig.host_pair_length_exponent``, ``host.paired_rate``). ``SimConfig.shared_host_decode_slowdown``
+        (> 1): decode steps that much slower again while any prefill computes."""
         cores, slowdown = self.config.host_cores, self.config.shared_host_decode_slowdown
         if (cores is None and slowdown == 1.0) or self._sharing:
             return
@@ -296,11 +302,14 @@ class DisaggregatedSim(ClusterSim):
                 if cores is not None:
                     prefill_rate, decode_rate = self._host_rates([d for d in self.decode if d.batch.batch > 0])
                     stretch = 1.0 / decode_rate
+                    running = sum(p.running is not None for p in self.prefill)
                     for p in self.prefill:
-                        if p.running is not None and p.rate != prefill_rate:
+                        rate = paired_rate(prefill_rate, p.computed_tokens, self.config.host_pair_length_exponent,
+                                           running)
+                        if p.running is not None and p.rate != rate:
                             p.work_left = max(0.0, p.work_left - (now - p.rated_at) * p.rate)
-                            p.rated_at, p.rate = now, prefill_rate
-                            p.busy_until = now + p.work_left / prefill_rate
+                            p.rated_at, p.rate = now, rate
+                            p.busy_until = now + p.work_left / rate
                             p.end_version += 1
                             self.events.at(p.busy_until, self._prefill_end, p, p.running, p.end_version)
                 factor = stretch * (slowdown if prefilling else 1.0)

@@ -17,9 +17,20 @@ than that. It is why a prefill beside a decode batch of one request ran 2.7-3.1x
 cores (eighth pass): the decode process keeps a core, the streaming process a third of the other, the two low-
 priority prefills share the rest. Being proportional to the tokens streamed, it grows with the batch and shrinks
 when the decode's steps slow down (``decode_rate``).
+
+``pair_length_factor`` (``SimConfig.host_pair_length_exponent``): a prefill beside another prefill slows by more
+the longer it is. On two cores a 512-token prefill ran 1.13x slower beside another than alone, one of 1,024-3,770
+tokens 1.3-1.7x (twelfth pass, ``docs/benchmarks/sim.md``). (A likely cause, not separated: alone, a long
+prefill's larger matrix products spread over both cores on XLA's intra-op threads, which beside another prefill
+it no longer has, where a short one never used much more than one.) The shared speed (fitted at the contention probe's 512 tokens) is divided by
+``(tokens / 512) ** exponent`` for each prefill of 512 tokens or more while two or more compute, the exponent
+fitted on each host.
 """
 
 from __future__ import annotations
+
+PAIR_REFERENCE_TOKENS = 512
+"""The length at which the contention probe's pairs fit the host's weights and others: the factor is 1 there."""
 
 
 def cfs_weight(niceness: int) -> float:
@@ -75,3 +86,22 @@ def rates_with_streaming(cores: int, prefills: int, decodes: int, prefill_weight
     streaming = min(1.0, lo * full)
     prefill, decode = shared_rates(cores, prefills, decodes, prefill_weight, others, streaming)
     return prefill, decode, streaming
+
+
+def pair_length_factor(tokens: int, exponent: float) -> float:
+    """How much slower than the host's shared speed a prefill computing ``tokens`` new tokens runs while another
+    prefill computes too: ``(max(tokens, PAIR_REFERENCE_TOKENS) / PAIR_REFERENCE_TOKENS) ** exponent`` (1 up to the
+    reference length, or with exponent 0). Shorter prefills keep the reference's slowdown: their compute (10 ms at
+    256 tokens on two cores) is within the host's scheduling jitter, and their pairs read 1.2-2.1x where the longer
+    ones' read 1.0-1.4x (thirteenth pass): no length dependence is read from them."""
+    if not exponent:
+        return 1.0
+    return (max(int(tokens), PAIR_REFERENCE_TOKENS) / PAIR_REFERENCE_TOKENS) ** exponent
+
+
+def paired_rate(shared: float, tokens: int, exponent: float, prefills: int) -> float:
+    """The speed (fraction of a core, at most 1) of a prefill of ``tokens`` new tokens when ``prefills`` compute at
+    the host's shared speed ``shared`` (``shared_rates``): divided by its ``pair_length_factor`` beside another."""
+    if prefills < 2 or not exponent:
+        return shared
+    return min(1.0, shared / pair_length_factor(tokens, exponent))
