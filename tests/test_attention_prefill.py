@@ -30,6 +30,14 @@ def test_prefill_context_loop_equals_reference(small_chunks, ctx_lens, t):
     np.testing.assert_allclose(run("xla", *args), expected, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("ctx_lens, t", [([13], 300), ([13, 0], 260)])
+def test_several_query_blocks_fold_the_context(small_chunks, ctx_lens, t):
+    """Past 128 new tokens the local part runs in query blocks (the last one partial here): each block's state
+    takes the context's chunks."""
+    args, expected = case(ctx_lens, t, seed=9, rows=160, table_width=4)
+    np.testing.assert_allclose(run("xla", *args), expected, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("ctx_lens", [[21], [22, 23]])
 def test_padded_pages_past_the_context_are_never_read(small_chunks, ctx_lens):
     """The padded table's pages past the last chunk any sequence needs point at a row of NaN: the old whole-table
