@@ -32,38 +32,42 @@ def numpy_attention(q, k_ctx, v_ctx, k_new, v_new, ctx_len, scale):
     return out
 
 
-def case(ctx_lens, t, seed=0):
-    """A paged cache holding each sequence's context in scattered rows, and a step of ``t`` new tokens."""
+def case(ctx_lens, t, seed=0, rows=ROWS, dtype=jnp.float32, table_width=None, pad_page=0):
+    """A paged cache holding each sequence's context in scattered rows, and a step of ``t`` new tokens.
+
+    The context page table is as wide as the longest context, or ``table_width`` pages (the engine pads it to a
+    power of two) with the padding pointing at row ``pad_page`` (scratch page 0 by default). Inputs are rounded to
+    ``dtype`` before the float64 reference sees them."""
     rng = np.random.default_rng(seed)
     b = len(ctx_lens)
     width = max(1, max(-(-(c + t) // BS) for c in ctx_lens))
-    free = list(rng.permutation(np.arange(1, ROWS)))
+    free = [r for r in rng.permutation(np.arange(1, rows)) if r != pad_page]
     tables = np.zeros((b, width), np.int32)
     for i, c in enumerate(ctx_lens):
         n = -(-(c + t) // BS)
         tables[i, :n] = [free.pop() for _ in range(n)]
-    k_pages = rng.standard_normal((H, ROWS, BS, D))
-    v_pages = rng.standard_normal((H, ROWS, BS, D))
+    rnd = lambda *shape: np.asarray(jnp.asarray(rng.standard_normal(shape), dtype), np.float64)
+    k_pages, v_pages = rnd(H, rows, BS, D), rnd(H, rows, BS, D)
     k_ctx = np.zeros((b, width * BS, H, D))
     v_ctx = np.zeros((b, width * BS, H, D))
     for i, c in enumerate(ctx_lens):
         for pos in range(c):
             row, off = tables[i, pos // BS], pos % BS
             k_ctx[i, pos], v_ctx[i, pos] = k_pages[:, row, off], v_pages[:, row, off]
-    q = rng.standard_normal((b, t, H, G, D))
-    k_new = rng.standard_normal((b, t, H, D))
-    v_new = rng.standard_normal((b, t, H, D))
+    q, k_new, v_new = rnd(b, t, H, G, D), rnd(b, t, H, D), rnd(b, t, H, D)
     slots = np.array([[tables[i, (c + j) // BS] * BS + (c + j) % BS for j in range(t)]
                       for i, c in enumerate(ctx_lens)], np.int32)
     # The page table covers the cached context only (as the engine builds it), padded with scratch page 0.
-    ctx_width = max(-(-c // BS) for c in ctx_lens)
-    ctx_table = np.zeros((b, ctx_width), np.int32)
+    ctx_width = max(-(-c // BS) for c in ctx_lens) if table_width is None else table_width
+    ctx_table = np.full((b, ctx_width), pad_page, np.int32)
     for i, c in enumerate(ctx_lens):
         ctx_table[i, : -(-c // BS)] = tables[i, : -(-c // BS)]
+    if pad_page:
+        k_pages[:, pad_page] = v_pages[:, pad_page] = np.nan
     expected = numpy_attention(q, k_ctx, v_ctx, k_new, v_new, ctx_lens, 1 / np.sqrt(D))
     batch = PagedBatch(jnp.asarray(ctx_table), jnp.asarray(ctx_lens, jnp.int32), jnp.asarray(slots))
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
-    return (f32(q), f32(k_new), f32(v_new), f32(k_pages), f32(v_pages), batch), expected
+    cast = lambda x: jnp.asarray(x, dtype)
+    return (cast(q), cast(k_new), cast(v_new), cast(k_pages), cast(v_pages), batch), expected
 
 
 @jax.jit

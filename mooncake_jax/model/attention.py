@@ -12,9 +12,12 @@ kv_heads axis is axis 0, so tensor parallelism splits the cache without touching
 
 ``impl="xla"`` (portable, the CPU default), split in two parts whose softmax is merged exactly:
 
-- *context*: the cached tokens, masked to ``ctx_len``; every new token sees all of them;
 - *local*: the new tokens themselves, causal, per query block of static size (long prefills skip the masked
-  upper triangle block by block). Decode (T = 1, B sequences) takes its own path, see ``_decode_xla``.
+  upper triangle block by block);
+- *context*: the cached tokens, masked to ``ctx_len``; every new token sees all of them. Folded into the local
+  part's running softmax chunk by chunk of pages (``_context_loop``, a ``while`` loop up to the longest real
+  ``ctx_len``): the engine pads the page table to a power of two for its compile cache, and the padded pages are
+  never gathered nor computed. Decode (T = 1, B sequences) takes its own path, see ``_decode_xla``.
 
 ``impl="pallas"``: kernels that read pages in place, never a gathered copy of the context. The new tokens' K/V
 are already in their pages (``write_pages`` runs first), so both decode and prefill are *one* causal attention over
@@ -117,91 +120,124 @@ def gather_context(pages: jax.Array, page_table: jax.Array) -> jax.Array:
 
 # ---- the xla implementation ------------------------------------------------------------------------------------
 
-def _softmax_combine(s_loc, s_ctx, values_loc, values_ctx, weigh):
-    """Softmax over the local and context scores together (one max, one denominator), applied to their values.
-
-    ``weigh(e, values)`` contracts weights with values for the layout at hand; scores are float32, masked entries
-    are MASKED. Returns the normalised output in ``weigh``'s layout and the denominator broadcastable to it.
-    """
-    m = s_loc.max(axis=-1, keepdims=True)
-    if s_ctx is not None:
-        m = jnp.maximum(m, s_ctx.max(axis=-1, keepdims=True))
-    e_loc = jnp.exp(s_loc - m)
-    denom = e_loc.sum(axis=-1, keepdims=True)
-    out = weigh(e_loc.astype(values_loc.dtype), values_loc)
-    if s_ctx is not None:
-        e_ctx = jnp.exp(s_ctx - m)
-        denom = denom + e_ctx.sum(axis=-1, keepdims=True)
-        out = out + weigh(e_ctx.astype(values_ctx.dtype), values_ctx)
-    return out, denom
-
-
 def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _one_sequence(q, k_new, v_new, k_ctx, v_ctx, ctx_len):
+class _Partial(NamedTuple):
+    """Unnormalised softmax state of a block of query rows: running max ``m``, sum ``l`` (both broadcastable to
+    ``acc`` after ``to_acc``) and weighted sum of values ``acc`` (float32)."""
+
+    acc: jax.Array
+    m: jax.Array
+    l: jax.Array
+
+
+def _first(s, values, weigh) -> _Partial:
+    """The state after the first keys' scores ``s`` (float32, masked entries MASKED, at least one real key)."""
+    m = s.max(axis=-1, keepdims=True)
+    e = jnp.exp(s - m)
+    return _Partial(weigh(e.astype(values.dtype), values), m, e.sum(axis=-1, keepdims=True))
+
+
+def _update(p: _Partial, s, values, weigh) -> _Partial:
+    """Online softmax: fold more keys' scores ``s`` and their values into ``p``; exact (the state is rescaled to the
+    new max). A row whose new keys are all masked keeps its state (its exp() terms are 0)."""
+    m = jnp.maximum(p.m, s.max(axis=-1, keepdims=True))
+    corr = jnp.exp(p.m - m)
+    e = jnp.exp(s - m)
+    l = corr * p.l + e.sum(axis=-1, keepdims=True)
+    return _Partial(corr * p.acc + weigh(e.astype(values.dtype), values), m, l)
+
+
+PREFILL_CONTEXT_CHUNK_TOKENS = 512
+"""Context positions a prefill reads per loop iteration (``_context_loop``), rounded to whole pages."""
+
+
+def _context_loop(k_pages, v_pages, batch: PagedBatch, state, fold):
+    """Fold a prefill's cached context into ``state`` chunk by chunk (a ``while`` loop up to the longest real
+    ``ctx_len``), as the decode path does: the page table is padded to a power of two for the compile cache, but
+    the padded pages are never gathered nor computed.
+
+    ``fold(state, k_c, v_c, valid)`` takes one chunk's gathered keys and values, head-major [H, B, C, D], and
+    ``valid`` [B, C] (position < ctx_len). The gathered chunk is materialised (``optimization_barrier``) so that
+    XLA:CPU does not fuse the gather into the products and emit a naive loop (see ``_decode_xla``).
+    """
+    bs = k_pages.shape[2]
+    table, ctx_len = batch.page_table, batch.ctx_len
+    chunk = min(max(1, PREFILL_CONTEXT_CHUNK_TOKENS // bs), table.shape[1])
+    if table.shape[1] % chunk:
+        table = jnp.pad(table, ((0, 0), (0, chunk - table.shape[1] % chunk)))  # scratch pages, masked
+    n_chunks = (jnp.max(ctx_len) + chunk * bs - 1) // (chunk * bs)
+
+    def body(carry):
+        i, state = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, i * chunk, chunk, axis=1)  # [B, chunk]
+        k_c, v_c = jax.lax.optimization_barrier((gather_context(k_pages, pages), gather_context(v_pages, pages)))
+        valid = (i * chunk * bs + jnp.arange(chunk * bs))[None, :] < ctx_len[:, None]
+        return i + 1, fold(state, k_c, v_c, valid)
+
+    return jax.lax.while_loop(lambda c: c[0] < n_chunks, body, (jnp.int32(0), state))[1]
+
+
+def _one_sequence(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
     """Attention of one sequence's T new tokens as plain 2-D matrix products per KV head.
 
     XLA:CPU runs a [T * q_per_kv, head_dim] x [head_dim, S] product two to three times faster than the same work
     as a dot with batch dimensions, and prefill (one sequence, many tokens) is where the attention FLOPs are.
-    ``k_ctx``/``v_ctx`` are head-major [H, 1, S, D].
+    The local (causal) part runs first per (head, query block); the context, if any, is then folded in by
+    ``_context_loop``.
     """
     _, t, hk, g, d = q.shape
     qb = query_block_size(t)
-    if k_ctx is not None:
-        ctx_valid = (jnp.arange(k_ctx.shape[2]) < ctx_len[0])[None, :]
-    heads = []
-    for j in range(hk):
-        qj, kj, vj = q[0, :, j].reshape(t * g, d), k_new[0, :, j], v_new[0, :, j]
-        blocks = []
-        for start in range(0, t, qb):
-            end = min(start + qb, t)
-            q_blk = qj[start * g: end * g]  # rows are (token, group member)
-            rows = start + jnp.arange((end - start) * g) // g
-            s_loc = jnp.where(rows[:, None] >= jnp.arange(end)[None, :], _dot(q_blk, kj[:end].T), MASKED)
-            s_ctx = v_ctx_j = None
-            if k_ctx is not None:
-                s_ctx = jnp.where(ctx_valid, _dot(q_blk, k_ctx[j, 0].T), MASKED)
-                v_ctx_j = v_ctx[j, 0]
-            out, denom = _softmax_combine(s_loc, s_ctx, vj[:end], v_ctx_j, _dot)
-            blocks.append((out / denom).reshape(end - start, g, d))
-        heads.append(blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=0))
+    blocks = [(j, start, min(start + qb, t)) for j in range(hk) for start in range(0, t, qb)]
+    q_rows = [q[0, :, j].reshape(t * g, d) for j in range(hk)]  # rows are (token, group member)
+    q_blks = [q_rows[j][start * g: end * g] for j, start, end in blocks]
+    state = []
+    for (j, start, end), q_blk in zip(blocks, q_blks):
+        rows = start + jnp.arange((end - start) * g) // g
+        s = jnp.where(rows[:, None] >= jnp.arange(end)[None, :], _dot(q_blk, k_new[0, :end, j].T), MASKED)
+        state.append(_first(s, v_new[0, :end, j], _dot))
+    if batch.page_table.shape[1] > 0:
+        def fold(state, k_c, v_c, valid):
+            return [_update(p, jnp.where(valid, _dot(q_blk, k_c[j, 0].T), MASKED), v_c[j, 0], _dot)
+                    for p, q_blk, (j, _, _) in zip(state, q_blks, blocks)]
+
+        state = _context_loop(k_pages, v_pages, batch, state, fold)
+    outs = [(p.acc / p.l).reshape(end - start, g, d) for p, (_, start, end) in zip(state, blocks)]
+    n = len(outs) // hk
+    heads = [outs[j * n] if n == 1 else jnp.concatenate(outs[j * n: (j + 1) * n], axis=0) for j in range(hk)]
     return jnp.stack(heads, axis=1)[None]
 
 
-def _batched(q, k_new, v_new, k_ctx, v_ctx, ctx_len):
-    """Attention of B sequences' T > 1 new tokens with batched products (head-major context [H, B, S, D])."""
+def _batched(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
+    """Attention of B sequences' T > 1 new tokens with batched products; state laid out [B, K, G, Tb, ...]."""
     b, t, hk, g, d = q.shape
     qb = query_block_size(t)
-    ctx_valid = None if k_ctx is None else (jnp.arange(k_ctx.shape[2])[None, :] < ctx_len[:, None])
 
     def weigh_loc(e, values):
-        return jnp.einsum("bkgts,bskd->btkgd", e, values, preferred_element_type=jnp.float32)
+        return jnp.einsum("bkgts,bskd->bkgtd", e, values, preferred_element_type=jnp.float32)
 
     def weigh_ctx(e, values):
-        return jnp.einsum("bkgts,kbsd->btkgd", e, values, preferred_element_type=jnp.float32)
+        return jnp.einsum("bkgts,kbsd->bkgtd", e, values, preferred_element_type=jnp.float32)
 
-    outs = []
-    for start in range(0, t, qb):
-        end = min(start + qb, t)
-        q_blk = q[:, start:end]
-        s_loc = jnp.einsum("btkgd,bskd->bkgts", q_blk, k_new[:, :end], preferred_element_type=jnp.float32)
-        causal = jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :]
-        s_loc = jnp.where(causal, s_loc, MASKED)
-        m = s_loc.max(axis=-1, keepdims=True)
-        if k_ctx is not None:
-            s_ctx = jnp.einsum("btkgd,kbsd->bkgts", q_blk, k_ctx, preferred_element_type=jnp.float32)
-            s_ctx = jnp.where(ctx_valid[:, None, None, None, :], s_ctx, MASKED)
-            m = jnp.maximum(m, s_ctx.max(axis=-1, keepdims=True))
-        e_loc = jnp.exp(s_loc - m)
-        denom = e_loc.sum(axis=-1, keepdims=True)
-        out = weigh_loc(e_loc.astype(v_new.dtype), v_new[:, :end])
-        if k_ctx is not None:
-            e_ctx = jnp.exp(s_ctx - m)
-            denom = denom + e_ctx.sum(axis=-1, keepdims=True)
-            out = out + weigh_ctx(e_ctx.astype(v_ctx.dtype), v_ctx)
-        outs.append(out / jnp.transpose(denom, (0, 3, 1, 2, 4)))  # denom [B, K, G, Tb, 1] -> [B, Tb, K, G, 1]
+    spans = [(start, min(start + qb, t)) for start in range(0, t, qb)]
+    q_blks = [q[:, start:end] for start, end in spans]
+    state = []
+    for (start, end), q_blk in zip(spans, q_blks):
+        s = jnp.einsum("btkgd,bskd->bkgts", q_blk, k_new[:, :end], preferred_element_type=jnp.float32)
+        s = jnp.where(jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :], s, MASKED)
+        state.append(_first(s, v_new[:, :end], weigh_loc))
+    if batch.page_table.shape[1] > 0:
+        def fold(state, k_c, v_c, valid):
+            out = []
+            for p, q_blk in zip(state, q_blks):
+                s = jnp.einsum("btkgd,kbsd->bkgts", q_blk, k_c, preferred_element_type=jnp.float32)
+                out.append(_update(p, jnp.where(valid[:, None, None, None, :], s, MASKED), v_c, weigh_ctx))
+            return out
+
+        state = _context_loop(k_pages, v_pages, batch, state, fold)
+    outs = [jnp.transpose(p.acc / p.l, (0, 3, 1, 2, 4)) for p in state]  # [B, K, G, Tb, D] -> [B, Tb, K, G, D]
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
 
@@ -272,12 +308,8 @@ def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
 def _xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
     if q.shape[1] == 1 and batch.page_table.shape[1] > 0:
         return _decode_xla(q, k_new, v_new, k_pages, v_pages, batch)
-    k_ctx = v_ctx = None
-    if batch.page_table.shape[1] > 0:
-        k_ctx = gather_context(k_pages, batch.page_table)
-        v_ctx = gather_context(v_pages, batch.page_table)
     attend = _one_sequence if q.shape[0] == 1 else _batched
-    return attend(q, k_new, v_new, k_ctx, v_ctx, batch.ctx_len)
+    return attend(q, k_new, v_new, k_pages, v_pages, batch)
 
 
 # ---- the pallas implementation ---------------------------------------------------------------------------------
