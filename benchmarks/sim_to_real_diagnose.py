@@ -70,7 +70,8 @@ def run_figures(measured: dict, items) -> dict:
     probed = measured["overheads"]  # the contention probe's pairs over lengths (thirteenth pass), where read
     for n in (256, 512, 1024, 2048):
         suffix = "" if n == 512 else f"_{n}"
-        alone, pair = probed.get(f"contention_compute_s_alone{suffix}"), probed.get(f"contention_compute_s_pair{suffix}")
+        alone = probed.get(f"contention_compute_s_alone{suffix}")
+        pair = probed.get(f"contention_compute_s_pair{suffix}")
         if alone and pair:
             figures[f"contention_pair_over_alone_{n}"] = pair / alone
     if probed.get("contention_compute_s_long_beside_short") and probed.get("contention_compute_s_alone_2048"):

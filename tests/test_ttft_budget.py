@@ -88,7 +88,8 @@ def test_the_conductor_and_the_prefill_instance_agree_where_the_old_rules_did_no
     assert decision.accepted == admitted
     if not admitted:
         assert decision.reason.value == "ttft_slo"
-        assert decision.retry_after_s == pytest.approx(max(state.config.min_retry_after_s, prefill_s - (SLO - n / 10_000)))
+        budget = SLO - n / 10_000
+        assert decision.retry_after_s == pytest.approx(max(state.config.min_retry_after_s, prefill_s - budget))
     assert _instance_refuses(_prefill_service(), prefill_s, n) == (not admitted)
 
 

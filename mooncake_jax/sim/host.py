@@ -22,9 +22,9 @@ when the decode's steps slow down (``decode_rate``).
 the longer it is. On two cores a 512-token prefill ran 1.13x slower beside another than alone, one of 1,024-3,770
 tokens 1.3-1.7x (twelfth pass, ``docs/benchmarks/sim.md``). (A likely cause, not separated: alone, a long
 prefill's larger matrix products spread over both cores on XLA's intra-op threads, which beside another prefill
-it no longer has, where a short one never used much more than one.) The shared speed (fitted at the contention probe's 512 tokens) is divided by
-``(tokens / 512) ** exponent`` for each prefill of 512 tokens or more while two or more compute, the exponent
-fitted on each host.
+it no longer has, where a short one never used much more than one.) The shared speed (fitted at the contention
+probe's 512 tokens) is divided by ``(tokens / 512) ** exponent`` for each prefill of 512 tokens or more while two
+or more compute, the exponent fitted on each host.
 """
 
 from __future__ import annotations
