@@ -113,9 +113,9 @@ def test_prefill_instance_feeds_its_meter_compute_less_first_use_compiles(monkey
     recorded, jobs, compiling = [], [], []
     record, job = prefill_module.SlowdownMeter.record, prefill_module.PrefillService._prefill_job
 
-    def recording(self, measured_s, predicted_s, overhead_s=None):
+    def recording(self, measured_s, predicted_s, *args, **kwargs):
         recorded.append(measured_s)
-        return record(self, measured_s, predicted_s, overhead_s)
+        return record(self, measured_s, predicted_s, *args, **kwargs)
 
     def timed(self, *args, **kwargs):
         compiling.append(0.0)
