@@ -88,12 +88,12 @@ class Policy:
         if slot_d is None:
             reason, retry = RejectReason.DECODE_CAPACITY, self._retry_after(snapshot, None, now)
         else:
-            reason = adm.rejection(cfg, prefill.ttft_s, tbt, self._after_prefill(request, table, prefill, slot_d))
+            after = self._after_prefill(request, table, prefill, slot_d)
+            reason = adm.rejection(cfg, prefill.ttft_s, tbt, after)
             if reason is None:
                 retry = 0.0
             elif reason is RejectReason.TTFT_SLO:
-                budget = prefill_budget_s(cfg.ttft_slo_s, self._after_prefill(request, table, prefill, slot_d))
-                retry = max(cfg.min_retry_after_s, prefill.ttft_s - budget)
+                retry = max(cfg.min_retry_after_s, prefill.ttft_s - prefill_budget_s(cfg.ttft_slo_s, after))
             else:  # TBT_SLO
                 retry = self._retry_after(snapshot, slot_d, now)
         return Decision.made(request.request_id, reason, retry, table.ids[prefill.slot],
