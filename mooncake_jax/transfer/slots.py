@@ -112,9 +112,7 @@ class _Group:
 def _writable_view(message: bytes) -> np.ndarray:
     """A writable uint8 view of a ``bytes`` object's buffer (the object must outlive the view: ``_Group`` holds
     both)."""
-    n = len(message)
-    base = np.frombuffer(message, np.uint8).__array_interface__["data"][0]
-    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(base))
+    return np.ctypeslib.as_array((ctypes.c_uint8 * len(message)).from_address(_address(message)))
 
 
 class _Slot:
