@@ -83,7 +83,8 @@ def test_layerwise_warmup_compiles_what_layerwise_prefills_run():
 
     model = init_model(get_config("tiny").replace(max_seq_len=64), 0)  # 4 pages a sequence: few shapes
     engine = Engine(model, prefill_chunk_size=16, bucket_factor=4)
-    assert layerwise_shapes(engine) == [(16, 0, None, 1), (16, 1, 1, 2), (16, 2, 2, 4), (16, 4, 4, 1)]
+    # one chunk bucket, one context width (4 pages); loads of 1, 2, 4 prefix pages and saves of 1, 2, 4 new ones
+    assert layerwise_shapes(engine) == [(16, 0, None, 1), (16, 4, 1, 2), (16, 4, 2, 4), (16, 4, 4, 4)]
     with _CompileCount() as compiles:
         assert warm_layerwise(engine) == 4
     assert compiles.n > 0

@@ -144,7 +144,8 @@ def test_layer_hooks_are_refused(engine):
 
 def test_stacked_prefill_shapes_by_hand():
     """A 64-token context, 16-token chunks and blocks: n chunks stack into 2 or 4 slots with the last chunk's
-    context table (its start, bucketed to 1, 2 or 4 pages); prompt logprobs reuse no prefix. (The engine's own
+    context table (its start, bucketed to 1, 2 or 4 pages by the pallas attention, 4 pages always by the xla one);
+    prompt logprobs reuse no prefix. (The engine's own
     enumeration over the SPMD runner's own chunk-slot rule, on a stand-in engine: nothing to compile.)"""
     from types import SimpleNamespace
 
@@ -152,10 +153,14 @@ def test_stacked_prefill_shapes_by_hand():
     from mooncake_jax.sharding.spmd import SpmdRunner
 
     engine = SimpleNamespace(runner=SpmdRunner, prefill_chunk_size=16, block_size=16,
-                             cfg=SimpleNamespace(max_seq_len=64), max_pages_per_seq=4)
+                             cfg=SimpleNamespace(max_seq_len=64, attention="pallas"), max_pages_per_seq=4)
+    engine.context_width = lambda pages: Engine.context_width(engine, pages)
     # n=2: last chunk starts at 16, 32 or 48 (0, 1 or 2 cached blocks) -> 1, 2, 3->4 pages; n=3: 32, 48; n=4: 48
     assert Engine.stacked_prefill_shapes(engine, False) == [(2, 1), (2, 2), (2, 4), (4, 2), (4, 4)]
     assert Engine.stacked_prefill_shapes(engine, True) == [(2, 1), (4, 2), (4, 4)]
+    engine.cfg.attention = "xla"  # one context width (the longest sequence's pages) for every chunk
+    assert Engine.stacked_prefill_shapes(engine, False) == [(2, 4), (4, 4)]
+    assert Engine.stacked_prefill_shapes(engine, True) == [(2, 4), (4, 4)]
     engine.runner = PipelineRunner  # runs chunk by chunk: the single-chunk shapes cover it
     assert Engine.stacked_prefill_shapes(engine, False) == []
 

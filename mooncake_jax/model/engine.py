@@ -36,6 +36,9 @@ from .layer_hooks import LayerHooks
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 _sample_rows = jax.jit(sample_out, static_argnames=("mode",))  # the first token of an every-position prefill
 _prompt_rows = jax.jit(prompt_logprobs)
+WARM_CONTEXT_PAGES = 64
+"""Context pages a warm-up step attends over (``Engine._warm_context``): two of the prefill's 32-page context
+chunks, four or more of decode's, so every loop over the context is entered."""
 SAMPLING_MODES = (ANY,)  # the step programs' sampling: one program covers greedy, temperature and top-p rows
 
 
@@ -79,7 +82,8 @@ class Engine:
         if bucket_factor < 2:
             raise ValueError(f"bucket_factor must be >= 2, got {bucket_factor}")
         # Prefill chunk lengths are padded to powers of this factor (fewer programs to compile vs less padding);
-        # context widths and batch sizes always to powers of two (their padding costs every step).
+        # batch sizes always to powers of two (their padding costs every step); context tables see
+        # ``context_width``.
         self.bucket_factor = bucket_factor
         self.max_pages_per_seq = num_blocks(cfg.max_seq_len, cfg.block_size)
         if num_pages is None:
@@ -188,6 +192,28 @@ class Engine:
         # compiles each shape once and a request that turns on any setting never waits for XLA.
         return inputs, ANY
 
+    def context_width(self, pages: int) -> int:
+        """Width of the context page table of a step whose longest context holds ``pages`` pages: 0 without any
+        (a prefill's first chunk: the program without the context loop), else one width per implementation.
+
+        The xla attention reads the context only up to the real ``ctx_len`` (``attention._context_loop`` for
+        prefill, ``_decode_xla``'s loop for decode: chunks of pages, a ``while`` loop up to the longest context),
+        so its table width is only a shape: every table is ``max_pages_per_seq`` wide and each (chunk, kind) or
+        batch size is one program (warm-up compiles a few instead of one per power-of-two width; the wider table
+        costs one host -> device copy of a few hundred KiB at most, measured in docs/benchmarks/engine.md, Xeon
+        warm-up fourteenth pass). The pallas kernels' cost grows with the width (the GPU decode kernel splits the
+        table into ``width // 8`` partitions and reduces over them; the TPU one steps a grid over it), so there the
+        table stays a power of two >= the pages held."""
+        if pages <= 0:
+            return 0
+        if self.cfg.attention == "pallas":
+            return bucket(pages, self.max_pages_per_seq)
+        return self.max_pages_per_seq
+
+    def context_widths(self) -> list[int]:
+        """Every nonzero width ``context_width`` can return (ascending)."""
+        return sorted({self.context_width(p) for p in buckets(self.max_pages_per_seq)})
+
     def _context_table(self, pages_per_row: list[list[int]], rows: int, width: int) -> np.ndarray:
         table = np.zeros((rows, width), np.int32)
         for r, pages in enumerate(pages_per_row):
@@ -226,7 +252,7 @@ class Engine:
             t = min(chunk, n - start)
             tb = bucket(t, chunk, 16, self.bucket_factor)
             ctx_pages = seq.pages[: num_blocks(start, bs)]
-            pb = 0 if not ctx_pages else bucket(len(ctx_pages), self.max_pages_per_seq)
+            pb = self.context_width(len(ctx_pages))
             tokens = np.zeros((1, tb), np.int32)
             tokens[0, :t] = seq.prompt[start: start + t]
             positions = np.arange(start, start + tb, dtype=np.int32)[None]
@@ -294,7 +320,7 @@ class Engine:
             tokens[r, 0], positions[r, 0], ctx_len[r] = seq.output[-1], pos, pos
             slots[r, 0] = write_slots(seq.pages, pos, 1, bs)[0]
             ctx_pages.append(seq.pages[: num_blocks(pos, bs)])
-        width = bucket(max(1, max(len(p) for p in ctx_pages)), self.max_pages_per_seq)
+        width = self.context_width(max(1, max(len(p) for p in ctx_pages)))
         table = self._context_table(ctx_pages, rows, width)
         step = self._step(tokens, positions, table, ctx_len, slots, np.zeros(rows, np.int32), seqs, rows)
         ((sampled, _),) = self.runner.run([step])
@@ -344,11 +370,10 @@ class Engine:
         shapes = []  # (rows, tokens, context pages, logits of every position)
         chunks = buckets(self.prefill_chunk_size, 16, self.bucket_factor)
         if prefill:
-            contexts = [0] + buckets(self.max_pages_per_seq)
+            contexts = [0] + self.context_widths()
             shapes += [(1, t, p, False) for t in chunks for p in contexts]
         if decode:
-            widths = buckets(self.max_pages_per_seq)
-            shapes += [(b, 1, w, False) for b in buckets(self.max_batch) for w in widths]
+            shapes += [(b, 1, w, False) for b in buckets(self.max_batch) for w in self.context_widths()]
         programs = [(shape, mode) for shape in shapes for mode in modes]
         if prefill and prompt_logprobs:  # a prompt-logprobs prefill reuses no prefix: its context is whole chunks
             whole = [p for p in contexts if p == 0 or p >= num_blocks(self.prefill_chunk_size, self.block_size)]
@@ -363,6 +388,9 @@ class Engine:
             if every and width == 0:  # the programs over every position's logits, once per chunk size
                 jax.block_until_ready(_prompt_rows(logits[0], np.zeros(t, np.int32)))
                 jax.block_until_ready(_sample_rows(logits[:, t - 1], step.sampling, mode=ANY))
+                np.asarray(logits[0, t - 1])  # the last row, as ``prefill`` reads it (an indexing program)
+            elif t > 1:
+                np.asarray(logits[0])  # the last-token logits, as ``prefill`` reads them (an indexing program)
             jax.block_until_ready(logits)
             if progress is not None:
                 progress(i + 1, len(programs))
@@ -389,15 +417,19 @@ class Engine:
             first_last_start = (n - 1) * chunk  # the last chunk's start with no cached prefix
             last_starts = [first_last_start] if every_position else range(first_last_start, limit, bs)
             for start in last_starts:
-                shapes.add((slots_of(n), bucket(num_blocks(start, bs), self.max_pages_per_seq)))
+                shapes.add((slots_of(n), self.context_width(num_blocks(start, bs))))
         return sorted(shapes)
 
     def _warm_context(self, rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """(page table, context lengths) of a warm-up step: ``width`` scratch pages per row, every position of them
-        context. A zero context would leave the attention's loop over context chunks unentered, and XLA:CPU then
-        prepares that loop's body on the first request to reach the shape: measured, the first decode step at each
-        new batch shape took 6-25 ms more CPU, a token gap of every running stream (demo seventh pass)."""
-        return np.full((rows, width), SCRATCH_PAGE, np.int32), np.full(rows, width * self.block_size, np.int32)
+        """(page table, context lengths) of a warm-up step: ``width`` scratch pages per row, the first
+        ``WARM_CONTEXT_PAGES`` of them (or all) context. A zero context would leave the attention's loop over
+        context chunks unentered, and XLA:CPU then prepares that loop's body on the first request to reach the
+        shape: measured, the first decode step at each new batch shape took 6-25 ms more CPU, a token gap of every
+        running stream (demo seventh pass). A few iterations of the loop enter it as well as all of them, and a
+        table of ``max_pages_per_seq`` pages (``context_width``) read whole would cost the warm-up a step over the
+        longest context per program (``small``: 32K positions)."""
+        ctx = min(width, WARM_CONTEXT_PAGES) * self.block_size
+        return np.full((rows, width), SCRATCH_PAGE, np.int32), np.full(rows, ctx, np.int32)
 
     def _warm_stacked_prefills(self, prompt_logprobs: bool) -> int:
         """Compile the multi-chunk prefill programs of ``stacked_prefill_shapes`` (scratch page only; the request

@@ -13,26 +13,43 @@ path with the layer-wise prefill's own hooks, so the programs compiled are exact
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from ..model.attention import SCRATCH_PAGE
-from ..model.engine import SAMPLING_MODES, Engine, buckets
+from ..model.engine import SAMPLING_MODES, Engine, bucket, buckets
 from ..model.map_budget import check_map_headroom
 from ..sharding.pipeline import LayerPages
 from .offload import _OffloadHooks
 
 
 def layerwise_shapes(engine: Engine) -> list[tuple[int, int, int | None, int]]:
-    """(chunk tokens, context pages, pages loaded or None, pages saved) of the warm-up's runs: every chunk bucket
-    with every context bucket (each pair is one layer program), loading the context's own page count where there is
-    one (a prefix is loaded in the chunk it is the context of), and the saved page counts cycled over the runs so
-    that each bucket of them is compiled."""
+    """(chunk tokens, context pages, pages loaded or None, pages saved) of the warm-up's runs.
+
+    A layer-wise prefill runs one layer program per (chunk bucket, context width) pair (``Engine.context_width``:
+    none, or one width for the xla attention) and loads and saves each layer's KV with one program per padded
+    page count (``Engine.padded_pages``: 1, 2, 4 ... up to the longest sequence), whatever the chunk. So every
+    pair runs once, loading only where there is a context (a prefix is loaded in the chunk it is the context of),
+    with the load and save counts cycled over the runs; runs of the smallest chunk over the widest context follow
+    until every load and save count has run."""
     chunks = buckets(engine.prefill_chunk_size, 16, engine.bucket_factor)
-    contexts = [0] + buckets(engine.max_pages_per_seq)
-    saves = itertools.cycle(buckets(engine.max_pages_per_seq))
-    return [(t, p, p or None, next(saves)) for t in chunks for p in contexts]
+    widths = engine.context_widths()
+    most = engine.max_pages_per_seq
+    loads = _padded_counts(most - 1)  # a prefix leaves at least one page to compute
+    saves = _padded_counts(most)
+    loads_left, saves_left = list(loads), list(saves)
+    shapes = []
+    for t, p in [(t, p) for t in chunks for p in [0] + widths]:
+        load = (loads_left.pop(0) if loads_left else loads[-1]) if p and loads else None
+        shapes.append((t, p, load, saves_left.pop(0) if saves_left else saves[-1]))
+    while loads_left or saves_left:
+        shapes.append((chunks[0], widths[-1], loads_left.pop(0) if loads_left else loads[-1],
+                       saves_left.pop(0) if saves_left else saves[-1]))
+    return shapes
+
+
+def _padded_counts(pages: int) -> list[int]:
+    """Every page count ``Engine.padded_pages`` pads 1 .. ``pages`` pages to: 1, 2, 4 ... (none for 0)."""
+    return [1 << i for i in range(bucket(pages, 1 << 30).bit_length())] if pages > 0 else []
 
 
 def warm_layerwise(engine: Engine, modes=SAMPLING_MODES) -> int:
