@@ -135,9 +135,11 @@ def test_prefill_instance_feeds_its_meter_compute_less_first_use_compiles(monkey
     monkeypatch.setattr(prefill_module.PrefillService, "_prefill_job", timed)
     jax.monitoring.register_event_duration_secs_listener(on_compile)
     try:
-        with mj.Cluster.local("tiny", prefill=1, decode=1, layerwise=True, prefill_chunk_size=16, admission="none",
+        # chunks of 48 (buckets 16, 48): a chunk no other test runs, so the first request's layer programs are its
+        # own to compile whatever ran before in this process (every context shares one table width)
+        with mj.Cluster.local("tiny", prefill=1, decode=1, layerwise=True, prefill_chunk_size=48, admission="none",
                               warmup=False, compile_cache=None, profile_json=PROFILE) as cluster:
-            for prompt in random_prompts([40, 40], seed=11):  # one after the other
+            for prompt in random_prompts([100, 100], seed=11):  # one after the other
                 assert len(cluster.generate([prompt], max_new_tokens=2)[0]) == 2
     finally:
         jax.monitoring.unregister_event_duration_listener(on_compile)

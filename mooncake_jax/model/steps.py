@@ -17,8 +17,8 @@ own parameters) once per layer, one program for every layer of a stage either wa
 ``graphdef`` is an NNX ``GraphDef`` or a ``HashedGraph`` holding one: jax.jit hashes its static arguments on every
 call, and a ``GraphDef`` hashes its whole node tree each time, so the engine passes its graphs hashed once.
 
-Shapes are bucketed by the caller (powers of two for T, B and the number of context pages) so a serving loop
-compiles a handful of variants, not one per request.
+Shapes are bucketed by the caller (powers of two for T and B; the context table one width per attention
+implementation, ``Engine.context_width``) so a serving loop compiles a handful of variants, not one per request.
 """
 
 from __future__ import annotations
