@@ -12,12 +12,13 @@ kv_heads axis is axis 0, so tensor parallelism splits the cache without touching
 
 ``impl="xla"`` (portable, the CPU default), split in two parts whose softmax is merged exactly:
 
-- *local*: the new tokens themselves, causal, per query block of static size (long prefills skip the masked
-  upper triangle block by block);
+- *local*: the new tokens themselves, causal, fully looped (``_local_flash``: a scan over query blocks, each a
+  loop over the key tiles below its diagonal, so long prefills skip the masked upper triangle and the program
+  does not grow with T);
 - *context*: the cached tokens, masked to ``ctx_len``; every new token sees all of them. Folded into the local
   part's running softmax chunk by chunk of pages (``_context_loop``, a ``while`` loop up to the longest real
-  ``ctx_len``): the engine pads the page table to a power of two for its compile cache, and the padded pages are
-  never gathered nor computed. Decode (T = 1, B sequences) takes its own path, see ``_decode_xla``.
+  ``ctx_len``, per query block inside the scan): the engine pads the page table to a power of two for its
+  compile cache, and the padded pages are never gathered nor computed. Decode (T = 1, B sequences) takes its own path, see ``_decode_xla``.
 
 ``impl="pallas"``: kernels that read pages in place, never a gathered copy of the context. The new tokens' K/V
 are already in their pages (``write_pages`` runs first), so both decode and prefill are *one* causal attention over
@@ -80,14 +81,10 @@ class PagedBatch(NamedTuple):
     write_slots: jax.Array  # [B, T] flat slot (row * block_size + offset) for each new token's K/V
 
 
-def query_block_size(t: int) -> int:
-    """Static query block of the local causal part.
-
-    Small blocks skip more of the masked upper triangle and keep each block's scores in cache (on a 2-core CPU,
-    128-token blocks prefill 2048 tokens 25% faster than 512-token ones), but every block is unrolled into the
-    program, so long chunks use at most 16 blocks.
-    """
-    return t if t <= 128 else max(128, -(-t // 16))
+LOCAL_TILE_TOKENS = 256
+"""Query block and key tile of the local causal part (``_local_flash``). Measured on the Intel Xeon (207), 2 cores,
+``small`` shape, 2048 new tokens (docs/benchmarks/engine.md, Xeon prefill thirteenth and fourteenth passes): 256
+ran at 0.97 of the unrolled 128-token query blocks' CPU time, 128 at 1.07, 512 at 1.02."""
 
 
 def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
@@ -180,40 +177,86 @@ def _context_loop(k_pages, v_pages, batch: PagedBatch, state, fold):
     return jax.lax.while_loop(lambda c: c[0] < n_chunks, body, (jnp.int32(0), state))[1]
 
 
+def _pad_tokens(x, tp: int):
+    """``x`` [B, T, ...] padded with zeros to ``tp`` tokens along axis 1."""
+    t = x.shape[1]
+    return x if tp == t else jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2))
+
+
+def _local_flash(q_tiles, k_tiles, v_tiles, first, update, finish):
+    """The loop shared by both prefill paths: a ``scan`` over query blocks i, each seeded by its diagonal tile
+    (``first(q_blk, k_i, v_i)``, causal mask, at least one real key per row), then a ``fori_loop`` over the full key
+    tiles c < i (``update(state, q_blk, k_c, v_c)``, no mask), then ``finish(state, q_blk)`` (the context fold and
+    the normalisation). Tiles are axis 0 of each operand; program size is flat in T.
+
+    Each tile is materialised (``optimization_barrier``) before its products, as ``_decode_xla`` explains: the
+    products stay library calls rather than naive loops with the dynamic slice fused in.
+    """
+    n = q_tiles.shape[0]
+
+    def block(_, xs):
+        i, q_blk, k_d, v_d = xs
+        state = first(q_blk, k_d, v_d)
+        if n > 1:
+            def tile(c, state):
+                k_c, v_c = lax.optimization_barrier((k_tiles[c], v_tiles[c]))
+                return update(state, q_blk, k_c, v_c)
+
+            state = lax.fori_loop(0, i, tile, state)
+        return None, finish(state, q_blk)
+
+    if n == 1:  # one block: no loop in the program
+        return block(None, (0, q_tiles[0], k_tiles[0], v_tiles[0]))[1][None]
+    return lax.scan(block, None, (jnp.arange(n), q_tiles, k_tiles, v_tiles))[1]
+
+
 def _one_sequence(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
-    """Attention of one sequence's T new tokens as plain 2-D matrix products per KV head.
+    """Attention of one sequence's T new tokens as plain 2-D matrix products per KV head, fully looped.
 
     XLA:CPU runs a [T * q_per_kv, head_dim] x [head_dim, S] product two to three times faster than the same work
-    as a dot with batch dimensions, and prefill (one sequence, many tokens) is where the attention FLOPs are.
-    The local (causal) part runs first per (head, query block); the context, if any, is then folded in by
-    ``_context_loop``.
+    as a dot with batch dimensions, and prefill (one sequence, many tokens) is where the attention FLOPs are. Per
+    head, ``_local_flash`` scans the query blocks of ``LOCAL_TILE_TOKENS`` tokens (T padded up to whole blocks:
+    padded keys come after every real query, so the causal mask hides them); each block folds the key tiles up to
+    its diagonal, then the cached context (``_context_loop`` over this head's pages, up to the real ``ctx_len``).
+    The older form unrolled every (head, query block) into the program: at 2048 tokens it compiled 5x slower for
+    the same run time.
     """
     _, t, hk, g, d = q.shape
-    qb = query_block_size(t)
-    blocks = [(j, start, min(start + qb, t)) for j in range(hk) for start in range(0, t, qb)]
-    q_rows = [q[0, :, j].reshape(t * g, d) for j in range(hk)]  # rows are (token, group member)
-    q_blks = [q_rows[j][start * g: end * g] for j, start, end in blocks]
-    state = []
-    for (j, start, end), q_blk in zip(blocks, q_blks):
-        rows = start + jnp.arange((end - start) * g) // g
-        s = jnp.where(rows[:, None] >= jnp.arange(end)[None, :], _dot(q_blk, k_new[0, :end, j].T), MASKED)
-        state.append(_first(s, v_new[0, :end, j], _dot))
-    if batch.page_table.shape[1] > 0:
-        def fold(state, k_c, v_c, valid):
-            return [_update(p, jnp.where(valid, _dot(q_blk, k_c[j, 0].T), MASKED), v_c[j, 0], _dot)
-                    for p, q_blk, (j, _, _) in zip(state, q_blks, blocks)]
+    tb = min(LOCAL_TILE_TOKENS, t)
+    n, tp = -(-t // tb), -(-t // tb) * tb
+    q, k_new, v_new = (_pad_tokens(x, tp) for x in (q, k_new, v_new))
+    causal = (jnp.arange(tb * g) // g)[:, None] >= jnp.arange(tb)[None, :]  # rows are (token, group member)
+    has_ctx = batch.page_table.shape[1] > 0
+    heads = []
+    for j in range(hk):
+        def first(q_blk, k_d, v_d):
+            return _first(jnp.where(causal, _dot(q_blk, k_d.T), MASKED), v_d, _dot)
 
-        state = _context_loop(k_pages, v_pages, batch, state, fold)
-    outs = [(p.acc / p.l).reshape(end - start, g, d) for p, (_, start, end) in zip(state, blocks)]
-    n = len(outs) // hk
-    heads = [outs[j * n] if n == 1 else jnp.concatenate(outs[j * n: (j + 1) * n], axis=0) for j in range(hk)]
+        def update(state, q_blk, k_c, v_c):
+            return _update(state, _dot(q_blk, k_c.T), v_c, _dot)
+
+        def finish(state, q_blk, j=j):
+            if has_ctx:
+                def fold(state, k_c, v_c, valid):
+                    return _update(state, jnp.where(valid, _dot(q_blk, k_c[0, 0].T), MASKED), v_c[0, 0], _dot)
+
+                state = _context_loop(k_pages[j:j + 1], v_pages[j:j + 1], batch, state, fold)
+            return state.acc / state.l
+
+        out = _local_flash(q[0, :, j].reshape(n, tb * g, d), k_new[0, :, j].reshape(n, tb, d),
+                           v_new[0, :, j].reshape(n, tb, d), first, update, finish)  # [n, tb * g, d]
+        heads.append(out.reshape(tp, g, d)[:t])
     return jnp.stack(heads, axis=1)[None]
 
 
 def _batched(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
-    """Attention of B sequences' T > 1 new tokens with batched products; state laid out [B, K, G, Tb, ...]."""
+    """Attention of B sequences' T > 1 new tokens with batched products, fully looped as ``_one_sequence`` (all
+    heads at once); state laid out [B, K, G, Tb, ...]."""
     b, t, hk, g, d = q.shape
-    qb = query_block_size(t)
+    tb = min(LOCAL_TILE_TOKENS, t)
+    n, tp = -(-t // tb), -(-t // tb) * tb
+    q, k_new, v_new = (_pad_tokens(x, tp) for x in (q, k_new, v_new))
+    causal = jnp.arange(tb)[:, None] >= jnp.arange(tb)[None, :]
 
     def weigh_loc(e, values):
         return jnp.einsum("bkgts,bskd->bkgtd", e, values, preferred_element_type=jnp.float32)
@@ -221,24 +264,27 @@ def _batched(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
     def weigh_ctx(e, values):
         return jnp.einsum("bkgts,kbsd->bkgtd", e, values, preferred_element_type=jnp.float32)
 
-    spans = [(start, min(start + qb, t)) for start in range(0, t, qb)]
-    q_blks = [q[:, start:end] for start, end in spans]
-    state = []
-    for (start, end), q_blk in zip(spans, q_blks):
-        s = jnp.einsum("btkgd,bskd->bkgts", q_blk, k_new[:, :end], preferred_element_type=jnp.float32)
-        s = jnp.where(jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :], s, MASKED)
-        state.append(_first(s, v_new[:, :end], weigh_loc))
-    if batch.page_table.shape[1] > 0:
-        def fold(state, k_c, v_c, valid):
-            out = []
-            for p, q_blk in zip(state, q_blks):
-                s = jnp.einsum("btkgd,kbsd->bkgts", q_blk, k_c, preferred_element_type=jnp.float32)
-                out.append(_update(p, jnp.where(valid[:, None, None, None, :], s, MASKED), v_c, weigh_ctx))
-            return out
+    def scores(q_blk, k):
+        return jnp.einsum("btkgd,bskd->bkgts", q_blk, k, preferred_element_type=jnp.float32)
 
-        state = _context_loop(k_pages, v_pages, batch, state, fold)
-    outs = [jnp.transpose(p.acc / p.l, (0, 3, 1, 2, 4)) for p in state]  # [B, K, G, Tb, D] -> [B, Tb, K, G, D]
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+    def first(q_blk, k_d, v_d):
+        return _first(jnp.where(causal, scores(q_blk, k_d), MASKED), v_d, weigh_loc)
+
+    def update(state, q_blk, k_c, v_c):
+        return _update(state, scores(q_blk, k_c), v_c, weigh_loc)
+
+    def finish(state, q_blk):
+        if batch.page_table.shape[1] > 0:
+            def fold(state, k_c, v_c, valid):
+                s = jnp.einsum("btkgd,kbsd->bkgts", q_blk, k_c, preferred_element_type=jnp.float32)
+                return _update(state, jnp.where(valid[:, None, None, None, :], s, MASKED), v_c, weigh_ctx)
+
+            state = _context_loop(k_pages, v_pages, batch, state, fold)
+        return jnp.transpose(state.acc / state.l, (0, 3, 1, 2, 4))  # [B, K, G, Tb, D] -> [B, Tb, K, G, D]
+
+    tiles = lambda x: jnp.moveaxis(x.reshape((b, n, tb) + x.shape[2:]), 1, 0)  # noqa: E731  [n, B, tb, ...]
+    out = _local_flash(tiles(q), tiles(k_new), tiles(v_new), first, update, finish)  # [n, B, tb, K, G, D]
+    return jnp.moveaxis(out, 0, 1).reshape(b, tp, hk, g, d)[:, :t]
 
 
 DECODE_CHUNK_ROWS = 256
