@@ -99,3 +99,23 @@ def test_program_size_is_flat_in_the_prompt_length():
     """The point of the looped form: 4x the tokens, the same products in the program (the unrolled form had one
     product pair per (head, query block): 4 blocks of 128 at 512 tokens, 16 at 2048)."""
     assert _dots(512) == _dots(2048) > 0
+
+
+def test_no_copy_of_the_cache_in_the_compiled_prefill():
+    """The looped prefill reads the cache only through gathers of context chunks: no instruction of the compiled
+    program produces a cache-sized array (a per-head slice of the cache inside the loop did: XLA:CPU materialised
+    1/H of the whole cache per head and query block)."""
+    import re
+
+    from test_attention import G, H
+
+    rows = 997  # a size no other operand has
+    f32, i32 = (lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)), (lambda *s: jax.ShapeDtypeStruct(s, jnp.int32))
+    pages = f32(H, rows, BS, D)
+    f = jax.jit(lambda *a: attention.paged_attention(*a, scale=1 / np.sqrt(D), impl="xla"))
+    for b, t in ((1, 600), (2, 300)):
+        batch = attention.PagedBatch(i32(b, 64), i32(b), i32(b, t))
+        hlo = f.lower(f32(b, t, H, G, D), f32(b, t, H, D), f32(b, t, H, D), pages, pages, batch).compile().as_text()
+        sized = [line for line in hlo.splitlines() if re.search(rf"= f32\[[\d,]*\b{rows}\b", line)]
+        copies = [line for line in sized if not re.search(r"\b(parameter|get-tuple-element|bitcast)\(", line)]
+        assert sized and not copies, copies[:3]

@@ -214,39 +214,41 @@ def _one_sequence(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
     """Attention of one sequence's T new tokens as plain 2-D matrix products per KV head, fully looped.
 
     XLA:CPU runs a [T * q_per_kv, head_dim] x [head_dim, S] product two to three times faster than the same work
-    as a dot with batch dimensions, and prefill (one sequence, many tokens) is where the attention FLOPs are. Per
-    head, ``_local_flash`` scans the query blocks of ``LOCAL_TILE_TOKENS`` tokens (T padded up to whole blocks:
-    padded keys come after every real query, so the causal mask hides them); each block folds the key tiles up to
-    its diagonal, then the cached context (``_context_loop`` over this head's pages, up to the real ``ctx_len``).
-    The older form unrolled every (head, query block) into the program: at 2048 tokens it compiled 5x slower for
-    the same run time.
+    as a dot with batch dimensions, and prefill (one sequence, many tokens) is where the attention FLOPs are.
+    ``_local_flash`` scans the query blocks of ``LOCAL_TILE_TOKENS`` tokens (T padded up to whole blocks: padded
+    keys come after every real query, so the causal mask hides them), every head's products side by side in the
+    loop bodies; each block folds the key tiles up to its diagonal, then the cached context (``_context_loop``, one
+    gather of all heads per chunk, up to the real ``ctx_len``). Tiles are head-major so that each head's operand is
+    contiguous. The cache is never sliced per head: a per-head slice inside the loop is materialised by XLA:CPU,
+    a copy of 1/H of the whole cache per head and block. The older form unrolled every (head, query block) into
+    the program: at 2048 tokens it compiled 5x slower for the same run time.
     """
     _, t, hk, g, d = q.shape
     tb = min(LOCAL_TILE_TOKENS, t)
     n, tp = -(-t // tb), -(-t // tb) * tb
     q, k_new, v_new = (_pad_tokens(x, tp) for x in (q, k_new, v_new))
     causal = (jnp.arange(tb * g) // g)[:, None] >= jnp.arange(tb)[None, :]  # rows are (token, group member)
-    has_ctx = batch.page_table.shape[1] > 0
-    heads = []
-    for j in range(hk):
-        def first(q_blk, k_d, v_d):
-            return _first(jnp.where(causal, _dot(q_blk, k_d.T), MASKED), v_d, _dot)
+    q_tiles = jnp.transpose(q[0].reshape(n, tb, hk, g, d), (0, 2, 1, 3, 4)).reshape(n, hk, tb * g, d)
+    k_tiles, v_tiles = (jnp.transpose(x[0].reshape(n, tb, hk, d), (0, 2, 1, 3)) for x in (k_new, v_new))
 
-        def update(state, q_blk, k_c, v_c):
-            return _update(state, _dot(q_blk, k_c.T), v_c, _dot)
+    def first(q_blk, k_d, v_d):
+        return [_first(jnp.where(causal, _dot(q_blk[j], k_d[j].T), MASKED), v_d[j], _dot) for j in range(hk)]
 
-        def finish(state, q_blk, j=j):
-            if has_ctx:
-                def fold(state, k_c, v_c, valid):
-                    return _update(state, jnp.where(valid, _dot(q_blk, k_c[0, 0].T), MASKED), v_c[0, 0], _dot)
+    def update(state, q_blk, k_c, v_c):
+        return [_update(p, _dot(q_blk[j], k_c[j].T), v_c[j], _dot) for j, p in enumerate(state)]
 
-                state = _context_loop(k_pages[j:j + 1], v_pages[j:j + 1], batch, state, fold)
-            return state.acc / state.l
+    def finish(state, q_blk):
+        if batch.page_table.shape[1] > 0:
+            def fold(state, k_c, v_c, valid):
+                return [_update(p, jnp.where(valid, _dot(q_blk[j], k_c[j, 0].T), MASKED), v_c[j, 0], _dot)
+                        for j, p in enumerate(state)]
 
-        out = _local_flash(q[0, :, j].reshape(n, tb * g, d), k_new[0, :, j].reshape(n, tb, d),
-                           v_new[0, :, j].reshape(n, tb, d), first, update, finish)  # [n, tb * g, d]
-        heads.append(out.reshape(tp, g, d)[:t])
-    return jnp.stack(heads, axis=1)[None]
+            state = _context_loop(k_pages, v_pages, batch, state, fold)
+        return jnp.stack([p.acc / p.l for p in state])  # [hk, tb * g, d]
+
+    out = _local_flash(q_tiles, k_tiles, v_tiles, first, update, finish)  # [n, hk, tb * g, d]
+    out = jnp.transpose(out.reshape(n, hk, tb, g, d), (0, 2, 1, 3, 4)).reshape(tp, hk, g, d)
+    return out[:t][None]
 
 
 def _batched(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
