@@ -1,6 +1,6 @@
 """The xla implementation's fully looped prefill (``attention._local_flash``: a scan over query blocks, a loop over
 the key tiles below each block's diagonal, the context folded per block) against the float64 reference of
-test_attention.py. Most cases shrink the tile to 8 tokens so that T crosses many tiles cheaply; prompt lengths
+test_attention.py. Most cases shrink the tile to 8 tokens (and take the looped form at every length) so that T crosses many tiles cheaply; prompt lengths
 are not tile multiples (the padded tail), shorter than one tile, and 2048 tokens at the default tile."""
 
 import jax
@@ -18,6 +18,7 @@ TILE = 8
 @pytest.fixture
 def small_tiles(monkeypatch):
     monkeypatch.setattr(attention, "LOCAL_TILE_TOKENS", TILE)
+    monkeypatch.setattr(attention, "LOOPED_MIN_TOKENS", 2)  # every prefill takes the looped form
     monkeypatch.setattr(attention, "PREFILL_CONTEXT_CHUNK_TOKENS", 2 * BS)  # contexts take several iterations
 
 
@@ -78,7 +79,7 @@ def test_split_over_the_tensor_axis(small_tiles, ctx_lens, t):
 @pytest.mark.parametrize("ctx_lens", [[0], [37]])
 def test_2048_tokens_at_the_default_tile(ctx_lens):
     """The hf_compare prompt length: 8 blocks of 256 tokens, each folding up to 7 key tiles (and the context)."""
-    assert attention.LOCAL_TILE_TOKENS == 256
+    assert attention.LOCAL_TILE_TOKENS == 256 and attention.LOOPED_MIN_TOKENS <= 2048
     args, expected = case(ctx_lens, 2048, seed=20, rows=540, table_width=16)
     np.testing.assert_allclose(run("xla", *args), expected, rtol=2e-5, atol=2e-5)
 
@@ -96,12 +97,19 @@ def _dots(t: int) -> int:
 
 
 def test_program_size_is_flat_in_the_prompt_length():
-    """The point of the looped form: 4x the tokens, the same products in the program (the unrolled form had one
-    product pair per (head, query block): 4 blocks of 128 at 512 tokens, 16 at 2048)."""
-    assert _dots(512) == _dots(2048) > 0
+    """The point of the looped form: 4x the tokens, the same products in the program (the unrolled form has one
+    product pair per (head, query block): 8 blocks of 128 at 1024 tokens, 16 of 256 at 4096)."""
+    assert attention.LOOPED_MIN_TOKENS <= 1024
+    assert _dots(1024) == _dots(4096) > 0
 
 
-def test_no_copy_of_the_cache_in_the_compiled_prefill():
+def test_short_chunks_stay_unrolled():
+    """Below ``LOOPED_MIN_TOKENS`` the unrolled form runs (faster there): its products grow with the blocks."""
+    assert attention.LOOPED_MIN_TOKENS > 512
+    assert _dots(512) == 2 * _dots(256) > 0
+
+
+def test_no_copy_of_the_cache_in_the_compiled_prefill(monkeypatch):
     """The looped prefill reads the cache only through gathers of context chunks: no instruction of the compiled
     program produces a cache-sized array (a per-head slice of the cache inside the loop did: XLA:CPU materialised
     1/H of the whole cache per head and query block)."""
@@ -109,6 +117,7 @@ def test_no_copy_of_the_cache_in_the_compiled_prefill():
 
     from test_attention import G, H
 
+    monkeypatch.setattr(attention, "LOOPED_MIN_TOKENS", 2)
     rows = 997  # a size no other operand has
     f32, i32 = (lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)), (lambda *s: jax.ShapeDtypeStruct(s, jnp.int32))
     pages = f32(H, rows, BS, D)

@@ -12,12 +12,13 @@ kv_heads axis is axis 0, so tensor parallelism splits the cache without touching
 
 ``impl="xla"`` (portable, the CPU default), split in two parts whose softmax is merged exactly:
 
-- *local*: the new tokens themselves, causal, fully looped (``_local_flash``: a scan over query blocks, each a
-  loop over the key tiles below its diagonal, so long prefills skip the masked upper triangle and the program
-  does not grow with T);
+- *local*: the new tokens themselves, causal. Chunks of ``LOOPED_MIN_TOKENS`` or more run fully looped
+  (``_local_flash``: a scan over query blocks, each a loop over the key tiles below its diagonal, so the program
+  does not grow with T); shorter ones unroll (head, query block) into the program, faster there. Both skip the
+  masked upper triangle block by block;
 - *context*: the cached tokens, masked to ``ctx_len``; every new token sees all of them. Folded into the local
   part's running softmax chunk by chunk of pages (``_context_loop``, a ``while`` loop up to the longest real
-  ``ctx_len``, per query block inside the scan): the engine pads the page table to a power of two for its
+  ``ctx_len``, per query block inside the looped form's scan): the engine pads the page table to a power of two for its
   compile cache, and the padded pages are never gathered nor computed. Decode (T = 1, B sequences) takes its own path, see ``_decode_xla``.
 
 ``impl="pallas"``: kernels that read pages in place, never a gathered copy of the context. The new tokens' K/V
@@ -85,6 +86,25 @@ LOCAL_TILE_TOKENS = 256
 """Query block and key tile of the local causal part (``_local_flash``). Measured on the Intel Xeon (207), 2 cores,
 ``small`` shape, 2048 new tokens (docs/benchmarks/engine.md, Xeon prefill thirteenth and fourteenth passes): 256
 ran at 0.97 of the unrolled 128-token query blocks' CPU time, 128 at 1.07, 512 at 1.02."""
+
+
+LOOPED_MIN_TOKENS = 1024
+"""Chunks of at least this many new tokens take the looped local part (``_one_sequence`` / ``_batched``);
+shorter ones unroll (head, query block) as before (``_one_sequence_unrolled`` / ``_batched_unrolled``). Measured on
+the Intel Xeon (207), 2 cores, ``small`` shape, 12 layers (docs/benchmarks/engine.md, Xeon prefill fourteenth
+pass): at 512 tokens without context the loop took 1.09x (128-token tiles) to 1.22-1.27x (256) the unrolled CPU
+time, at 2048 tokens 0.94-1.01x, and at 2048 tokens the unrolled form (16 blocks per head) compiles about 5x
+slower."""
+
+
+def query_block_size(t: int) -> int:
+    """Static query block of the local causal part.
+
+    Small blocks skip more of the masked upper triangle and keep each block's scores in cache (on a 2-core CPU,
+    128-token blocks prefill 2048 tokens 25% faster than 512-token ones), but every block is unrolled into the
+    program, so long chunks use at most 16 blocks.
+    """
+    return t if t <= 128 else max(128, -(-t // 16))
 
 
 def write_pages(pages: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
@@ -289,6 +309,68 @@ def _batched(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
     return jnp.moveaxis(out, 0, 1).reshape(b, tp, hk, g, d)[:, :t]
 
 
+def _one_sequence_unrolled(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
+    """Attention of one sequence's T (< ``LOOPED_MIN_TOKENS``) new tokens as plain 2-D products per KV head,
+    unrolled.
+
+    XLA:CPU runs a [T * q_per_kv, head_dim] x [head_dim, S] product two to three times faster than the same work
+    as a dot with batch dimensions, and prefill (one sequence, many tokens) is where the attention FLOPs are.
+    The local (causal) part runs first per (head, query block); the context, if any, is then folded in by
+    ``_context_loop``.
+    """
+    _, t, hk, g, d = q.shape
+    qb = query_block_size(t)
+    blocks = [(j, start, min(start + qb, t)) for j in range(hk) for start in range(0, t, qb)]
+    q_rows = [q[0, :, j].reshape(t * g, d) for j in range(hk)]  # rows are (token, group member)
+    q_blks = [q_rows[j][start * g: end * g] for j, start, end in blocks]
+    state = []
+    for (j, start, end), q_blk in zip(blocks, q_blks):
+        rows = start + jnp.arange((end - start) * g) // g
+        s = jnp.where(rows[:, None] >= jnp.arange(end)[None, :], _dot(q_blk, k_new[0, :end, j].T), MASKED)
+        state.append(_first(s, v_new[0, :end, j], _dot))
+    if batch.page_table.shape[1] > 0:
+        def fold(state, k_c, v_c, valid):
+            return [_update(p, jnp.where(valid, _dot(q_blk, k_c[j, 0].T), MASKED), v_c[j, 0], _dot)
+                    for p, q_blk, (j, _, _) in zip(state, q_blks, blocks)]
+
+        state = _context_loop(k_pages, v_pages, batch, state, fold)
+    outs = [(p.acc / p.l).reshape(end - start, g, d) for p, (_, start, end) in zip(state, blocks)]
+    n = len(outs) // hk
+    heads = [outs[j * n] if n == 1 else jnp.concatenate(outs[j * n: (j + 1) * n], axis=0) for j in range(hk)]
+    return jnp.stack(heads, axis=1)[None]
+
+
+def _batched_unrolled(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
+    """Attention of B sequences' T > 1 new tokens with batched products, unrolled; state laid out [B, K, G, Tb, ...]."""
+    b, t, hk, g, d = q.shape
+    qb = query_block_size(t)
+
+    def weigh_loc(e, values):
+        return jnp.einsum("bkgts,bskd->bkgtd", e, values, preferred_element_type=jnp.float32)
+
+    def weigh_ctx(e, values):
+        return jnp.einsum("bkgts,kbsd->bkgtd", e, values, preferred_element_type=jnp.float32)
+
+    spans = [(start, min(start + qb, t)) for start in range(0, t, qb)]
+    q_blks = [q[:, start:end] for start, end in spans]
+    state = []
+    for (start, end), q_blk in zip(spans, q_blks):
+        s = jnp.einsum("btkgd,bskd->bkgts", q_blk, k_new[:, :end], preferred_element_type=jnp.float32)
+        s = jnp.where(jnp.arange(start, end)[:, None] >= jnp.arange(end)[None, :], s, MASKED)
+        state.append(_first(s, v_new[:, :end], weigh_loc))
+    if batch.page_table.shape[1] > 0:
+        def fold(state, k_c, v_c, valid):
+            out = []
+            for p, q_blk in zip(state, q_blks):
+                s = jnp.einsum("btkgd,kbsd->bkgts", q_blk, k_c, preferred_element_type=jnp.float32)
+                out.append(_update(p, jnp.where(valid[:, None, None, None, :], s, MASKED), v_c, weigh_ctx))
+            return out
+
+        state = _context_loop(k_pages, v_pages, batch, state, fold)
+    outs = [jnp.transpose(p.acc / p.l, (0, 3, 1, 2, 4)) for p in state]  # [B, K, G, Tb, D] -> [B, Tb, K, G, D]
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+
 DECODE_CHUNK_ROWS = 256
 """Sequence-pages the xla decode reads per loop iteration (batch x pages per chunk, 8 to ``DECODE_CHUNK_PAGES``
 pages): at batch 32 and block size 16, 8 pages (128 tokens) of K and V, about 4 MiB for the small preset, which
@@ -356,7 +438,10 @@ def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
 def _xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
     if q.shape[1] == 1 and batch.page_table.shape[1] > 0:
         return _decode_xla(q, k_new, v_new, k_pages, v_pages, batch)
-    attend = _one_sequence if q.shape[0] == 1 else _batched
+    if q.shape[1] >= LOOPED_MIN_TOKENS:
+        attend = _one_sequence if q.shape[0] == 1 else _batched
+    else:
+        attend = _one_sequence_unrolled if q.shape[0] == 1 else _batched_unrolled
     return attend(q, k_new, v_new, k_pages, v_pages, batch)
 
 
