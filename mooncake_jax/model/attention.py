@@ -18,8 +18,9 @@ kv_heads axis is axis 0, so tensor parallelism splits the cache without touching
   masked upper triangle block by block;
 - *context*: the cached tokens, masked to ``ctx_len``; every new token sees all of them. Folded into the local
   part's running softmax chunk by chunk of pages (``_context_loop``, a ``while`` loop up to the longest real
-  ``ctx_len``, per query block inside the looped form's scan): the engine pads the page table to a power of two for its
-  compile cache, and the padded pages are never gathered nor computed. Decode (T = 1, B sequences) takes its own path, see ``_decode_xla``.
+  ``ctx_len``, per query block inside the looped form's scan): the engine pads the page table to a power of two
+  for its compile cache, and the padded pages are never gathered nor computed. Decode (T = 1, B sequences) takes
+  its own path, see ``_decode_xla``.
 
 ``impl="pallas"``: kernels that read pages in place, never a gathered copy of the context. The new tokens' K/V
 are already in their pages (``write_pages`` runs first), so both decode and prefill are *one* causal attention over
