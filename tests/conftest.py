@@ -26,6 +26,12 @@ def pytest_configure(config):
         folder.mkdir(exist_ok=True)
         os.environ[name] = str(folder)
     tempfile.tempdir = os.environ["TMPDIR"]  # this process read TMPDIR already (for the session folder itself)
+    from mooncake_jax.model.compile_cache import enable_compilation_cache
+
+    # On from the start, not from whichever test first starts a cluster with the default ``compile_cache``: every
+    # test then compiles alike whatever ran before it, and a program compiled again after the memory-mapping
+    # guard below dropped the compiled programs is read back instead.
+    enable_compilation_cache()
 
 CLEAR_PROGRAMS_AT = 0.4
 """Share of the kernel's memory-mapping limit past which the compiled programs are dropped between test modules.
