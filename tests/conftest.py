@@ -6,14 +6,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import pytest  # noqa: E402
 
-SESSION_VARIABLES = ("XDG_CACHE_HOME", "NUMBA_CACHE_DIR", "TMPDIR")
+SESSION_VARIABLES = ("XDG_CACHE_HOME", "NUMBA_CACHE_DIR", "MPLCONFIGDIR", "TMPDIR")
 """Where the code under test (and every process a test starts, which inherits the environment) writes: JAX's
 persistent compile cache (``mooncake_jax.model.compile_cache``: clusters and the coupled backend turn it on unless
 given ``compile_cache=None``), numba's compiled Conductor kernels (else written beside the sources), matplotlib's
-font list, and the temporary folders of instance-process logs and profiles (``tempfile``). Pointed at the session's
-temporary folder before any test module is imported, so a run neither reads what an earlier run left (its time and
-its compile counts do not depend on it) nor writes into the user's home; within the run the programs are shared by
-every test and every instance process. pytest keeps the last three sessions' folders and removes older ones."""
+config folder and font list (else ``~/.config/matplotlib``, made even when only plotting), and the temporary folders
+of instance-process logs and profiles (``tempfile``). Pointed at the session's temporary folder before any test
+module is imported, so a run neither reads what an earlier run left (its time and its compile counts do not depend
+on it) nor writes into the user's home; within the run the programs are shared by every test and every instance
+process. pytest keeps the last three sessions' folders and removes older ones."""
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's tmp_path plugin has made the session's temporary folder
