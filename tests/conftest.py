@@ -6,6 +6,34 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import pytest  # noqa: E402
 
+SESSION_VARIABLES = ("XDG_CACHE_HOME", "NUMBA_CACHE_DIR", "MPLCONFIGDIR", "TMPDIR")
+"""Where the code under test (and every process a test starts, which inherits the environment) writes: JAX's
+persistent compile cache (``mooncake_jax.model.compile_cache``: clusters and the coupled backend turn it on unless
+given ``compile_cache=None``), numba's compiled Conductor kernels (else written beside the sources), matplotlib's
+config folder and font list (else ``~/.config/matplotlib``, made even when only plotting), and the temporary folders
+of instance-process logs and profiles (``tempfile``). Pointed at the session's temporary folder before any test
+module is imported, so a run neither reads what an earlier run left (its time and its compile counts do not depend
+on it) nor writes into the user's home; within the run the programs are shared by every test and every instance
+process. pytest keeps the last three sessions' folders and removes older ones."""
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's tmp_path plugin has made the session's temporary folder
+def pytest_configure(config):
+    import tempfile
+
+    base = config._tmp_path_factory.getbasetemp()
+    for name in SESSION_VARIABLES:
+        folder = base / name.lower()
+        folder.mkdir(exist_ok=True)
+        os.environ[name] = str(folder)
+    tempfile.tempdir = os.environ["TMPDIR"]  # this process read TMPDIR already (for the session folder itself)
+    from mooncake_jax.model.compile_cache import enable_compilation_cache
+
+    # On from the start, not from whichever test first starts a cluster with the default ``compile_cache``: every
+    # test then compiles alike whatever ran before it, and a program compiled again after the memory-mapping
+    # guard below dropped the compiled programs is read back instead.
+    enable_compilation_cache()
+
 CLEAR_PROGRAMS_AT = 0.4
 """Share of the kernel's memory-mapping limit past which the compiled programs are dropped between test modules.
 Each XLA:CPU program holds 100-250 mappings until it is freed (``mooncake_jax.model.map_budget``); the whole suite
