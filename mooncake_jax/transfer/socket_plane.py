@@ -52,6 +52,8 @@ L2 (2 MiB on the machines measured) when the pool's copy-and-hash reads it."""
 IO_TIMEOUT_S = 30.0
 """Longest wait for any one read or write on a data connection (the call's deadline cuts it shorter)."""
 CONNECT_TIMEOUT_S = 10.0
+HELLO_TIMEOUT_S = 10.0
+"""Longest wait for a connection's magic and token."""
 SEND_BUFFERS = 512
 """Views handed to one ``sendmsg`` (under the kernel's IOV_MAX of 1024)."""
 REAP_EVERY_S = 0.5
@@ -180,10 +182,10 @@ class SocketPlane:
         try:
             conn.settimeout(IO_TIMEOUT_S)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = _recv_exactly(conn, len(MAGIC) + TOKEN_BYTES, time.monotonic() + IO_TIMEOUT_S)
-            if hello[: len(MAGIC)] != MAGIC:
-                return
-            token = hello[len(MAGIC) :]
+            hello_by = time.monotonic() + HELLO_TIMEOUT_S
+            if _recv_exactly(conn, len(MAGIC), hello_by) != MAGIC:
+                return  # not a puller: closed without a word
+            token = _recv_exactly(conn, TOKEN_BYTES, hello_by)
             with self._lock:
                 offer = self._offers.pop(token, None)
             if offer is None or offer.deadline <= time.monotonic():
@@ -193,7 +195,7 @@ class SocketPlane:
                 return
             conn.sendall(HEADER.pack(OK, 0, len(offer.records), offer.record_bytes))
             self._send(conn, offer)
-        except OSError as err:  # the puller went away or timed out: it reports the failure
+        except (OSError, PullError) as err:  # the puller went away or timed out: it reports the failure
             log.debug("socket plane: a pull ended early: %s", err)
         finally:
             if offer is not None:
