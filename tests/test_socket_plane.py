@@ -290,3 +290,13 @@ def test_the_socket_plane_is_refused_with_tls(serve, monkeypatch):  # noqa: F811
             messages.FetchRequest(keys=[1], spec_fingerprint=SPEC.fingerprint, data_plane="socket"), timeout=10)
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "TLS" in caught.value.details()
     channel.close()
+
+
+def test_the_bare_socket_stream_counts_every_record(serve, plane):  # noqa: F811
+    server = serve(BlockPool(SPEC))
+    records = [bytes(np.full(BlockPool(SPEC).record_bytes, i, np.uint8)) for i in range(70)]
+    with MessengerClient(server.address, BlockPool(SPEC), data_plane="socket") as client:
+        assert client.probe_pull(records) > 0
+        with pytest.raises(TransferError, match="UNAVAILABLE"):  # records of another size than the peer's pool's
+            client.probe_pull([b"x" * 100] * 3)
+    assert offers_drained(plane)

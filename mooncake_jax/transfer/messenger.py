@@ -509,6 +509,28 @@ class MessengerClient:
             raise TransferError(f"probe upload to {self.address}: peer counted {reply.stored} of {n_messages} messages")
         return n_messages * piece_bytes / seconds
 
+    def probe_pull(self, records: Sequence[bytes | memoryview], *, timeout_s: float | None = None) -> float:
+        """Bytes per second of a bare socket-plane stream of ``records`` (of this pool's record size) to the peer,
+        which pulls them into its staging buffer and drops them (no pool, no checks): ``push``'s reference on the
+        socket plane. TransferError if the peer counted another number of records."""
+        refuse_tls()
+        plane = socket_plane()
+        timeout_s = timeout_s or self.timeout_s
+        started = time.perf_counter()
+        address, token = plane.offer(records, timeout_s)
+        request = messages.PullOffer(address=address, keys=range(len(records)), data_plane="socket",
+                                     pull_token=token)
+        try:
+            reply = self._stub.ProbePull(request, timeout=timeout_s)
+        except grpc.RpcError as err:
+            raise self._error("probe pull to", err) from err
+        finally:
+            plane.withdraw(token)
+        seconds = time.perf_counter() - started
+        if reply.stored != len(records):
+            raise TransferError(f"probe pull to {self.address}: peer counted {reply.stored} of {len(records)}")
+        return sum(len(record) for record in records) / seconds
+
     def close(self) -> None:
         self._channel.close()
 

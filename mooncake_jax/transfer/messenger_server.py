@@ -249,6 +249,22 @@ class _Servicer:
                        bytes_received=stored * self.pool.frame_bytes, busy_s=time.perf_counter() - started)
         return messages.PushReply(stored=stored, already_present=already)
 
+    def ProbePull(self, request, context):
+        """The socket plane's bare stream: pull the caller's offer into the staging buffer and drop it (no pool)."""
+        plane = self._socket_plane(context)
+        remaining = context.time_remaining()
+        counted = [0]
+
+        def drop(first: int, records) -> None:
+            counted[0] += len(records)
+
+        try:
+            plane.pull(request.address, request.pull_token, len(request.keys), self.pool.record_bytes, drop,
+                       timeout_s=remaining if remaining is not None else 60.0)
+        except PullError as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        return messages.PushReply(stored=counted[0])
+
     def Probe(self, request, context):
         piece_bytes = request.piece_bytes or PIECE_BYTES
         if request.total_bytes > _MAX_PROBE_BYTES or piece_bytes > GRPC_MAX_MESSAGE_BYTES // 2:
@@ -306,6 +322,9 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
             ),
             "PullFrom": grpc.unary_unary_rpc_method_handler(
                 servicer.PullFrom, messages.PullOffer.FromString, messages.PushReply.SerializeToString
+            ),
+            "ProbePull": grpc.unary_unary_rpc_method_handler(
+                servicer.ProbePull, messages.PullOffer.FromString, messages.PushReply.SerializeToString
             ),
         },
     )
