@@ -18,7 +18,7 @@ from mooncake_jax.transfer import BlockPool, BlockSpec, device_plane as device_p
 from mooncake_jax.transfer import socket_plane as socket_plane_module
 from mooncake_jax.transfer.frame import DATA_OFFSET, frame_bytes
 from mooncake_jax.transfer.messenger import BlocksNotFoundError, MessengerClient, TransferError, messages, services
-from mooncake_jax.transfer.socket_plane import MAGIC, PullError, SocketPlane, socket_plane
+from mooncake_jax.transfer.socket_plane import PullError, SocketPlane, socket_plane
 
 BIG_SPEC = BlockSpec((8, 2, 16, 16, 160), np.float32)  # 2.5 MiB blocks: larger than a staging batch
 
@@ -205,7 +205,8 @@ def test_a_pull_of_another_count_or_size_than_offered_is_refused(plane):
 
 
 @pytest.mark.parametrize("direction", ["fetch", "push"])
-def test_a_peer_closing_mid_stream_is_a_transfer_error_with_the_whole_blocks_stored(serve, plane, direction):  # noqa: F811
+def test_a_peer_closing_mid_stream_is_a_transfer_error_with_the_whole_blocks_stored(  # noqa: F811
+        serve, plane, direction):
     keys = list(range(1, 101))
     a, b = filled_pool(keys), BlockPool(SPEC)
     plane.tamper = lambda i, record: None if i == 70 else record  # the connection closes before record 70
@@ -223,7 +224,8 @@ def test_a_peer_closing_mid_stream_is_a_transfer_error_with_the_whole_blocks_sto
     if direction == "fetch":
         assert caught.value.stored == keys[:70]
     else:
-        assert caught.value.code == grpc.StatusCode.UNAVAILABLE and "70 earlier block(s) were stored" in str(caught.value)
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "70 earlier block(s) were stored" in str(caught.value)
     assert offers_drained(plane)
 
 
