@@ -166,14 +166,13 @@ def test_a_pull_token_is_good_for_one_pull_and_an_unknown_one_is_refused(plane):
     released = threading.Event()
     address, token = plane.offer(records, timeout_s=30, release=released.set)
     got = []
-    plane.pull(address, token, 3, len(records[0]),
-               lambda first, views, digests: got.extend(bytes(v) for v in views), 10)
+    plane.pull(address, token, 3, len(records[0]), lambda first, views: got.extend(bytes(v) for v in views), 10)
     assert got == records
     assert released.wait(10) and plane.offers == 0  # released once sent
     with pytest.raises(PullError, match="unknown, already pulled, or expired"):
-        plane.pull(address, token, 3, len(records[0]), lambda first, views, digests: None, 10)
+        plane.pull(address, token, 3, len(records[0]), lambda first, views: None, 10)
     with pytest.raises(PullError, match="unknown, already pulled, or expired"):
-        plane.pull(address, bytes(16), 3, len(records[0]), lambda first, views, digests: None, 10)
+        plane.pull(address, bytes(16), 3, len(records[0]), lambda first, views: None, 10)
 
 
 def test_an_offer_not_pulled_by_its_deadline_is_reaped_and_refused(plane):
@@ -182,7 +181,7 @@ def test_an_offer_not_pulled_by_its_deadline_is_reaped_and_refused(plane):
     assert released.wait(10)  # the accepting thread reaps it, releasing its pins
     assert plane.offers == 0
     with pytest.raises(PullError, match="unknown, already pulled, or expired"):
-        plane.pull(address, token, 1, 64, lambda first, views, digests: None, 10)
+        plane.pull(address, token, 1, 64, lambda first, views: None, 10)
 
 
 def test_a_stray_connection_does_not_disturb_the_plane(plane):
@@ -195,14 +194,14 @@ def test_a_stray_connection_does_not_disturb_the_plane(plane):
         except ConnectionResetError:  # closed with the rest of the request unread
             pass
     got = []
-    plane.pull(address, token, 1, 100, lambda first, views, digests: got.extend(bytes(v) for v in views), 10)
+    plane.pull(address, token, 1, 100, lambda first, views: got.extend(bytes(v) for v in views), 10)
     assert got == [b"y" * 100]
 
 
 def test_a_pull_of_another_count_or_size_than_offered_is_refused(plane):
     address, token = plane.offer([b"z" * 100] * 2, timeout_s=30)
     with pytest.raises(PullError, match="offers 2 records of 100 bytes, expected 3 of 100"):
-        plane.pull(address, token, 3, 100, lambda first, views, digests: None, 10)
+        plane.pull(address, token, 3, 100, lambda first, views: None, 10)
 
 
 @pytest.mark.parametrize("direction", ["fetch", "push"])
@@ -303,50 +302,3 @@ def test_the_bare_socket_stream_counts_every_record(serve, plane):  # noqa: F811
         with pytest.raises(TransferError, match="UNAVAILABLE"):  # records of another size than the peer's pool's
             client.probe_pull([b"x" * 100] * 3)
     assert offers_drained(plane)
-
-
-@pytest.mark.parametrize("receiver", ["dram", "ssd only"])
-def test_records_land_in_the_receivers_slots_or_through_staging_for_an_ssd_pool(serve, plane, tmp_path,  # noqa: F811
-                                                                               receiver):
-    """A DRAM pool receives each record straight into a reserved slot (``put_landed``, the checksum taken as it
-    landed); an SSD-only pool has no slots and stores from the staging buffer (``put_records``)."""
-    keys = list(range(1, 31))
-    a = filled_pool(keys)
-    b = BlockPool(SPEC) if receiver == "dram" else BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path)
-    calls = {"put_landed": 0, "put_records": 0}
-    for name in calls:
-        real = getattr(b, name)
-
-        def spy(*args, real=real, name=name):
-            calls[name] += 1
-            return real(*args)
-
-        setattr(b, name, spy)
-    with MessengerClient(serve(a).address, b, data_plane="socket") as client:
-        assert client.fetch(keys).moved == keys
-    assert_exact(b, keys)
-    assert (calls["put_landed"] > 0, calls["put_records"] > 0) == ((True, False) if receiver == "dram" else
-                                                                   (False, True))
-
-
-def test_slots_of_records_refused_or_cut_short_are_given_back(serve, plane):  # noqa: F811
-    """A bounded receiver whose pulls fail (a damaged record, a peer gone mid-stream) keeps its whole capacity:
-    the slots reserved for records that were not stored go back to the tier."""
-    keys = list(range(1, 11))
-    a = filled_pool(keys)
-    b = BlockPool(SPEC, dram_blocks=10)
-    eighth = a.get_record(8, promote=False)
-    server = serve(a)
-    with MessengerClient(server.address, b, data_plane="socket") as client:
-        for tamper in (lambda i, record: flipped(record, DATA_OFFSET + 5) if record == eighth else record,
-                       lambda i, record: None if i == 4 else record):
-            plane.tamper = tamper
-            with pytest.raises(TransferError):
-                client.fetch(keys)
-            for key in b.keys():
-                b.remove(key)
-        plane.tamper = None
-        assert client.fetch(keys).moved == keys
-    assert sorted(b.keys()) == keys
-    assert_exact(b, keys)
-    assert b.stats()["dram"]["evictions"] == 0

@@ -364,20 +364,16 @@ class MessengerClient:
                                                 receiver_checks=receiver_checks)
                 offer = self._stub.OfferPull(request, timeout=max(deadline - time.monotonic(), 0.001))
 
-                def store(first: int, records, digests, group=group) -> None:
+                def store(first: int, records, group=group) -> None:
                     new: list[bool] = []
                     try:
-                        if digests is None:  # from the staging buffer: copied into slots, hashed as copied
-                            self.pool.put_records(list(zip(group[first:], records)), new)
-                        else:  # landed in this pool's slots, hashed as they landed
-                            self.pool.put_landed(list(zip(group[first:], records, digests)), new)
+                        self.pool.put_records(list(zip(group[first:], records)), new)
                     finally:
                         stored.extend(group[first : first + len(new)])
 
                 try:
                     socket_plane().pull(offer.address, offer.pull_token, len(group), self.pool.record_bytes, store,
-                                        timeout_s=max(deadline - time.monotonic(), 0.001), land=self._land,
-                                        release=self.pool.release_slots)
+                                        timeout_s=max(deadline - time.monotonic(), 0.001))
                 except CorruptBlockError:
                     if receiver_checks:
                         return True
@@ -389,15 +385,6 @@ class MessengerClient:
             self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
             raise TransferError(f"fetch from {self.address}: {err}", stored=stored) from err
         return False
-
-    def _land(self, first: int, count: int) -> list | None:
-        """``count`` of this pool's DRAM slots for records to land in (``SocketPlane.pull``), or None: the staging
-        buffer then (no DRAM tier, or every other block pinned: ``put_records`` reports the full pool)."""
-        slots = self.pool.reserve_slots(count)
-        if slots is not None and len(slots) < count:
-            self.pool.release_slots(slots)
-            return None
-        return slots
 
     def _push_socket(self, to_send: list[BlockKey], started: float,
                      deadline: float) -> tuple[list[BlockKey], list[BlockKey], int]:

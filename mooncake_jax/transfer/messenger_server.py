@@ -117,17 +117,13 @@ class _Servicer:
         self.meter.add(transfers=1, blocks_skipped=already, busy_s=time.perf_counter() - started)
         return messages.PushReply(stored=stored, already_present=already)
 
-    def _store(self, records, stored: int, context, landed=None) -> tuple[int, int]:
+    def _store(self, records, stored: int, context) -> tuple[int, int]:
         """Put received ``(key, record)`` pairs into the pool in one call; how many were new and how many already
         there. A record that fails its checks or a full pool ends the call with DATA_LOSS / INVALID_ARGUMENT /
-        RESOURCE_EXHAUSTED (``stored`` earlier ones and those of ``records`` before it kept). ``landed``: the
-        records lie in the pool's reserved slots instead, as ``(key, slot, checksum)`` (``put_landed``)."""
+        RESOURCE_EXHAUSTED (``stored`` earlier ones and those of ``records`` before it kept)."""
         new: list[bool] = []
         try:
-            if landed is None:
-                self.pool.put_records(records, new)
-            else:
-                self.pool.put_landed(landed, new)
+            self.pool.put_records(records, new)
         except CorruptBlockError as err:  # refused, counted, and named to the sender, which checks its own copy
             self.meter.add(blocks_refused=1)
             context.set_trailing_metadata(((CORRUPT_KEYS_METADATA, struct.pack("<Q", records[len(new)][0])),))
@@ -238,23 +234,14 @@ class _Servicer:
         remaining = context.time_remaining()
         counts = [0, 0]  # new, already held
 
-        def store(first: int, records, digests) -> None:
-            landed = None if digests is None else list(zip(keys[first:], records, digests))
-            new, old = self._store(list(zip(keys[first:], records)), counts[0], context, landed)
+        def store(first: int, records) -> None:
+            new, old = self._store(list(zip(keys[first:], records)), counts[0], context)
             counts[0] += new
             counts[1] += old
 
-        def land(first: int, count: int) -> list | None:
-            slots = self.pool.reserve_slots(count)
-            if slots is not None and len(slots) < count:
-                self.pool.release_slots(slots)
-                return None
-            return slots
-
         try:
             plane.pull(request.address, request.pull_token, len(keys), self.pool.record_bytes, store,
-                       timeout_s=remaining if remaining is not None else 60.0, land=land,
-                       release=self.pool.release_slots)
+                       timeout_s=remaining if remaining is not None else 60.0)
         except PullError as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{err}; {counts[0]} earlier block(s) were stored")
         stored, already = counts
@@ -268,7 +255,7 @@ class _Servicer:
         remaining = context.time_remaining()
         counted = [0]
 
-        def drop(first: int, records, digests) -> None:
+        def drop(first: int, records) -> None:
             counted[0] += len(records)
 
         try:

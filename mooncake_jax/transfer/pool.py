@@ -228,67 +228,6 @@ class BlockPool:
         self._insert(0, key, lambda tier: tier.write_checked(key, head, data, expected, whole), whole)
         return True
 
-    def reserve_slots(self, count: int) -> list | None:
-        """Up to ``count`` free DRAM slots for records to land in outside the pool's lock (the socket data plane
-        ``recv_into``s a record straight into its slot, hashing it from cache as it lands), room made by evicting as
-        a put would; each slot's ``memory`` (a writable uint8 view of ``record_bytes``) is the caller's until
-        ``put_landed`` or ``release_slots``. None when the fastest tier has no slots (an SSD-only pool); fewer than
-        ``count`` when every other block is pinned."""
-        with self._operation():
-            self._check_open()
-            tier = self._tiers[0]
-            reserve = getattr(tier.store, "reserve", None)
-            if reserve is None:
-                return None
-            slots = []
-            while len(slots) < count:
-                slot = reserve()
-                if slot is None:
-                    if self._evict_one(0):
-                        continue
-                    break
-                slots.append(slot)
-            return slots
-
-    def release_slots(self, slots: Sequence) -> None:
-        """Give back slots of ``reserve_slots`` that were not stored."""
-        with self._lock:
-            if self._tiers and slots:
-                for slot in slots:
-                    self._tiers[0].store.unreserve(slot)
-
-    def put_landed(self, records: Sequence[tuple[BlockKey, object, tuple[int, int]]], new: list[bool]) -> None:
-        """Store records that landed in slots of ``reserve_slots``, each given as ``(key, slot, checksum of its data
-        taken as it landed)``: as ``put_records`` does, each head checked and the checksum compared with the one it
-        promises before the slot is keyed; a block already held is counted as a use and its slot given back.
-        Appends to ``new`` per record stored; at the first that fails (``CorruptBlockError``, ``PoolFullError``)
-        the error is raised, its slot and those after it given back."""
-        with self._operation():
-            try:
-                tier = self._tiers[0] if self._tiers else None
-                for key, slot, digest in records:
-                    key = check_key(key)
-                    expected = check_head(self.spec, key, slot.head)
-                    if self._touch(key):
-                        check_digest(key, expected, digest)
-                        tier.store.unreserve(slot)
-                        new.append(False)
-                        continue
-                    check_digest(key, expected, digest)
-                    while tier.capacity_blocks is not None and len(tier) >= tier.capacity_blocks:
-                        if not self._evict_one(0):
-                            raise PoolFullError(f"cannot store block {key:#018x}: all {len(tier)} blocks of the "
-                                                f"{tier.name} tier left are pinned")
-                    before = self.tier_of(key) if self._listeners else None
-                    tier.place(key, slot)
-                    self._announce(key, before)
-                    new.append(True)
-            except BaseException:
-                if self._tiers:
-                    for _, slot, _ in records[len(new):]:
-                        self._tiers[0].store.unreserve(slot)
-                raise
-
     def remove(self, key: BlockKey) -> bool:
         """Delete ``key`` from every tier; False if absent. Removing a pinned block is a ValueError."""
         key = check_key(key)

@@ -384,24 +384,6 @@ class SlotStore:
             return None
         return slot.adopted if slot.adopted is not None else memoryview(slot.memory)
 
-    def reserve(self) -> _Slot | None:
-        """A free slot taken for a record that lands in it outside the pool's lock (the socket data plane receives
-        straight into it), or None when none is free without evicting. Its memory is the caller's until ``place``
-        keys it or ``unreserve`` gives it back; it is counted as allocated meanwhile."""
-        if not self.has_room():
-            return None
-        return self._take_slot()
-
-    def unreserve(self, slot: _Slot) -> None:
-        """Give back a reserved slot (its record failed, or was not needed)."""
-        self._free.append(slot)
-
-    def place(self, key: BlockKey, slot: _Slot) -> None:
-        """Key a reserved slot whose record has landed and been checked (the pool places only keys it lacks)."""
-        if key in self._slot_of:
-            self.delete(key)
-        self._slot_of[key] = slot
-
     def view(self, key: BlockKey) -> bytes | memoryview | None:
         """The stored record without a copy, for a sender that keeps the block pinned while it sends (the socket
         data plane): a view of a message-shaped group's ``bytes`` (which the view keeps alive), of a plain slab's

@@ -36,8 +36,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from mooncake_jax.proto import tls
-from mooncake_jax.transfer.checksum import fill_with_checksum
-from mooncake_jax.transfer.frame import DATA_OFFSET
 
 log = logging.getLogger(__name__)
 
@@ -231,19 +229,11 @@ class SocketPlane:
         return memoryview(stage)[:n_bytes]
 
     def pull(self, address: str, token: bytes, count: int, record_bytes: int,
-             store: Callable[[int, list, list | None], None], timeout_s: float,
-             land: Callable[[int, int], list | None] | None = None,
-             release: Callable[[list], None] | None = None) -> None:
-        """Pull the ``count`` records of ``record_bytes`` offered at ``address`` under ``token``, handing each batch
-        of whole records to ``store(first, records, digests)`` (record ``first`` onward) as it arrives. PullError
-        for a refused token or a link failure (after storing the whole records that had arrived), whatever
-        ``store`` raises as it is; all by ``timeout_s``.
-
-        ``land(first, k)``: ``k`` places to receive the next records straight into (objects whose ``memory`` is a
-        writable uint8 array of ``record_bytes``: the pool's own slots), or None to use this thread's staging
-        buffer; each record's data is hashed from cache right after each piece of it lands, and ``store`` gets the
-        places and the checksums (``digests``). Places not handed to ``store`` go to ``release``. From the staging
-        buffer, ``store`` gets views valid only during the call and ``digests`` None."""
+             store: Callable[[int, list[memoryview]], None], timeout_s: float) -> None:
+        """Pull the ``count`` records of ``record_bytes`` offered at ``address`` under ``token``, handing them to
+        ``store(first, records)`` (record ``first`` onward, views of the staging buffer valid only during the call)
+        in batches of whole records as they arrive. PullError for a refused token or a link failure (after storing
+        the whole records that had arrived), whatever ``store`` raises as it is; all by ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit() or len(token) != TOKEN_BYTES:
@@ -258,10 +248,7 @@ class SocketPlane:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(IO_TIMEOUT_S)
             conn.sendall(MAGIC + token)
-            try:
-                status, why_bytes, n, size = HEADER.unpack(_recv_exactly(conn, HEADER.size, deadline))
-            except PullError as err:
-                raise PullError(f"socket plane: pull from {address}: {err} before any record") from None
+            status, why_bytes, n, size = HEADER.unpack(_recv_exactly(conn, HEADER.size, deadline))
             if status != OK:
                 why = _recv_exactly(conn, min(why_bytes, 4096), deadline).decode(errors="replace")
                 raise PullError(f"socket plane: {address} refused the pull: {why}")
@@ -269,60 +256,24 @@ class SocketPlane:
                 raise PullError(f"socket plane: {address} offers {n} records of {size} bytes, "
                                 f"expected {count} of {record_bytes}")
             per_stage = max(1, STAGE_BYTES // record_bytes)
+            stage = self._stage(min(per_stage, count) * record_bytes)
             while received < count:
                 k = min(per_stage, count - received)
-                places = land(received, k) if land is not None else None
+                view = stage[: k * record_bytes]
                 try:
-                    if places is None:
-                        self._staged(conn, received, k, record_bytes, store, deadline)
-                    else:
-                        _landed(conn, received, places, store, release, deadline)
-                except PullError as err:
-                    raise PullError(f"socket plane: pull from {address}: {err} after {received + err.received} "
-                                    f"of {count} records", received + err.received) from None
+                    _recv_into_exactly(conn, view, deadline)
+                except PullError as err:  # the whole records that made it are stored, then the failure told
+                    whole = err.received // record_bytes
+                    if whole:
+                        store(received, [view[i * record_bytes : (i + 1) * record_bytes] for i in range(whole)])
+                    raise PullError(f"socket plane: pull from {address}: {err} after {received + whole} of "
+                                    f"{count} records", received + whole) from None
+                store(received, [view[i * record_bytes : (i + 1) * record_bytes] for i in range(k)])
                 received += k
         except OSError as err:
             raise PullError(f"socket plane: pull from {address}: {err}", received) from err
         finally:
             conn.close()
-
-    def _staged(self, conn: socket.socket, first: int, k: int, record_bytes: int, store, deadline: float) -> None:
-        """Receive ``k`` records into the staging buffer and store them; PullError (``received``: whole records
-        stored) if the link fails first."""
-        view = self._stage(k * record_bytes)
-        try:
-            _recv_into_exactly(conn, view, deadline)
-        except PullError as err:  # the whole records that made it are stored, then the failure told
-            whole = err.received // record_bytes
-            if whole:
-                store(first, [view[i * record_bytes : (i + 1) * record_bytes] for i in range(whole)], None)
-            raise PullError(str(err), whole) from None
-        store(first, [view[i * record_bytes : (i + 1) * record_bytes] for i in range(k)], None)
-
-
-def _landed(conn: socket.socket, first: int, places: list, store, release, deadline: float) -> None:
-    """Receive records straight into ``places`` (each one's data hashed from cache as each piece lands) and store
-    them with their checksums; PullError (``received``: whole records stored) if the link fails first. The places
-    not stored are released."""
-    digests: list = []
-    try:
-        for place in places:
-            memory = place.memory
-            _recv_into_exactly(conn, memoryview(memory[:DATA_OFFSET]), deadline)
-            digests.append(fill_with_checksum(memory[DATA_OFFSET:], lambda chunk, _: _recv_into_exactly(
-                conn, memoryview(chunk), deadline) or True))
-    except PullError as err:
-        whole = len(digests)
-        if release is not None:
-            release(places[whole:])
-        if whole:
-            store(first, places[:whole], digests)
-        raise PullError(str(err), whole) from None
-    except BaseException:
-        if release is not None:
-            release(places)
-        raise
-    store(first, places, digests)
 
 
 def _timeout(conn: socket.socket, deadline: float) -> None:

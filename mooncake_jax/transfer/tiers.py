@@ -124,11 +124,6 @@ class Tier:
             self.store.put_checked(key, head, data, expected)
         self._added(key)
 
-    def place(self, key: BlockKey, slot: object) -> None:
-        """Key a slot reserved from the store (``SlotStore.reserve``) whose record has landed and been checked."""
-        self.store.place(key, slot)
-        self._added(key)
-
     def _added(self, key: BlockKey) -> None:
         self._present.add(key)
         self.policy.inserted(key)
