@@ -302,3 +302,17 @@ def test_the_bare_socket_stream_counts_every_record(serve, plane):  # noqa: F811
         with pytest.raises(TransferError, match="UNAVAILABLE"):  # records of another size than the peer's pool's
             client.probe_pull([b"x" * 100] * 3)
     assert offers_drained(plane)
+
+
+def test_a_peer_that_offers_on_another_plane_is_a_clear_error(serve, monkeypatch):  # noqa: F811
+    """An older peer drops the request's data_plane field and offers on the device plane: refused by name, no
+    pull attempted."""
+    from mooncake_jax.transfer import messenger_server
+
+    monkeypatch.setattr(messenger_server._Servicer, "_offer_on_socket", lambda self, keys, checks, context:
+                        messages.PullOffer(address="127.0.0.1:1", pull_id=7, keys=keys))
+    a, b = filled_pool([1, 2]), BlockPool(SPEC)
+    with MessengerClient(serve(a).address, b, data_plane="socket") as client:
+        with pytest.raises(TransferError, match="offered on the jax plane, not the socket plane"):
+            client.fetch([1, 2])
+    assert len(b) == 0

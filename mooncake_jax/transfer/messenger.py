@@ -363,6 +363,9 @@ class MessengerClient:
                 request = messages.FetchRequest(keys=group, spec_fingerprint=fingerprint, data_plane="socket",
                                                 receiver_checks=receiver_checks)
                 offer = self._stub.OfferPull(request, timeout=max(deadline - time.monotonic(), 0.001))
+                if offer.data_plane != "socket":  # an older peer reads the request as one for the device plane
+                    raise PullError(f"the peer offered on the {offer.data_plane or 'jax'} plane, not the socket "
+                                    f"plane (an older build?): use data_plane=\"grpc\" with it")
 
                 def store(first: int, records, group=group) -> None:
                     new: list[bool] = []
