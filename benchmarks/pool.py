@@ -45,6 +45,12 @@ Figures (issue 4, Measure):
 * the same fetch and push over the device-native data plane (``data_plane="jax"``: records pulled as device
   arrays with ``jax.experimental.transfer``, gRPC for control): ``jax_plane_fetch_gbps`` / ``jax_plane_push_gbps``
   and their ratios to the bare gRPC stream;
+* the same fetch and push over the socket data plane (``data_plane="socket"``: records sent with ``sendmsg`` of
+  views of the stored records over a plain TCP connection, received into a reused staging buffer and stored
+  verified; gRPC for control; a peer process of its own): ``socket_plane_fetch_ratio`` / ``socket_plane_push_ratio``
+  against the same bare gRPC streams as ``messenger_ratio`` / ``messenger_push_ratio``, and
+  ``socket_plane_push_wire_ratio`` against a bare socket stream of the same bytes (its ProbePull RPC: the same
+  records sent as they lie, received into the peer's staging buffer and dropped: ``socket_wire_upload_gbps``);
 * layer-wise vs serialized prefill + store latency on the ``small`` preset, 1K to 16K-token prompts with half of
   their blocks already in the pool: ``layerwise_speedup`` = serialized / layer-wise time (best of the trials).
 
@@ -357,8 +363,10 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
     source = BlockPool(spec, dram_blocks=n_blocks)
     sink = BlockPool(spec, dram_blocks=n_blocks)
     jax_sink = BlockPool(spec, dram_blocks=n_blocks)
+    socket_sink = BlockPool(spec, dram_blocks=n_blocks)
     peer = PeerProcess(spec, dram_blocks=n_blocks)
     jax_peer = PeerProcess(spec, dram_blocks=n_blocks)
+    socket_peer = PeerProcess(spec, dram_blocks=n_blocks)
     rounds = iter(range(1 << 30))
     set_up_cpu = [0.0]  # a trial's preparation (this process): left out of its CPU per GB, as out of its GB/s
 
@@ -372,7 +380,9 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
         with MessengerClient(peer.address, source, timeout_s=300) as pusher, MessengerClient(
             peer.address, sink, timeout_s=300
         ) as fetcher, MessengerClient(jax_peer.address, source, timeout_s=300, data_plane="jax") as jax_pusher, \
-                MessengerClient(jax_peer.address, jax_sink, timeout_s=300, data_plane="jax") as jax_fetcher:
+                MessengerClient(jax_peer.address, jax_sink, timeout_s=300, data_plane="jax") as jax_fetcher, \
+                MessengerClient(socket_peer.address, source, timeout_s=300, data_plane="socket") as socket_pusher, \
+                MessengerClient(socket_peer.address, socket_sink, timeout_s=300, data_plane="socket") as socket_fetcher:
 
             def fresh_keys() -> list[int]:
                 first = next(rounds) * n_blocks
@@ -407,6 +417,9 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
             # the push's reference sends the same bytes as it does, distinct messages read from memory (as the
             # push reads its blocks), not one message from cache again and again (kept beside it: *_one_message)
             distinct = upload_messages(n_blocks * source.frame_bytes, same_pieces)
+            # the socket plane's bare stream: the same bytes as records of their own in memory, sent as they lie and
+            # received into the peer's staging buffer, dropped there (no pool, no checks)
+            wire_records = [bytes([i % 251]) * source.record_bytes for i in range(n_blocks)]
             trials = {
                 "grpc_stream_gbps": stream(same_pieces),
                 "messenger_fetch_gbps": fetch,
@@ -421,20 +434,28 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
                 "grpc_stream_2mib_gbps": stream(piece_bytes_for(source.frame_bytes, 2 << 20)),
                 "jax_plane_fetch_gbps": lambda: fetch(jax_fetcher),
                 "jax_plane_push_gbps": lambda: push(jax_pusher),
+                "socket_plane_fetch_gbps": lambda: fetch(socket_fetcher),
+                "socket_plane_push_gbps": lambda: push(socket_pusher),
+                "socket_wire_upload_gbps": lambda: socket_pusher.probe_pull(wire_records) / 1e9,
             }
             push()  # the peers hold blocks to fetch from now on
             push(jax_pusher)
+            push(socket_pusher)
             for trial in trials.values():  # warm both processes' allocators and connections
                 trial()
-            trials, log = costed(trials, n_blocks * source.frame_bytes, pids=(peer.process.pid, jax_peer.process.pid),
+            trials, log = costed(trials, n_blocks * source.frame_bytes,
+                                 pids=(peer.process.pid, jax_peer.process.pid, socket_peer.process.pid),
                                  set_up=lambda: set_up_cpu[0])
             figures = with_cpu(alternate(repeats, **trials), log)
-            figures["counters"] = {"fetcher": fetcher.counters.as_dict(), "pusher": pusher.counters.as_dict()}
+            figures["counters"] = {"fetcher": fetcher.counters.as_dict(), "pusher": pusher.counters.as_dict(),
+                                   "socket_fetcher": socket_fetcher.counters.as_dict(),
+                                   "socket_pusher": socket_pusher.counters.as_dict()}
             figures["message_bytes"] = same_pieces
             return figures
     finally:
         peer.stop()
         jax_peer.stop()
+        socket_peer.stop()
 
 
 # ---- layer-wise prefill (issue 4 item 3) ----------------------------------------------------------------
@@ -518,6 +539,14 @@ def ratios(med: dict[str, float]) -> dict[str, float]:
         "messenger_push_parsed_cpu_ratio": ("grpc_parsed_upload_stream_cpu_s_per_gb", "messenger_push_cpu_s_per_gb"),
         "jax_plane_fetch_ratio": ("jax_plane_fetch_gbps", "grpc_stream_gbps"),
         "jax_plane_push_ratio": ("jax_plane_push_gbps", "grpc_stream_gbps"),
+        # the socket data plane against the same bare gRPC streams as messenger_ratio / messenger_push_ratio, and
+        # its push against a bare stream of its own wire (the same bytes, socket to staging buffer, dropped)
+        "socket_plane_fetch_ratio": ("socket_plane_fetch_gbps", "grpc_stream_gbps"),
+        "socket_plane_push_ratio": ("socket_plane_push_gbps", "grpc_upload_stream_gbps"),
+        "socket_plane_push_wire_ratio": ("socket_plane_push_gbps", "socket_wire_upload_gbps"),
+        "socket_plane_fetch_cpu_ratio": ("grpc_stream_cpu_s_per_gb", "socket_plane_fetch_cpu_s_per_gb"),
+        "socket_plane_push_cpu_ratio": ("grpc_upload_stream_cpu_s_per_gb", "socket_plane_push_cpu_s_per_gb"),
+        "socket_plane_push_wire_cpu_ratio": ("socket_wire_upload_cpu_s_per_gb", "socket_plane_push_cpu_s_per_gb"),
         # the same pairs in CPU seconds per GB, baseline over tier (both processes for a transfer; for the tiers,
         # the timed region alone: a put until its writes are done, a get without the writing before it)
         "dram_put_cpu_ratio": ("memcpy_cpu_s_per_gb", "dram_put_cpu_s_per_gb"),
@@ -582,12 +611,16 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", 
                  "ssd_put_vs_direct_raw_ratio",
                  "ssd_direct_io_put_ratio",
                  "ssd_direct_io_put_vs_direct_raw_ratio", "ssd_put_paired_ratio", "ssd_get_paired_ratio",
-                 "dram_put_vs_stream_copy_ratio", "dram_get_vs_stream_copy_ratio"):
+                 "dram_put_vs_stream_copy_ratio", "dram_get_vs_stream_copy_ratio",
+                 "socket_plane_fetch_ratio", "socket_plane_push_ratio", "socket_plane_push_wire_ratio",
+                 "socket_plane_fetch_cpu_ratio", "socket_plane_push_cpu_ratio", "socket_plane_push_wire_cpu_ratio"):
         if any(name in r for r in sections):
             results[name] = round(min(r[name] for r in sections if name in r), 3)
     for name, figure in (("transfer_engine_gbps", "messenger_fetch_gbps"),  # the gRPC Messenger
                          ("jax_plane_fetch_gbps", "jax_plane_fetch_gbps"),
-                         ("jax_plane_push_gbps", "jax_plane_push_gbps")):
+                         ("jax_plane_push_gbps", "jax_plane_push_gbps"),
+                         ("socket_plane_fetch_gbps", "socket_plane_fetch_gbps"),
+                         ("socket_plane_push_gbps", "socket_plane_push_gbps")):
         if figure in results["block128"]:
             results[name] = results["block128"][figure]["median"]
     results["layerwise_speedup"] = results.get("layerwise_prefill", {}).get("layerwise_speedup")

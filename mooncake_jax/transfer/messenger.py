@@ -29,7 +29,7 @@ from mooncake_jax.blocks import BlockKey
 from mooncake_jax.proto.auth import open_channel
 from mooncake_jax.transfer.counters import Meter, TransferCounters
 from mooncake_jax.transfer.device_plane import device_plane, groups
-from mooncake_jax.transfer.frame import PREFIX_BYTES, check_key
+from mooncake_jax.transfer.frame import PREFIX_BYTES, CorruptBlockError, check_key
 from mooncake_jax.transfer.frame import decode as decode_record
 from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.messenger_server import MessengerServer
@@ -51,6 +51,7 @@ from mooncake_jax.transfer.pieces import (
 )
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
 from mooncake_jax.transfer.readahead import Ahead
+from mooncake_jax.transfer.socket_plane import PullError, refuse_tls, socket_plane
 
 __all__ = [
     "BlocksNotFoundError",
@@ -99,9 +100,11 @@ def _unique(keys: Iterable[BlockKey]) -> list[BlockKey]:
     return list(dict.fromkeys(check_key(key) for key in keys))
 
 
-DATA_PLANES = ("grpc", "jax")
-"""How block data moves: streamed over gRPC (portable, the default), or as device arrays pulled with
-``jax.experimental.transfer`` (``device_plane.py``; gRPC then carries only the control calls)."""
+DATA_PLANES = ("grpc", "jax", "socket")
+"""How block data moves: streamed over gRPC (portable, the default), as device arrays pulled with
+``jax.experimental.transfer`` (``device_plane.py``), or over a plain TCP connection straight from the stored records
+into the receiver's staging buffer (``socket_plane.py``; not with TLS); with "jax" and "socket" gRPC carries only the
+control calls."""
 
 
 class MessengerClient:
@@ -116,6 +119,8 @@ class MessengerClient:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {', '.join(DATA_PLANES)}, got {data_plane!r}")
+        if data_plane == "socket":
+            refuse_tls()
         self.data_plane = data_plane
         self.address = address
         self.pool = pool
@@ -177,6 +182,20 @@ class MessengerClient:
         received = 0
         if wanted and self.data_plane == "jax":
             stored, received = self._fetch_pulled(wanted, started, timeout_s or self.timeout_s)
+        elif wanted and self.data_plane == "socket":
+            deadline = time.monotonic() + (timeout_s or self.timeout_s)
+            # as the gRPC fetch: the peer offers its records as stored and this end checks each as it lands; from one
+            # that fails, the rest are offered again, each checked by the peer first
+            if self._fetch_socket(wanted, deadline, started, stored, receiver_checks=True):
+                self._meter.add(blocks_refused=1)
+                arrived = set(stored)
+                self._fetch_socket([key for key in wanted if key not in arrived], deadline, started, stored,
+                                   receiver_checks=False)
+            received = len(stored) * self.pool.frame_bytes
+            if len(stored) != len(wanted):  # not expected: every failure above raises
+                self._failed(received, len(stored), started)
+                raise TransferError(f"fetch from {self.address}: peer sent {len(stored)} of {len(wanted)} blocks",
+                                    stored=stored)
         elif wanted:
             deadline = time.monotonic() + (timeout_s or self.timeout_s)
             # the peer sends the records as stored and this end checks each as it lands; from a record that fails,
@@ -313,6 +332,9 @@ class MessengerClient:
         if to_send and self.data_plane == "jax":
             with self.pool.pin(to_send):
                 sent, lost, sent_bytes = self._push_offered(to_send, started, deadline)
+        elif to_send and self.data_plane == "socket":
+            with self.pool.pin(to_send):
+                sent, lost, sent_bytes = self._push_socket(to_send, started, deadline)
         elif to_send:
             with self.pool.pin(to_send):
                 try:
@@ -328,6 +350,71 @@ class MessengerClient:
             message = f"push to {self.address}: block {lost[0]:#018x} failed its checksum here"
             raise BlocksNotFoundError(message, lost, stored=sent)
         return TransferResult(sent, skipped, sent_bytes, seconds)
+
+    def _fetch_socket(self, keys: list[BlockKey], deadline: float, started: float, stored: list[BlockKey],
+                      receiver_checks: bool) -> bool:
+        """Fetch over the socket plane, per group of blocks: the peer offers their records (``OfferPull``), this
+        process pulls them and stores each batch of whole records as it lands, verified (appended to ``stored``).
+        With ``receiver_checks`` a record that fails its check here ends it: True. Else such a failure is a
+        TransferError, as is any other (BlocksNotFoundError for a NOT_FOUND, a full pool, a link failure)."""
+        fingerprint = self.pool.spec.fingerprint
+        try:
+            for group in groups(keys, self.pool.record_bytes):
+                request = messages.FetchRequest(keys=group, spec_fingerprint=fingerprint, data_plane="socket",
+                                                receiver_checks=receiver_checks)
+                offer = self._stub.OfferPull(request, timeout=max(deadline - time.monotonic(), 0.001))
+                if offer.data_plane != "socket":  # an older peer reads the request as one for the device plane
+                    raise PullError(f"the peer offered on the {offer.data_plane or 'jax'} plane, not the socket "
+                                    f"plane (an older build?): use data_plane=\"grpc\" with it")
+
+                def store(first: int, records, group=group) -> None:
+                    new: list[bool] = []
+                    try:
+                        self.pool.put_records(list(zip(group[first:], records)), new)
+                    finally:
+                        stored.extend(group[first : first + len(new)])
+
+                try:
+                    socket_plane().pull(offer.address, offer.pull_token, len(group), self.pool.record_bytes, store,
+                                        timeout_s=max(deadline - time.monotonic(), 0.001))
+                except CorruptBlockError:
+                    if receiver_checks:
+                        return True
+                    raise
+        except grpc.RpcError as err:
+            self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
+            raise self._error("fetch", err, stored) from err
+        except (ValueError, PoolFullError, PullError) as err:  # a corrupt record, a full pool, a failed pull
+            self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
+            raise TransferError(f"fetch from {self.address}: {err}", stored=stored) from err
+        return False
+
+    def _push_socket(self, to_send: list[BlockKey], started: float,
+                     deadline: float) -> tuple[list[BlockKey], list[BlockKey], int]:
+        """Push over the socket plane, per group of blocks (pinned by the caller): this process offers their
+        records as stored (``BlockPool.record_views``: no copy; the peer checks each as it lands) and the peer
+        pulls and stores them (``PullFrom``). A record the peer refuses is checked here (``_refused``), as a gRPC
+        push's is. ``(sent, lost, bytes)``; a block this pool can no longer serve ends the push (lost)."""
+        sent: list[BlockKey] = []
+        fingerprint = self.pool.spec.fingerprint
+        plane = socket_plane()
+        for group in groups(to_send, self.pool.record_bytes):
+            records = self.pool.record_views(group)
+            if None in records:
+                return sent, [group[records.index(None)]], len(sent) * self.pool.frame_bytes
+            remaining = max(deadline - time.monotonic(), 0.001)
+            address, token = plane.offer(records, remaining)
+            request = messages.PullOffer(address=address, keys=group, spec_fingerprint=fingerprint,
+                                         data_plane="socket", pull_token=token)
+            try:
+                self._stub.PullFrom(request, timeout=remaining)
+            except grpc.RpcError as err:
+                self._failed(len(sent) * self.pool.frame_bytes, 0, started, sending=True)
+                raise self._refused(err, to_send) or self._error("push", err, sent) from err
+            finally:
+                plane.withdraw(token)
+            sent.extend(group)
+        return sent, [], len(sent) * self.pool.frame_bytes
 
     def _fetch_pulled(self, wanted: list[BlockKey], started: float, timeout_s: float) -> tuple[list[BlockKey], int]:
         """Fetch over the device plane: per group of blocks, the peer offers their records, this process pulls
@@ -424,6 +511,28 @@ class MessengerClient:
         if reply.stored != n_messages:
             raise TransferError(f"probe upload to {self.address}: peer counted {reply.stored} of {n_messages} messages")
         return n_messages * piece_bytes / seconds
+
+    def probe_pull(self, records: Sequence[bytes | memoryview], *, timeout_s: float | None = None) -> float:
+        """Bytes per second of a bare socket-plane stream of ``records`` (of this pool's record size) to the peer,
+        which pulls them into its staging buffer and drops them (no pool, no checks): ``push``'s reference on the
+        socket plane. TransferError if the peer counted another number of records."""
+        refuse_tls()
+        plane = socket_plane()
+        timeout_s = timeout_s or self.timeout_s
+        started = time.perf_counter()
+        address, token = plane.offer(records, timeout_s)
+        request = messages.PullOffer(address=address, keys=range(len(records)), data_plane="socket",
+                                     pull_token=token)
+        try:
+            reply = self._stub.ProbePull(request, timeout=timeout_s)
+        except grpc.RpcError as err:
+            raise self._error("probe pull to", err) from err
+        finally:
+            plane.withdraw(token)
+        seconds = time.perf_counter() - started
+        if reply.stored != len(records):
+            raise TransferError(f"probe pull to {self.address}: peer counted {reply.stored} of {len(records)}")
+        return sum(len(record) for record in records) / seconds
 
     def close(self) -> None:
         self._channel.close()

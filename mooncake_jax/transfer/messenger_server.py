@@ -9,6 +9,7 @@ instead of the generated servicer base; the wire format is the .proto's all the 
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
 from collections.abc import Sequence
@@ -35,14 +36,16 @@ from mooncake_jax.transfer.outgoing import Outgoing
 from mooncake_jax.transfer.pieces import BATCH_BYTES, PIECE_BYTES, RecordAssembler, encode_piece, parse_message
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
 from mooncake_jax.transfer.readahead import Ahead
+from mooncake_jax.transfer.socket_plane import PullError, refuse_tls, socket_plane
 
 _MAX_PROBE_BYTES = 1 << 36
 
 
 class _Servicer:
-    def __init__(self, pool: BlockPool, meter: Meter) -> None:
+    def __init__(self, pool: BlockPool, meter: Meter, data_host: str | None = None) -> None:
         self.pool = pool
         self.meter = meter
+        self.data_host = data_host  # where this process's socket data plane listens (None: loopback)
 
     def _check_spec(self, fingerprint: int, context: grpc.ServicerContext) -> None:
         if fingerprint != self.pool.spec.fingerprint:
@@ -131,13 +134,26 @@ class _Servicer:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         return sum(new), len(new) - sum(new)
 
+    def _socket_plane(self, context):
+        """This process's socket data plane, or FAILED_PRECONDITION where it is refused (TLS)."""
+        try:
+            refuse_tls()
+            return socket_plane(self.data_host)
+        except ValueError as err:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+
     def OfferPull(self, request, context):
-        """Offer the records of the keys on the device plane (at most ``PULL_BYTES`` of them)."""
+        """Offer the records of the keys on the device plane or the socket plane (at most ``PULL_BYTES``)."""
         self._check_spec(request.spec_fingerprint, context)
         keys = list(dict.fromkeys(request.keys))
         if not keys or len(keys) * self.pool.record_bytes > max(PULL_BYTES, self.pool.record_bytes):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"offer {len(keys)} blocks: between 1 and {max(1, PULL_BYTES // self.pool.record_bytes)}")
+        if request.data_plane == "socket":
+            return self._offer_on_socket(keys, request.receiver_checks, context)
+        if request.data_plane not in ("", "jax"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"data_plane must be one of jax, socket, got {request.data_plane!r}")
         started = time.perf_counter()
         with self.pool.pin(keys):
             missing = [key for key in keys if key not in self.pool]
@@ -155,14 +171,48 @@ class _Servicer:
         return messages.PullOffer(address=address, pull_id=pull_id, keys=keys,
                                   spec_fingerprint=self.pool.spec.fingerprint)
 
+    def _offer_on_socket(self, keys: list[BlockKey], receiver_checks: bool, context):
+        """Offer the records of ``keys`` on the socket plane, pinned until pulled or expired: as stored, not copied
+        (``BlockPool.record_views``) for a caller that checks each as it lands, else each read and verified here
+        (one that fails is dropped here and named NOT_FOUND, as a Fetch does)."""
+        plane = self._socket_plane(context)
+        remaining = context.time_remaining()
+        started = time.perf_counter()
+        pins = contextlib.ExitStack()
+        pins.enter_context(self.pool.pin(keys))
+        try:
+            missing = [key for key in keys if key not in self.pool]
+            if missing:
+                self._not_found(missing, context)
+            if receiver_checks:
+                records = self.pool.record_views(keys)
+            else:
+                records = [self.pool.get_record(key, promote=False) for key in keys]
+            lost = [key for key, record in zip(keys, records) if record is None]
+            if lost:
+                self._not_found(lost[:1], context)
+            address, token = plane.offer(records, remaining if remaining is not None else 60.0, release=pins.close)
+        except BaseException:
+            pins.close()
+            raise
+        self.meter.add(transfers=1, blocks_sent=len(keys), bytes_sent=len(keys) * self.pool.frame_bytes,
+                       busy_s=time.perf_counter() - started)
+        return messages.PullOffer(address=address, keys=keys, spec_fingerprint=self.pool.spec.fingerprint,
+                                  data_plane="socket", pull_token=token)
+
     def PullFrom(self, request, context):
-        """Pull the records the caller offers on the device plane and store them."""
+        """Pull the records the caller offers on the device plane or the socket plane and store them."""
         self._check_spec(request.spec_fingerprint, context)
         keys = list(request.keys)
         if not keys or len(set(keys)) != len(keys) or len(keys) * self.pool.record_bytes > max(
                 PULL_BYTES, self.pool.record_bytes):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pull of {len(keys)} blocks: need 1 to "
                           f"{max(1, PULL_BYTES // self.pool.record_bytes)} distinct keys")
+        if request.data_plane == "socket":
+            return self._pull_from_socket(request, keys, context)
+        if request.data_plane not in ("", "jax"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"data_plane must be one of jax, socket, got {request.data_plane!r}")
         started = time.perf_counter()
         remaining = context.time_remaining()
         try:
@@ -174,6 +224,46 @@ class _Servicer:
         self.meter.add(transfers=1, blocks_received=stored, blocks_skipped=already,
                        bytes_received=stored * self.pool.frame_bytes, busy_s=time.perf_counter() - started)
         return messages.PushReply(stored=stored, already_present=already)
+
+    def _pull_from_socket(self, request, keys: list[BlockKey], context):
+        """Pull the caller's socket offer, storing each batch of whole records as it lands (``_store``: a record
+        that fails its check ends the call with DATA_LOSS naming it, a full pool with RESOURCE_EXHAUSTED); a link
+        failure is UNAVAILABLE with the blocks stored so far."""
+        plane = self._socket_plane(context)
+        started = time.perf_counter()
+        remaining = context.time_remaining()
+        counts = [0, 0]  # new, already held
+
+        def store(first: int, records) -> None:
+            new, old = self._store(list(zip(keys[first:], records)), counts[0], context)
+            counts[0] += new
+            counts[1] += old
+
+        try:
+            plane.pull(request.address, request.pull_token, len(keys), self.pool.record_bytes, store,
+                       timeout_s=remaining if remaining is not None else 60.0)
+        except PullError as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{err}; {counts[0]} earlier block(s) were stored")
+        stored, already = counts
+        self.meter.add(transfers=1, blocks_received=stored, blocks_skipped=already,
+                       bytes_received=stored * self.pool.frame_bytes, busy_s=time.perf_counter() - started)
+        return messages.PushReply(stored=stored, already_present=already)
+
+    def ProbePull(self, request, context):
+        """The socket plane's bare stream: pull the caller's offer into the staging buffer and drop it (no pool)."""
+        plane = self._socket_plane(context)
+        remaining = context.time_remaining()
+        counted = [0]
+
+        def drop(first: int, records) -> None:
+            counted[0] += len(records)
+
+        try:
+            plane.pull(request.address, request.pull_token, len(request.keys), self.pool.record_bytes, drop,
+                       timeout_s=remaining if remaining is not None else 60.0)
+        except PullError as err:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        return messages.PushReply(stored=counted[0])
 
     def Probe(self, request, context):
         piece_bytes = request.piece_bytes or PIECE_BYTES
@@ -233,16 +323,20 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
             "PullFrom": grpc.unary_unary_rpc_method_handler(
                 servicer.PullFrom, messages.PullOffer.FromString, messages.PushReply.SerializeToString
             ),
+            "ProbePull": grpc.unary_unary_rpc_method_handler(
+                servicer.ProbePull, messages.PullOffer.FromString, messages.PushReply.SerializeToString
+            ),
         },
     )
 
 
-def add_messenger(server: grpc.Server, pool: BlockPool) -> Meter:
+def add_messenger(server: grpc.Server, pool: BlockPool, data_host: str | None = None) -> Meter:
     """Serve ``pool`` through the Messenger service on an existing gRPC server (an instance serves its own RPCs and
     its Messenger on one port); returns the meter counting what moves. The server must have the raised message
-    limits of ``channel_options()``."""
+    limits of ``channel_options()``. ``data_host``: where the socket data plane listens (the server's host; None:
+    loopback)."""
     meter = Meter()
-    server.add_generic_rpc_handlers((_handlers(_Servicer(pool, meter)),))
+    server.add_generic_rpc_handlers((_handlers(_Servicer(pool, meter, data_host)),))
     return meter
 
 
@@ -254,7 +348,7 @@ class MessengerServer:
         self.pool = pool
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers), options=server_options(),
                                    interceptors=interceptors(auth_token))
-        self._meter = add_messenger(self._server, pool)
+        self._meter = add_messenger(self._server, pool, data_host=host)
         try:
             self.port = add_port(self._server, f"{host}:{port}")
         except RuntimeError as err:

@@ -297,6 +297,39 @@ class BlockPool:
         with self._operation():
             return self._read_record(key, promote, verify)
 
+    def record_views(self, keys: Sequence[BlockKey]) -> list[bytes | memoryview | None]:
+        """The records of ``keys`` as stored, unverified and not copied where the DRAM tier holds them
+        (``SlotStore.view``), for a sender that pins the blocks for as long as it uses the views (the socket data
+        plane sends them with ``sendmsg``; the receiver checks each end to end). A block held only below DRAM is
+        read (a copy, unverified, not promoted); None for a key no tier can serve. Counted as hits."""
+        keys = [check_key(key) for key in keys]
+        out: list[bytes | memoryview | None] = []
+        with self._operation():
+            self._check_open()
+            for key in keys:
+                record = None
+                for level, tier in enumerate(self._tiers):
+                    if key not in tier:
+                        tier.counters.misses += 1
+                        continue
+                    view = getattr(tier.store, "view", None) if level == 0 else None
+                    try:
+                        if view is not None:
+                            tier.settle()
+                            record = view(key)
+                            tier.counters.bytes_read += 0 if record is None else len(record)
+                        else:
+                            record = tier.read_record(key)
+                            record = None if record is None else bytes(record)
+                    except OSError as err:
+                        self._unavailable(tier, key, err)
+                        continue
+                    if record is not None:
+                        self._hit(0, tier, key, lambda _: None)
+                        break
+                out.append(record)
+        return out
+
     def join_records(self, keys: Sequence[BlockKey], separator: bytes,
                      verify: bool = True, lend: bool = False) -> tuple[bytes, int]:
         """The verified records of the leading ``keys``, joined into one ``bytes`` with ``separator`` between them

@@ -384,6 +384,22 @@ class SlotStore:
             return None
         return slot.adopted if slot.adopted is not None else memoryview(slot.memory)
 
+    def view(self, key: BlockKey) -> bytes | memoryview | None:
+        """The stored record without a copy, for a sender that keeps the block pinned while it sends (the socket
+        data plane): a view of a message-shaped group's ``bytes`` (which the view keeps alive), of a plain slab's
+        numpy memory (likewise), or a kept record's own ``bytes``. Unlike ``record`` it stays valid once the pool's
+        lock is released, as long as the block stays (a pinned block is not evicted, demoted or removed, and a put
+        of a held key only counts a use, so its slot is not rewritten)."""
+        slot = self._slot_of.get(key)
+        if slot is None:
+            return None
+        if slot.adopted is not None:
+            return slot.adopted
+        if slot.group is not None:
+            start = slot.index * (self.record_bytes + len(self.separator))
+            return memoryview(slot.group.message)[start : start + self.record_bytes]
+        return memoryview(slot.memory)
+
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[memoryview, tuple[int, int]] | None:
         """Copy the block's data into ``out`` (flat uint8) and hash the bytes copied, in one pass; its record head
         and that checksum (so what is verified is what the caller got)."""
