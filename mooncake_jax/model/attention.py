@@ -18,8 +18,9 @@ kv_heads axis is axis 0, so tensor parallelism splits the cache without touching
   masked upper triangle block by block;
 - *context*: the cached tokens, masked to ``ctx_len``; every new token sees all of them. Folded into the local
   part's running softmax chunk by chunk of pages (``_context_loop``, a ``while`` loop up to the longest real
-  ``ctx_len``, per query block inside the looped form's scan): the engine pads the page table to a power of two
-  for its compile cache, and the padded pages are never gathered nor computed. Decode (T = 1, B sequences) takes
+  ``ctx_len``, per query block inside the looped form's scan): the engine passes one table width per step kind
+  (``Engine.context_width``: ``max_pages_per_seq``), and the pages past a row's context are never gathered nor
+  computed. Decode (T = 1, B sequences) takes
   its own path, see ``_decode_xla``.
 
 ``impl="pallas"``: kernels that read pages in place, never a gathered copy of the context. The new tokens' K/V
@@ -174,8 +175,8 @@ PREFILL_CONTEXT_CHUNK_TOKENS = 512
 
 def _context_loop(k_pages, v_pages, batch: PagedBatch, state, fold):
     """Fold a prefill's cached context into ``state`` chunk by chunk (a ``while`` loop up to the longest real
-    ``ctx_len``), as the decode path does: the page table is padded to a power of two for the compile cache, but
-    the padded pages are never gathered nor computed.
+    ``ctx_len``), as the decode path does: the page table is as wide as the engine's one width per step kind
+    (``Engine.context_width``), but the pages past the context are never gathered nor computed.
 
     ``fold(state, k_c, v_c, valid)`` takes one chunk's gathered keys and values, head-major [H, B, C, D], and
     ``valid`` [B, C] (position < ctx_len). The gathered chunk is materialised (``optimization_barrier``) so that
@@ -388,7 +389,7 @@ def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
     """Decode (T = 1) of B sequences: an online softmax over chunks of context pages, as many chunks as the
     longest sequence needs (a ``while`` loop), starting from the new token itself.
 
-    The page table is padded to a power of two for the compile cache, up to twice the pages the batch holds; the
+    The page table is the engine's one width (``Engine.context_width``: every page a sequence can hold); the
     loop reads only up to the longest context, and each chunk's gathered K/V (``DECODE_CHUNK_ROWS``) stays in
     cache between its gather and its two products. Within a chunk, measured on a 2-core EPYC (small preset, B = 32),
     each choice below is worth 2-10x:
