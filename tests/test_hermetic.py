@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 UNSET = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "NUMBA_CACHE_DIR", "MPLCONFIGDIR", "TMPDIR")
 
 
+@pytest.mark.slow  # a whole pytest session with a cluster: 20-45 s; the suite's hermetic set-up is conftest's
 def test_a_cluster_test_run_with_no_cache_folder_set_writes_nothing_into_home(tmp_path):
     """``hermetic_probe.py`` (a cluster with the default compile cache, a plot) in a pytest of its own whose HOME is
     an empty folder and whose environment names no cache, config or temporary folder: without the conftest's
