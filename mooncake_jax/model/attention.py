@@ -12,16 +12,12 @@ kv_heads axis is axis 0, so tensor parallelism splits the cache without touching
 
 ``impl="xla"`` (portable, the CPU default), split in two parts whose softmax is merged exactly:
 
-- *local*: the new tokens themselves, causal. Chunks of ``LOOPED_MIN_TOKENS`` or more run fully looped
-  (``_local_flash``: a scan over query blocks, each a loop over the key tiles below its diagonal, so the program
-  does not grow with T); shorter ones unroll (head, query block) into the program, faster there. Both skip the
-  masked upper triangle block by block;
+- *local*: the new tokens themselves, causal, per query block of static size (long prefills skip the masked
+  upper triangle block by block);
 - *context*: the cached tokens, masked to ``ctx_len``; every new token sees all of them. Folded into the local
   part's running softmax chunk by chunk of pages (``_context_loop``, a ``while`` loop up to the longest real
-  ``ctx_len``, per query block inside the looped form's scan): the engine passes one table width per step kind
-  (``Engine.context_width``: ``max_pages_per_seq``), and the pages past a row's context are never gathered nor
-  computed. Decode (T = 1, B sequences) takes
-  its own path, see ``_decode_xla``.
+  ``ctx_len``): the engine passes one table width per step kind (``Engine.context_width``), and the pages past
+  the context are never gathered nor computed. Decode (T = 1, B sequences) takes its own path, see ``_decode_xla``.
 
 ``impl="pallas"``: kernels that read pages in place, never a gathered copy of the context. The new tokens' K/V
 are already in their pages (``write_pages`` runs first), so both decode and prefill are *one* causal attention over
@@ -82,21 +78,6 @@ class PagedBatch(NamedTuple):
     page_table: jax.Array  # [B, P] absolute cache rows holding each sequence's cached context, in order
     ctx_len: jax.Array  # [B] cached tokens before the first new token
     write_slots: jax.Array  # [B, T] flat slot (row * block_size + offset) for each new token's K/V
-
-
-LOCAL_TILE_TOKENS = 256
-"""Query block and key tile of the local causal part (``_local_flash``). Measured on the Intel Xeon (207), 2 cores,
-``small`` shape, 2048 new tokens (docs/benchmarks/engine.md, Xeon prefill thirteenth and fourteenth passes): 256
-ran at 0.97 of the unrolled 128-token query blocks' CPU time, 128 at 1.07, 512 at 1.02."""
-
-
-LOOPED_MIN_TOKENS = 1024
-"""Chunks of at least this many new tokens take the looped local part (``_one_sequence`` / ``_batched``);
-shorter ones unroll (head, query block) as before (``_one_sequence_unrolled`` / ``_batched_unrolled``). Measured on
-the Intel Xeon (207), 2 cores, ``small`` shape, 12 layers (docs/benchmarks/engine.md, Xeon prefill fourteenth
-pass): at 512 tokens without context the loop took 1.09x (128-token tiles) to 1.22-1.27x (256) the unrolled CPU
-time, at 2048 tokens 0.94-1.01x, and at 2048 tokens the unrolled form (16 blocks per head) compiles about 5x
-slower."""
 
 
 def query_block_size(t: int) -> int:
@@ -199,121 +180,8 @@ def _context_loop(k_pages, v_pages, batch: PagedBatch, state, fold):
     return jax.lax.while_loop(lambda c: c[0] < n_chunks, body, (jnp.int32(0), state))[1]
 
 
-def _pad_tokens(x, tp: int):
-    """``x`` [B, T, ...] padded with zeros to ``tp`` tokens along axis 1."""
-    t = x.shape[1]
-    return x if tp == t else jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2))
-
-
-def _local_flash(q_tiles, k_tiles, v_tiles, first, update, finish):
-    """The loop shared by both prefill paths: a ``scan`` over query blocks i, each seeded by its diagonal tile
-    (``first(q_blk, k_i, v_i)``, causal mask, at least one real key per row), then a ``fori_loop`` over the full key
-    tiles c < i (``update(state, q_blk, k_c, v_c)``, no mask), then ``finish(state, q_blk)`` (the context fold and
-    the normalisation). Tiles are axis 0 of each operand; program size is flat in T.
-
-    Each tile is materialised (``optimization_barrier``) before its products, as ``_decode_xla`` explains: the
-    products stay library calls rather than naive loops with the dynamic slice fused in.
-    """
-    n = q_tiles.shape[0]
-
-    def block(_, xs):
-        i, q_blk, k_d, v_d = xs
-        state = first(q_blk, k_d, v_d)
-        if n > 1:
-            def tile(c, state):
-                k_c, v_c = lax.optimization_barrier((k_tiles[c], v_tiles[c]))
-                return update(state, q_blk, k_c, v_c)
-
-            state = lax.fori_loop(0, i, tile, state)
-        return None, finish(state, q_blk)
-
-    if n == 1:  # one block: no loop in the program
-        return block(None, (0, q_tiles[0], k_tiles[0], v_tiles[0]))[1][None]
-    return lax.scan(block, None, (jnp.arange(n), q_tiles, k_tiles, v_tiles))[1]
-
-
 def _one_sequence(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
-    """Attention of one sequence's T new tokens as plain 2-D matrix products per KV head, fully looped.
-
-    XLA:CPU runs a [T * q_per_kv, head_dim] x [head_dim, S] product two to three times faster than the same work
-    as a dot with batch dimensions, and prefill (one sequence, many tokens) is where the attention FLOPs are.
-    ``_local_flash`` scans the query blocks of ``LOCAL_TILE_TOKENS`` tokens (T padded up to whole blocks: padded
-    keys come after every real query, so the causal mask hides them), every head's products side by side in the
-    loop bodies; each block folds the key tiles up to its diagonal, then the cached context (``_context_loop``, one
-    gather of all heads per chunk, up to the real ``ctx_len``). Tiles are head-major so that each head's operand is
-    contiguous. The cache is never sliced per head: a per-head slice inside the loop is materialised by XLA:CPU,
-    a copy of 1/H of the whole cache per head and block. The older form unrolled every (head, query block) into
-    the program: at 2048 tokens it compiled 5x slower for the same run time.
-    """
-    _, t, hk, g, d = q.shape
-    tb = min(LOCAL_TILE_TOKENS, t)
-    n, tp = -(-t // tb), -(-t // tb) * tb
-    q, k_new, v_new = (_pad_tokens(x, tp) for x in (q, k_new, v_new))
-    causal = (jnp.arange(tb * g) // g)[:, None] >= jnp.arange(tb)[None, :]  # rows are (token, group member)
-    q_tiles = jnp.transpose(q[0].reshape(n, tb, hk, g, d), (0, 2, 1, 3, 4)).reshape(n, hk, tb * g, d)
-    k_tiles, v_tiles = (jnp.transpose(x[0].reshape(n, tb, hk, d), (0, 2, 1, 3)) for x in (k_new, v_new))
-
-    def first(q_blk, k_d, v_d):
-        return [_first(jnp.where(causal, _dot(q_blk[j], k_d[j].T), MASKED), v_d[j], _dot) for j in range(hk)]
-
-    def update(state, q_blk, k_c, v_c):
-        return [_update(p, _dot(q_blk[j], k_c[j].T), v_c[j], _dot) for j, p in enumerate(state)]
-
-    def finish(state, q_blk):
-        if batch.page_table.shape[1] > 0:
-            def fold(state, k_c, v_c, valid):
-                return [_update(p, jnp.where(valid, _dot(q_blk[j], k_c[j, 0].T), MASKED), v_c[j, 0], _dot)
-                        for j, p in enumerate(state)]
-
-            state = _context_loop(k_pages, v_pages, batch, state, fold)
-        return jnp.stack([p.acc / p.l for p in state])  # [hk, tb * g, d]
-
-    out = _local_flash(q_tiles, k_tiles, v_tiles, first, update, finish)  # [n, hk, tb * g, d]
-    out = jnp.transpose(out.reshape(n, hk, tb, g, d), (0, 2, 1, 3, 4)).reshape(tp, hk, g, d)
-    return out[:t][None]
-
-
-def _batched(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
-    """Attention of B sequences' T > 1 new tokens with batched products, fully looped as ``_one_sequence`` (all
-    heads at once); state laid out [B, K, G, Tb, ...]."""
-    b, t, hk, g, d = q.shape
-    tb = min(LOCAL_TILE_TOKENS, t)
-    n, tp = -(-t // tb), -(-t // tb) * tb
-    q, k_new, v_new = (_pad_tokens(x, tp) for x in (q, k_new, v_new))
-    causal = jnp.arange(tb)[:, None] >= jnp.arange(tb)[None, :]
-
-    def weigh_loc(e, values):
-        return jnp.einsum("bkgts,bskd->bkgtd", e, values, preferred_element_type=jnp.float32)
-
-    def weigh_ctx(e, values):
-        return jnp.einsum("bkgts,kbsd->bkgtd", e, values, preferred_element_type=jnp.float32)
-
-    def scores(q_blk, k):
-        return jnp.einsum("btkgd,bskd->bkgts", q_blk, k, preferred_element_type=jnp.float32)
-
-    def first(q_blk, k_d, v_d):
-        return _first(jnp.where(causal, scores(q_blk, k_d), MASKED), v_d, weigh_loc)
-
-    def update(state, q_blk, k_c, v_c):
-        return _update(state, scores(q_blk, k_c), v_c, weigh_loc)
-
-    def finish(state, q_blk):
-        if batch.page_table.shape[1] > 0:
-            def fold(state, k_c, v_c, valid):
-                s = jnp.einsum("btkgd,kbsd->bkgts", q_blk, k_c, preferred_element_type=jnp.float32)
-                return _update(state, jnp.where(valid[:, None, None, None, :], s, MASKED), v_c, weigh_ctx)
-
-            state = _context_loop(k_pages, v_pages, batch, state, fold)
-        return jnp.transpose(state.acc / state.l, (0, 3, 1, 2, 4))  # [B, K, G, Tb, D] -> [B, Tb, K, G, D]
-
-    tiles = lambda x: jnp.moveaxis(x.reshape((b, n, tb) + x.shape[2:]), 1, 0)  # noqa: E731  [n, B, tb, ...]
-    out = _local_flash(tiles(q), tiles(k_new), tiles(v_new), first, update, finish)  # [n, B, tb, K, G, D]
-    return jnp.moveaxis(out, 0, 1).reshape(b, tp, hk, g, d)[:, :t]
-
-
-def _one_sequence_unrolled(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
-    """Attention of one sequence's T (< ``LOOPED_MIN_TOKENS``) new tokens as plain 2-D products per KV head,
-    unrolled.
+    """Attention of one sequence's T new tokens as plain 2-D matrix products per KV head.
 
     XLA:CPU runs a [T * q_per_kv, head_dim] x [head_dim, S] product two to three times faster than the same work
     as a dot with batch dimensions, and prefill (one sequence, many tokens) is where the attention FLOPs are.
@@ -342,8 +210,8 @@ def _one_sequence_unrolled(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch)
     return jnp.stack(heads, axis=1)[None]
 
 
-def _batched_unrolled(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
-    """Attention of B sequences' T > 1 new tokens with batched products, unrolled; state laid out [B, K, G, Tb, ...]."""
+def _batched(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
+    """Attention of B sequences' T > 1 new tokens with batched products; state laid out [B, K, G, Tb, ...]."""
     b, t, hk, g, d = q.shape
     qb = query_block_size(t)
 
@@ -440,10 +308,7 @@ def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
 def _xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
     if q.shape[1] == 1 and batch.page_table.shape[1] > 0:
         return _decode_xla(q, k_new, v_new, k_pages, v_pages, batch)
-    if q.shape[1] >= LOOPED_MIN_TOKENS:
-        attend = _one_sequence if q.shape[0] == 1 else _batched
-    else:
-        attend = _one_sequence_unrolled if q.shape[0] == 1 else _batched_unrolled
+    attend = _one_sequence if q.shape[0] == 1 else _batched
     return attend(q, k_new, v_new, k_pages, v_pages, batch)
 
 
