@@ -50,6 +50,12 @@ def bucket(n: int, cap: int, minimum: int = 1, factor: int = 2) -> int:
     return min(size, cap)
 
 
+def padded_page_counts(pages: int) -> list[int]:
+    """Every count ``Engine.padded_pages`` pads 1 .. ``pages`` pages to (1, 2, 4 ...; none for 0): the block-move
+    programs warm-up compiles."""
+    return [1 << i for i in range(bucket(pages, 1 << 30).bit_length())] if pages > 0 else []
+
+
 def buckets(cap: int, minimum: int = 1, factor: int = 2) -> list[int]:
     """Every bucket ``bucket`` can return for n in 1..cap."""
     out, n = [], 1
@@ -450,7 +456,7 @@ class Engine:
     def _warm_block_moves(self) -> int:
         """Compile the block moves for every padded page count a request can need (scratch page only)."""
         dtype = self.kv_dtype
-        sizes = [1 << i for i in range(bucket(self.max_pages_per_seq, 1 << 30).bit_length())]
+        sizes = padded_page_counts(self.max_pages_per_seq)
         for n in sizes:
             pages = np.full(n, SCRATCH_PAGE, np.int32)
             self.runner.read_blocks(pages)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..model.attention import SCRATCH_PAGE
-from ..model.engine import SAMPLING_MODES, Engine, bucket, buckets
+from ..model.engine import SAMPLING_MODES, Engine, buckets, padded_page_counts
 from ..model.map_budget import check_map_headroom
 from ..sharding.pipeline import LayerPages
 from .offload import _OffloadHooks
@@ -34,8 +34,8 @@ def layerwise_shapes(engine: Engine) -> list[tuple[int, int, int | None, int]]:
     chunks = buckets(engine.prefill_chunk_size, 16, engine.bucket_factor)
     widths = engine.context_widths()
     most = engine.max_pages_per_seq
-    loads = _padded_counts(most - 1)  # a prefix leaves at least one page to compute
-    saves = _padded_counts(most)
+    loads = padded_page_counts(most - 1)  # a prefix leaves at least one page to compute
+    saves = padded_page_counts(most)
     loads_left, saves_left = list(loads), list(saves)
     shapes = []
     for t, p in [(t, p) for t in chunks for p in [0] + widths]:
@@ -45,11 +45,6 @@ def layerwise_shapes(engine: Engine) -> list[tuple[int, int, int | None, int]]:
         shapes.append((chunks[0], widths[-1], loads_left.pop(0) if loads_left else loads[-1],
                        saves_left.pop(0) if saves_left else saves[-1]))
     return shapes
-
-
-def _padded_counts(pages: int) -> list[int]:
-    """Every page count ``Engine.padded_pages`` pads 1 .. ``pages`` pages to: 1, 2, 4 ... (none for 0)."""
-    return [1 << i for i in range(bucket(pages, 1 << 30).bit_length())] if pages > 0 else []
 
 
 def warm_layerwise(engine: Engine, modes=SAMPLING_MODES) -> int:
