@@ -49,7 +49,7 @@ def test_the_peer_sends_unchecked_and_every_block_arrives_exact(serve, spec):  #
     sender = filled_pool(KEYS, spec)
     checks = spied(sender)
     receiver = BlockPool(spec)
-    with MessengerClient(serve(sender).address, receiver) as client:
+    with MessengerClient(serve(sender).address, receiver, data_plane="grpc") as client:
         assert client.fetch(KEYS).moved == KEYS
         assert client.counters.blocks_refused == 0
     assert checks and not any(checks)  # the peer took no checksum of what it sent
@@ -63,7 +63,7 @@ def test_a_block_damaged_in_the_peers_memory_is_refused_here_and_dropped_there(s
     flip_in_slot(sender, 5, at)
     checks = spied(sender)
     receiver = BlockPool(spec)
-    with MessengerClient(serve(sender).address, receiver) as client:
+    with MessengerClient(serve(sender).address, receiver, data_plane="grpc") as client:
         with pytest.raises(BlocksNotFoundError) as caught:
             client.fetch(KEYS)
         assert caught.value.keys == [5] and caught.value.stored == [1, 2, 3, 4]
@@ -80,7 +80,7 @@ def test_a_block_damaged_on_its_way_is_asked_for_again_and_arrives_sound(serve, 
     sender = filled_pool(KEYS, spec)
     checks = spied(sender, damage_on_the_way=1)
     receiver = BlockPool(spec)
-    with MessengerClient(serve(sender).address, receiver) as client:
+    with MessengerClient(serve(sender).address, receiver, data_plane="grpc") as client:
         assert client.fetch(KEYS).moved == KEYS
         assert client.counters.blocks_refused == 1
     assert checks[-1] is True and 5 in sender and sender.stats()["dram"]["corrupt"] == 0
@@ -91,7 +91,7 @@ def test_a_block_damaged_on_its_way_twice_is_a_transfer_error_and_kept_by_the_pe
     sender = filled_pool(KEYS)
     spied(sender, damage_on_the_way=2)
     receiver = BlockPool(SPEC)
-    with MessengerClient(serve(sender).address, receiver) as client:
+    with MessengerClient(serve(sender).address, receiver, data_plane="grpc") as client:
         with pytest.raises(TransferError) as caught:
             client.fetch(KEYS)
         assert not isinstance(caught.value, BlocksNotFoundError) and caught.value.stored == [1, 2, 3, 4]
@@ -109,7 +109,7 @@ def test_a_block_damaged_on_the_peers_ssd_is_dropped_there(serve, tmp_path):  # 
         shard_file.seek(offset + 11)
         shard_file.write(bytes([byte[0] ^ 4]))
     receiver = BlockPool(SPEC)
-    with MessengerClient(serve(sender).address, receiver) as client:
+    with MessengerClient(serve(sender).address, receiver, data_plane="grpc") as client:
         with pytest.raises(BlocksNotFoundError) as caught:
             client.fetch(KEYS)
         assert caught.value.keys == [5] and caught.value.stored == [1, 2, 3, 4]
@@ -123,7 +123,7 @@ def test_a_caller_that_does_not_check_is_sent_checked_records(serve):  # noqa: F
     sender = filled_pool(KEYS)
     flip_in_slot(sender, 5, DATA_OFFSET + 7)
     checks = spied(sender)
-    with MessengerClient(serve(sender).address, BlockPool(SPEC)) as client:
+    with MessengerClient(serve(sender).address, BlockPool(SPEC), data_plane="grpc") as client:
         request = messages.FetchRequest(keys=KEYS, spec_fingerprint=SPEC.fingerprint, batch_bytes=BATCH_BYTES)
         with pytest.raises(grpc.RpcError) as caught:
             list(client._fetch_raw(request, timeout=10))

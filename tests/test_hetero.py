@@ -38,7 +38,7 @@ def test_data_plane_survives_every_serialization_and_bad_values_are_named():
     c = InstanceConfig("decode", conductor_address="127.0.0.1:1", data_plane="jax")
     assert InstanceConfig.from_json(c.to_json()).data_plane == "jax"
     assert parse_args(c.to_args()).data_plane == "jax"
-    assert InstanceConfig("decode").data_plane == "grpc"
+    assert InstanceConfig("decode").data_plane == "auto"
     with pytest.raises(ValueError, match="data_plane must be one of .*'rdma'"):
         InstanceConfig("decode", data_plane="rdma")
     # the instance's Messenger clients use it (called on a stand-in: no engine needed to build a client)

@@ -293,7 +293,7 @@ def test_deadline_ends_a_slow_transfer(serve):
     sender.join_records = join_records_slowly
     server = serve(sender)
     receiver = BlockPool(SPEC)
-    with MessengerClient(server.address, receiver, timeout_s=0.4) as client:
+    with MessengerClient(server.address, receiver, timeout_s=0.4, data_plane="grpc") as client:
         started = time.monotonic()
         with pytest.raises(TransferError) as caught:
             client.fetch(range(6))
@@ -358,7 +358,7 @@ def test_between_two_processes(peer_process):
 def test_server_killed_midway_gives_an_error_and_only_whole_blocks(peer_process):
     peer = peer_process(BIG_SPEC)
     n_blocks = 96
-    with MessengerClient(peer.address, filled_pool(range(n_blocks), BIG_SPEC)) as pusher:
+    with MessengerClient(peer.address, filled_pool(range(n_blocks), BIG_SPEC), data_plane="grpc") as pusher:
         pusher.push(range(n_blocks))
 
     def kill_on_first_block(event):
@@ -367,7 +367,7 @@ def test_server_killed_midway_gives_an_error_and_only_whole_blocks(peer_process)
             peer.process.wait()
 
     receiver = BlockPool(BIG_SPEC, on_event=kill_on_first_block)
-    with MessengerClient(peer.address, receiver, timeout_s=20) as client:
+    with MessengerClient(peer.address, receiver, timeout_s=20, data_plane="grpc") as client:
         with pytest.raises(TransferError) as caught:
             client.fetch(range(n_blocks))
     assert caught.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
@@ -394,7 +394,7 @@ def test_device_data_plane_moves_the_same_blocks_with_grpc_for_control(serve):
             b_from_a.fetch([5, 77])
         assert caught.value.keys == [77] and 5 not in b
         assert server_a.counters.blocks_sent == 3 and server_b.counters.blocks_received == 2
-    with pytest.raises(ValueError, match="data_plane must be one of grpc, jax"):
+    with pytest.raises(ValueError, match="data_plane must be one of auto, grpc, jax"):
         MessengerClient(server_a.address, b, data_plane="rdma")
 
 
@@ -623,11 +623,11 @@ def test_a_block_is_stored_as_received_and_served_on(serve, shape):
     bit-exact (each record verified again as it is sent and received)."""
     spec = BlockSpec(shape, np.float32)  # 1.25 MiB: one record per message; 16 KiB: several
     source, middle, last = filled_pool(range(3), spec), BlockPool(spec), BlockPool(spec)
-    with MessengerClient(serve(source).address, middle) as middle_from_source:
+    with MessengerClient(serve(source).address, middle, data_plane="grpc") as middle_from_source:
         assert middle_from_source.fetch(range(3)).moved == [0, 1, 2]
-    with MessengerClient(serve(middle).address, last) as last_from_middle:
+    with MessengerClient(serve(middle).address, last, data_plane="grpc") as last_from_middle:
         assert last_from_middle.fetch([0]).moved == [0]
-    with MessengerClient(serve(last).address, middle) as middle_to_last:
+    with MessengerClient(serve(last).address, middle, data_plane="grpc") as middle_to_last:
         assert middle_to_last.push([1, 2]).moved == [1, 2]
     for pool, together in ((middle, (0, 1, 2)), (last, (1, 2))):  # last got 0 alone
         slots = [pool._tiers[0].store._slot_of[key] for key in range(3)]

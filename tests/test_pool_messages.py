@@ -104,16 +104,16 @@ def test_received_messages_are_fetched_and_pushed_on_as_they_lie(served):
     source, middle, last, onward = BlockPool(SMALL16), BlockPool(SMALL16), BlockPool(SMALL16), BlockPool(SMALL16)
     source.put_many(keys, [block_of(k, SMALL16) for k in keys])
     sent = spy_on_joins(source)
-    with MessengerClient(served(middle).address, source) as client:
+    with MessengerClient(served(middle).address, source, data_plane="grpc") as client:
         assert client.push(keys).moved == keys
     assert [bytes(s) for s in sent] == [reference(SMALL16, g) for g in (range(100, 105), range(105, 110), (110, 111))]
     kept = [middle._tiers[0].store._slot_of[k].message for k in (100, 105, 110)]
     assert [bytes(m) for m in kept] == [bytes(s) for s in sent] and not any(k is s for k, s in zip(kept, sent))
     relayed = spy_on_joins(middle)
-    with MessengerClient(served(middle).address, last) as client:
+    with MessengerClient(served(middle).address, last, data_plane="grpc") as client:
         assert client.fetch(keys).moved == keys
     assert len(relayed) == 3 and all(r is k for r, k in zip(relayed, kept))
-    with MessengerClient(served(onward).address, middle) as client:
+    with MessengerClient(served(onward).address, middle, data_plane="grpc") as client:
         assert client.push(keys).moved == keys
     assert len(relayed) == 6 and all(r is k for r, k in zip(relayed[3:], kept))
     assert exact(middle, keys, SMALL16) and exact(last, keys, SMALL16) and exact(onward, keys, SMALL16)
@@ -125,10 +125,10 @@ def test_a_block_damaged_in_a_kept_message_is_dropped_and_never_sent(served):
     keys = list(range(5))
     source, middle, receiver = BlockPool(SMALL16), BlockPool(SMALL16), BlockPool(SMALL16)
     source.put_many(keys, [block_of(k, SMALL16) for k in keys])
-    with MessengerClient(served(middle).address, source) as client:
+    with MessengerClient(served(middle).address, source, data_plane="grpc") as client:
         assert client.push(keys).moved == keys
     flip_last_byte(middle._tiers[0].store._slot_of[2].adopted)
-    with MessengerClient(served(middle).address, receiver) as client:
+    with MessengerClient(served(middle).address, receiver, data_plane="grpc") as client:
         with pytest.raises(BlocksNotFoundError) as caught:
             client.fetch(keys)
     assert caught.value.keys == [2] and caught.value.stored == [0, 1]

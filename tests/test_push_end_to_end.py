@@ -28,7 +28,7 @@ def test_a_block_flipped_in_the_senders_slot_is_refused_counted_and_dropped_ther
     receiver = BlockPool(spec)
     server = serve(receiver)
     flip_in_slot(sender, 4)
-    with MessengerClient(server.address, sender) as client:
+    with MessengerClient(server.address, sender, data_plane="grpc") as client:
         with pytest.raises(BlocksNotFoundError) as caught:
             client.push(range(1, 7))
         assert caught.value.keys == [4] and caught.value.stored == [1, 2, 3]
@@ -47,7 +47,7 @@ def test_any_flipped_byte_of_a_joined_record_is_refused(serve, where):  # noqa: 
     receiver = BlockPool(SPEC)
     server = serve(receiver)
     flip_in_slot(sender, 1, None if where is None else where(SPEC))
-    with MessengerClient(server.address, sender) as client:
+    with MessengerClient(server.address, sender, data_plane="grpc") as client:
         with pytest.raises(BlocksNotFoundError) as caught:
             client.push(range(1, 11))
     assert caught.value.keys == [1] and caught.value.stored == [] and len(receiver) == 0
@@ -59,7 +59,7 @@ def test_a_head_damaged_in_the_senders_slot_is_refused_too(serve):  # noqa: F811
     receiver = BlockPool(SPEC)
     server = serve(receiver)
     sender._tiers[0].store._slot_of[2].memory[PREFIX_BYTES + 40] ^= 0x01  # a byte of the stored checksum (low word)
-    with MessengerClient(server.address, sender) as client:
+    with MessengerClient(server.address, sender, data_plane="grpc") as client:
         with pytest.raises(BlocksNotFoundError) as caught:
             client.push(range(1, 4))
     assert caught.value.keys == [2] and 2 not in sender and 2 not in receiver
@@ -86,7 +86,7 @@ def test_a_block_damaged_on_its_way_is_refused_and_kept_by_the_sender(serve, mon
         return message, count
 
     monkeypatch.setattr(sender, "join_records", join_then_damage)
-    with MessengerClient(server.address, sender) as client:
+    with MessengerClient(server.address, sender, data_plane="grpc") as client:
         with pytest.raises(TransferError) as caught:
             client.push(range(1, 7))
         assert not isinstance(caught.value, BlocksNotFoundError)
@@ -108,7 +108,7 @@ def test_a_block_damaged_in_the_senders_ssd_tier_is_refused_and_dropped_there(se
         file.write(bytes([byte[0] ^ 0x40]))
     receiver = BlockPool(SPEC)
     server = serve(receiver)
-    with MessengerClient(server.address, sender) as client:
+    with MessengerClient(server.address, sender, data_plane="grpc") as client:
         with pytest.raises(BlocksNotFoundError) as caught:
             client.push([1, 2, 3])
         assert caught.value.keys == [2] and caught.value.stored == [1]

@@ -136,7 +136,7 @@ def test_a_push_relays_groups_and_every_block_arrives_exact(serve):  # noqa: F81
     store.lend = spy
     receiver = BlockPool(SMALL16)
     server = serve(receiver)
-    with MessengerClient(server.address, sender) as client:
+    with MessengerClient(server.address, sender, data_plane="grpc") as client:
         assert client.push(range(1, 23)).moved == list(range(1, 23))
     assert lent == [True] * 5  # 5 + 5 + 5 + 5 + 2, every one lent
     assert all(group.lent == 0 for group in groups(sender))
@@ -148,7 +148,7 @@ def test_a_bit_flipped_in_a_lent_group_is_refused_by_the_receiver(serve):  # noq
     sender._tiers[0].store._slot_of[7].data[5] ^= 0x80
     receiver = BlockPool(SMALL16)
     server = serve(receiver)
-    with MessengerClient(server.address, sender) as client:
+    with MessengerClient(server.address, sender, data_plane="grpc") as client:
         with pytest.raises(BlocksNotFoundError) as caught:
             client.push(range(1, 11))
     assert caught.value.keys == [7] and caught.value.stored == [1, 2, 3, 4, 5, 6]  # in order, up to the refused one

@@ -268,9 +268,9 @@ def test_a_full_pool_on_the_receiver_is_a_transfer_error(serve, plane):  # noqa:
 
 def test_data_plane_values_are_checked_and_named(serve):  # noqa: F811
     server = serve(filled_pool([1]))
-    with pytest.raises(ValueError, match="data_plane must be one of grpc, jax, socket, got 'tcp'"):
+    with pytest.raises(ValueError, match="data_plane must be one of auto, grpc, jax, socket, got 'tcp'"):
         MessengerClient(server.address, BlockPool(SPEC), data_plane="tcp")
-    with pytest.raises(ValueError, match=r"data_plane must be one of \['grpc', 'jax', 'socket'\], got 'tcp'"):
+    with pytest.raises(ValueError, match=r"data_plane must be one of \['auto', 'grpc', 'jax', 'socket'\], got 'tcp'"):
         InstanceConfig("decode", data_plane="tcp")
     assert InstanceConfig("decode", data_plane="socket").data_plane == "socket"
     channel = grpc.insecure_channel(server.address)

@@ -126,7 +126,9 @@ class InstanceConfig:
     # decode: joins started between two steps stop after this many mean step times (at least one; None: all)
     join_budget_steps: float | None = 1.0
     transfer_workers: int = 4  # threads for pool / SSD / Messenger I/O (never on the engine's thread)
-    data_plane: str = "grpc"  # how block data moves between instances (DATA_PLANES); gRPC carries control either way
+    # how block data moves between instances (DATA_PLANES): "auto" takes the socket plane where both ends serve it
+    # and TLS is off, else gRPC; "grpc" also serves no socket plane to peers (no second port); gRPC carries control
+    data_plane: str = "auto"
     request_timeout_s: float = 120.0
     warmup: bool = True  # compile every step shape of its role before registering
     # where it runs
@@ -222,6 +224,13 @@ class InstanceConfig:
         """The address this process of a multi-process instance takes its group's collectives (gloo on CPU) on:
         the host it is advertised at, else the one it listens on; None for a wildcard (then the machine's hostname,
         which often resolves to a loopback address the other hosts cannot reach)."""
+        return self.advertised_host
+
+    @property
+    def advertised_host(self) -> str | None:
+        """The host others reach this instance at: that of ``advertise``, else ``host``; None for a wildcard (its
+        socket data plane's offers then name the wildcard, which each peer reads as the host it reached this
+        instance at)."""
         advertise = self.advertise
         if advertise.startswith("["):  # [IPv6]:PORT or [IPv6]
             host = advertise[1:advertise.find("]")]

@@ -108,7 +108,10 @@ class InstanceServer:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.work_gate.threads),
                                    options=server_options(),
                                    interceptors=(*interceptors(config.auth_token), DecodeGuard(), self.work_gate))
-        self.messenger_meter = add_messenger(self._server, self.pool)
+        # the socket data plane listens where the gRPC server does and its offers name the advertised host
+        self.messenger_meter = add_messenger(self._server, self.pool, data_host=config.host,
+                                             data_advertise=config.advertised_host if config.advertise else None,
+                                             serve_socket=config.data_plane != "grpc")
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = add_port(self._server, f"{config.host}:{config.port}")
@@ -152,10 +155,10 @@ class InstanceServer:
         with self._clients_lock:
             client = self._clients.get(address)
             if client is None:
-                client = self._clients[address] = MessengerClient(address, self.pool,
-                                                                  timeout_s=self.config.request_timeout_s,
-                                                                  auth_token=self.config.auth_token,
-                                                                  data_plane=self.config.data_plane)
+                client = self._clients[address] = MessengerClient(
+                    address, self.pool, timeout_s=self.config.request_timeout_s, auth_token=self.config.auth_token,
+                    data_plane=self.config.data_plane, data_host=self.config.host,
+                    data_advertise=self.config.advertised_host if self.config.advertise else None)
             return client
 
     def start(self) -> "InstanceServer":

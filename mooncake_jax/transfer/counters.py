@@ -36,7 +36,10 @@ class TierCounters:
 class TransferCounters:
     """Blocks and bytes a Messenger end moved, and the seconds its transfers took (for rates). ``blocks_refused``:
     received records that failed their checks on arrival (never stored; a pushed one is named to its sender, a
-    fetched one asked for again, checked by the sender)."""
+    fetched one asked for again, checked by the sender). ``socket_bytes``: the bytes of those that travelled on the
+    socket data plane (either way); ``plane_fallbacks``: moves of a ``data_plane="auto"`` client that went over gRPC
+    because the socket plane could not be used with that peer (an older build, a peer configured "grpc", TLS, a data
+    port it could not reach)."""
 
     transfers: int = 0
     failures: int = 0
@@ -46,6 +49,8 @@ class TransferCounters:
     blocks_refused: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    socket_bytes: int = 0
+    plane_fallbacks: int = 0
     busy_s: float = 0.0
 
     @property

@@ -8,7 +8,8 @@ the backend's fastest path (a socket on CPU loopback, DCN or the interconnect on
 travels as one ``uint8[n, record_bytes]`` array of their records, so the checksum in every record still guards the
 data end to end: the receiver stores each row through ``BlockPool.put_record``, which verifies it.
 
-One plane per process (``device_plane()``), shared by the Messenger's server and its clients, started on first use:
+One plane per listening host in a process (``device_plane()``, ``plane_registry.py``), shared by the Messenger's
+servers and clients, started on first use:
 importing this module does not import JAX. An offer that is never pulled (the peer died between the control call
 and the pull) stays in device memory until the process ends; groups are at most ``PULL_BYTES`` to bound that.
 """
@@ -22,6 +23,8 @@ import threading
 from collections.abc import Sequence
 
 import numpy as np
+
+from mooncake_jax.transfer.plane_registry import PlaneRegistry
 
 PULL_BYTES = 256 << 20
 """Most bytes offered or pulled as one array."""
@@ -90,20 +93,13 @@ class DevicePlane:
         return np.asarray(pulled)
 
 
-_PLANE: DevicePlane | None = None
-_PLANE_LOCK = threading.Lock()
+_PLANES: PlaneRegistry[DevicePlane] = PlaneRegistry(DevicePlane)
 
 
 def device_plane(host: str | None = None) -> DevicePlane:
-    """The process's one ``DevicePlane`` (its transfer server starts on first use, listening on ``host``, by
-    default loopback); asking for it on another host than it was made for is a ValueError."""
-    global _PLANE
-    with _PLANE_LOCK:
-        if _PLANE is None:
-            _PLANE = DevicePlane(host or "127.0.0.1")
-        elif host is not None and host != _PLANE.host:
-            raise ValueError(f"this process's device plane listens on {_PLANE.host}, not {host}")
-        return _PLANE
+    """This process's ``DevicePlane`` listening on ``host`` (its transfer server starts on first use; by default
+    loopback): one per host."""
+    return _PLANES(host or "127.0.0.1")
 
 
 def groups(keys: Sequence[int], record_bytes: int) -> list[list[int]]:

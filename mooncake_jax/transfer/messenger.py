@@ -17,7 +17,9 @@ Conductor schedules.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import struct
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -26,6 +28,7 @@ import grpc
 import numpy as np
 
 from mooncake_jax.blocks import BlockKey
+from mooncake_jax.proto import tls
 from mooncake_jax.proto.auth import open_channel
 from mooncake_jax.transfer.counters import Meter, TransferCounters
 from mooncake_jax.transfer.device_plane import device_plane, groups
@@ -51,7 +54,9 @@ from mooncake_jax.transfer.pieces import (
 )
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
 from mooncake_jax.transfer.readahead import Ahead
-from mooncake_jax.transfer.socket_plane import PullError, refuse_tls, socket_plane
+from mooncake_jax.transfer.socket_plane import PullError, host_of, refuse_tls, socket_plane
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BlocksNotFoundError",
@@ -100,21 +105,35 @@ def _unique(keys: Iterable[BlockKey]) -> list[BlockKey]:
     return list(dict.fromkeys(check_key(key) for key in keys))
 
 
-DATA_PLANES = ("grpc", "jax", "socket")
-"""How block data moves: streamed over gRPC (portable, the default), as device arrays pulled with
-``jax.experimental.transfer`` (``device_plane.py``), or over a plain TCP connection straight from the stored records
-into the receiver's staging buffer (``socket_plane.py``; not with TLS); with "jax" and "socket" gRPC carries only the
-control calls."""
+DATA_PLANES = ("auto", "grpc", "jax", "socket")
+"""How block data moves: "auto" (the default): on the socket plane where both ends serve it and this process has no
+TLS, else streamed over gRPC; "grpc": streamed over gRPC (portable); "jax": as device arrays pulled with
+``jax.experimental.transfer`` (``device_plane.py``); "socket": over a plain TCP connection straight from the stored
+records into the receiver's staging buffer (``socket_plane.py``; not with TLS), an error where the peer does not
+serve it. With "jax" and "socket" gRPC carries only the control calls."""
+
+_FALLBACK_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
+"""A socket-plane control call refused with these moved nothing (the plane not served, TLS, a data port the peer
+could not reach, an older build): "auto" moves the blocks over gRPC instead."""
+
+
+class _SocketUnusable(Exception):
+    """Raised by the socket-plane paths of an "auto" client when the plane cannot be used with the peer and nothing
+    of the failed step moved: the rest of the move goes over gRPC."""
 
 
 class MessengerClient:
     """Moves blocks between ``pool`` and the Messenger at ``address``; every call has a deadline.
 
     ``data_plane`` picks how block data moves (``DATA_PLANES``); keys, checks and results are the same either way.
+    ``data_host`` / ``data_advertise``: where this process's socket plane listens for the peer to pull what it
+    pushes, and the host its offers name (an instance passes its own ``host`` and advertised host; None: loopback,
+    which "auto" uses only with a peer on this host).
     """
 
     def __init__(self, address: str, pool: BlockPool, *, timeout_s: float = 60.0,
-                 auth_token: str | None = None, data_plane: str = "grpc") -> None:
+                 auth_token: str | None = None, data_plane: str = "auto", data_host: str | None = None,
+                 data_advertise: str | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if data_plane not in DATA_PLANES:
@@ -122,6 +141,10 @@ class MessengerClient:
         if data_plane == "socket":
             refuse_tls()
         self.data_plane = data_plane
+        self.data_host, self.data_advertise = data_host, data_advertise
+        self._peer_planes: tuple[str, ...] | None = None  # the peer's HasReply.data_planes, once asked ("auto")
+        self._socket_off: str | None = None  # why "auto" keeps gRPC with this peer after a refused socket move
+        self._said: set[str] = set()  # fallback reasons logged (once each)
         self.address = address
         self.pool = pool
         self.timeout_s = timeout_s
@@ -156,9 +179,51 @@ class MessengerClient:
         keys = [check_key(key) for key in keys]
         request = messages.HasRequest(keys=keys, spec_fingerprint=self.pool.spec.fingerprint)
         try:
-            return self._stub.Has(request, timeout=timeout_s or self.timeout_s)
+            reply = self._stub.Has(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as err:
             raise self._error("has", err) from err
+        self._peer_planes = tuple(reply.data_planes)
+        return reply
+
+    def plane(self, pushing: bool = False, deadline: float | None = None) -> str:
+        """The plane the next fetch (or push, ``pushing``) takes: the configured one, or for "auto" the socket plane
+        when this process and the peer can both use it, else "grpc" (the reason logged once). "auto" asks the peer
+        what it serves once (``Has``; a push's own ``Has`` answers it anew each time)."""
+        if self.data_plane != "auto":
+            return self.data_plane
+        why = self._why_not_socket(pushing, deadline)
+        if why is None:
+            return "socket"
+        if why not in self._said:
+            self._said.add(why)
+            log.info("Messenger to %s: moving blocks over gRPC, not the socket data plane: %s", self.address, why)
+        return "grpc"
+
+    def _why_not_socket(self, pushing: bool, deadline: float | None) -> str | None:
+        if tls.files() is not None:
+            return "TLS is configured (the socket plane would move the blocks in clear text)"
+        if self._socket_off is not None:
+            return self._socket_off
+        if self._peer_planes is None:
+            timeout = self.timeout_s if deadline is None else max(deadline - time.monotonic(), 0.001)
+            try:  # an empty Has: which planes the peer serves to this caller
+                self._peer_planes = tuple(self._stub.Has(messages.HasRequest(
+                    keys=[], spec_fingerprint=self.pool.spec.fingerprint), timeout=timeout).data_planes)
+            except grpc.RpcError as err:
+                if err.code() not in _FALLBACK_CODES:
+                    raise self._error("fetch from", err) from err
+                return f"the peer did not say which planes it serves ({err.code().name})"  # asked again next time
+        if "socket" not in self._peer_planes:
+            return (f"the peer does not serve it (it serves {', '.join(self._peer_planes) or 'gRPC only'}: an older "
+                    f"build, a peer configured data_plane=\"grpc\" or with TLS, or one that cannot reach this host)")
+        if pushing and not socket_plane(self.data_host, self.data_advertise).reachable_from(host_of(self.address)):
+            return (f"this process's socket plane listens on {self.data_host or '127.0.0.1'}, which the peer at "
+                    f"{host_of(self.address)} cannot reach (give the client data_host)")
+        return None
+
+    def _socket_refused(self, why: str) -> None:
+        """A socket-plane step of an "auto" move was refused before anything moved: gRPC with this peer from now on."""
+        self._socket_off = f"a socket-plane move was refused: {why}"
 
     def fetch(self, keys: Iterable[BlockKey], *, timeout_s: float | None = None) -> TransferResult:
         """Copy the blocks of ``keys`` that this pool lacks from the peer into it.
@@ -175,42 +240,38 @@ class MessengerClient:
         """
         keys = _unique(keys)
         wanted = [key for key in keys if key not in self.pool]
-        expected = set(wanted)
-        skipped = [key for key in keys if key not in expected]
+        skipped = [key for key in keys if key not in set(wanted)]
         started = time.perf_counter()
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
         stored: list[BlockKey] = []
-        received = 0
-        if wanted and self.data_plane == "jax":
-            stored, received = self._fetch_pulled(wanted, started, timeout_s or self.timeout_s)
-        elif wanted and self.data_plane == "socket":
-            deadline = time.monotonic() + (timeout_s or self.timeout_s)
-            # as the gRPC fetch: the peer offers its records as stored and this end checks each as it lands; from one
-            # that fails, the rest are offered again, each checked by the peer first
-            if self._fetch_socket(wanted, deadline, started, stored, receiver_checks=True):
-                self._meter.add(blocks_refused=1)
-                arrived = set(stored)
-                self._fetch_socket([key for key in wanted if key not in arrived], deadline, started, stored,
-                                   receiver_checks=False)
-            received = len(stored) * self.pool.frame_bytes
-            if len(stored) != len(wanted):  # not expected: every failure above raises
-                self._failed(received, len(stored), started)
-                raise TransferError(f"fetch from {self.address}: peer sent {len(stored)} of {len(wanted)} blocks",
-                                    stored=stored)
-        elif wanted:
-            deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        plane = self.plane(deadline=deadline) if wanted else self.data_plane
+        if plane == "socket":
+            try:
+                self._fetch_socket_checked(wanted, deadline, started, stored)
+            except _SocketUnusable as err:  # "auto", refused before anything of that group moved: the rest by gRPC
+                self._socket_refused(str(err))
+                plane = "grpc"
+            self._meter.add(socket_bytes=len(stored) * self.pool.frame_bytes)
+        if wanted and plane != "socket" and self.data_plane == "auto":
+            self._meter.add(plane_fallbacks=1)
+        rest = [key for key in wanted if key not in set(stored)] if plane != "socket" else []
+        if rest and plane == "jax":
+            self._fetch_pulled(rest, started, deadline, stored)
+        elif rest:
             # the peer sends the records as stored and this end checks each as it lands; from a record that fails,
             # the rest are asked for again, checked by the peer this time: damaged there, it is dropped there and
             # named NOT_FOUND (BlocksNotFoundError); damaged on the way, it arrives sound the second time
-            if self._fetch_streamed(wanted, expected, deadline, started, stored, receiver_checks=True):
+            expected = set(rest)
+            if self._fetch_streamed(rest, expected, deadline, started, stored, receiver_checks=True):
                 self._meter.add(blocks_refused=1)
                 arrived = set(stored)
-                self._fetch_streamed([key for key in wanted if key not in arrived], expected, deadline, started,
+                self._fetch_streamed([key for key in rest if key not in arrived], expected, deadline, started,
                                      stored, receiver_checks=False)
-            received = len(stored) * self.pool.frame_bytes
-            if len(stored) != len(wanted):
-                self._failed(received, len(stored), started)
-                message = f"fetch from {self.address}: peer sent {len(stored)} of {len(wanted)} blocks"
-                raise TransferError(message, stored=stored)
+        received = len(stored) * self.pool.frame_bytes
+        if len(stored) != len(wanted):  # not expected on the planes that pull: every failure there raises
+            self._failed(received, len(stored), started)
+            message = f"fetch from {self.address}: peer sent {len(stored)} of {len(wanted)} blocks"
+            raise TransferError(message, stored=stored)
         seconds = time.perf_counter() - started
         self._meter.add(transfers=1, blocks_received=len(stored), bytes_received=received, busy_s=seconds)
         self._meter.add(blocks_skipped=len(skipped))
@@ -317,31 +378,36 @@ class MessengerClient:
         started = time.perf_counter()
         sent: list[BlockKey] = []
         lost: list[BlockKey] = []
-        sent_bytes = 0
 
-        def outgoing_messages() -> Iterator[bytes]:
-            nonlocal sent_bytes
-            with Outgoing(self.pool, to_send, batch_bytes, verify=False) as outgoing:
+        def outgoing_messages(rest: list[BlockKey]) -> Iterator[bytes]:
+            with Outgoing(self.pool, rest, batch_bytes, verify=False) as outgoing:
                 for message, keys_sent in outgoing:
                     yield message
                     sent.extend(keys_sent)
-                    sent_bytes += len(keys_sent) * self.pool.frame_bytes
                 if outgoing.lost is not None:  # failed its checksum here: the stream ends cleanly, reported after
                     lost.append(outgoing.lost)
 
-        if to_send and self.data_plane == "jax":
-            with self.pool.pin(to_send):
-                sent, lost, sent_bytes = self._push_offered(to_send, started, deadline)
-        elif to_send and self.data_plane == "socket":
-            with self.pool.pin(to_send):
-                sent, lost, sent_bytes = self._push_socket(to_send, started, deadline)
-        elif to_send:
-            with self.pool.pin(to_send):
+        plane = self.plane(pushing=True, deadline=deadline) if to_send else self.data_plane
+        with self.pool.pin(to_send):
+            if to_send and plane == "socket":
                 try:
-                    self._push_raw(outgoing_messages(), timeout=max(deadline - time.monotonic(), 0.001))
+                    lost = self._push_socket(to_send, started, deadline, sent)
+                except _SocketUnusable as err:  # "auto", refused before that group moved: the rest by gRPC
+                    self._socket_refused(str(err))
+                    plane = "grpc"
+                self._meter.add(socket_bytes=len(sent) * self.pool.frame_bytes)
+            if to_send and plane != "socket" and self.data_plane == "auto":
+                self._meter.add(plane_fallbacks=1)
+            rest = [key for key in to_send if key not in set(sent)] if plane != "socket" else []
+            if rest and plane == "jax":
+                lost = self._push_offered(rest, started, deadline, sent)
+            elif rest:
+                order = [*sent, *rest]
+                try:
+                    self._push_raw(outgoing_messages(rest), timeout=max(deadline - time.monotonic(), 0.001))
                 except grpc.RpcError as err:
-                    self._failed(sent_bytes, 0, started, sending=True)
-                    raise self._refused(err, to_send) or self._error("push", err) from err
+                    raise self._push_error(err, order, sent, started, stored=False) from err
+        sent_bytes = len(sent) * self.pool.frame_bytes
         seconds = time.perf_counter() - started
         self._meter.add(
             transfers=1, blocks_sent=len(sent), bytes_sent=sent_bytes, blocks_skipped=len(skipped), busy_s=seconds
@@ -351,21 +417,67 @@ class MessengerClient:
             raise BlocksNotFoundError(message, lost, stored=sent)
         return TransferResult(sent, skipped, sent_bytes, seconds)
 
+    @contextlib.contextmanager
+    def _pulling(self, stored: list[BlockKey], started: float, socket: bool = False) -> Iterator[None]:
+        """The errors of a fetch pulled over the device or socket plane, one mapping for both: a failed control call
+        is the peer's status (``_error``: BlocksNotFoundError for NOT_FOUND); a corrupt record, a full pool or a
+        failed pull is a TransferError; ``stored`` lists the blocks stored before. On the socket plane of an "auto"
+        client a control call refused with ``_FALLBACK_CODES`` or a pull that could not connect moved nothing of
+        its group: ``_SocketUnusable`` (the caller moves the rest over gRPC)."""
+        auto = socket and self.data_plane == "auto"
+        try:
+            yield
+        except grpc.RpcError as err:
+            if auto and err.code() in _FALLBACK_CODES:
+                raise _SocketUnusable(f"{err.code().name}: {err.details()}") from err
+            self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
+            raise self._error("fetch", err, stored) from err
+        except PullError as err:
+            if auto and not err.connected:
+                raise _SocketUnusable(str(err)) from err
+            self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
+            raise TransferError(f"fetch from {self.address}: {err}", stored=stored) from err
+        except TransferError:
+            raise
+        except (ValueError, PoolFullError, RuntimeError) as err:  # a corrupt record, a full pool, a failed pull
+            self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
+            raise TransferError(f"fetch from {self.address}: {err}", stored=stored) from err
+
+    def _push_error(self, err: grpc.RpcError, order: list[BlockKey], sent: list[BlockKey], started: float,
+                    stored: bool = True) -> Exception:
+        """The error for a push whose call ``err`` ended, one mapping for every plane: a record the peer refused is
+        checked here (``_refused``), else the peer's status (``_error``). ``order``: the blocks in the order they
+        were sent; ``stored``: whether ``sent`` are known stored there (a pull's groups are; a stream's messages
+        are only sent)."""
+        self._failed(len(sent) * self.pool.frame_bytes, 0, started, sending=True)
+        return self._refused(err, order) or self._error("push", err, sent if stored else ())
+
+    def _fetch_socket_checked(self, keys: list[BlockKey], deadline: float, started: float,
+                              stored: list[BlockKey]) -> None:
+        """A fetch over the socket plane, checked as the gRPC fetch is: the peer offers its records as stored and
+        this end checks each as it lands; from one that fails, the rest are offered again, each checked by the peer
+        first."""
+        if self._fetch_socket(keys, deadline, started, stored, receiver_checks=True):
+            self._meter.add(blocks_refused=1)
+            arrived = set(stored)
+            self._fetch_socket([key for key in keys if key not in arrived], deadline, started, stored,
+                               receiver_checks=False)
+
     def _fetch_socket(self, keys: list[BlockKey], deadline: float, started: float, stored: list[BlockKey],
                       receiver_checks: bool) -> bool:
         """Fetch over the socket plane, per group of blocks: the peer offers their records (``OfferPull``), this
         process pulls them and stores each batch of whole records as it lands, verified (appended to ``stored``).
         With ``receiver_checks`` a record that fails its check here ends it: True. Else such a failure is a
-        TransferError, as is any other (BlocksNotFoundError for a NOT_FOUND, a full pool, a link failure)."""
+        TransferError, as is any other (``_pulling``)."""
         fingerprint = self.pool.spec.fingerprint
-        try:
+        with self._pulling(stored, started, socket=True):
             for group in groups(keys, self.pool.record_bytes):
                 request = messages.FetchRequest(keys=group, spec_fingerprint=fingerprint, data_plane="socket",
                                                 receiver_checks=receiver_checks)
                 offer = self._stub.OfferPull(request, timeout=max(deadline - time.monotonic(), 0.001))
                 if offer.data_plane != "socket":  # an older peer reads the request as one for the device plane
                     raise PullError(f"the peer offered on the {offer.data_plane or 'jax'} plane, not the socket "
-                                    f"plane (an older build?): use data_plane=\"grpc\" with it")
+                                    f"plane (an older build?): use data_plane=\"grpc\" with it", connected=False)
 
                 def store(first: int, records, group=group) -> None:
                     new: list[bool] = []
@@ -376,32 +488,27 @@ class MessengerClient:
 
                 try:
                     socket_plane().pull(offer.address, offer.pull_token, len(group), self.pool.record_bytes, store,
-                                        timeout_s=max(deadline - time.monotonic(), 0.001))
+                                        timeout_s=max(deadline - time.monotonic(), 0.001),
+                                        peer_host=host_of(self.address))
                 except CorruptBlockError:
                     if receiver_checks:
                         return True
                     raise
-        except grpc.RpcError as err:
-            self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
-            raise self._error("fetch", err, stored) from err
-        except (ValueError, PoolFullError, PullError) as err:  # a corrupt record, a full pool, a failed pull
-            self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
-            raise TransferError(f"fetch from {self.address}: {err}", stored=stored) from err
         return False
 
-    def _push_socket(self, to_send: list[BlockKey], started: float,
-                     deadline: float) -> tuple[list[BlockKey], list[BlockKey], int]:
+    def _push_socket(self, to_send: list[BlockKey], started: float, deadline: float,
+                     sent: list[BlockKey]) -> list[BlockKey]:
         """Push over the socket plane, per group of blocks (pinned by the caller): this process offers their
         records as stored (``BlockPool.record_views``: no copy; the peer checks each as it lands) and the peer
-        pulls and stores them (``PullFrom``). A record the peer refuses is checked here (``_refused``), as a gRPC
-        push's is. ``(sent, lost, bytes)``; a block this pool can no longer serve ends the push (lost)."""
-        sent: list[BlockKey] = []
+        pulls and stores them (``PullFrom``), each group appended to ``sent`` once stored there. A record the peer
+        refuses is checked here (``_refused``), as a gRPC push's is. Returns the lost block (a block this pool can
+        no longer serve ends the push), as a list of at most one."""
         fingerprint = self.pool.spec.fingerprint
-        plane = socket_plane()
+        plane = socket_plane(self.data_host, self.data_advertise)
         for group in groups(to_send, self.pool.record_bytes):
             records = self.pool.record_views(group)
             if None in records:
-                return sent, [group[records.index(None)]], len(sent) * self.pool.frame_bytes
+                return [group[records.index(None)]]
             remaining = max(deadline - time.monotonic(), 0.001)
             address, token = plane.offer(records, remaining)
             request = messages.PullOffer(address=address, keys=group, spec_fingerprint=fingerprint,
@@ -409,20 +516,19 @@ class MessengerClient:
             try:
                 self._stub.PullFrom(request, timeout=remaining)
             except grpc.RpcError as err:
-                self._failed(len(sent) * self.pool.frame_bytes, 0, started, sending=True)
-                raise self._refused(err, to_send) or self._error("push", err, sent) from err
+                if self.data_plane == "auto" and err.code() in _FALLBACK_CODES:
+                    raise _SocketUnusable(f"{err.code().name}: {err.details()}") from err
+                raise self._push_error(err, to_send, sent, started) from err
             finally:
                 plane.withdraw(token)
             sent.extend(group)
-        return sent, [], len(sent) * self.pool.frame_bytes
+        return []
 
-    def _fetch_pulled(self, wanted: list[BlockKey], started: float, timeout_s: float) -> tuple[list[BlockKey], int]:
+    def _fetch_pulled(self, wanted: list[BlockKey], started: float, deadline: float, stored: list[BlockKey]) -> None:
         """Fetch over the device plane: per group of blocks, the peer offers their records, this process pulls
-        them and stores each (verified) row."""
-        deadline = time.monotonic() + timeout_s
-        stored: list[BlockKey] = []
+        them and stores each (verified) row (appended to ``stored``)."""
         fingerprint = self.pool.spec.fingerprint
-        try:
+        with self._pulling(stored, started):
             for group in groups(wanted, self.pool.record_bytes):
                 remaining = max(deadline - time.monotonic(), 0.001)
                 offer = self._stub.OfferPull(messages.FetchRequest(keys=group, spec_fingerprint=fingerprint),
@@ -432,19 +538,12 @@ class MessengerClient:
                 for key, row in zip(group, rows):
                     self.pool.put_record(key, memoryview(row))
                     stored.append(key)
-        except grpc.RpcError as err:
-            self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
-            raise self._error("fetch", err, stored) from err
-        except (ValueError, PoolFullError, RuntimeError) as err:  # a corrupt row, a full pool, a failed pull
-            self._failed(len(stored) * self.pool.frame_bytes, len(stored), started)
-            raise TransferError(f"fetch from {self.address}: {err}", stored=stored) from err
-        return stored, len(stored) * self.pool.frame_bytes
 
-    def _push_offered(self, to_send: list[BlockKey], started: float,
-                      deadline: float) -> tuple[list[BlockKey], list[BlockKey], int]:
+    def _push_offered(self, to_send: list[BlockKey], started: float, deadline: float,
+                      sent: list[BlockKey]) -> list[BlockKey]:
         """Push over the device plane: per group of blocks, this process offers their records and the peer pulls
-        and stores them. ``(sent, lost, bytes)``: a block that failed its checksum here ends the push."""
-        sent: list[BlockKey] = []
+        and stores them (appended to ``sent``). Returns the lost block (one that failed its checksum here ends the
+        push), as a list of at most one."""
         fingerprint = self.pool.spec.fingerprint
         for group in groups(to_send, self.pool.record_bytes):
             records = []
@@ -452,21 +551,20 @@ class MessengerClient:
                 record = self.pool.get_record(key, promote=False)
                 if record is None:
                     if records:
-                        self._offer(group[: len(records)], records, fingerprint, deadline, started, sent)
-                    return sent, [key], len(sent) * self.pool.frame_bytes
+                        self._offer(group[: len(records)], records, fingerprint, deadline, started, to_send, sent)
+                    return [key]
                 records.append(record)
-            self._offer(group, records, fingerprint, deadline, started, sent)
-        return sent, [], len(sent) * self.pool.frame_bytes
+            self._offer(group, records, fingerprint, deadline, started, to_send, sent)
+        return []
 
     def _offer(self, keys: list[BlockKey], records: list[bytes], fingerprint: int, deadline: float, started: float,
-               sent: list[BlockKey]) -> None:
+               to_send: list[BlockKey], sent: list[BlockKey]) -> None:
         address, pull_id = device_plane().offer(records)
         request = messages.PullOffer(address=address, pull_id=pull_id, keys=keys, spec_fingerprint=fingerprint)
         try:
             self._stub.PullFrom(request, timeout=max(deadline - time.monotonic(), 0.001))
         except grpc.RpcError as err:
-            self._failed(len(sent) * self.pool.frame_bytes, 0, started, sending=True)
-            raise self._error("push", err) from err
+            raise self._push_error(err, to_send, sent, started) from err
         sent.extend(keys)
 
     def probe(
@@ -517,7 +615,7 @@ class MessengerClient:
         which pulls them into its staging buffer and drops them (no pool, no checks): ``push``'s reference on the
         socket plane. TransferError if the peer counted another number of records."""
         refuse_tls()
-        plane = socket_plane()
+        plane = socket_plane(self.data_host, self.data_advertise)
         timeout_s = timeout_s or self.timeout_s
         started = time.perf_counter()
         address, token = plane.offer(records, timeout_s)

@@ -20,6 +20,7 @@ import grpc
 from mooncake_jax.blocks import BlockKey
 from mooncake_jax.proto import GRPC_MAX_MESSAGE_BYTES, server_options
 from mooncake_jax.proto.auth import interceptors
+from mooncake_jax.proto import tls
 from mooncake_jax.proto.tls import add_port
 from mooncake_jax.transfer.counters import Meter, TransferCounters
 from mooncake_jax.transfer.device_plane import PULL_BYTES, device_plane
@@ -36,16 +37,35 @@ from mooncake_jax.transfer.outgoing import Outgoing
 from mooncake_jax.transfer.pieces import BATCH_BYTES, PIECE_BYTES, RecordAssembler, encode_piece, parse_message
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
 from mooncake_jax.transfer.readahead import Ahead
-from mooncake_jax.transfer.socket_plane import PullError, refuse_tls, socket_plane
+from mooncake_jax.transfer.socket_plane import PullError, host_of, socket_plane
 
 _MAX_PROBE_BYTES = 1 << 36
 
 
 class _Servicer:
-    def __init__(self, pool: BlockPool, meter: Meter, data_host: str | None = None) -> None:
+    def __init__(self, pool: BlockPool, meter: Meter, data_host: str | None = None, data_advertise: str | None = None,
+                 serve_socket: bool = True) -> None:
         self.pool = pool
         self.meter = meter
         self.data_host = data_host  # where this process's socket data plane listens (None: loopback)
+        self.data_advertise = data_advertise  # the host its offers name (None: the bound one)
+        self.serve_socket = serve_socket  # False: an instance configured data_plane="grpc" (no second listener)
+
+    def _socket_refusal(self, context) -> str | None:
+        """Why this server does not serve the socket plane to the caller of ``context``, or None when it does."""
+        if not self.serve_socket:
+            return "this peer does not serve the socket data plane (it is configured data_plane=\"grpc\")"
+        if tls.files() is not None:
+            return 'data_plane="socket" does not support TLS (the records would travel in clear text)'
+        caller = host_of(context.peer() or "")
+        if not socket_plane(self.data_host, self.data_advertise).reachable_from(caller):
+            return (f"this peer's socket data plane listens on {self.data_host or '127.0.0.1'}, which the caller at "
+                    f"{caller} cannot reach")
+        return None
+
+    def _data_planes(self, context) -> list[str]:
+        """The planes this server serves to the caller (``HasReply.data_planes``)."""
+        return ["grpc", "jax"] + ([] if self._socket_refusal(context) else ["socket"])
 
     def _check_spec(self, fingerprint: int, context: grpc.ServicerContext) -> None:
         if fingerprint != self.pool.spec.fingerprint:
@@ -62,7 +82,8 @@ class _Servicer:
 
     def Has(self, request, context):
         self._check_spec(request.spec_fingerprint, context)
-        return messages.HasReply(present=[key in self.pool for key in request.keys], batch_bytes=BATCH_BYTES)
+        return messages.HasReply(present=[key in self.pool for key in request.keys], batch_bytes=BATCH_BYTES,
+                                 data_planes=self._data_planes(context))
 
     def Fetch(self, request, context):
         self._check_spec(request.spec_fingerprint, context)
@@ -135,12 +156,13 @@ class _Servicer:
         return sum(new), len(new) - sum(new)
 
     def _socket_plane(self, context):
-        """This process's socket data plane, or FAILED_PRECONDITION where it is refused (TLS)."""
-        try:
-            refuse_tls()
-            return socket_plane(self.data_host)
-        except ValueError as err:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        """This process's socket data plane, or FAILED_PRECONDITION where it is refused (TLS, not served, not
+        reachable from the caller): nothing has moved then, so a client of data_plane="auto" moves the blocks over
+        gRPC instead."""
+        why = self._socket_refusal(context)
+        if why is not None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        return socket_plane(self.data_host, self.data_advertise)
 
     def OfferPull(self, request, context):
         """Offer the records of the keys on the device plane or the socket plane (at most ``PULL_BYTES``)."""
@@ -196,7 +218,7 @@ class _Servicer:
             pins.close()
             raise
         self.meter.add(transfers=1, blocks_sent=len(keys), bytes_sent=len(keys) * self.pool.frame_bytes,
-                       busy_s=time.perf_counter() - started)
+                       socket_bytes=len(keys) * self.pool.frame_bytes, busy_s=time.perf_counter() - started)
         return messages.PullOffer(address=address, keys=keys, spec_fingerprint=self.pool.spec.fingerprint,
                                   data_plane="socket", pull_token=token)
 
@@ -241,12 +263,14 @@ class _Servicer:
 
         try:
             plane.pull(request.address, request.pull_token, len(keys), self.pool.record_bytes, store,
-                       timeout_s=remaining if remaining is not None else 60.0)
-        except PullError as err:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"{err}; {counts[0]} earlier block(s) were stored")
+                       timeout_s=remaining if remaining is not None else 60.0, peer_host=host_of(context.peer()))
+        except PullError as err:  # not connected: nothing moved (FAILED_PRECONDITION, as a plane not served)
+            context.abort(grpc.StatusCode.UNAVAILABLE if err.connected else grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{err}; {counts[0]} earlier block(s) were stored")
         stored, already = counts
         self.meter.add(transfers=1, blocks_received=stored, blocks_skipped=already,
-                       bytes_received=stored * self.pool.frame_bytes, busy_s=time.perf_counter() - started)
+                       bytes_received=stored * self.pool.frame_bytes, socket_bytes=stored * self.pool.frame_bytes,
+                       busy_s=time.perf_counter() - started)
         return messages.PushReply(stored=stored, already_present=already)
 
     def ProbePull(self, request, context):
@@ -260,7 +284,7 @@ class _Servicer:
 
         try:
             plane.pull(request.address, request.pull_token, len(request.keys), self.pool.record_bytes, drop,
-                       timeout_s=remaining if remaining is not None else 60.0)
+                       timeout_s=remaining if remaining is not None else 60.0, peer_host=host_of(context.peer()))
         except PullError as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         return messages.PushReply(stored=counted[0])
@@ -330,13 +354,16 @@ def _handlers(servicer: _Servicer) -> grpc.GenericRpcHandler:
     )
 
 
-def add_messenger(server: grpc.Server, pool: BlockPool, data_host: str | None = None) -> Meter:
+def add_messenger(server: grpc.Server, pool: BlockPool, data_host: str | None = None, data_advertise: str | None = None,
+                  serve_socket: bool = True) -> Meter:
     """Serve ``pool`` through the Messenger service on an existing gRPC server (an instance serves its own RPCs and
     its Messenger on one port); returns the meter counting what moves. The server must have the raised message
     limits of ``channel_options()``. ``data_host``: where the socket data plane listens (the server's host; None:
-    loopback)."""
+    loopback); ``data_advertise``: the host its offers name (None: ``data_host``; a wildcard ``data_host`` with
+    nothing advertised lets each puller use the host it reaches this server at); ``serve_socket=False``: no socket
+    plane (the peers' clients of data_plane="auto" then keep gRPC, told so in ``HasReply.data_planes``)."""
     meter = Meter()
-    server.add_generic_rpc_handlers((_handlers(_Servicer(pool, meter, data_host)),))
+    server.add_generic_rpc_handlers((_handlers(_Servicer(pool, meter, data_host, data_advertise, serve_socket)),))
     return meter
 
 

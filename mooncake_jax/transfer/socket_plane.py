@@ -15,16 +15,24 @@ call's deadline (an offer never pulled is reaped, its pins released); an unknown
 answered with an error status and a message, never a hang. Every read and write has a timeout, and the whole pull
 ends by the call's deadline.
 
-One plane per process (``socket_plane()``): one listening socket on the Messenger's host, one thread accepting
-(and reaping expired offers), a thread per connection serving it. TLS: not supported; a process with TLS
-configured (``proto/tls.py``) refuses ``data_plane="socket"`` with a ValueError instead of moving blocks in clear
-text.
+One plane per listening host in a process (``socket_plane(host, advertise)``): one listening socket on the host
+the Messenger's gRPC server listens on (an instance's ``InstanceConfig.host``; loopback for a process that only runs
+clients), one thread accepting (and reaping expired offers), a thread per connection serving it. An offer carries
+the address peers reach the plane at: the advertised host (``InstanceConfig.advertise``) when there is one, else the
+bound host; a wildcard bind (0.0.0.0, ::) with nothing advertised is sent as such and the puller connects to the host
+it reaches the offering peer's gRPC at instead (``resolve``), so an offer never sends a peer to its own loopback or
+to 0.0.0.0. A plane bound to loopback is not offered to a peer on another host (``reachable_from``): the Messenger
+then keeps gRPC for that peer.
+
+TLS: not supported; a process with TLS configured (``proto/tls.py``) refuses ``data_plane="socket"`` with a
+ValueError instead of moving blocks in clear text, and ``data_plane="auto"`` keeps gRPC there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -36,6 +44,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from mooncake_jax.proto import tls
+from mooncake_jax.transfer.plane_registry import PlaneRegistry
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +70,51 @@ REAP_EVERY_S = 0.5
 
 class PullError(RuntimeError):
     """A pull failed on the link: refused (unknown, spent or expired token), the peer gone, a timeout. ``received``
-    counts the whole records that had arrived (and were handed to the store) before the failure."""
+    counts the whole records that had arrived (and were handed to the store) before the failure; ``connected`` is
+    False when the offering plane could not be reached at all (nothing was asked or sent: the move can go another
+    way, which ``data_plane="auto"`` does)."""
 
-    def __init__(self, message: str, received: int = 0) -> None:
+    def __init__(self, message: str, received: int = 0, connected: bool = True) -> None:
         super().__init__(message)
         self.received = received
+        self.connected = connected
+
+
+WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address or a name) is this machine's loopback; a name that does not resolve is not."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False
+
+
+def host_of(address: str) -> str:
+    """The host of ``HOST:PORT`` / ``[IPv6]:PORT``, or of a gRPC peer string (``ipv4:10.0.0.2:5123``,
+    ``ipv6:[::1]:5123``), without brackets."""
+    for scheme in ("ipv4:", "ipv6:"):
+        if address.startswith(scheme):
+            address = address[len(scheme):]
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        host = address
+    return host.strip("[]")
+
+
+def resolve(address: str, peer_host: str | None) -> str:
+    """An offer's ``HOST:PORT`` as this end connects to it: a wildcard host (an offering plane bound to every
+    address, nothing advertised) is the host this end reaches the offering peer's gRPC at."""
+    host, _, port = address.rpartition(":")
+    if host.strip("[]") in WILDCARDS and peer_host:
+        return f"[{peer_host}]:{port}" if ":" in peer_host else f"{peer_host}:{port}"
+    return address
 
 
 def refuse_tls() -> None:
@@ -94,8 +143,9 @@ class _Offer:
 class SocketPlane:
     """This process's listening socket, the offers it serves, and pulls from peers' planes."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", advertise: str | None = None) -> None:
         self.host = host
+        self.advertise = advertise or None
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._offers: dict[bytes, _Offer] = {}
@@ -118,9 +168,19 @@ class SocketPlane:
 
     @property
     def address(self) -> str:
-        """Where peers connect to pull what this process offers (``host:port``)."""
+        """Where peers connect to pull what this process offers (``host:port``: the advertised host, else the bound
+        one; a wildcard is resolved by the puller, ``resolve``)."""
         host, port = self._started().getsockname()[:2]
-        return f"{host}:{port}"
+        host = self.advertise or host
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def reachable_from(self, peer_host: str | None) -> bool:
+        """Whether a peer at ``peer_host`` can connect to this plane: not when its offers name a loopback host
+        (the bound one, nothing else advertised) and the peer is on another host."""
+        named = self.advertise or self.host
+        if named.strip("[]") in WILDCARDS or not peer_host or not is_loopback(named):
+            return True
+        return is_loopback(peer_host)
 
     @property
     def offers(self) -> int:
@@ -229,20 +289,28 @@ class SocketPlane:
         return memoryview(stage)[:n_bytes]
 
     def pull(self, address: str, token: bytes, count: int, record_bytes: int,
-             store: Callable[[int, list[memoryview]], None], timeout_s: float) -> None:
+             store: Callable[[int, list[memoryview]], None], timeout_s: float, peer_host: str | None = None) -> None:
         """Pull the ``count`` records of ``record_bytes`` offered at ``address`` under ``token``, handing them to
         ``store(first, records)`` (record ``first`` onward, views of the staging buffer valid only during the call)
         in batches of whole records as they arrive. PullError for a refused token or a link failure (after storing
-        the whole records that had arrived), whatever ``store`` raises as it is; all by ``timeout_s``."""
+        the whole records that had arrived), whatever ``store`` raises as it is; all by ``timeout_s``.
+        ``peer_host``: the host this end reaches the offering peer's gRPC at (resolves a wildcard offer; an offer on
+        loopback from a peer on another host is refused unconnected, never tried on this host's loopback)."""
         deadline = time.monotonic() + timeout_s
+        address = resolve(address, peer_host)
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit() or len(token) != TOKEN_BYTES:
-            raise PullError(f"socket plane: bad offer (address {address!r}, token of {len(token)} bytes)")
+            raise PullError(f"socket plane: bad offer (address {address!r}, token of {len(token)} bytes)",
+                            connected=False)
+        if peer_host and is_loopback(host) and not is_loopback(peer_host):
+            raise PullError(f"socket plane: the peer at {peer_host} offered on {address}, its own loopback, which "
+                            f"this host cannot reach (give that peer a reachable host or --advertise)",
+                            connected=False)
         try:
             conn = socket.create_connection((host.strip("[]"), int(port)),
                                             timeout=max(min(CONNECT_TIMEOUT_S, deadline - time.monotonic()), 0.001))
         except OSError as err:
-            raise PullError(f"socket plane: cannot connect to {address}: {err}") from err
+            raise PullError(f"socket plane: cannot connect to {address}: {err}", connected=False) from err
         received = 0
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -319,17 +387,10 @@ def _send_all(conn: socket.socket, views: list[memoryview], deadline: float) -> 
             views[first] = views[first][sent:]
 
 
-_PLANE: SocketPlane | None = None
-_PLANE_LOCK = threading.Lock()
+_PLANES: PlaneRegistry[SocketPlane] = PlaneRegistry(SocketPlane)
 
 
-def socket_plane(host: str | None = None) -> SocketPlane:
-    """The process's one ``SocketPlane`` (listening on first use on ``host``, by default loopback; the Messenger's
-    server passes its own host); asking for it on another host than it was made for is a ValueError."""
-    global _PLANE
-    with _PLANE_LOCK:
-        if _PLANE is None:
-            _PLANE = SocketPlane(host or "127.0.0.1")
-        elif host is not None and host != _PLANE.host:
-            raise ValueError(f"this process's socket plane listens on {_PLANE.host}, not {host}")
-        return _PLANE
+def socket_plane(host: str | None = None, advertise: str | None = None) -> SocketPlane:
+    """This process's ``SocketPlane`` listening (on first use) on ``host`` (by default loopback; an instance passes
+    the host its gRPC server listens on) and offering at ``advertise`` (None: the bound host): one per such pair."""
+    return _PLANES(host or "127.0.0.1", advertise or None)
