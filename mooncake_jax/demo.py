@@ -74,6 +74,11 @@ def add_arguments(p) -> None:
         p.add_argument(f"--{role}-cpus", default=None,
                        help=f"host cores of the {role} instances' own, e.g. 1 (the rest keep off them; default: "
                             f"none, every process on every core)")
+    from .transfer.messenger import DATA_PLANES  # here, not at import: ``mooncake-jax --help`` stays light
+
+    p.add_argument("--data-plane", default=None, choices=DATA_PLANES,
+                   help="how block data moves between instances: auto (default: the socket plane where both ends "
+                        "serve it and TLS is off, else gRPC), grpc, jax, socket")
     p.add_argument("--json", type=Path, default=None, help="also write the results table as JSON")
     p.add_argument("--trace", type=Path, default=None,
                    help="also write each request's client-side token times as JSON (diagnostics: its start on the "
@@ -333,7 +338,9 @@ def run(args) -> int:
         cluster = Cluster.local("tiny", prefill=args.prefill, decode=args.decode, processes=not args.in_process,
                                 admission=args.admission, ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_s,
                                 log_dir=log_dir, prefill_cpus=args.prefill_cpus,
-                                decode_cpus=args.decode_cpus, **shapes)
+                                decode_cpus=args.decode_cpus, **shapes,
+                                **({} if getattr(args, "data_plane", None) is None else
+                                   {"data_plane": args.data_plane}))
     except (ValueError, MapBudgetExhausted) as e:  # a shape the devices or the model cannot take; too many programs
         print(f"mooncake-jax demo: {e}", file=sys.stderr)  # for one process (--in-process): said, not a crash
         return 2

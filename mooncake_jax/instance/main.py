@@ -31,6 +31,7 @@ from ..roles import add_security_arguments, parse_address
 from .conductor_link import DECODE, PREFILL
 from . import cpus
 from .config import InstanceConfig
+from ..transfer.messenger import DATA_PLANES
 from .devices import reserve_cpu_devices
 from .server import InstanceServer, RegistrationError
 
@@ -66,6 +67,9 @@ def add_arguments(p) -> None:
     p.add_argument("--pool-dram-blocks", type=int, default=None)
     p.add_argument("--pool-ssd-path", default=None)
     p.add_argument("--layerwise", action="store_true", default=None)
+    p.add_argument("--data-plane", default=None, choices=DATA_PLANES,
+                   help="how block data moves to and from other instances: auto (default: the socket plane where "
+                        "both ends serve it and TLS is off, else gRPC), grpc (and serve no socket plane), jax, socket")
     p.add_argument("--profile-file", type=Path, default=None, help="cost profile JSON (default: measure at start)")
     p.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use instead of at start")
     p.add_argument("--compile-cache", default="", help="persistent XLA cache folder ('none' to disable; "
@@ -99,6 +103,8 @@ def config_from_args(a, auth_token: str | None) -> InstanceConfig:
     fields["pool"] = pool
     if a.layerwise:
         fields["layerwise"] = True
+    if a.data_plane is not None:
+        fields["data_plane"] = a.data_plane
     if a.no_warmup:
         fields["warmup"] = False
     if "role" not in fields or "conductor_address" not in fields:

@@ -40,6 +40,11 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill-chunk-size", type=int, default=None, help="default: InstanceConfig's (512)")
     p.add_argument("--max-batch", type=int, default=None, help="default: InstanceConfig's (32)")
     p.add_argument("--layerwise", action="store_true", help="layer-wise prefill with the KV pool")
+    from ..transfer.messenger import DATA_PLANES  # here, not at import: ``mooncake-jax --help`` stays light
+
+    p.add_argument("--data-plane", default=None, choices=DATA_PLANES,
+                   help="how block data moves between instances: auto (default: the socket plane where both ends "
+                        "serve it and TLS is off, else gRPC), grpc, jax, socket")
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-shape", default=None,
                        help=f"{role} instances' shape, e.g. tensor=2,stage=2 (each gets its own devices)")
@@ -127,6 +132,7 @@ def _cluster(args):
         shaped = {"--prefill-chunk-size": args.prefill_chunk_size is not None,
                   "--max-batch": args.max_batch is not None,
                   "--layerwise": args.layerwise,
+                  "--data-plane": args.data_plane is not None,
                   **{f"--{r}-{w}": getattr(args, f"{r}_{w.replace('-', '_')}") is not None
                      for r in ("prefill", "decode") for w in ("shape", "dtype", "block-size", "cpus")}}
         if any(shaped.values()):
@@ -135,7 +141,7 @@ def _cluster(args):
         roles = {}
     else:
         roles = dict(prefill=args.prefill, decode=args.decode, prefill_chunk_size=args.prefill_chunk_size,
-                     max_batch=args.max_batch, layerwise=args.layerwise,
+                     max_batch=args.max_batch, layerwise=args.layerwise, data_plane=args.data_plane,
                      **{f"{r}_{w}": getattr(args, f"{r}_{w}") for r in ("prefill", "decode")
                         for w in ("shape", "dtype", "block_size", "cpus")})
     return Cluster.local(args.model, processes=not args.in_process, policy=args.policy, admission=args.admission,

@@ -368,14 +368,16 @@ def add_messenger(server: grpc.Server, pool: BlockPool, data_host: str | None = 
 
 
 class MessengerServer:
-    """Serves ``pool`` to peers on ``host:port`` (port 0: a free one, read back from ``.port``)."""
+    """Serves ``pool`` to peers on ``host:port`` (port 0: a free one, read back from ``.port``); its socket data
+    plane listens on ``host`` too (``serve_socket=False``: none; ``data_advertise``: the host its offers name)."""
 
     def __init__(self, pool: BlockPool, *, host: str = "127.0.0.1", port: int = 0, max_workers: int = 8,
-                 auth_token: str | None = None) -> None:
+                 auth_token: str | None = None, serve_socket: bool = True, data_advertise: str | None = None) -> None:
         self.pool = pool
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers), options=server_options(),
                                    interceptors=interceptors(auth_token))
-        self._meter = add_messenger(self._server, pool, data_host=host)
+        self._meter = add_messenger(self._server, pool, data_host=host, data_advertise=data_advertise,
+                                    serve_socket=serve_socket)
         try:
             self.port = add_port(self._server, f"{host}:{port}")
         except RuntimeError as err:
