@@ -26,7 +26,9 @@ Figures (issue 4, Measure):
   ``ssd_direct_io_put_vs_direct_raw_ratio``; and each SSD ratio taken round by round, a trial over its baseline's
   trial of the same round (``ssd_put_paired_ratio``, ``ssd_get_paired_ratio``: medians of those), which a slow
   episode hitting both trials of a round does not move;
-* Messenger GB/s between two processes on loopback (a fetch into an empty DRAM pool; a push) and a bare gRPC
+* Messenger GB/s between two processes on loopback (a fetch into an empty DRAM pool; a push) on its default data
+  plane, as a user gets it (``data_plane="auto"``: the socket plane between two current builds without TLS; which
+  plane moved the bytes is ``messenger_data_plane`` in the JSON, checked against the clients' counters), and a bare gRPC
   stream of the same bytes in the same message sizes from the same peer process and connection (its Probe
   RPC, one prebuilt message sent again and again, read as protobuf ``BlockPiece`` messages; the message size is
   the one the Messenger sends, ``message_bytes`` in the JSON: five 16-token blocks joined, one 128-token block):
@@ -42,14 +44,17 @@ Figures (issue 4, Measure):
   pieces of at most 2 MiB, the piece size before blocks travelled whole (``grpc_stream_2mib_gbps``: this
   machine's loopback moves 1.5 MiB messages faster than 3 MiB ones, but sending a block whole saves a copy at
   each end);
+* the same fetch and push over the gRPC plane (``data_plane="grpc"``, the default before the sixteenth pass; a
+  peer process and sink of its own): ``grpc_plane_fetch_ratio`` / ``grpc_plane_push_ratio`` against the same
+  references (and their ``*_cpu_ratio``);
 * the same fetch and push over the device-native data plane (``data_plane="jax"``: records pulled as device
   arrays with ``jax.experimental.transfer``, gRPC for control): ``jax_plane_fetch_gbps`` / ``jax_plane_push_gbps``
   and their ratios to the bare gRPC stream;
-* the same fetch and push over the socket data plane (``data_plane="socket"``: records sent with ``sendmsg`` of
-  views of the stored records over a plain TCP connection, received into a reused staging buffer and stored
-  verified; gRPC for control; a peer process of its own): ``socket_plane_fetch_ratio`` / ``socket_plane_push_ratio``
-  against the same bare gRPC streams as ``messenger_ratio`` / ``messenger_push_ratio``, and
-  ``socket_plane_push_wire_ratio`` against a bare socket stream of the same bytes (its ProbePull RPC: the same
+* the socket data plane (records sent with ``sendmsg`` of views of the stored records over a plain TCP
+  connection, received into a reused staging buffer and stored verified; gRPC for control): when it is the default
+  plane's choice, its figures are the headline ones, also under ``socket_plane_fetch_ratio`` /
+  ``socket_plane_push_ratio`` (against the same bare gRPC streams as ``messenger_ratio`` /
+  ``messenger_push_ratio``), and ``socket_plane_push_wire_ratio`` against a bare socket stream of the same bytes (its ProbePull RPC: the same
   records sent as they lie, received into the peer's staging buffer and dropped: ``socket_wire_upload_gbps``);
 * layer-wise vs serialized prefill + store latency on the ``small`` preset, 1K to 16K-token prompts with half of
   their blocks already in the pool: ``layerwise_speedup`` = serialized / layer-wise time (best of the trials).
@@ -363,10 +368,10 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
     source = BlockPool(spec, dram_blocks=n_blocks)
     sink = BlockPool(spec, dram_blocks=n_blocks)
     jax_sink = BlockPool(spec, dram_blocks=n_blocks)
-    socket_sink = BlockPool(spec, dram_blocks=n_blocks)
-    peer = PeerProcess(spec, dram_blocks=n_blocks)
+    grpc_sink = BlockPool(spec, dram_blocks=n_blocks)
+    default_peer = PeerProcess(spec, dram_blocks=n_blocks)
     jax_peer = PeerProcess(spec, dram_blocks=n_blocks)
-    socket_peer = PeerProcess(spec, dram_blocks=n_blocks)
+    grpc_peer = PeerProcess(spec, dram_blocks=n_blocks)
     rounds = iter(range(1 << 30))
     set_up_cpu = [0.0]  # a trial's preparation (this process): left out of its CPU per GB, as out of its GB/s
 
@@ -377,12 +382,15 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
         return keys
 
     try:
-        with MessengerClient(peer.address, source, timeout_s=300) as pusher, MessengerClient(
-            peer.address, sink, timeout_s=300
+        # the Messenger as a user gets it: the default data plane (``data_plane="auto"``), with a peer and sink of
+        # its own; the gRPC plane's figures kept beside it (``grpc_plane_*``), as the device plane's
+        with MessengerClient(default_peer.address, source, timeout_s=300) as pusher, MessengerClient(
+            default_peer.address, sink, timeout_s=300
         ) as fetcher, MessengerClient(jax_peer.address, source, timeout_s=300, data_plane="jax") as jax_pusher, \
                 MessengerClient(jax_peer.address, jax_sink, timeout_s=300, data_plane="jax") as jax_fetcher, \
-                MessengerClient(socket_peer.address, source, timeout_s=300, data_plane="socket") as socket_pusher, \
-                MessengerClient(socket_peer.address, socket_sink, timeout_s=300, data_plane="socket") as socket_fetcher:
+                MessengerClient(grpc_peer.address, source, timeout_s=300, data_plane="grpc") as grpc_pusher, \
+                MessengerClient(grpc_peer.address, grpc_sink, timeout_s=300, data_plane="grpc") as grpc_fetcher:
+            planes = {"fetch": fetcher.plane(), "push": pusher.plane(pushing=True)}
 
             def fresh_keys() -> list[int]:
                 first = next(rounds) * n_blocks
@@ -434,28 +442,38 @@ def measure_messenger(spec: BlockSpec, blocks: list[np.ndarray], n_blocks: int, 
                 "grpc_stream_2mib_gbps": stream(piece_bytes_for(source.frame_bytes, 2 << 20)),
                 "jax_plane_fetch_gbps": lambda: fetch(jax_fetcher),
                 "jax_plane_push_gbps": lambda: push(jax_pusher),
-                "socket_plane_fetch_gbps": lambda: fetch(socket_fetcher),
-                "socket_plane_push_gbps": lambda: push(socket_pusher),
-                "socket_wire_upload_gbps": lambda: socket_pusher.probe_pull(wire_records) / 1e9,
+                "grpc_plane_fetch_gbps": lambda: fetch(grpc_fetcher),
+                "grpc_plane_push_gbps": lambda: push(grpc_pusher),
+                "socket_wire_upload_gbps": lambda: pusher.probe_pull(wire_records) / 1e9,
             }
             push()  # the peers hold blocks to fetch from now on
             push(jax_pusher)
-            push(socket_pusher)
+            push(grpc_pusher)
             for trial in trials.values():  # warm both processes' allocators and connections
                 trial()
             trials, log = costed(trials, n_blocks * source.frame_bytes,
-                                 pids=(peer.process.pid, jax_peer.process.pid, socket_peer.process.pid),
+                                 pids=(default_peer.process.pid, jax_peer.process.pid, grpc_peer.process.pid),
                                  set_up=lambda: set_up_cpu[0])
             figures = with_cpu(alternate(repeats, **trials), log)
+            for kind, plane in planes.items():  # the default plane's figures under that plane's keys too
+                if plane == "socket":
+                    for unit in ("gbps", "cpu_s_per_gb"):
+                        figures[f"socket_plane_{kind}_{unit}"] = figures[f"messenger_{kind}_{unit}"]
             figures["counters"] = {"fetcher": fetcher.counters.as_dict(), "pusher": pusher.counters.as_dict(),
-                                   "socket_fetcher": socket_fetcher.counters.as_dict(),
-                                   "socket_pusher": socket_pusher.counters.as_dict()}
+                                   "grpc_fetcher": grpc_fetcher.counters.as_dict(),
+                                   "grpc_pusher": grpc_pusher.counters.as_dict()}
+            if planes["fetch"] == "socket":  # the plane named is the plane that moved the bytes
+                assert fetcher.counters.socket_bytes == fetcher.counters.bytes_received > 0
+            if planes["push"] == "socket":
+                assert pusher.counters.socket_bytes == pusher.counters.bytes_sent > 0
+            figures["messenger_data_plane"] = planes["fetch"] if len(set(planes.values())) == 1 else (
+                f"fetch={planes['fetch']},push={planes['push']}")
             figures["message_bytes"] = same_pieces
             return figures
     finally:
-        peer.stop()
+        default_peer.stop()
         jax_peer.stop()
-        socket_peer.stop()
+        grpc_peer.stop()
 
 
 # ---- layer-wise prefill (issue 4 item 3) ----------------------------------------------------------------
@@ -537,6 +555,11 @@ def ratios(med: dict[str, float]) -> dict[str, float]:
         "messenger_push_parsed_ratio": ("messenger_push_gbps", "grpc_parsed_upload_stream_gbps"),
         "messenger_raw_stream_cpu_ratio": ("grpc_raw_stream_cpu_s_per_gb", "messenger_fetch_cpu_s_per_gb"),
         "messenger_push_parsed_cpu_ratio": ("grpc_parsed_upload_stream_cpu_s_per_gb", "messenger_push_cpu_s_per_gb"),
+        # the gRPC plane (data_plane="grpc"; the default before the sixteenth pass) against the same references
+        "grpc_plane_fetch_ratio": ("grpc_plane_fetch_gbps", "grpc_stream_gbps"),
+        "grpc_plane_push_ratio": ("grpc_plane_push_gbps", "grpc_upload_stream_gbps"),
+        "grpc_plane_fetch_cpu_ratio": ("grpc_stream_cpu_s_per_gb", "grpc_plane_fetch_cpu_s_per_gb"),
+        "grpc_plane_push_cpu_ratio": ("grpc_upload_stream_cpu_s_per_gb", "grpc_plane_push_cpu_s_per_gb"),
         "jax_plane_fetch_ratio": ("jax_plane_fetch_gbps", "grpc_stream_gbps"),
         "jax_plane_push_ratio": ("jax_plane_push_gbps", "grpc_stream_gbps"),
         # the socket data plane against the same bare gRPC streams as messenger_ratio / messenger_push_ratio, and
@@ -613,10 +636,17 @@ def run(quick: bool, repeats: int, directory: Path, layerwise: str = "default", 
                  "ssd_direct_io_put_vs_direct_raw_ratio", "ssd_put_paired_ratio", "ssd_get_paired_ratio",
                  "dram_put_vs_stream_copy_ratio", "dram_get_vs_stream_copy_ratio",
                  "socket_plane_fetch_ratio", "socket_plane_push_ratio", "socket_plane_push_wire_ratio",
-                 "socket_plane_fetch_cpu_ratio", "socket_plane_push_cpu_ratio", "socket_plane_push_wire_cpu_ratio"):
+                 "socket_plane_fetch_cpu_ratio", "socket_plane_push_cpu_ratio", "socket_plane_push_wire_cpu_ratio",
+                 "grpc_plane_fetch_ratio", "grpc_plane_push_ratio", "grpc_plane_fetch_cpu_ratio",
+                 "grpc_plane_push_cpu_ratio"):
         if any(name in r for r in sections):
             results[name] = round(min(r[name] for r in sections if name in r), 3)
-    for name, figure in (("transfer_engine_gbps", "messenger_fetch_gbps"),  # the gRPC Messenger
+    planes = {results[label].get("messenger_data_plane") for label in ("block128", "block16")} - {None}
+    if planes:
+        results["messenger_data_plane"] = ",".join(sorted(planes))  # the plane the headline Messenger keys measured
+    for name, figure in (("transfer_engine_gbps", "messenger_fetch_gbps"),  # the Messenger, its default plane
+                         ("grpc_plane_fetch_gbps", "grpc_plane_fetch_gbps"),
+                         ("grpc_plane_push_gbps", "grpc_plane_push_gbps"),
                          ("jax_plane_fetch_gbps", "jax_plane_fetch_gbps"),
                          ("jax_plane_push_gbps", "jax_plane_push_gbps"),
                          ("socket_plane_fetch_gbps", "socket_plane_fetch_gbps"),
