@@ -211,7 +211,7 @@ class MessengerClient:
                     keys=[], spec_fingerprint=self.pool.spec.fingerprint), timeout=timeout).data_planes)
             except grpc.RpcError as err:
                 if err.code() not in _FALLBACK_CODES:
-                    raise self._error("fetch from", err) from err
+                    raise self._error("fetch", err) from err
                 return f"the peer did not say which planes it serves ({err.code().name})"  # asked again next time
         if "socket" not in self._peer_planes:
             return (f"the peer does not serve it (it serves {', '.join(self._peer_planes) or 'gRPC only'}: an older "
@@ -240,7 +240,8 @@ class MessengerClient:
         """
         keys = _unique(keys)
         wanted = [key for key in keys if key not in self.pool]
-        skipped = [key for key in keys if key not in set(wanted)]
+        wanted_set = set(wanted)
+        skipped = [key for key in keys if key not in wanted_set]
         started = time.perf_counter()
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         stored: list[BlockKey] = []
@@ -254,7 +255,8 @@ class MessengerClient:
             self._meter.add(socket_bytes=len(stored) * self.pool.frame_bytes)
         if wanted and plane != "socket" and self.data_plane == "auto":
             self._meter.add(plane_fallbacks=1)
-        rest = [key for key in wanted if key not in set(stored)] if plane != "socket" else []
+        arrived = set(stored)
+        rest = [key for key in wanted if key not in arrived] if plane != "socket" else []
         if rest and plane == "jax":
             self._fetch_pulled(rest, started, deadline, stored)
         elif rest:
@@ -398,7 +400,8 @@ class MessengerClient:
                 self._meter.add(socket_bytes=len(sent) * self.pool.frame_bytes)
             if to_send and plane != "socket" and self.data_plane == "auto":
                 self._meter.add(plane_fallbacks=1)
-            rest = [key for key in to_send if key not in set(sent)] if plane != "socket" else []
+            done = set(sent)
+            rest = [key for key in to_send if key not in done] if plane != "socket" else []
             if rest and plane == "jax":
                 lost = self._push_offered(rest, started, deadline, sent)
             elif rest:
