@@ -10,6 +10,12 @@ Both ends keep several blocks in flight (``readahead.py``): the sender reads rec
 ones several to a message ahead of the transport (``outgoing.py``), the receiver takes messages from gRPC ahead of
 storing them, so block i is stored while i+1 arrives.
 
+Which plane carries the block data (``DATA_PLANES``): by default ("auto") the socket plane (``socket_plane.py``:
+records sent as they lie with ``sendmsg``, pulled into a staging buffer, gRPC only for control) whenever the peer
+lists it in ``HasReply.data_planes`` and this process has no TLS, else the gRPC streams above; a socket step the
+peer refuses before anything of it moved (an older build, a peer configured "grpc", a data port it cannot reach)
+sends the rest of the move over gRPC and keeps gRPC with that peer, said once in the log.
+
 Server side, ``MessengerServer(pool).start()`` (``messenger_server.py``); client side,
 ``MessengerClient(address, pool)``: ``fetch(keys)`` for on-demand loads, ``push(keys)`` for transfers the
 Conductor schedules.
