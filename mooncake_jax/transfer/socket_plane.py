@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import ipaddress
 import logging
 import os
@@ -83,8 +84,10 @@ class PullError(RuntimeError):
 WILDCARDS = ("", "0.0.0.0", "::")
 
 
+@functools.lru_cache(maxsize=256)
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an IP address or a name) is this machine's loopback; a name that does not resolve is not."""
+    """Whether ``host`` (an IP address or a name) is this machine's loopback; a name that does not resolve is not.
+    Cached: asked on every move, and a name's lookup is not free."""
     host = host.strip("[]")
     try:
         return ipaddress.ip_address(host).is_loopback
