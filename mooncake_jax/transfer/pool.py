@@ -266,11 +266,8 @@ class BlockPool:
             if not out.flags.c_contiguous:  # a block lands as flat bytes: a strided view would be a copy
                 raise ValueError("out must be C-contiguous (np.ascontiguousarray, or a slice of whole blocks)")
         blocks: list[np.ndarray | None] = []
-        if out is not None:  # each block's bytes as a row of one flat view: one array a block, not two
-            targets, flats = list(out), list(out.view(np.uint8).reshape(len(keys), self.spec.nbytes))
-        else:
-            targets = [np.empty(self.spec.shape, self.spec.dtype) for _ in keys]
-            flats = [data_bytes(block) for block in targets]
+        targets = list(out) if out is not None else [np.empty(self.spec.shape, self.spec.dtype) for _ in keys]
+        flats = [data_bytes(block) for block in targets]
         with self._operation():
             below = list(range(len(keys)))  # the keys no faster tier holds
             for level, tier in enumerate(self._tiers):  # disk tiers read ahead of the copies
