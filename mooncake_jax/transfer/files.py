@@ -637,7 +637,8 @@ class FileStore:
         pool's own checks."""
         ahead = self._read_ahead.get(key)
         if (ahead is None or not ahead[3] or ahead[0] is not out or self._slot_of.get(key) != ahead[1]
-                or self._pending or self._staged):  # written since (a promotion demoting): read_into settles first
+                or self._pending or self._staged or self._failed):  # written since (a promotion demoting) or a write
+            # failed: read_into settles first, and raises what failed where the per-record way raises it
             return None
         del self._read_ahead[key]
         return ahead[4]  # as it was at prefetch: the key still lies in that slot, so its head is unchanged
@@ -653,7 +654,7 @@ class FileStore:
         shard, row = divmod(slot, self.shard_slots)
         ahead = self._read_ahead.pop(key, None)
         if ahead is not None and ahead[0] is out and ahead[1] == slot:  # a slot is never reused: the same record
-            digest = ahead[2]  # (out, slot, digest, sound)
+            digest = ahead[2]  # ahead: (out, slot, digest, sound, head)
             if isinstance(digest, OSError):
                 raise digest
         else:
