@@ -95,6 +95,14 @@ _DATA_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "
                             "file_io_mode": {"mode": "memmap"}})
 _HEADS_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "none"}})
 _NO_HEAD = np.zeros(DATA_OFFSET, np.uint8)  # the fill value: writing it removes the head's chunk
+_DIGEST_AT = PREFIX_BYTES + 32  # where a head holds its data's checksum: high then low, little-endian u64s (frame.py's
+# header: magic, version, length, fingerprint, key, bytes, high, low)
+
+
+def _digest_bytes(digest: tuple[int, int]) -> bytes:
+    """``(high, low)`` as a record head stores it."""
+    return digest[0].to_bytes(8, "little") + digest[1].to_bytes(8, "little")
+
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
@@ -180,10 +188,15 @@ class FileStore:
         self._heads_changed = False  # a head of the open shard zeroed since then
         self._open_heads = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)  # its heads, written at seal
         self._shard_heads: dict[int, np.ndarray] = {}  # shard -> its heads (zeroed where removed), as on disk
-        self._offsets: dict[int, np.ndarray] = {}  # shard -> where each slot's data starts in its file (-1: none)
+        self._head_checked: dict[int, np.ndarray] = {}  # shard -> per slot: its head in memory is the sound head of
+        # its key in this build's format (made here from the data's checksum, or passed check_head), so a batch read
+        # needs only compare checksums (``prefetch``); False: the pool checks the head as it reads (``read_into``)
+        self._offsets: dict[int, list[int]] = {}  # shard -> where each slot's data starts in its file (-1: none; a
+        # list, not an array: a batch read looks one up per record, and a list hands out Python ints)
         self._reader = ShardReader(self._data_path, pace_for(spec.nbytes))
-        self._read_ahead: dict[BlockKey, tuple[np.ndarray, int, ReadResult]] = {}  # prefetch's reads (out, slot,
-        # result) for read_into, kept until the batch's read or the next prefetch
+        self._read_ahead: dict[BlockKey, tuple[np.ndarray, int, ReadResult, bool, bytes | None]] = {}  # prefetch's
+        # reads (out, slot, result, sound, head) for take_checked or read_into, kept until the batch's read or the next
+        # prefetch
         self._pending: deque[tuple[list[BlockKey], int, tuple[Future | ts.Future, ...]]] = deque()
         self._failed: list[tuple[BlockKey, Exception]] = []
         self.corrupt_at_open = 0
@@ -224,6 +237,7 @@ class FileStore:
                 continue
             self._live[shard] = 0
             self._shard_heads[shard] = heads
+            checked = self._head_checked[shard] = np.zeros(size, bool)
             for index in np.flatnonzero(heads.any(axis=1)):
                 slot, head = shard * size + int(index), heads[index].tobytes()
                 key = int.from_bytes(head[_KEY_IN_HEAD], "little")
@@ -231,6 +245,7 @@ class FileStore:
                     check_head(self.spec, key, head)
                     if key in self._slot_of:
                         raise CorruptBlockError(f"block {key:#018x}: a second copy in slot {slot}")
+                    checked[index] = True
                 except StaleFormatError:
                     pass  # listed: reading it drops it as stale, with one log line for its version
                 except CorruptBlockError as err:
@@ -262,8 +277,8 @@ class FileStore:
                                         self.spec.nbytes)
         except OSError:
             offsets = None
-        self._offsets[shard] = np.full(self.shard_slots, -1, np.int64) if offsets is None else offsets
-        return int(np.count_nonzero(self._offsets[shard] >= 0))
+        self._offsets[shard] = [-1] * self.shard_slots if offsets is None else offsets.tolist()
+        return sum(offset >= 0 for offset in self._offsets[shard])
 
     def _migrate(self, found: list[tuple[Path, list[tuple[int | None, bytes | None]]]], layout: str) -> list[BlockKey]:
         """Store the verified records of an older layout, drop the rest, delete the old files; one log line."""
@@ -348,7 +363,7 @@ class FileStore:
                     expected: tuple[int, int]) -> None:
         """Store a record whose data must hash to ``expected`` (checked before anything is written)."""
         check_digest(key, expected, checksum(data))
-        self._store(key, _flat(head), data, owned=True)
+        self._store(key, _flat(head), data, owned=True, head_checked=True)
 
     def put(self, key: BlockKey, parts: Sequence[Buffer], owned: bool) -> None:
         """Store a record given as consecutive parts into a fresh slot. ``owned``: the parts stay untouched until
@@ -363,8 +378,10 @@ class FileStore:
             head, data = record[:DATA_OFFSET], record[DATA_OFFSET:]
         self._store(key, head, data, owned)
 
-    def _store(self, key: BlockKey, head: np.ndarray | None, data: np.ndarray, owned: bool) -> None:
-        """Write a record (its head, or None to make it from the data's checksum) into a fresh slot."""
+    def _store(self, key: BlockKey, head: np.ndarray | None, data: np.ndarray, owned: bool,
+               head_checked: bool = False) -> None:
+        """Write a record (its head, or None to make it from the data's checksum) into a fresh slot.
+        ``head_checked``: the given head passed ``check_head`` for ``key`` (the pool checked a received record)."""
         if key in self._slot_of:  # a record is never rewritten in place: the new one takes a fresh slot
             self._release(self._slot_of.pop(key))
         try:
@@ -381,6 +398,8 @@ class FileStore:
             self.delete(key)
             self._seal()  # the slots after this one would not match the shard file's chunks
             return
+        if head is None or head_checked:
+            self._head_checked[self._open_shard][slot % self.shard_slots] = True
         if self._filled[self._open_shard] == self.shard_slots:
             self._seal()
 
@@ -391,7 +410,9 @@ class FileStore:
             self._image = self._writer.open(self._data_path(shard), self.shard_slots, self.spec.nbytes)
             self._open_shard, self._next_shard = shard, shard + 1
             self._open_heads = self._shard_heads[shard] = np.zeros((self.shard_slots, DATA_OFFSET), np.uint8)
-            self._offsets[shard] = self._image.start + self.spec.nbytes * np.arange(self.shard_slots, dtype=np.int64)
+            self._head_checked[shard] = np.zeros(self.shard_slots, bool)
+            self._offsets[shard] = list(range(self._image.start, self._image.start + self.spec.nbytes * self.shard_slots,
+                                              self.spec.nbytes))
             self._live[shard] = self._filled[shard] = 0
         shard = self._open_shard
         slot = shard * self.shard_slots + self._filled[shard]
@@ -472,6 +493,8 @@ class FileStore:
         shard = slot // self.shard_slots
         self._live[shard] -= 1
         self._dead += 1
+        if shard in self._head_checked:
+            self._head_checked[shard][slot % self.shard_slots] = False
         if shard == self._open_shard:  # staged, not committed: its head is not written
             self._open_heads[slot % self.shard_slots] = 0
             self._heads_changed = True
@@ -494,6 +517,7 @@ class FileStore:
         self._finish_all()  # a head removal in flight would write the heads shard again after the delete
         self._dead -= self._filled.pop(shard, 0) - self._live.pop(shard, 0)
         self._shard_heads.pop(shard, None)
+        self._head_checked.pop(shard, None)
         self._offsets.pop(shard, None)
         self._reader.forget(shard)
         for array in (self._heads_array, self._data_array):
@@ -544,7 +568,7 @@ class FileStore:
         if slot is None:
             return None
         shard, row = divmod(slot, self.shard_slots)
-        return shard, row, int(self._offsets[shard][row])
+        return shard, row, self._offsets[shard][row]
 
     def record(self, key: BlockKey) -> bytearray | None:
         """The stored record (unverified), or None if the key has no slot or its data cannot be read whole."""
@@ -563,30 +587,61 @@ class FileStore:
         """A batch read of these records is coming: name its runs of chunks lying end to end in one shard (a batch
         written by one call, read back in order) to the reader, which asks the kernel for them once a read finds
         the page cache cold (``shard_reader.py``). With ``outs`` (where ``read_into`` will put them) and nothing
-        being written, the records are read and hashed into them now, on two threads (``ShardReader.read_many``),
-        and ``read_into`` hands on what landed."""
+        being written, the records are read and hashed into them now (``ShardReader.read_many``), each checksum
+        compared here with the one its head promises where that head is known sound (``_head_checked``), and
+        ``take_checked`` / ``read_into`` hand on what landed: the per-record checks of a batch in one loop here
+        instead of the pool's per-record path (its Python cost 10-15 us a 16-token record beside a read of about
+        60, docs/benchmarks/pool.md, sixteenth pass)."""
         runs: list[tuple[int, int, int]] = []  # shard, offset, length
         reads: list[tuple[int, int, np.ndarray]] = []  # shard, offset, out
-        read_keys: list[BlockKey] = []
+        read_keys: list[tuple[BlockKey, int]] = []  # key, slot
+        slot_of, size, nbytes, offsets = self._slot_of, self.shard_slots, self.spec.nbytes, self._offsets
         for i, key in enumerate(keys):
-            where = self._location(key)
-            if where is None or where[2] < 0:
+            slot = slot_of.get(key)
+            if slot is None:
                 continue
-            shard, _, offset = where
+            shard, row = divmod(slot, size)
+            offset = offsets[shard][row]
+            if offset < 0:
+                continue
             if runs and runs[-1][0] == shard and runs[-1][1] + runs[-1][2] == offset:
-                runs[-1] = (shard, runs[-1][1], runs[-1][2] + self.spec.nbytes)
+                runs[-1] = (shard, runs[-1][1], runs[-1][2] + nbytes)
             else:
-                runs.append((shard, offset, self.spec.nbytes))
+                runs.append((shard, offset, nbytes))
             if outs is not None:
                 reads.append((shard, offset, outs[i]))
-                read_keys.append(key)
+                read_keys.append((key, slot))
         self._reader.want(runs)
         self._read_ahead = {}
         if len(reads) < 2 or self._pending or self._staged:  # one record: nothing to share; writes: not yet on disk
             return
-        slot_of = self._slot_of
-        for key, (_, _, out), result in zip(read_keys, reads, self._reader.read_many(reads)):
-            self._read_ahead.setdefault(key, (out, slot_of[key], result))  # a key twice: the second read later
+        ahead, checked, record_heads = self._read_ahead, self._head_checked, {}  # shard -> its heads as bytes
+        for (key, slot), (shard, _, out), result in zip(read_keys, reads, self._reader.read_many(reads)):
+            if key in ahead:
+                continue  # a key twice: the second read later
+            row = slot % size
+            sound, head = False, None
+            if checked[shard][row] and type(result) is tuple:  # compared here: bytes, not numpy, per record
+                heads = record_heads.get(shard)
+                if heads is None:
+                    heads = record_heads[shard] = self._shard_heads[shard].tobytes()
+                at = row * DATA_OFFSET
+                head = heads[at : at + DATA_OFFSET]
+                sound = head[_DIGEST_AT : _DIGEST_AT + 16] == _digest_bytes(result)
+            ahead[key] = (out, slot, result, sound, head)
+
+    def take_checked(self, key: BlockKey, out: np.ndarray) -> bytes | None:
+        """The head of ``key``'s record if ``prefetch`` read it into ``out`` from where it still lies and its data
+        matched the checksum of its sound head (the record is then served as it landed: nothing more to check);
+        None otherwise, the read ahead left for ``read_into``, which hands the head and checksum on for the
+        pool's own checks."""
+        ahead = self._read_ahead.get(key)
+        if (ahead is None or not ahead[3] or ahead[0] is not out or self._slot_of.get(key) != ahead[1]
+                or self._pending or self._staged or self._failed):  # written since (a promotion demoting) or a write
+            # failed: read_into settles first, and raises what failed where the per-record way raises it
+            return None
+        del self._read_ahead[key]
+        return ahead[4]  # as it was at prefetch: the key still lies in that slot, so its head is unchanged
 
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes, tuple[int, int] | None] | None:
         """Read the record's data from its shard file straight into ``out`` (flat uint8), hashed as it lands; the
@@ -599,12 +654,12 @@ class FileStore:
         shard, row = divmod(slot, self.shard_slots)
         ahead = self._read_ahead.pop(key, None)
         if ahead is not None and ahead[0] is out and ahead[1] == slot:  # a slot is never reused: the same record
-            digest = ahead[2]
+            digest = ahead[2]  # ahead: (out, slot, digest, sound, head)
             if isinstance(digest, OSError):
                 raise digest
         else:
             offset = self._offsets[shard][row]
-            digest = self._reader.read(shard, int(offset), out) if offset >= 0 else None
+            digest = self._reader.read(shard, offset, out) if offset >= 0 else None
         return self._shard_heads[shard][row].tobytes(), digest
 
     def close(self) -> None:

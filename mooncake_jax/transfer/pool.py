@@ -521,6 +521,10 @@ class BlockPool:
             if key not in tier:
                 tier.counters.misses += 1
                 continue
+            head = tier.take_checked(key, out)  # read ahead and checked in the tier's batch read (SSD)
+            if head is not None:
+                self._hit(level, tier, key, lambda t: t.write_record(key, (head, out)))
+                return True
             try:
                 found = tier.read_into(key, out)
             except OSError as err:

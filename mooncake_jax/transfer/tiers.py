@@ -56,6 +56,7 @@ class Tier:
         self.counters = TierCounters()
         self.store = store
         self._store_room = getattr(store, "has_room", None)
+        self._take_checked = getattr(store, "take_checked", None)  # a store whose batch reads check checksums
         self._present: set[BlockKey] = set()
         for key in present:
             self._present.add(key)
@@ -94,6 +95,17 @@ class Tier:
         if found is not None:
             self.counters.bytes_read += out.size + len(found[0])
         return found
+
+    def take_checked(self, key: BlockKey, out: np.ndarray) -> bytes | None:
+        """The record head of ``key`` if the store's batch read (``prefetch``) already landed its data in ``out``
+        and found it matching the checksum of its sound head (the SSD store): nothing left to check; else None
+        (then ``read_into``)."""
+        if self._take_checked is None:
+            return None
+        head = self._take_checked(key, out)  # None while writes are in flight: read_into settles them first
+        if head is not None:
+            self.counters.bytes_read += out.size + len(head)
+        return head
 
     def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray]) -> None:
         """Start bringing in the records of the ``keys`` this tier holds (a batch read is coming), their data
