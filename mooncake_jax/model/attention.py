@@ -298,6 +298,8 @@ def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch, tail_pages
     acc = jnp.broadcast_to(jnp.transpose(v_new[:, 0], (1, 0, 2))[:, :, None].astype(jnp.float32), (hk, b, g, d))
     longest = jnp.max(ctx_len)
     tail_pages = DECODE_TAIL_PAGES if tail_pages is None else tail_pages
+    if tail_pages < 0:
+        raise ValueError(f"tail_pages must be >= 0 (0: no tail loop), got {tail_pages}")
 
     def fold(first_page, n_pages, m, l, acc):
         pages = jax.lax.dynamic_slice_in_dim(table, first_page, n_pages, axis=1)  # [B, n_pages]
@@ -325,8 +327,7 @@ def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch, tail_pages
     if not tail_pages or tail_pages >= chunk:
         m, l, acc = loop(0, chunk, (longest + chunk * bs - 1) // (chunk * bs), m, l, acc)
     else:
-        if chunk % tail_pages:
-            raise ValueError(f"tail_pages must divide the decode chunk of {chunk} pages, got {tail_pages}")
+        table = jnp.pad(table, ((0, 0), (0, tail_pages - 1)))  # the last tail chunk may pass the chunks' width
         whole = longest // (chunk * bs)  # whole chunks, then the rest of the longest context in short ones
         m, l, acc = loop(0, chunk, whole, m, l, acc)
         rest = longest - whole * chunk * bs
