@@ -13,7 +13,8 @@ Host side (plain classes, tested without an accelerator):
 - ``PageAllocator``: a free list with reference counts, so a page shared by several sequences (a common prefix)
   returns to the free list only when its last holder releases it. It hands out the lowest free pages first, so a
   sequence's pages are ascending and mostly adjacent however often pages were reused, and decode attention's
-  gather of a chunk of them reads long runs (scattered pages cost the b32 decode attention up to 20% more time).
+  gather of a chunk of them reads adjacent pages (scattered pages cost 12 layers of b32 decode attention 5-11% more
+  CPU time and up to 20% more wall time).
 - ``PrefixCache``: block key -> page for full blocks whose KV is in the cache, in LRU order, holding one
   reference on each of its pages. A new request reuses the pages of its leading cached blocks; pages that only
   the cache still holds are evicted (LRU) when the allocator runs dry.
@@ -45,8 +46,8 @@ class PageAllocator:
 
     The free pages are a min-heap, not a stack: a stack hands back the most recently freed pages first, in the order
     their holders released them, so after a few rounds of admissions, releases and prefix-cache evictions every
-    sequence's pages were scattered over the cache (measured in ``benchmarks/engine_cpu.py``: 1,056 of 1,056
-    neighbouring page pairs of a batch-32 decode apart, against 0 in a fresh engine). Lowest-first keeps a
+    sequence's pages were scattered over the cache (measured as ``benchmarks/engine_cpu.py`` runs batch 32 after
+    batches 1 and 8: 992-1,056 of 1,056 neighbouring page pairs apart, against 0 in a fresh engine). Lowest-first keeps a
     sequence's pages ascending and adjacent wherever the free pages are, which decode attention's per-chunk page
     gather reads faster (docs/benchmarks/engine.md, Xeon decode, sixteenth pass)."""
 
