@@ -109,6 +109,45 @@ def test_xla_decode_loop_over_several_chunks_equals_reference(monkeypatch):
     np.testing.assert_allclose(run("xla", *args), expected, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("tail", [0, 1, 2, 3, 4])
+def test_xla_decode_tail_of_short_chunks_equals_reference(monkeypatch, tail):
+    """After its whole 8-page chunks (32 tokens here) the decode loop reads the rest of the longest context in
+    ``tail``-page chunks (0: none, whole chunks to the end): every split of the context gives the reference. The
+    60-token context is 15 pages: a 3-page tail reads pages 8-16, past the table padded to whole chunks (16 pages),
+    which the loop pads further with scratch pages (a dynamic slice past the end would be moved back onto real
+    pages)."""
+    import mooncake_jax.model.attention as attention
+
+    monkeypatch.setattr(attention, "DECODE_CHUNK_ROWS", 1)  # the minimum chunk: 8 pages of 4 tokens
+    args, expected = case([60, 0, 33, 2, 13], 1, seed=6, rows=48)
+    k_pages, v_pages = _write(*args[3:5], *args[1:3], args[5].write_slots)
+    f = jax.jit(lambda *a: attention._decode_xla(*a, tail_pages=tail))
+    q = (args[0].astype(jnp.float32) / np.sqrt(D)).astype(args[0].dtype)
+    out = np.asarray(f(q, args[1], args[2], k_pages, v_pages, args[5]))
+    np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_xla_decode_tail_reads_no_page_past_the_longest_context(monkeypatch):
+    """The page table's padding points at a page of NaNs: whole 8-page chunks read it (37 tokens are 10 pages, the
+    second chunk reaches page 16) and the NaN reaches the output through the weighted sum; a 1-page tail stops at
+    page 10 and the output is the reference."""
+    import mooncake_jax.model.attention as attention
+
+    monkeypatch.setattr(attention, "DECODE_CHUNK_ROWS", 1)
+    args, expected = case([37, 37], 1, seed=7, rows=40, table_width=24, pad_page=39)
+    k_pages, v_pages = _write(*args[3:5], *args[1:3], args[5].write_slots)
+    q = (args[0].astype(jnp.float32) / np.sqrt(D)).astype(args[0].dtype)
+
+    def attend(tail):
+        f = jax.jit(lambda *a: attention._decode_xla(*a, tail_pages=tail))
+        return np.asarray(f(q, args[1], args[2], k_pages, v_pages, args[5]))
+
+    assert np.isnan(attend(0)).all()
+    np.testing.assert_allclose(attend(1), expected, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="tail_pages must be >= 0"):
+        attend(-1)
+
+
 def test_write_pages_puts_each_token_at_its_slot():
     (q, k_new, v_new, k_pages, v_pages, batch), _ = case([6, 0], 3, seed=3)
     written, _ = _write(k_pages, v_pages, k_new, v_new, batch.write_slots)

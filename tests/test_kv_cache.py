@@ -27,6 +27,19 @@ def test_allocator_refcounts_keep_shared_pages_until_last_release():
     assert a.num_free == 5  # a failed allocation takes nothing
 
 
+def test_allocator_hands_out_the_lowest_free_pages_in_ascending_order():
+    """Pages released in any order come back lowest first, so a new sequence's pages are ascending and adjacent
+    wherever free pages are (the stack this replaced handed back 3, 4, 9, 10 ... in release order)."""
+    a = PageAllocator(12)
+    held = [a.allocate(2) for _ in range(5)]
+    assert held == [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]]
+    for i in (4, 1, 3):  # three sequences end, not in page order; page 11 was never used
+        a.release(held[i])
+    assert a.allocate(3) == [3, 4, 7]
+    assert a.allocate(4) == [8, 9, 10, 11]
+    assert a.num_free == 0
+
+
 def test_prefix_cache_matches_leading_keys_and_evicts_lru_unused():
     a = PageAllocator(8)
     cache = PrefixCache(a)

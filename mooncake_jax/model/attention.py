@@ -253,7 +253,16 @@ wastes up to a chunk per sequence: at batch 8 the old 32-page chunk read 1,024 p
 Xeon (207); docs/benchmarks/engine.md, Xeon decode tenth pass)."""
 
 
-def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
+DECODE_TAIL_PAGES = 2
+"""Pages per chunk of the decode loop's tail (``_decode_xla``): after the whole chunks, the rest of the longest
+context is read in chunks this short, so the loop reads at most one page past the context instead of up to a whole
+chunk less one. At batch 32 (8-page chunks) over 529-token contexts the loop read 40 pages per sequence for 34 of
+context; with the tail 34 (12 layers of decode attention -7 to -15% CPU time, Intel Xeon (207); docs/benchmarks/
+engine.md, Xeon decode sixteenth pass)."""
+
+
+def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch, tail_pages: int | None = None,
+                chunk_pages: int | None = None):
     """Decode (T = 1) of B sequences: an online softmax over chunks of context pages, as many chunks as the
     longest sequence needs (a ``while`` loop), starting from the new token itself.
 
@@ -270,11 +279,15 @@ def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
       [S, D] x [D, G] product per (head, sequence) instead of [G, D] x [D, S], which XLA:CPU runs several times
       slower; the weights are then transposed to [H, B, G, S] (small) for the weighted sum, a plain [G, S] x [S, D]
       product (the [S, G]-major form ran 4x slower).
+
+    After the whole chunks, a second loop of ``tail_pages``-page chunks (``DECODE_TAIL_PAGES`` by default; 0: none,
+    the first loop then reads whole chunks past the longest context) reads the rest of the longest context.
+    ``chunk_pages`` overrides the chunk the batch size picks (both are there for benchmarks/decode_attention_ab.py).
     """
     b, _, hk, g, d = q.shape
     bs = k_pages.shape[2]
     table = batch.page_table
-    chunk = min(max(8, min(DECODE_CHUNK_PAGES, DECODE_CHUNK_ROWS // b)), table.shape[1])
+    chunk = min(chunk_pages or max(8, min(DECODE_CHUNK_PAGES, DECODE_CHUNK_ROWS // b)), table.shape[1])
     if table.shape[1] % chunk:
         table = jnp.pad(table, ((0, 0), (0, chunk - table.shape[1] % chunk)))  # scratch pages, masked below
     q1 = jnp.transpose(q[:, 0], (1, 0, 2, 3))  # [H, B, G, D]
@@ -283,15 +296,17 @@ def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
     m = jnp.einsum("hbgd,bhd->hbg", q1, k_new[:, 0], preferred_element_type=jnp.float32)
     l = jnp.ones_like(m)
     acc = jnp.broadcast_to(jnp.transpose(v_new[:, 0], (1, 0, 2))[:, :, None].astype(jnp.float32), (hk, b, g, d))
-    n_chunks = (jnp.max(ctx_len) + chunk * bs - 1) // (chunk * bs)
+    longest = jnp.max(ctx_len)
+    tail_pages = DECODE_TAIL_PAGES if tail_pages is None else tail_pages
+    if tail_pages < 0:
+        raise ValueError(f"tail_pages must be >= 0 (0: no tail loop), got {tail_pages}")
 
-    def body(carry):
-        i, m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(table, i * chunk, chunk, axis=1)  # [B, chunk]
+    def fold(first_page, n_pages, m, l, acc):
+        pages = jax.lax.dynamic_slice_in_dim(table, first_page, n_pages, axis=1)  # [B, n_pages]
         k_ctx, v_ctx = jax.lax.optimization_barrier((gather_context(k_pages, pages),
                                                      gather_context(v_pages, pages)))  # [H, B, S, D]
         s = jnp.einsum("hbtd,hbgd->hbtg", k_ctx, q1, preferred_element_type=jnp.float32)
-        pos = i * chunk * bs + jnp.arange(chunk * bs)
+        pos = first_page * bs + jnp.arange(n_pages * bs)
         s = jnp.where((pos[None, :] < ctx_len[:, None])[None, :, :, None], s, MASKED)
         m_new = jnp.maximum(m, s.max(axis=2))
         e = jnp.exp(s - m_new[:, :, None])
@@ -299,9 +314,24 @@ def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
         l = corr * l + e.sum(axis=2)
         e = jax.lax.optimization_barrier(jnp.swapaxes(e, 2, 3).astype(v_ctx.dtype))  # [H, B, G, S]
         acc = corr[..., None] * acc + jnp.einsum("hbgt,hbtd->hbgd", e, v_ctx, preferred_element_type=jnp.float32)
-        return i + 1, m_new, l, acc
+        return m_new, l, acc
 
-    _, m, l, acc = jax.lax.while_loop(lambda c: c[0] < n_chunks, body, (jnp.int32(0), m, l, acc))
+    def loop(start_page, n_pages, n_iter, m, l, acc):
+        """Fold ``n_iter`` chunks of ``n_pages`` pages from ``start_page`` on (a ``while`` loop)."""
+        def body(carry):
+            i, m, l, acc = carry
+            return (i + 1, *fold(start_page + i * n_pages, n_pages, m, l, acc))
+
+        return jax.lax.while_loop(lambda c: c[0] < n_iter, body, (jnp.int32(0), m, l, acc))[1:]
+
+    if not tail_pages or tail_pages >= chunk:
+        m, l, acc = loop(0, chunk, (longest + chunk * bs - 1) // (chunk * bs), m, l, acc)
+    else:
+        table = jnp.pad(table, ((0, 0), (0, tail_pages - 1)))  # the last tail chunk may pass the chunks' width
+        whole = longest // (chunk * bs)  # whole chunks, then the rest of the longest context in short ones
+        m, l, acc = loop(0, chunk, whole, m, l, acc)
+        rest = longest - whole * chunk * bs
+        m, l, acc = loop(whole * chunk, tail_pages, (rest + tail_pages * bs - 1) // (tail_pages * bs), m, l, acc)
     return jnp.transpose(acc / l[..., None], (1, 0, 2, 3))[:, None]
 
 

@@ -434,7 +434,9 @@ class Engine:
         running stream (demo seventh pass). A few iterations of the loop enter it as well as all of them, and a
         table of ``max_pages_per_seq`` pages (``context_width``) read whole would cost the warm-up a step over the
         longest context per program (``small``: 32K positions)."""
-        ctx = min(width, WARM_CONTEXT_PAGES) * self.block_size
+        # One token short of whole pages: decode's loop reads whole chunks, then a tail of short ones
+        # (``attention.DECODE_TAIL_PAGES``), and a context of whole chunks would leave the tail's loop unentered.
+        ctx = max(1, min(width, WARM_CONTEXT_PAGES) * self.block_size - 1)
         return np.full((rows, width), SCRATCH_PAGE, np.int32), np.full(rows, ctx, np.int32)
 
     def _warm_stacked_prefills(self, prompt_logprobs: bool) -> int:

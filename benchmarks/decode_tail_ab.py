@@ -1,0 +1,77 @@
+"""The whole decode step with and without decode attention's tail loop (``attention.DECODE_TAIL_PAGES``), two
+engines in one process, steps interleaved (one of each in turn), so both see the same load.
+
+The tail is read when the step is traced, so each engine is built and compiled with its own setting (and a page
+count of its own, so the two do not share one compiled program). Reports wall (min, median) and process CPU time
+(median) per step.
+
+    python benchmarks/decode_tail_ab.py --batch 32 --json out.json
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import arg_parser, machine_info, write_json  # noqa: E402
+
+
+def main() -> None:
+    p = arg_parser(__doc__)
+    p.add_argument("--model", default="small")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=16, help="timed steps per variant")
+    args = p.parse_args()
+
+    import mooncake_jax as mj
+    from mooncake_jax.model import attention
+    from mooncake_jax.model.sequence import SamplingParams
+
+    b, ctx = args.batch, args.context
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 32000, ctx).tolist() for _ in range(b)]
+    default = attention.DECODE_TAIL_PAGES
+    engines, batches = {}, {}
+    for extra, (name, tail) in enumerate((("no_tail", 0), ("tail", default))):
+        attention.DECODE_TAIL_PAGES = tail
+        try:
+            llm = mj.LLM(args.model, prefill_chunk_size=512, max_batch=b,
+                         num_pages=1 + b * (ctx // 16 + 8) + 64 + extra)
+            eng = llm.engine
+            seqs = []
+            for prompt in prompts:
+                s = eng.new_sequence(prompt, SamplingParams(max_new_tokens=args.steps + 4, ignore_eos=True))
+                eng.admit(s, cached_pages=[])
+                eng.prefill(s)
+                seqs.append(s)
+            eng.decode(seqs)  # compiles this engine's decode program with this tail
+        finally:
+            attention.DECODE_TAIL_PAGES = default
+        engines[name], batches[name] = eng, seqs
+    res = dict(machine_info(), model=args.model, batch=b, context=ctx, steps=args.steps,
+               load_start=open("/proc/loadavg").read().split()[0])
+    times = {name: [] for name in engines}
+    for _ in range(args.steps):
+        for name, eng in engines.items():
+            t, c = time.perf_counter(), time.process_time()
+            eng.decode(batches[name])
+            times[name].append((time.perf_counter() - t, time.process_time() - c))
+    res["load_end"] = open("/proc/loadavg").read().split()[0]
+    for name, ts in times.items():
+        wall, cpu = np.array([w for w, _ in ts]) * 1e3, np.array([c for _, c in ts]) * 1e3
+        res[f"{name}_wall_min_ms"] = round(float(wall.min()), 2)
+        res[f"{name}_wall_median_ms"] = round(float(np.median(wall)), 2)
+        res[f"{name}_cpu_median_ms"] = round(float(np.median(cpu)), 2)
+    res["wall_median_ratio"] = round(res["tail_wall_median_ms"] / res["no_tail_wall_median_ms"], 3)
+    res["wall_min_ratio"] = round(res["tail_wall_min_ms"] / res["no_tail_wall_min_ms"], 3)
+    res["cpu_median_ratio"] = round(res["tail_cpu_median_ms"] / res["no_tail_cpu_median_ms"], 3)
+    write_json(res, args.json)
+
+
+if __name__ == "__main__":
+    main()
