@@ -212,12 +212,43 @@ def test_tensor_parallel_bfloat16_equals_single_device(bf16_model, runs):
     assert pages.dtype == storage_dtype(jnp.bfloat16) and len(pages.sharding.device_set) == 2
     got_logits, got_out, got_blocks = run(engine)
     want_logits, want_out, want_blocks = runs[0]
-    assert [out for out, _ in got_out] == [out for out, _ in want_out]  # the same greedy tokens
+    agree = [same_greedy_tokens(got, want) for got, want in zip(got_out, want_out)]
     for a, b in zip(got_logits, want_logits):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * np.abs(b).max())
     assert got_blocks.dtype == jnp.dtype(jnp.bfloat16)
-    want = want_blocks.astype(np.float32)  # deeper layers carry the split sums' bfloat16 rounding
-    np.testing.assert_allclose(got_blocks.astype(np.float32), want, rtol=0, atol=5e-2 * np.abs(want).max())
+    # positions whose token both engines wrote alike: the prompt, then each decoded token up to the first that differs
+    written = len(PROMPTS[0]) + agree[0]
+    got_rows, want_rows = (positions(blocks)[:written].astype(np.float32) for blocks in (got_blocks, want_blocks))
+    # deeper layers carry the split sums' bfloat16 rounding
+    np.testing.assert_allclose(got_rows, want_rows, rtol=0, atol=5e-2 * np.abs(want_rows).max())
+
+
+NEAR_TIE = 0.05
+"""Log-probability gap under which two bfloat16 engines that sum in different orders may pick different greedy
+tokens: bfloat16 keeps 8 bits of mantissa, and the tiny model's top logprobs near -4 are 0.016 apart per unit in
+the last place."""
+
+
+def same_greedy_tokens(got, want) -> int:
+    """How many leading tokens of ``got`` equal ``want``'s ((tokens, logprobs) of one sequence), each with its
+    logprob within ``NEAR_TIE``; a first differing token is allowed only where ``want``'s own top two were within
+    ``NEAR_TIE`` of each other (a near tie that rounding decides), and nothing after it is compared."""
+    (got_tokens, got_lps), (want_tokens, want_lps) = got, want
+    for i, (g, w) in enumerate(zip(got_tokens, want_tokens)):
+        if g != w:
+            top = want_lps[i][1]
+            assert top[0][1] - top[1][1] < NEAR_TIE and g == top[1][0], (
+                f"token {i}: {g} against {w}, not a near tie of the single-device engine's top two {top[:2]}")
+            return i
+        assert abs(got_lps[i][0] - want_lps[i][0]) < NEAR_TIE, (
+            f"token {i}: logprob {got_lps[i][0]} against {want_lps[i][0]}")
+    return len(want_tokens)
+
+
+def positions(blocks: np.ndarray) -> np.ndarray:
+    """Blocks [n, layers, 2, block_size, kv_heads, head_dim] as rows per position [n * block_size, layers, 2, ...]."""
+    n, layers, two, bs, heads, dim = blocks.shape
+    return np.moveaxis(blocks, 3, 1).reshape(n * bs, layers, two, heads, dim)
 
 
 def test_pool_round_trip_of_bfloat16_blocks_is_bit_exact(bf16_model, engines):
