@@ -34,6 +34,45 @@ def best_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> fl
     return best
 
 
+def load_average() -> str:
+    """The one-minute load average (noted beside timings on a shared machine; "n/a" where /proc is not there)."""
+    try:
+        return open("/proc/loadavg").read().split()[0]
+    except OSError:
+        return "n/a"
+
+
+def interleaved(variants: dict[str, Callable[[], object]], rounds: int, calls: int = 1,
+                base: str | None = None) -> dict:
+    """Time each of ``variants`` (name -> a call that finishes its work) ``calls`` times per round, the variants in
+    turn, for ``rounds`` rounds: on a shared machine a figure taken by one process moves +-10% from run to run, and
+    interleaving leaves every variant the same disturbances. Per variant: wall min / p25 / median and process CPU
+    time (all threads) median, in ms; per variant but ``base`` (default the first): its CPU median, wall min and
+    wall median over ``base``'s (``{name}_cpu_ratio``, ``{name}_wall_min_ratio``, ``{name}_wall_median_ratio``);
+    the load average before and after."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    res: dict = {"load_start": load_average()}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            for _ in range(calls):
+                t, c = time.perf_counter(), time.process_time()
+                run()
+                times[name].append((time.perf_counter() - t, time.process_time() - c))
+    res["load_end"] = load_average()
+    for name, ts in times.items():
+        wall, cpu = np.array([w for w, _ in ts]) * 1e3, np.array([c for _, c in ts]) * 1e3
+        res[f"{name}_wall_min_ms"] = round(float(wall.min()), 2)
+        res[f"{name}_wall_p25_ms"] = round(float(np.percentile(wall, 25)), 2)
+        res[f"{name}_wall_median_ms"] = round(float(np.median(wall)), 2)
+        res[f"{name}_cpu_median_ms"] = round(float(np.median(cpu)), 2)
+    base = base or next(iter(variants))
+    for name in times:
+        if name != base:
+            for figure, key in (("cpu", "cpu_median"), ("wall_min", "wall_min"), ("wall_median", "wall_median")):
+                res[f"{name}_{figure}_ratio"] = round(res[f"{name}_{key}_ms"] / res[f"{base}_{key}_ms"], 3)
+    return res
+
+
 def matmul_peak_gflops(n: int = 2048, dtype="float32", repeats: int = 10) -> float:
     """Measured dense matmul rate of the default JAX device (GFLOP/s), square n x n x n."""
     import jax

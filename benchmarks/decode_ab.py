@@ -11,13 +11,12 @@ and process CPU time (all threads) per step.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, machine_info, write_json  # noqa: E402
+from common import arg_parser, interleaved, machine_info, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -54,27 +53,20 @@ def main() -> None:
         eng.admit(s, cached_pages=[])
         eng.prefill(s)
         seqs.append(s)
-    times = {name: [] for name in variants}
-    for name, (g, prm) in variants.items():  # compile each
-        runner.graphdef, runner.params = g, prm
-        eng.decode(seqs)
-    res = dict(machine_info(), model=args.model, batch=b, context=ctx, steps=args.steps,
-               load_start=open("/proc/loadavg").read().split()[0])
-    for _ in range(args.steps):
-        for name, (g, prm) in variants.items():
+
+    def step(g, prm):
+        def run():
             runner.graphdef, runner.params = g, prm
-            t, c = time.perf_counter(), time.process_time()
             eng.decode(seqs)
-            times[name].append((time.perf_counter() - t, time.process_time() - c))
-    res["load_end"] = open("/proc/loadavg").read().split()[0]
-    for name, ts in times.items():
-        wall, cpu = np.sort([w for w, _ in ts]) * 1e3, np.sort([c for _, c in ts]) * 1e3
-        res[f"{name}_wall_min_ms"] = round(float(wall[0]), 2)
-        res[f"{name}_wall_p25_ms"] = round(float(np.percentile(wall, 25)), 2)
-        res[f"{name}_wall_median_ms"] = round(float(np.median(wall)), 2)
-        res[f"{name}_cpu_median_ms"] = round(float(np.median(cpu)), 2)
-    res["wall_median_ratio"] = round(res["decode_copy_wall_median_ms"] / res["canonical_wall_median_ms"], 3)
-    res["cpu_median_ratio"] = round(res["decode_copy_cpu_median_ms"] / res["canonical_cpu_median_ms"], 3)
+        return run
+
+    steps = {name: step(g, prm) for name, (g, prm) in variants.items()}
+    for run in steps.values():  # compile each
+        run()
+    res = dict(machine_info(), model=args.model, batch=b, context=ctx, steps=args.steps,
+               **interleaved(steps, args.steps, base="canonical"))
+    res["wall_median_ratio"] = res["decode_copy_wall_median_ratio"]
+    res["cpu_median_ratio"] = res["decode_copy_cpu_ratio"]
     write_json(res, args.json)
 
 

@@ -14,13 +14,12 @@ min and median and the process CPU time median per call, and the pages each read
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, machine_info, write_json  # noqa: E402
+from common import arg_parser, interleaved, machine_info, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -92,25 +91,12 @@ def main() -> None:
         err = float(np.max(np.abs(out - ref)))
         if err > 1e-4:
             raise SystemExit(f"variant {name} differs from {first} by {err}")
-    times = {name: [] for name in variants}
+
+    def call(name, f):
+        return lambda: f(*operands(name)).block_until_ready()
+
     res = dict(machine_info(), model=args.model, batch=b, context=ctx, rounds=args.rounds,
-               load_start=open("/proc/loadavg").read().split()[0])
-    for _ in range(args.rounds):
-        for name, f in variants.items():
-            for _ in range(args.calls):
-                t, c = time.perf_counter(), time.process_time()
-                f(*operands(name)).block_until_ready()
-                times[name].append((time.perf_counter() - t, time.process_time() - c))
-    res["load_end"] = open("/proc/loadavg").read().split()[0]
-    base = None
-    for name, ts in times.items():
-        wall, cpu = np.array([w for w, _ in ts]) * 1e3, np.array([c for _, c in ts]) * 1e3
-        res[f"{name}_wall_min_ms"] = round(float(wall.min()), 2)
-        res[f"{name}_wall_median_ms"] = round(float(np.median(wall)), 2)
-        res[f"{name}_cpu_median_ms"] = round(float(np.median(cpu)), 2)
-        base = base or name
-        res[f"{name}_cpu_ratio"] = round(res[f"{name}_cpu_median_ms"] / res[f"{base}_cpu_median_ms"], 3)
-        res[f"{name}_wall_min_ratio"] = round(res[f"{name}_wall_min_ms"] / res[f"{base}_wall_min_ms"], 3)
+               **interleaved({name: call(name, f) for name, f in variants.items()}, args.rounds, calls=args.calls))
     write_json(res, args.json)
 
 

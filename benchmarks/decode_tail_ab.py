@@ -3,21 +3,21 @@ engines in one process, steps interleaved (one of each in turn), so both see the
 
 The tail is read when the step is traced, so each engine is built and compiled with its own setting (and a page
 count of its own, so the two do not share one compiled program). Reports wall (min, median) and process CPU time
-(median) per step.
+(median) per step (``common.interleaved``).
 
     python benchmarks/decode_tail_ab.py --batch 32 --json out.json
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, machine_info, write_json  # noqa: E402
+from common import arg_parser, interleaved, machine_info, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
 
     b, ctx = args.batch, args.context
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 32000, ctx).tolist() for _ in range(b)]
+    prompts = None  # the same for both engines, drawn from the model's vocabulary
     default = attention.DECODE_TAIL_PAGES
     engines, batches = {}, {}
     for extra, (name, tail) in enumerate((("no_tail", 0), ("tail", default))):
@@ -43,6 +43,8 @@ def main() -> None:
             llm = mj.LLM(args.model, prefill_chunk_size=512, max_batch=b,
                          num_pages=1 + b * (ctx // 16 + 8) + 64 + extra)
             eng = llm.engine
+            if prompts is None:
+                prompts = [rng.integers(0, llm.config.vocab_size, ctx).tolist() for _ in range(b)]
             seqs = []
             for prompt in prompts:
                 s = eng.new_sequence(prompt, SamplingParams(max_new_tokens=args.steps + 4, ignore_eos=True))
@@ -54,22 +56,11 @@ def main() -> None:
             attention.DECODE_TAIL_PAGES = default
         engines[name], batches[name] = eng, seqs
     res = dict(machine_info(), model=args.model, batch=b, context=ctx, steps=args.steps,
-               load_start=open("/proc/loadavg").read().split()[0])
-    times = {name: [] for name in engines}
-    for _ in range(args.steps):
-        for name, eng in engines.items():
-            t, c = time.perf_counter(), time.process_time()
-            eng.decode(batches[name])
-            times[name].append((time.perf_counter() - t, time.process_time() - c))
-    res["load_end"] = open("/proc/loadavg").read().split()[0]
-    for name, ts in times.items():
-        wall, cpu = np.array([w for w, _ in ts]) * 1e3, np.array([c for _, c in ts]) * 1e3
-        res[f"{name}_wall_min_ms"] = round(float(wall.min()), 2)
-        res[f"{name}_wall_median_ms"] = round(float(np.median(wall)), 2)
-        res[f"{name}_cpu_median_ms"] = round(float(np.median(cpu)), 2)
-    res["wall_median_ratio"] = round(res["tail_wall_median_ms"] / res["no_tail_wall_median_ms"], 3)
-    res["wall_min_ratio"] = round(res["tail_wall_min_ms"] / res["no_tail_wall_min_ms"], 3)
-    res["cpu_median_ratio"] = round(res["tail_cpu_median_ms"] / res["no_tail_cpu_median_ms"], 3)
+               **interleaved({name: functools.partial(eng.decode, batches[name]) for name, eng in engines.items()},
+                             args.steps))
+    res["wall_median_ratio"] = res["tail_wall_median_ratio"]
+    res["wall_min_ratio"] = res["tail_wall_min_ratio"]
+    res["cpu_median_ratio"] = res["tail_cpu_ratio"]
     write_json(res, args.json)
 
 
