@@ -308,13 +308,24 @@ def test_a_conductor_restart_mid_load_in_one_process_loses_no_instance_and_hangs
         assert "wrong" not in kinds
         assert all(killed - 0.5 < at < restarted + 5 for k, at in outcomes if k == "failed"), outcomes
         state = cluster.conductor.service.state
-        assert sorted(state.instances.slot_of) == sorted(cluster.instances)
-        for instance_id, instance in cluster.instances.items():  # the index holds exactly each pool's blocks
-            if instance.config.role == "prefill":
-                keys = set(instance.pool.keys_by_tier().get("dram", [])) - instance.link.ignored_keys
-                slot = state.instances.slot(instance_id)
-                assert keys and all(state.index.tier(k, slot) is not None for k in keys)
-                assert state.index.blocks_of(slot) == len(keys)
+
+        def registered_again() -> bool:
+            return sorted(state.instances.slot_of) == sorted(cluster.instances)
+
+        def index_exact() -> bool:  # the index holds exactly each prefill pool's blocks
+            for instance_id, instance in cluster.instances.items():
+                if instance.config.role == "prefill":
+                    keys = set(instance.pool.keys_by_tier().get("dram", [])) - instance.link.ignored_keys
+                    slot = state.instances.slot(instance_id)
+                    if not (keys and all(state.index.tier(k, slot) is not None for k in keys)
+                            and state.index.blocks_of(slot) == len(keys)):
+                        return False
+            return True
+
+        # the completions waited for above may be requests routed before the stop that finished after the restart,
+        # so the instances' next heartbeats (every 0.2 s: NOT_FOUND, register again, whole block list) may be due yet
+        assert wait_until(registered_again, 30), (sorted(state.instances.slot_of), sorted(cluster.instances))
+        assert wait_until(index_exact, 30)
         print("in-process restart:", {k: kinds.count(k) for k in ("completed", "failed")})
         # a gateway started now (or restarted) knows only the Conductor's address, and serves at once
         from mooncake_jax.gateway.backend import GenerateRequest, TokenOut
