@@ -450,8 +450,7 @@ class FileStore:
         self._heads_changed = False
         data = image.finish(close=not keep_open)
         heads = self._writer.write_rows(self.root / HEADS_DIR / _shard_key(shard).decode(), self.shard_slots,
-                                        self._open_heads[: self._filled[shard]].copy(), here=keep_open)  # a
-        # settle's: the caller waits next, so it writes the heads beside the thread's last data writes
+                                        self._open_heads[: self._filled[shard]].copy())
         self._in_flight(keys, shard, data, heads)
 
     def _in_flight(self, keys: list[BlockKey], shard: int, *writes: Future | ts.Future) -> None:

@@ -120,13 +120,10 @@ class ShardWriter:
     def submit(self, job: Callable[[], object]) -> Future:
         return self._thread.submit(job)
 
-    def write_rows(self, path: Path, slots: int, rows: np.ndarray, here: bool = False) -> Future:
+    def write_rows(self, path: Path, slots: int, rows: np.ndarray) -> Future:
         """Write in place, behind the caller, the shard file ``path`` of ``slots`` slots whose first ``len(rows)``
         slots hold the ``rows`` (2-D uint8, a chunk per row, untouched from now on): the rows, then the index (one
-        page), so rewriting a shard that gained rows keeps the rows it listed before readable at every moment.
-        ``here``: on the caller's thread before this returns (a done future, holding what failed), for a caller
-        about to wait for the writer thread anyway: the file's open, write and close then run beside the thread's
-        last data writes instead of after them (a settle's heads file, 90 us of a 16-block call's critical path)."""
+        page), so rewriting a shard that gained rows keeps the rows it listed before readable at every moment."""
         start = index_bytes(slots)
         index = encode_index(slots, start, rows.shape[1], len(rows))
 
@@ -138,14 +135,7 @@ class ShardWriter:
             finally:
                 os.close(fd)
 
-        if not here:
-            return self.submit(write)
-        done: Future = Future()
-        try:
-            done.set_result(write())
-        except Exception as err:
-            done.set_exception(err)
-        return done
+        return self.submit(write)
 
     def take_piece(self) -> tuple[int, np.ndarray]:
         """The next piece of the ring, once the write of what it last held is done (the write-behind bound)."""
