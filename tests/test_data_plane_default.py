@@ -127,6 +127,29 @@ def test_an_offer_this_end_cannot_connect_to_moves_over_grpc(servers, monkeypatc
             client.fetch(KEYS)
 
 
+
+def test_an_offer_on_a_port_that_drops_connections_moves_over_grpc_within_the_deadline(servers, monkeypatch):
+    """The peer's offer names a data port whose connections hang (a listener whose accept queue is full: the kernel
+    drops further SYNs, as a firewall does): the connect gives up after part of the deadline, and the fetch goes on
+    over gRPC in the rest of it instead of failing at the deadline."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(0)
+    filler = socket.create_connection(hole.getsockname(), timeout=1.0)  # fills the accept queue: the next SYN hangs
+    real_offer = SocketPlane.offer
+    monkeypatch.setattr(SocketPlane, "offer", lambda self, *a, **k: (f"127.0.0.1:{hole.getsockname()[1]}",
+                                                                    real_offer(self, *a, **k)[1]))
+    try:
+        server = servers(filled_pool(KEYS))
+        b = BlockPool(SPEC)
+        with MessengerClient(server.address, b, timeout_s=SHORT_S) as client:
+            assert client.fetch(KEYS).moved == KEYS
+            assert client.counters.plane_fallbacks == 1 and client.counters.socket_bytes == 0
+        assert_exact(b, KEYS)
+    finally:
+        filler.close()
+        hole.close()
+
 @pytest.fixture
 def tls_on(tmp_path):
     from test_roles import self_signed

@@ -62,6 +62,10 @@ L2 (2 MiB on the machines measured) when the pool's copy-and-hash reads it."""
 IO_TIMEOUT_S = 30.0
 """Longest wait for any one read or write on a data connection (the call's deadline cuts it shorter)."""
 CONNECT_TIMEOUT_S = 10.0
+CONNECT_SHARE = 0.5
+"""Most of a pull's remaining deadline its connect may take (and at most ``CONNECT_TIMEOUT_S``): a data port that
+drops packets (a firewall) is found out with the rest of the deadline left, in which a ``data_plane="auto"`` move
+goes on over gRPC instead of failing at its deadline."""
 HELLO_TIMEOUT_S = 10.0
 """Longest wait for a connection's magic and token."""
 SEND_BUFFERS = 512
@@ -311,7 +315,8 @@ class SocketPlane:
                             connected=False)
         try:
             conn = socket.create_connection((host.strip("[]"), int(port)),
-                                            timeout=max(min(CONNECT_TIMEOUT_S, deadline - time.monotonic()), 0.001))
+                                            timeout=max(min(CONNECT_TIMEOUT_S,
+                                                                CONNECT_SHARE * (deadline - time.monotonic())), 0.001))
         except OSError as err:
             raise PullError(f"socket plane: cannot connect to {address}: {err}", connected=False) from err
         received = 0
