@@ -58,11 +58,13 @@ from mooncake_jax.blocks import BlockKey
 from mooncake_jax.transfer.checksum import checksum
 from mooncake_jax.transfer.frame import (
     DATA_OFFSET,
+    DIGEST_IN_HEAD,
     PREFIX_BYTES,
     CorruptBlockError,
     StaleFormatError,
     check_digest,
     check_head,
+    digest_bytes,
     record_bytes,
     record_head,
     verify,
@@ -95,14 +97,6 @@ _DATA_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "
                             "file_io_mode": {"mode": "memmap"}})
 _HEADS_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "none"}})
 _NO_HEAD = np.zeros(DATA_OFFSET, np.uint8)  # the fill value: writing it removes the head's chunk
-_DIGEST_AT = PREFIX_BYTES + 32  # where a head holds its data's checksum: high then low, little-endian u64s (frame.py's
-# header: magic, version, length, fingerprint, key, bytes, high, low)
-
-
-def _digest_bytes(digest: tuple[int, int]) -> bytes:
-    """``(high, low)`` as a record head stores it."""
-    return digest[0].to_bytes(8, "little") + digest[1].to_bytes(8, "little")
-
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
@@ -627,7 +621,7 @@ class FileStore:
                     heads = record_heads[shard] = self._shard_heads[shard].tobytes()
                 at = row * DATA_OFFSET
                 head = heads[at : at + DATA_OFFSET]
-                sound = head[_DIGEST_AT : _DIGEST_AT + 16] == _digest_bytes(result)
+                sound = head[DIGEST_IN_HEAD] == digest_bytes(result)
             ahead[key] = (out, slot, result, sound, head)
 
     def take_checked(self, key: BlockKey, out: np.ndarray) -> bytes | None:

@@ -38,6 +38,15 @@ PREFIX_BYTES = 64  # the record's wire prefix
 DATA_OFFSET = PREFIX_BYTES + HEADER_BYTES  # where a block's data starts in its record
 _HEADER = struct.Struct("<4sHHQQQQQ")
 _HEADER_PADDING = bytes(HEADER_BYTES - _HEADER.size)
+_DIGEST = struct.Struct("<QQ")  # the header's last two fields: the data's checksum, high then low
+DIGEST_IN_HEAD = slice(PREFIX_BYTES + _HEADER.size - _DIGEST.size, PREFIX_BYTES + _HEADER.size)
+"""Where a record head holds its data's checksum: a tier that knows a head is sound compares only these bytes
+(``digest_bytes``) with the checksum of data it just read."""
+
+
+def digest_bytes(digest: tuple[int, int]) -> bytes:
+    """``(high, low)`` as a record head stores it (``DIGEST_IN_HEAD``)."""
+    return _DIGEST.pack(*digest)
 _MAX_KEY = (1 << 64) - 1
 
 # BlockPiece field tags (field number << 3 | wire type): see messenger.proto
