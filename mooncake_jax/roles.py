@@ -18,6 +18,8 @@ import time
 
 import grpc
 
+from .addresses import is_loopback, split
+
 log = logging.getLogger("mooncake_jax.roles")
 
 EXIT_BAD_INPUT = 2
@@ -34,9 +36,8 @@ class Unreachable(RuntimeError):
 
 def parse_address(text: str, flag: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` too) as (host, port); ValueError naming ``flag`` otherwise. Port 0: a free one."""
-    host, sep, port = (text or "").strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    host, port = split(text or "")
+    if not host or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"{flag} must be HOST:PORT (port 0-65535, 0: a free one), got {text!r}")
     return host, int(port)
 
@@ -96,8 +97,6 @@ def setup(args, role: str) -> str | None:
 
 def check_exposed(host: str, token: str | None, what: str) -> None:
     """A server beyond loopback without the shared token would let anyone on the network use it."""
-    from .proto.auth import is_loopback
-
     if token is None and not is_loopback(host):
         raise ValueError(f"{what} listens on {host}, beyond loopback: give the shared token (--auth-token-file, "
                          f"--auth-token or MOONCAKE_API_KEY)")

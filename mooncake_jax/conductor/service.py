@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mooncake_jax.addresses import join
 from mooncake_jax.conductor.api import Admission, Decision, PolicyConfig, Request
 from mooncake_jax.conductor.hardware import instance_costs
 from mooncake_jax.conductor.index import Tier
@@ -338,10 +339,10 @@ class ConductorServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME],
                                             self._server)
-        self.port = add_port(self._server, f"{host}:{port}")
+        self.port = add_port(self._server, join(host, port))
         if not self.port:
-            raise OSError(f"cannot listen on {host}:{port}")
-        self.address = f"{host}:{self.port}"
+            raise OSError(f"cannot listen on {join(host, port)}")
+        self.address = join(host, self.port)
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="conductor-sweeper", daemon=True)
         self._sweep = sweep

@@ -6,7 +6,7 @@ cluster's KV), so ``check_exposure`` refuses that unless the caller says it is i
 
 from __future__ import annotations
 
-from mooncake_jax.proto.auth import is_loopback
+from mooncake_jax.addresses import is_loopback
 
 
 def check_exposure(host: str, token: str | None, allow_unauthenticated: bool) -> None:

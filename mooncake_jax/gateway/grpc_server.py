@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mooncake_jax.addresses import join
 from mooncake_jax.gateway.backend import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, DuplicateRequest,
                                           InvalidRequest, Rejected, Unavailable)
 from mooncake_jax.gateway.core import GatewayCore, retry_hint_s
@@ -138,7 +139,7 @@ class GrpcFrontEnd:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection([SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME],
                                             self._server)
-        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        bind = join(host, port)
         self.port = add_port(self._server, bind)
         if not self.port:
             raise OSError(f"gRPC cannot listen on {bind}")

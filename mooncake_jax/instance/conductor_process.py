@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from ..addresses import join
 from ..conductor.api import PolicyConfig
 
 CARRIED_FIELDS = ("strategy", "admission", "block_size", "kvcache_balancing_threshold", "ttft_slo_s", "tbt_slo_s",
@@ -30,7 +31,7 @@ def conductor_args(config: PolicyConfig, host: str, port: int, heartbeat_interva
     if lost:
         raise ValueError(f"a Conductor process takes no {lost} (the conductor command has no flag for them); "
                          f"run the Conductor in this process instead")
-    listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    listen = join(host, port)
     return ["--listen", listen, "--policy", config.strategy.value, "--admission", config.admission.value,
             "--block-size", str(config.block_size),
             "--kvcache-balancing-threshold", repr(config.kvcache_balancing_threshold),

@@ -14,11 +14,11 @@ ranges are checked across a cluster's instances in ``devices.py``.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import json
 import uuid
 from typing import Any
 
+from ..addresses import is_loopback, is_wildcard, split
 from ..conductor.hardware import HARDWARE
 from ..engine.scheduler import DEFAULT_MAX_WAITING
 from ..kv_layout import KV_DTYPES, KVLayout
@@ -91,15 +91,6 @@ class PoolConfig:
 
 
 _LOCAL = {"local": True}  # fields that stay in this process: never on a command line, in JSON or registration
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: assume it names a reachable host
-        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +187,8 @@ class InstanceConfig:
             raise ValueError(f"coordinator_timeout_s must be a positive number, got {self.coordinator_timeout_s!r}")
         if n == 1:
             return
-        host, sep, port = self.coordinator.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        host, port = split(self.coordinator)
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"an instance of {n} processes needs coordinator HOST:PORT, got {self.coordinator!r}")
         if self.devices is not None:
             raise ValueError(f"an instance of {n} processes uses every local device of each process; "
@@ -209,7 +200,7 @@ class InstanceConfig:
             raise ValueError(f"shape {self.shape} ({self.device_count} devices) cannot be split evenly over "
                              f"{n} processes")
         mine = self.collectives_host
-        if mine is not None and _is_loopback(mine) and not _is_loopback(host):
+        if mine is not None and is_loopback(mine) and not is_loopback(host):
             raise ValueError(f"process {i} of {n} would take its collectives on {mine}, a loopback address, but "
                              f"its coordinator {self.coordinator} is on another host: give this process --listen "
                              f"or --advertise with an address the other processes reach it at")
@@ -231,15 +222,8 @@ class InstanceConfig:
         """The host others reach this instance at: that of ``advertise``, else ``host``; None for a wildcard (its
         socket data plane's offers then name the wildcard, which each peer reads as the host it reached this
         instance at)."""
-        advertise = self.advertise
-        if advertise.startswith("["):  # [IPv6]:PORT or [IPv6]
-            host = advertise[1:advertise.find("]")]
-        elif advertise.count(":") == 1:  # HOST:PORT
-            host = advertise.rpartition(":")[0]
-        else:  # HOST, or a bare IPv6 address
-            host = advertise
-        host = (host or self.host).strip("[]")
-        return None if host in ("", "0.0.0.0", "::") else host
+        host = split(self.advertise)[0] or split(self.host)[0]
+        return None if is_wildcard(host) else host
 
     @property
     def shape(self) -> str:

@@ -17,6 +17,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ..addresses import join, split
 from ..conductor.profile import costs_from_profile
 from ..llm import build_model
 from ..model.engine import Engine
@@ -63,11 +64,9 @@ def advertised_address(advertise: str, host: str, port: int) -> str:
     """The address this instance registers: ``advertise`` (HOST:PORT, or HOST with the bound ``port``) when given,
     else where it listens."""
     if not advertise:
-        return f"{host}:{port}"
-    head, sep, tail = advertise.rpartition(":")
-    if sep and tail.isdigit() and not advertise.endswith("]"):
-        return advertise
-    return f"{advertise}:{port}"
+        return join(host, port)
+    named_host, named_port = split(advertise)
+    return join(named_host, named_port if named_port.isdigit() else port)
 
 
 class RegistrationError(RuntimeError):
@@ -114,7 +113,7 @@ class InstanceServer:
                                              serve_socket=config.data_plane != "grpc")
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = add_port(self._server, f"{config.host}:{config.port}")
+        self.port = add_port(self._server, join(config.host, config.port))
         if not self.port:
             raise ValueError(f"cannot listen on {config.host}:{config.port}")
         self.address = advertised_address(config.advertise, config.host, self.port)

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import collections
 import hmac
-import ipaddress
 
 import grpc
 
 from . import channel_options, tls
 
 OPEN_SERVICES = ("grpc.health.v1.Health",)
-LOOPBACK_NAMES = ("localhost",)
 
 
 def bearer_ok(header: str | None, token: str | None) -> bool:
@@ -27,15 +25,6 @@ def bearer_ok(header: str | None, token: str | None) -> bool:
         return False
     scheme, _, value = header.strip().partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class TokenGate(grpc.ServerInterceptor):

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 import numpy as np
 
+from mooncake_jax.addresses import host_of
 from mooncake_jax.blocks import BlockKey
 from mooncake_jax.proto import tls
 from mooncake_jax.proto.auth import open_channel
@@ -60,7 +61,7 @@ from mooncake_jax.transfer.pieces import (
 )
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
 from mooncake_jax.transfer.readahead import Ahead
-from mooncake_jax.transfer.socket_plane import PullError, host_of, refuse_tls, socket_plane
+from mooncake_jax.transfer.socket_plane import PullError, refuse_tls, socket_plane
 
 log = logging.getLogger(__name__)
 

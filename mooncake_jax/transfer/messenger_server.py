@@ -17,6 +17,7 @@ from concurrent import futures
 
 import grpc
 
+from mooncake_jax.addresses import host_of, join
 from mooncake_jax.blocks import BlockKey
 from mooncake_jax.proto import GRPC_MAX_MESSAGE_BYTES, server_options
 from mooncake_jax.proto.auth import interceptors
@@ -37,7 +38,7 @@ from mooncake_jax.transfer.outgoing import Outgoing
 from mooncake_jax.transfer.pieces import BATCH_BYTES, PIECE_BYTES, RecordAssembler, encode_piece, parse_message
 from mooncake_jax.transfer.pool import BlockPool, PoolFullError
 from mooncake_jax.transfer.readahead import Ahead
-from mooncake_jax.transfer.socket_plane import PullError, host_of, socket_plane
+from mooncake_jax.transfer.socket_plane import PullError, socket_plane
 
 _MAX_PROBE_BYTES = 1 << 36
 
@@ -379,12 +380,12 @@ class MessengerServer:
         self._meter = add_messenger(self._server, pool, data_host=host, data_advertise=data_advertise,
                                     serve_socket=serve_socket)
         try:
-            self.port = add_port(self._server, f"{host}:{port}")
+            self.port = add_port(self._server, join(host, port))
         except RuntimeError as err:
-            raise ValueError(f"cannot listen on {host}:{port}: {err}") from err
+            raise ValueError(f"cannot listen on {join(host, port)}: {err}") from err
         if not self.port:
-            raise ValueError(f"cannot listen on {host}:{port}")
-        self.address = f"{host}:{self.port}"
+            raise ValueError(f"cannot listen on {join(host, port)}")
+        self.address = join(host, self.port)
 
     @property
     def counters(self) -> TransferCounters:

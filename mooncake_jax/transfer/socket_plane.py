@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import functools
-import ipaddress
 import logging
 import os
 import socket
@@ -44,6 +42,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from mooncake_jax.addresses import is_wildcard, join, resolves_to_loopback, split
 from mooncake_jax.proto import tls
 from mooncake_jax.transfer.plane_registry import PlaneRegistry
 
@@ -85,42 +84,12 @@ class PullError(RuntimeError):
         self.connected = connected
 
 
-WILDCARDS = ("", "0.0.0.0", "::")
-
-
-@functools.lru_cache(maxsize=256)
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an IP address or a name) is this machine's loopback; a name that does not resolve is not.
-    Cached: asked on every move, and a name's lookup is not free."""
-    host = host.strip("[]")
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    try:
-        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
-    except (OSError, ValueError):
-        return False
-
-
-def host_of(address: str) -> str:
-    """The host of ``HOST:PORT`` / ``[IPv6]:PORT``, or of a gRPC peer string (``ipv4:10.0.0.2:5123``,
-    ``ipv6:[::1]:5123``), without brackets."""
-    for scheme in ("ipv4:", "ipv6:"):
-        if address.startswith(scheme):
-            address = address[len(scheme):]
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        host = address
-    return host.strip("[]")
-
-
 def resolve(address: str, peer_host: str | None) -> str:
     """An offer's ``HOST:PORT`` as this end connects to it: a wildcard host (an offering plane bound to every
     address, nothing advertised) is the host this end reaches the offering peer's gRPC at."""
-    host, _, port = address.rpartition(":")
-    if host.strip("[]") in WILDCARDS and peer_host:
-        return f"[{peer_host}]:{port}" if ":" in peer_host else f"{peer_host}:{port}"
+    host, port = split(address)
+    if is_wildcard(host) and peer_host:
+        return join(peer_host, port)
     return address
 
 
@@ -179,15 +148,15 @@ class SocketPlane:
         one; a wildcard is resolved by the puller, ``resolve``)."""
         host, port = self._started().getsockname()[:2]
         host = self.advertise or host
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return join(host, port)
 
     def reachable_from(self, peer_host: str | None) -> bool:
         """Whether a peer at ``peer_host`` can connect to this plane: not when its offers name a loopback host
         (the bound one, nothing else advertised) and the peer is on another host."""
         named = self.advertise or self.host
-        if named.strip("[]") in WILDCARDS or not peer_host or not is_loopback(named):
+        if is_wildcard(named) or not peer_host or not resolves_to_loopback(named):
             return True
-        return is_loopback(peer_host)
+        return resolves_to_loopback(peer_host)
 
     @property
     def offers(self) -> int:
@@ -305,16 +274,16 @@ class SocketPlane:
         loopback from a peer on another host is refused unconnected, never tried on this host's loopback)."""
         deadline = time.monotonic() + timeout_s
         address = resolve(address, peer_host)
-        host, _, port = address.rpartition(":")
+        host, port = split(address)
         if not host or not port.isdigit() or len(token) != TOKEN_BYTES:
             raise PullError(f"socket plane: bad offer (address {address!r}, token of {len(token)} bytes)",
                             connected=False)
-        if peer_host and is_loopback(host) and not is_loopback(peer_host):
+        if peer_host and resolves_to_loopback(host) and not resolves_to_loopback(peer_host):
             raise PullError(f"socket plane: the peer at {peer_host} offered on {address}, its own loopback, which "
                             f"this host cannot reach (give that peer a reachable host or --advertise)",
                             connected=False)
         try:
-            conn = socket.create_connection((host.strip("[]"), int(port)),
+            conn = socket.create_connection((host, int(port)),
                                             timeout=max(min(CONNECT_TIMEOUT_S,
                                                                 CONNECT_SHARE * (deadline - time.monotonic())), 0.001))
         except OSError as err:
