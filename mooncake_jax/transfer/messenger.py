@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import struct
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -253,17 +253,8 @@ class MessengerClient:
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         stored: list[BlockKey] = []
         plane = self.plane(deadline=deadline) if wanted else self.data_plane
-        if plane == "socket":
-            try:
-                self._fetch_socket_checked(wanted, deadline, started, stored)
-            except _SocketUnusable as err:  # "auto", refused before anything of that group moved: the rest by gRPC
-                self._socket_refused(str(err))
-                plane = "grpc"
-            self._meter.add(socket_bytes=len(stored) * self.pool.frame_bytes)
-        if wanted and plane != "socket" and self.data_plane == "auto":
-            self._meter.add(plane_fallbacks=1)
-        arrived = set(stored)
-        rest = [key for key in wanted if key not in arrived] if plane != "socket" else []
+        plane, rest = self._socket_first(plane, wanted, stored,
+                                         lambda: self._fetch_socket_checked(wanted, deadline, started, stored))
         if rest and plane == "jax":
             self._fetch_pulled(rest, started, deadline, stored)
         elif rest:
@@ -398,19 +389,10 @@ class MessengerClient:
 
         plane = self.plane(pushing=True, deadline=deadline) if to_send else self.data_plane
         with self.pool.pin(to_send):
-            if to_send and plane == "socket":
-                try:
-                    lost = self._push_socket(to_send, started, deadline, sent)
-                except _SocketUnusable as err:  # "auto", refused before that group moved: the rest by gRPC
-                    self._socket_refused(str(err))
-                    plane = "grpc"
-                self._meter.add(socket_bytes=len(sent) * self.pool.frame_bytes)
-            if to_send and plane != "socket" and self.data_plane == "auto":
-                self._meter.add(plane_fallbacks=1)
-            done = set(sent)
-            rest = [key for key in to_send if key not in done] if plane != "socket" else []
+            plane, rest = self._socket_first(plane, to_send, sent,
+                                             lambda: lost.extend(self._push_socket(to_send, started, deadline, sent)))
             if rest and plane == "jax":
-                lost = self._push_offered(rest, started, deadline, sent)
+                lost.extend(self._push_offered(rest, started, deadline, sent))
             elif rest:
                 order = [*sent, *rest]
                 try:
@@ -426,6 +408,26 @@ class MessengerClient:
             message = f"push to {self.address}: block {lost[0]:#018x} failed its checksum here"
             raise BlocksNotFoundError(message, lost, stored=sent)
         return TransferResult(sent, skipped, sent_bytes, seconds)
+
+    def _socket_first(self, plane: str, keys: list[BlockKey], moved: list[BlockKey],
+                      move: Callable[[], object]) -> tuple[str, list[BlockKey]]:
+        """The socket-plane part of a fetch or push, one rule for both: when ``plane`` is "socket", ``move()`` moves
+        ``keys`` over it, appending what moved to ``moved``; refused before a group moved (an "auto" client:
+        ``_SocketUnusable``), the rest goes over gRPC with this peer from now on. Returns the plane left for the
+        rest and the rest of ``keys`` (none after the socket plane: its failures raise)."""
+        if keys and plane == "socket":
+            try:
+                move()
+            except _SocketUnusable as err:
+                self._socket_refused(str(err))
+                plane = "grpc"
+            self._meter.add(socket_bytes=len(moved) * self.pool.frame_bytes)
+        if keys and plane != "socket" and self.data_plane == "auto":
+            self._meter.add(plane_fallbacks=1)
+        if plane == "socket":
+            return plane, []
+        done = set(moved)
+        return plane, [key for key in keys if key not in done]
 
     @contextlib.contextmanager
     def _pulling(self, stored: list[BlockKey], started: float, socket: bool = False) -> Iterator[None]:
