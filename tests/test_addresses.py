@@ -66,6 +66,8 @@ def test_advertised_addresses_keep_ipv6_hosts_whole():
     assert InstanceConfig(role="decode", advertise="[fd00::5]:80").advertised_host == "fd00::5"
     assert InstanceConfig(role="decode", host="0.0.0.0").advertised_host is None
     assert InstanceConfig(role="decode", host="::").advertised_host is None
+    assert InstanceConfig(role="decode", advertise="[fd00::5]:80").data_advertise == "fd00::5"
+    assert InstanceConfig(role="decode", host="10.0.0.1").data_advertise is None  # the plane names its bound host
     assert parse_address("[::1]:0", "--listen") == ("::1", 0)
     with pytest.raises(ValueError, match="--listen must be HOST:PORT"):
         parse_address("fd00::5", "--listen")

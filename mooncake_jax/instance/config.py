@@ -218,6 +218,12 @@ class InstanceConfig:
         return self.advertised_host
 
     @property
+    def data_advertise(self) -> str | None:
+        """The host this instance's socket data plane names in its offers: the advertised one when ``advertise`` is
+        given, else None (the plane's bound host, ``host``)."""
+        return self.advertised_host if self.advertise else None
+
+    @property
     def advertised_host(self) -> str | None:
         """The host others reach this instance at: that of ``advertise``, else ``host``; None for a wildcard (its
         socket data plane's offers then name the wildcard, which each peer reads as the host it reached this

@@ -109,7 +109,7 @@ class InstanceServer:
                                    interceptors=(*interceptors(config.auth_token), DecodeGuard(), self.work_gate))
         # the socket data plane listens where the gRPC server does and its offers name the advertised host
         self.messenger_meter = add_messenger(self._server, self.pool, data_host=config.host,
-                                             data_advertise=config.advertised_host if config.advertise else None,
+                                             data_advertise=config.data_advertise,
                                              serve_socket=config.data_plane != "grpc")
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -157,7 +157,7 @@ class InstanceServer:
                 client = self._clients[address] = MessengerClient(
                     address, self.pool, timeout_s=self.config.request_timeout_s, auth_token=self.config.auth_token,
                     data_plane=self.config.data_plane, data_host=self.config.host,
-                    data_advertise=self.config.advertised_host if self.config.advertise else None)
+                    data_advertise=self.config.data_advertise)
             return client
 
     def start(self) -> "InstanceServer":
