@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mooncake_jax.instance.compile_time import CompileClock, clock
+from compile_count import CompileCount
 
 
 def test_clock_sums_the_union_of_spans_clipped_to_the_window():
@@ -51,25 +52,6 @@ def test_clock_hears_jax_compiles_on_the_compiling_thread_only():
     assert c.seconds(since, thread=t.ident) > 0.0
 
 
-class _CompileCount:
-    """JAX's backend compiles (or loads from the persistent cache) while in use: the test's own listener, not the
-    clock under test."""
-
-    def __init__(self):
-        self.n = 0
-
-    def __call__(self, event, duration, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.n += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self)
-
-
 def test_layerwise_warmup_compiles_what_layerwise_prefills_run():
     """Prompts of one and several chunks, with and without a prefix handed in, after ``warm_layerwise``: nothing
     compiles. Before it, the first of them compiled (the programs a layer-wise prefill instance's first requests
@@ -85,13 +67,13 @@ def test_layerwise_warmup_compiles_what_layerwise_prefills_run():
     engine = Engine(model, prefill_chunk_size=16, bucket_factor=4)
     # one chunk bucket, one context width (4 pages); loads of 1, 2, 4 prefix pages and saves of 1, 2, 4 new ones
     assert layerwise_shapes(engine) == [(16, 0, None, 1), (16, 4, 1, 2), (16, 4, 2, 4), (16, 4, 4, 4)]
-    with _CompileCount() as compiles:
+    with CompileCount() as compiles:
         assert warm_layerwise(engine) == 4
     assert compiles.n > 0
     layerwise = LayerwisePrefill(engine)
     rng = np.random.default_rng(0)
     block = model.cfg.block_shape()
-    with _CompileCount() as compiles:
+    with CompileCount() as compiles:
         for n, prefix in ((5, 0), (20, 1), (40, 0), (40, 2), (63, 3)):  # 40: three chunks; 63: 3 blocks loaded
             seq = engine.new_sequence(rng.integers(0, 512, n).tolist(), SamplingParams(max_new_tokens=1))
             blocks = rng.standard_normal((prefix, *block)).astype(np.float32) if prefix else None

@@ -2,7 +2,6 @@
 hand-counted program set, and a warmed engine serving contexts that span several former power-of-two widths with
 no compile at all, its tokens equal to the float64 reference's."""
 
-import jax
 import numpy as np
 import pytest
 
@@ -12,27 +11,10 @@ from mooncake_jax.model.engine import Engine, _prompt_rows, _sample_rows
 from mooncake_jax.model.llama import init_model
 from mooncake_jax.model.sequence import SamplingParams
 from mooncake_jax.model.steps import forward_step, read_blocks, write_blocks
+from compile_count import CompileCount
 from reference_model import random_prompts, reference_for, reference_greedy
 
 MAX_SEQ = 112  # 7 pages of 16: no power of two, and a length no other test's engine has (its programs are its own)
-
-
-class _CompileCount:
-    """Backend compiles JAX reports while in use (every program, helpers included)."""
-
-    def __init__(self):
-        self.n = 0
-
-    def __call__(self, event, duration, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.n += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +57,7 @@ def test_a_warmed_engine_serves_contexts_of_every_former_width_without_compiling
     prompts.append(prompts[3][:48] + random_prompts([9], seed=16)[0])  # 3 cached pages, then 3 and 4 of context
     new = [12, 30, 12, 20, 12, 10]
     sched = Scheduler(engine)
-    with _CompileCount() as compiles:
+    with CompileCount() as compiles:
         seqs = [engine.new_sequence(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, new)]
         for s in seqs:
             sched.add_request(s)
