@@ -107,17 +107,20 @@ def aliased(destination: int, offset: int) -> bool:
     return 0 < (destination - offset) % PAGE_BYTES < ALIASED_BYTES
 
 
-_bounces = threading.local()  # per thread: read_many reads on two at once
+_bounces = threading.local()  # per thread (read_many reads on two at once): (buffer, its address)
 
 
-def _bounce(offset: int) -> np.ndarray:
-    """This thread's bounce buffer of ``READ_STEP_BYTES``, lying ``BOUNCE_SHIFT`` past file ``offset`` modulo a
-    page (allocated once per thread, with a page of slack either side to slide it)."""
-    spare = getattr(_bounces, "buffer", None)
+def _bounce(offset: int, n: int) -> tuple[np.ndarray, int]:
+    """This thread's bounce buffer for ``n`` bytes (at most ``ONE_READ_BYTES``) read from file ``offset``, lying
+    ``BOUNCE_SHIFT`` past it modulo a page, and its address (allocated once per thread, with a page of slack either
+    side to slide it; its address kept, as numpy's lookup costs microseconds)."""
+    spare = getattr(_bounces, "spare", None)
     if spare is None:
-        spare = _bounces.buffer = np.empty(READ_STEP_BYTES + 2 * PAGE_BYTES, np.uint8)
-    shift = (offset + BOUNCE_SHIFT - spare.ctypes.data) % PAGE_BYTES
-    return spare[shift : shift + READ_STEP_BYTES]
+        buffer = np.empty(ONE_READ_BYTES + 2 * PAGE_BYTES, np.uint8)
+        spare = _bounces.spare = (buffer, _address(buffer))
+    buffer, at = spare
+    shift = (offset + BOUNCE_SHIFT - at) % PAGE_BYTES
+    return buffer[shift : shift + n], at + shift
 
 
 def _address(out: np.ndarray) -> int:
@@ -129,13 +132,24 @@ def _address(out: np.ndarray) -> int:
 def _read_bounced(fd: int, out: np.ndarray, at: int, offset: int,
                   on_cold: Callable[[], None] | None) -> tuple[int, int] | None:
     """``read_with_checksum`` for an ``out`` (starting at address ``at``) at a slow distance from its source
-    (``aliased``): each step read into the bounce buffer, hashed there from cache and copied on into ``out`` with
-    streaming stores (``stream_copy.py``; ``memcpy`` where that copy is missing, at a fast distance too): an extra
-    copy from cache instead of a slow kernel copy."""
-    bounce, n = _bounce(offset), out.size
-    hasher = xxh3_128()
+    (``aliased``): read into the bounce buffer (a record up to ``ONE_READ_BYTES`` at once, a larger one in
+    ``READ_STEP_BYTES`` steps), hashed there from cache and copied on into ``out`` with streaming stores
+    (``stream_copy.py``; ``memcpy`` where that copy is missing, at a fast distance too): an extra copy from cache
+    instead of a slow kernel copy."""
+    n = out.size
     copy = streaming_copy()
-    bounce_at = bounce.ctypes.data
+    if n <= ONE_READ_BYTES:
+        bounce, bounce_at = _bounce(offset, n)
+        if _pread(fd, bounce, offset, on_cold) != n:
+            return None
+        digest = xxh3_128_intdigest(bounce)
+        if copy is None:
+            out[:] = bounce
+        else:
+            copy(at, bounce_at, n)
+        return split_digest(digest)
+    bounce, bounce_at = _bounce(offset, READ_STEP_BYTES)
+    hasher = xxh3_128()
     for start in range(0, n, READ_STEP_BYTES):
         step = bounce[: min(READ_STEP_BYTES, n - start)]
         if _pread(fd, step, offset + start, on_cold) != step.size:
