@@ -81,3 +81,18 @@ def test_a_batch_get_into_a_staging_buffer_16_bytes_into_a_page(tmp_path, kernel
     assert kernel_copies and not any(aliased(*copy) for copy in kernel_copies)
     del got, staging, flat
     mapping.close()
+
+
+def test_blocks_a_get_allocates_start_at_a_page_and_are_read_straight_in(tmp_path, kernel_copies):
+    """Without ``out`` the pool allocates each block page-aligned, where the kernel copies a record at full speed
+    (no bounce): every kernel copy lands in a returned block, page-aligned, and the blocks are bit for bit."""
+    keys = list(range(1, 6))
+    blocks = [np.random.default_rng(k).standard_normal(SPEC.shape).astype(np.float32) for k in keys]
+    with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many(keys, blocks)
+        kernel_copies.clear()
+        got = pool.get_many(keys)
+    assert all(np.array_equal(g, b) and not g.flags.writeable for g, b in zip(got, blocks))
+    starts = {g.ctypes.data for g in got}
+    assert all(start % PAGE_BYTES == 0 for start in starts)
+    assert {at for at, _ in kernel_copies} == starts  # read straight into them, not through the bounce buffer

@@ -117,13 +117,13 @@ def _bounce(offset: int, n: int) -> tuple[np.ndarray, int]:
     spare = getattr(_bounces, "spare", None)
     if spare is None:
         buffer = np.empty(ONE_READ_BYTES + 2 * PAGE_BYTES, np.uint8)
-        spare = _bounces.spare = (buffer, _address(buffer))
+        spare = _bounces.spare = (buffer, writable_address(buffer))
     buffer, at = spare
     shift = (offset + BOUNCE_SHIFT - at) % PAGE_BYTES
     return buffer[shift : shift + n], at + shift
 
 
-def _address(out: np.ndarray) -> int:
+def writable_address(out: np.ndarray) -> int:
     """Where the writable ``out`` starts: through ctypes, 2-5x cheaper than numpy's ``out.ctypes.data`` (which
     builds an object; 5-8 us a call on this loaded machine, beside a 16-token record's read of 30-60)."""
     return ctypes.addressof(ctypes.c_char.from_buffer(out))
@@ -169,7 +169,7 @@ def read_with_checksum(fd: int, out: np.ndarray, offset: int,
     not in the page cache, before it is read from the device. An ``out`` at a slow distance from the page cache
     (``aliased``) is read through a bounce buffer."""
     n = out.size
-    at = _address(out) if n else 0  # (ctypes takes no empty buffer)
+    at = writable_address(out) if n else 0  # (ctypes takes no empty buffer)
     if aliased(at, offset):
         return _read_bounced(fd, out, at, offset, on_cold)
     if n <= ONE_READ_BYTES:  # one read, hashed from cache (a 16-token block)
