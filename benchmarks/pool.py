@@ -19,7 +19,7 @@ Figures (issue 4, Measure):
   ``dram_get_vs_stream_copy_ratio``, ``stream_copy_vs_memcpy_ratio``;
 * raw sequential file-write and -read GB/s (one file, no fsync, same bytes and directory; read into a reused
   page-aligned buffer) and the SSD tier's put and get GB/s (an SSD-only pool, ``put_many`` of 16 until every write
-  is done, ``get_many`` of 16 into a staging buffer 16 bytes into a page, ``STAGING_PAGE_OFFSET``):
+  is done, ``get_many`` of 16 into a page-aligned staging buffer, ``STAGING_PAGE_OFFSET``):
   ``ssd_put_ratio`` / ``ssd_get_ratio`` (goal >= 0.7); beside them a raw write of the same bytes with
   ``O_DIRECT`` (copied into a 4 MiB aligned buffer, as ``dd oflag=direct`` does) and the tier's put with its
   shards written ``O_DIRECT`` (``ssd_direct_io=True``):
@@ -117,13 +117,15 @@ def make_blocks(spec: BlockSpec, count: int) -> list[np.ndarray]:
 
 
 PAGE_BYTES = 4096
-STAGING_PAGE_OFFSET = 16
-"""Where the SSD get's staging buffer starts in a page: where numpy puts a large array (glibc ``mmap``s it and
-starts it 16 bytes into the first page; a smaller one reused from the heap lies anywhere). Fixed, as the raw read's
-buffer is (page-aligned), because the kernel's copy costs 4-8x its CPU on the AMD EPYC measured when the
-destination lies 1-31 bytes past the page-cache source modulo a page (a raw read at such a distance: 0.36-0.37 CPU
-s/GB against 0.08): left to the allocator, either figure of a run could land there or not (docs/benchmarks/pool.md,
-eighteenth pass). The raw read is measured at its best; the tier where users' arrays mostly lie."""
+STAGING_PAGE_OFFSET = 0
+"""Where the SSD get's staging buffer starts in a page: page-aligned, as the raw read's buffer, as
+``BlockPool.get_many`` allocates blocks itself (``page_aligned_empty``). Fixed, because the kernel's copy costs 4-8x
+its CPU on the AMD EPYC measured when its destination lies 1-31 bytes past the page-cache source modulo a page (a raw
+read at such a distance 0.36-0.37 CPU s/GB against 0.08): left to the allocator (glibc puts a large array 16 bytes
+into a page before a pool's ``host_memory`` settings, anywhere in the heap after), either figure of a run could land
+there or not (the likely cause of a 16-token get at 0.17 CPU s/GB in one run and 0.48 in the next, the figure a
+staging buffer 16 bytes into a page gives: docs/benchmarks/pool.md, eighteenth pass). The tier reads a destination
+at such a distance through a bounce buffer: ``benchmarks/copy_distance.py`` measures it."""
 
 
 def at_page_offset(shape: tuple[int, ...], dtype, offset: int) -> np.ndarray:
