@@ -18,10 +18,11 @@ Figures (issue 4, Measure):
   (``stream_copy_gbps``, the copy the tier itself writes slots with): ``dram_put_vs_stream_copy_ratio``,
   ``dram_get_vs_stream_copy_ratio``, ``stream_copy_vs_memcpy_ratio``;
 * raw sequential file-write and -read GB/s (one file, no fsync, same bytes and directory; read into a reused
-  buffer) and the SSD tier's put and get GB/s (an SSD-only pool, ``put_many`` of 16 until every write is done,
-  ``get_many`` of 16 into a staging buffer): ``ssd_put_ratio`` / ``ssd_get_ratio`` (goal >= 0.7); beside them a
-  raw write of the same bytes with ``O_DIRECT`` (copied into a 4 MiB aligned buffer, as ``dd oflag=direct``
-  does) and the tier's put with its shards written ``O_DIRECT`` (``ssd_direct_io=True``):
+  page-aligned buffer) and the SSD tier's put and get GB/s (an SSD-only pool, ``put_many`` of 16 until every write
+  is done, ``get_many`` of 16 into a page-aligned staging buffer, ``STAGING_PAGE_OFFSET``):
+  ``ssd_put_ratio`` / ``ssd_get_ratio`` (goal >= 0.7); beside them a raw write of the same bytes with
+  ``O_DIRECT`` (copied into a 4 MiB aligned buffer, as ``dd oflag=direct`` does) and the tier's put with its
+  shards written ``O_DIRECT`` (``ssd_direct_io=True``):
   ``ssd_put_vs_direct_raw_ratio``, ``ssd_direct_io_put_ratio`` (against the buffered raw write),
   ``ssd_direct_io_put_vs_direct_raw_ratio``; and each SSD ratio taken round by round, a trial over its baseline's
   trial of the same round (``ssd_put_paired_ratio``, ``ssd_get_paired_ratio``: medians of those), which a slow
@@ -113,6 +114,27 @@ def make_blocks(spec: BlockSpec, count: int) -> list[np.ndarray]:
     rng = np.random.default_rng(0)
     return [rng.integers(0, 1 << 16, spec.nbytes // 2, dtype=np.uint16).view(spec.dtype).reshape(spec.shape)
             for _ in range(count)]
+
+
+PAGE_BYTES = 4096
+STAGING_PAGE_OFFSET = 0
+"""Where the SSD get's staging buffer starts in a page: page-aligned, as the raw read's buffer, as
+``BlockPool.get_many`` allocates blocks itself (``page_aligned_empty``). Fixed, because the kernel's copy costs 4-8x
+its CPU on the AMD EPYC measured when its destination lies 1-31 bytes past the page-cache source modulo a page (a raw
+read at such a distance 0.36-0.37 CPU s/GB against 0.08): left to the allocator (glibc puts a large array 16 bytes
+into a page before a pool's ``host_memory`` settings, anywhere in the heap after), either figure of a run could land
+there or not (the likely cause of a 16-token get at 0.17 CPU s/GB in one run and 0.48 in the next, the figure a
+staging buffer 16 bytes into a page gives: docs/benchmarks/pool.md, eighteenth pass). The tier reads a destination
+at such a distance through a bounce buffer: ``benchmarks/copy_distance.py`` measures it."""
+
+
+def at_page_offset(shape: tuple[int, ...], dtype, offset: int) -> np.ndarray:
+    """A touched (ones) C-contiguous array of ``shape`` and ``dtype`` starting ``offset`` bytes into a page."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    spare = np.ones(nbytes + 2 * PAGE_BYTES, np.uint8)
+    shift = (offset - spare.ctypes.data) % PAGE_BYTES
+    return spare[shift : shift + nbytes].view(dtype).reshape(shape)
 
 
 def gbps(n_bytes: int, seconds: float) -> float:
@@ -270,7 +292,7 @@ def measure_dram(spec: BlockSpec, blocks: list[np.ndarray], capacity: int, n_ops
 def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: int, directory: Path,
                 size: int = BATCH) -> dict:
     n_bytes = n_ops * spec.nbytes
-    read_buffer = np.ones((size, spec.nbytes), np.uint8)  # as large as the tier's staging buffer
+    read_buffer = at_page_offset((size, spec.nbytes), np.uint8, 0)  # as large as the tier's staging buffer
 
     def raw_read() -> float:  # the same bytes as one file, written just before (in the page cache, as the tier's)
         path = directory / "raw-read.bin"
@@ -331,7 +353,7 @@ def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: 
         root = directory / "ssd-read"
         pool = BlockPool(spec, dram_blocks=0, ssd_path=root)
         pool.put_many(range(n_ops), [blocks[i % len(blocks)] for i in range(n_ops)])
-        staging = np.ones((size, *spec.shape), spec.dtype)
+        staging = at_page_offset((size, *spec.shape), spec.dtype, STAGING_PAGE_OFFSET)
         seconds = timed(each(n_ops // size, lambda b: pool.get_many(range(b * size, (b + 1) * size), staging)))
         pool.close()
         shutil.rmtree(root)
@@ -343,6 +365,7 @@ def measure_ssd(spec: BlockSpec, blocks: list[np.ndarray], n_ops: int, repeats: 
                           "ssd_get_gbps": get, **(direct if hasattr(os, "O_DIRECT") else {})}, n_bytes,
                          timed_only=True)
     figures = with_cpu(alternate(repeats, **trials), log)
+    figures["raw_read_buffer_page_offset"], figures["ssd_get_staging_page_offset"] = 0, STAGING_PAGE_OFFSET
     for name, (tier, baseline) in (("ssd_put_paired_ratio", ("ssd_put_gbps", "raw_write_gbps")),
                                    ("ssd_get_paired_ratio", ("ssd_get_gbps", "raw_read_gbps"))):
         figures[name] = paired(figures[tier]["trials"], figures[baseline]["trials"])

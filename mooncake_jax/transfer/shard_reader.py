@@ -33,6 +33,7 @@ a deleted shard's descriptor is closed with it (``forget``) so its space is free
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import statistics
@@ -44,9 +45,10 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
-from xxhash import xxh3_128_intdigest
+from xxhash import xxh3_128, xxh3_128_intdigest
 
 from mooncake_jax.transfer.checksum import fill_with_checksum, split_digest
+from mooncake_jax.transfer.stream_copy import streaming_copy
 
 READ_STEP_BYTES = 256 << 10
 """Bytes landed by one ``preadv`` then hashed, for records over ``ONE_READ_BYTES``: small enough that what the
@@ -58,6 +60,19 @@ against 0.288 in 1 MiB steps (the raw read 0.193), 9 alternated rounds, load 3.7
 pass)."""
 ONE_READ_BYTES = 2 * READ_STEP_BYTES
 """A record up to this size (a 16-token block of the ``small`` preset, 384 KiB) is read by one ``preadv``."""
+PAGE_BYTES = 4096
+ALIASED_BYTES = 64
+"""A kernel copy (``preadv`` from the page cache) whose destination lies 1 to ``ALIASED_BYTES - 1`` bytes past its
+source modulo ``PAGE_BYTES`` is read through a bounce buffer (``read_with_checksum``). On the AMD EPYC (Zen 3)
+measured, ``rep movsb`` (the kernel's copy to user memory with FSRM, and glibc's ``memcpy`` at these sizes) cost
+4-8x its CPU at such a distance: 0.36-0.37 CPU s/GB for destinations 8-31 bytes past the page-aligned source,
+0.61-0.67 at 1-7, 0.08-0.09 at 0 and 32-4095 (docs/benchmarks/pool.md, eighteenth pass). A shard's records start
+page-aligned in its file, and numpy's large arrays (glibc ``mmap``-ed chunks) start 16 bytes into a page, so a
+get into a staging buffer numpy allocated took this path: a 16-token get cost 0.48 CPU s/GB instead of 0.17. 32
+bytes were measured; 64 (a cache line) leaves a margin for other cores."""
+BOUNCE_SHIFT = PAGE_BYTES // 2
+"""Where the bounce buffer lies against the source, modulo a page: far from both the source (the kernel's copy
+into it) and the destination (the copy out of it, ``ALIASED_BYTES`` at most past the source)."""
 MAX_OPEN_FILES = 32
 """Shard files kept open for reading at once (least recently read closed first)."""
 UNAVAILABLE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
@@ -86,12 +101,77 @@ def _pread(fd: int, chunk: np.ndarray, offset: int, on_cold: Callable[[], None] 
     return got + os.preadv(fd, [chunk[got:]], offset + got)
 
 
+def aliased(destination: int, offset: int) -> bool:
+    """Whether a kernel copy from file ``offset`` to memory at ``destination`` is at a slow distance
+    (``ALIASED_BYTES``): page-cache pages are page-aligned, so the source lies at ``offset`` modulo a page."""
+    return 0 < (destination - offset) % PAGE_BYTES < ALIASED_BYTES
+
+
+_bounces = threading.local()  # per thread (read_many reads on two at once): (buffer, its address)
+
+
+def _bounce(offset: int, n: int) -> tuple[np.ndarray, int]:
+    """This thread's bounce buffer for ``n`` bytes (at most ``ONE_READ_BYTES``) read from file ``offset``, lying
+    ``BOUNCE_SHIFT`` past it modulo a page, and its address (allocated once per thread, with a page of slack either
+    side to slide it; its address kept, as numpy's lookup costs microseconds)."""
+    spare = getattr(_bounces, "spare", None)
+    if spare is None:
+        buffer = np.empty(ONE_READ_BYTES + 2 * PAGE_BYTES, np.uint8)
+        spare = _bounces.spare = (buffer, writable_address(buffer))
+    buffer, at = spare
+    shift = (offset + BOUNCE_SHIFT - at) % PAGE_BYTES
+    return buffer[shift : shift + n], at + shift
+
+
+def writable_address(out: np.ndarray) -> int:
+    """Where the writable ``out`` starts: through ctypes, 2-5x cheaper than numpy's ``out.ctypes.data`` (which
+    builds an object; 5-8 us a call on this loaded machine, beside a 16-token record's read of 30-60)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(out))
+
+
+def _read_bounced(fd: int, out: np.ndarray, at: int, offset: int,
+                  on_cold: Callable[[], None] | None) -> tuple[int, int] | None:
+    """``read_with_checksum`` for an ``out`` (starting at address ``at``) at a slow distance from its source
+    (``aliased``): read into the bounce buffer (a record up to ``ONE_READ_BYTES`` at once, a larger one in
+    ``READ_STEP_BYTES`` steps), hashed there from cache and copied on into ``out`` with streaming stores
+    (``stream_copy.py``; ``memcpy`` where that copy is missing, at a fast distance too): an extra copy from cache
+    instead of a slow kernel copy."""
+    n = out.size
+    copy = streaming_copy()
+    if n <= ONE_READ_BYTES:
+        bounce, bounce_at = _bounce(offset, n)
+        if _pread(fd, bounce, offset, on_cold) != n:
+            return None
+        digest = xxh3_128_intdigest(bounce)
+        if copy is None:
+            out[:] = bounce
+        else:
+            copy(at, bounce_at, n)
+        return split_digest(digest)
+    bounce, bounce_at = _bounce(offset, READ_STEP_BYTES)
+    hasher = xxh3_128()
+    for start in range(0, n, READ_STEP_BYTES):
+        step = bounce[: min(READ_STEP_BYTES, n - start)]
+        if _pread(fd, step, offset + start, on_cold) != step.size:
+            return None
+        hasher.update(step)
+        if copy is None:
+            out[start : start + step.size] = step
+        else:
+            copy(at + start, bounce_at, step.size)
+    return split_digest(hasher.intdigest())
+
+
 def read_with_checksum(fd: int, out: np.ndarray, offset: int,
                        on_cold: Callable[[], None] | None = None) -> tuple[int, int] | None:
     """Read ``out.size`` bytes of ``fd`` at ``offset`` into ``out`` (flat uint8) and return their XXH3-128 digest
     as ``(high, low)``; None when the file ends first (a shard file cut short). ``on_cold``: called when a part is
-    not in the page cache, before it is read from the device."""
+    not in the page cache, before it is read from the device. An ``out`` at a slow distance from the page cache
+    (``aliased``) is read through a bounce buffer."""
     n = out.size
+    at = writable_address(out) if n else 0  # (ctypes takes no empty buffer)
+    if aliased(at, offset):
+        return _read_bounced(fd, out, at, offset, on_cold)
     if n <= ONE_READ_BYTES:  # one read, hashed from cache (a 16-token block)
         if _pread(fd, out, offset, on_cold) != n:
             return None
