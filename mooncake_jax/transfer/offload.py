@@ -29,6 +29,7 @@ import numpy as np
 from ..blocks import BlockKey, block_keys, num_blocks, tail_key
 from ..model.engine import Engine
 from ..model.sequence import Sequence
+from .pool import page_aligned_empty
 
 LAYERWISE, SERIALIZED = "layerwise", "serialized"
 
@@ -51,7 +52,7 @@ def pool_prefix(pool, seq: Sequence, block_size: int) -> np.ndarray | None:
     None; stops at the first block the pool lost between the lookup and the read."""
     keys = request_keys(seq, block_size)[: usable_prefix_blocks(seq, block_size)]
     usable = pool.prefix_len(keys)
-    stacked = np.empty((usable, *pool.spec.shape), pool.spec.dtype)  # the blocks land here: no stacking copy
+    stacked = page_aligned_empty((usable, *pool.spec.shape), pool.spec.dtype)  # the blocks land here, read in place
     with pool.pin(keys[:usable]):
         blocks = pool.get_many(keys[:usable], out=stacked)
     good = next((i for i, block in enumerate(blocks) if block is None), len(blocks))
