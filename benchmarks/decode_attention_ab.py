@@ -5,9 +5,10 @@ Each variant is one jitted program running ``attention._decode_xla``'s loop for 
 out as the engine lays it out (pages handed out by ``PageAllocator`` as the engine's admission does), with the loop's
 chunking given by the variant: ``main`` (the module's loop as it stands), ``c<C>`` (C-page chunks up to the longest context, no tail: the
 loop reads whole chunks) and ``c<C>t<K>`` (whole C-page chunks, then K-page chunks up to the longest context); a trailing ``s``
-(``mains``) reads pages handed out in random order, as an engine's pages are after much reuse, instead of in order; ``base`` is the
-``_decode_xla`` of another ``attention.py`` given by ``--base`` (``decode_step_ab.load_decode``), with its own defaults. Reports per
-variant the wall min and median and the process CPU time median per call, and the pages each reads per sequence.
+(``mains``) reads pages handed out in random order, as an engine's pages are after much reuse, instead of in
+order; ``base`` is the ``_decode_xla`` of another ``attention.py`` given by ``--base``
+(``decode_step_ab.load_decode``), with its own defaults. Reports per variant the wall min and median and the
+process CPU time median per call, and the pages each reads per sequence.
 
     python benchmarks/decode_attention_ab.py --batch 32 --context 529 --rounds 9 --json out.json
     python benchmarks/decode_attention_ab.py --variants base,main --base /tmp/base_attention.py --json out.json
