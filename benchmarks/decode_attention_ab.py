@@ -5,10 +5,13 @@ Each variant is one jitted program running ``attention._decode_xla``'s loop for 
 out as the engine lays it out (pages handed out by ``PageAllocator`` as the engine's admission does), with the loop's
 chunking given by the variant: ``main`` (the module's loop as it stands), ``c<C>`` (C-page chunks up to the longest context, no tail: the
 loop reads whole chunks) and ``c<C>t<K>`` (whole C-page chunks, then K-page chunks up to the longest context); a trailing ``s``
-(``mains``) reads pages handed out in random order, as an engine's pages are after much reuse, instead of in order. Reports per variant the wall
-min and median and the process CPU time median per call, and the pages each reads per sequence.
+(``mains``) reads pages handed out in random order, as an engine's pages are after much reuse, instead of in
+order; ``base`` is the ``_decode_xla`` of another ``attention.py`` given by ``--base``
+(``decode_step_ab.load_decode``), with its own defaults. Reports per variant the wall min and median and the
+process CPU time median per call, and the pages each reads per sequence.
 
     python benchmarks/decode_attention_ab.py --batch 32 --context 529 --rounds 9 --json out.json
+    python benchmarks/decode_attention_ab.py --variants base,main --base /tmp/base_attention.py --json out.json
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--calls", type=int, default=3, help="calls per variant per round")
     p.add_argument("--variants", default="c8,main")
+    p.add_argument("--base", type=Path, default=None, help="attention.py of the ``base`` variant")
     args = p.parse_args()
 
     import jax
@@ -67,15 +71,23 @@ def main() -> None:
     def program(name):
         """``main``: the module's loop as it is; ``c<C>``: chunks of C pages, no tail; ``c<C>t<K>``: then K-page
         chunks."""
-        chunk, _, tail = name.removeprefix("c").partition("t")
-        chunk = None if name == "main" else int(chunk)
-        tail = int(tail) if tail else None if name == "main" else 0
+        if name == "base":
+            if args.base is None:
+                raise SystemExit("the base variant needs --base")
+            from decode_step_ab import load_decode
+
+            decode, options = load_decode(args.base), {}
+        else:
+            chunk, _, tail = name.removeprefix("c").partition("t")
+            chunk = None if name == "main" else int(chunk)
+            tail = int(tail) if tail else None if name == "main" else 0
+            decode, options = attention._decode_xla, dict(tail_pages=tail, chunk_pages=chunk)
 
         def run(q, kn, vn, kp, vp, tables, ctx_len):
             out = 0.0
             for layer in range(n_layers):
                 batch = PagedBatch(tables[layer], ctx_len, jnp.zeros((b, 1), jnp.int32))
-                out = out + attention._decode_xla(q, kn, vn, kp, vp, batch, tail_pages=tail, chunk_pages=chunk)
+                out = out + decode(q, kn, vn, kp, vp, batch, **options)
             return out
 
         return jax.jit(run).lower(*operands(name)).compile()

@@ -148,6 +148,29 @@ def test_xla_decode_tail_reads_no_page_past_the_longest_context(monkeypatch):
         attend(-1)
 
 
+def test_xla_decode_softmax_reduces_along_the_contiguous_axis():
+    """Speed guard (AMD EPYC, docs/benchmarks/engine.md, eighteenth pass): the decode loop's scores are transposed
+    to [H, B, G, S] before the softmax, so its max and sum reduce the minor axis; over [H, B, S, G] (G minor) they
+    were strided YNNPACK reductions, with the exp a fifth of the loop. Every float reduction of the decode program
+    (the loop's max and sum) must reduce only its operand's last axis, and the output stays the reference."""
+    import re
+
+    import mooncake_jax.model.attention as attention
+
+    args, expected = case([40, 0, 33, 2], 1, seed=8)
+    k_pages, v_pages = _write(*args[3:5], *args[1:3], args[5].write_slots)
+    q = (args[0].astype(jnp.float32) / np.sqrt(D)).astype(args[0].dtype)
+    f = jax.jit(attention._decode_xla)
+    hlo = f.lower(q, args[1], args[2], k_pages, v_pages, args[5]).compiler_ir("hlo").as_hlo_text()
+    # One axis reduced each: the operand's last one is the result's rank.
+    reductions = re.findall(r"= f32\[([\d,]+)\]\S* reduce\([^)]*\), dimensions=\{([\d,]+)\}", hlo)
+    assert len(reductions) >= 4  # max and sum in each of the two loops
+    for shape, dims in reductions:
+        assert dims == str(len(shape.split(","))), f"reduction over axes {{{dims}}} into f32[{shape}]"
+    np.testing.assert_allclose(np.asarray(f(q, args[1], args[2], k_pages, v_pages, args[5])), expected,
+                               rtol=2e-5, atol=2e-5)
+
+
 def test_write_pages_puts_each_token_at_its_slot():
     (q, k_new, v_new, k_pages, v_pages, batch), _ = case([6, 0], 3, seed=3)
     written, _ = _write(k_pages, v_pages, k_new, v_new, batch.write_slots)

@@ -279,6 +279,12 @@ def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch, tail_pages
       [S, D] x [D, G] product per (head, sequence) instead of [G, D] x [D, S], which XLA:CPU runs several times
       slower; the weights are then transposed to [H, B, G, S] (small) for the weighted sum, a plain [G, S] x [S, D]
       product (the [S, G]-major form ran 4x slower).
+    - the scores are transposed to [H, B, G, S] *before* the softmax (a loop fusion over 200 KiB), so its max, exp
+      and sum run along the contiguous axis: over [H, B, S, G] (G = 3 minor) the max and sum were strided YNNPACK
+      reductions and the exp a poorly vectorised loop, together a fifth of the loop's time (12 layers of b32
+      decode attention -14 to -20% CPU time, AMD EPYC; docs/benchmarks/engine.md, EPYC decode eighteenth pass).
+      The scores are materialised first: a transpose fused into the dot makes YNNPACK write [G, S] rows, the slow
+      orientation again (2x the whole loop).
 
     After the whole chunks, a second loop of ``tail_pages``-page chunks (``DECODE_TAIL_PAGES`` by default; 0: none,
     the first loop then reads whole chunks past the longest context) reads the rest of the longest context.
@@ -305,14 +311,16 @@ def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch, tail_pages
         pages = jax.lax.dynamic_slice_in_dim(table, first_page, n_pages, axis=1)  # [B, n_pages]
         k_ctx, v_ctx = jax.lax.optimization_barrier((gather_context(k_pages, pages),
                                                      gather_context(v_pages, pages)))  # [H, B, S, D]
-        s = jnp.einsum("hbtd,hbgd->hbtg", k_ctx, q1, preferred_element_type=jnp.float32)
+        s = jax.lax.optimization_barrier(
+            jnp.einsum("hbtd,hbgd->hbtg", k_ctx, q1, preferred_element_type=jnp.float32))  # [H, B, S, G]
         pos = first_page * bs + jnp.arange(n_pages * bs)
-        s = jnp.where((pos[None, :] < ctx_len[:, None])[None, :, :, None], s, MASKED)
-        m_new = jnp.maximum(m, s.max(axis=2))
-        e = jnp.exp(s - m_new[:, :, None])
+        valid = (pos[None, :] < ctx_len[:, None])[None, :, None, :]  # [1, B, 1, S]
+        s = jax.lax.optimization_barrier(jnp.where(valid, jnp.swapaxes(s, 2, 3), MASKED))  # [H, B, G, S]
+        m_new = jnp.maximum(m, s.max(axis=3))
+        e = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
-        l = corr * l + e.sum(axis=2)
-        e = jax.lax.optimization_barrier(jnp.swapaxes(e, 2, 3).astype(v_ctx.dtype))  # [H, B, G, S]
+        l = corr * l + e.sum(axis=3)
+        e = jax.lax.optimization_barrier(e.astype(v_ctx.dtype))
         acc = corr[..., None] * acc + jnp.einsum("hbgt,hbtd->hbgd", e, v_ctx, preferred_element_type=jnp.float32)
         return m_new, l, acc
 

@@ -1,0 +1,83 @@
+"""The whole decode step with this tree's xla decode attention against the one of another version of
+``attention.py`` (a file: ``git show BASE:mooncake_jax/model/attention.py > /tmp/base_attention.py``), two engines in
+one process, steps interleaved (one of each in turn), so both see the same load.
+
+The other file's ``_decode_xla`` stands in for this tree's while the first engine compiles its decode program (the
+function is looked up when the step is traced); each engine has a page count of its own, so the two do not share
+one compiled program. Everything else (the model, the dense products, sampling, the host side) is this tree's.
+Reports wall (min, p25, median) and process CPU time (median) per step (``common.interleaved``), ``base`` first.
+
+    python benchmarks/decode_step_ab.py --base /tmp/base_attention.py --batch 32 --json out.json
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import arg_parser, interleaved, machine_info, write_json  # noqa: E402
+
+
+def load_decode(path: Path):
+    """``_decode_xla`` of the attention module at ``path``, imported as a module of the package (its relative
+    imports resolve against this tree's ``mooncake_jax.model``)."""
+    if not path.is_file():
+        raise SystemExit(f"--base {path}: no such file")
+    spec = importlib.util.spec_from_file_location("mooncake_jax.model._base_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "_decode_xla"):
+        raise SystemExit(f"--base {path} has no _decode_xla")
+    return module._decode_xla
+
+
+def main() -> None:
+    p = arg_parser(__doc__)
+    p.add_argument("--base", type=Path, required=True, help="the attention.py to compare against")
+    p.add_argument("--model", default="small")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=16, help="timed steps per variant")
+    args = p.parse_args()
+
+    import mooncake_jax as mj
+    from mooncake_jax.model import attention
+    from mooncake_jax.model.sequence import SamplingParams
+
+    b, ctx = args.batch, args.context
+    rng = np.random.default_rng(0)
+    prompts = None  # the same for both engines, drawn from the model's vocabulary
+    ours = attention._decode_xla
+    steps = {}
+    for extra, (name, decode) in enumerate((("base", load_decode(args.base)), ("tree", ours))):
+        attention._decode_xla = decode
+        try:
+            llm = mj.LLM(args.model, prefill_chunk_size=512, max_batch=b,
+                         num_pages=1 + b * (ctx // 16 + 8) + 64 + extra)
+            eng = llm.engine
+            if prompts is None:
+                prompts = [rng.integers(0, llm.config.vocab_size, ctx).tolist() for _ in range(b)]
+            seqs = []
+            for prompt in prompts:
+                s = eng.new_sequence(prompt, SamplingParams(max_new_tokens=args.steps + 4, ignore_eos=True))
+                eng.admit(s, cached_pages=[])
+                eng.prefill(s)
+                seqs.append(s)
+            first = eng.decode(seqs)  # compiles this engine's decode program with this attention
+        finally:
+            attention._decode_xla = ours
+        steps[name] = (functools.partial(eng.decode, seqs), first)
+    if steps["base"][1] != steps["tree"][1]:
+        raise SystemExit("the two attentions sampled different first tokens")
+    res = dict(machine_info(), model=args.model, batch=b, context=ctx, steps=args.steps, base=str(args.base),
+               **interleaved({name: run for name, (run, _) in steps.items()}, args.steps))
+    write_json(res, args.json)
+
+
+if __name__ == "__main__":
+    main()
