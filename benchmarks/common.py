@@ -116,6 +116,17 @@ def arg_parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def decode_ab_parser(doc: str) -> argparse.ArgumentParser:
+    """``arg_parser`` with what every whole-decode-step A/B takes: the preset, the batch, the cached tokens per
+    sequence and the timed steps per variant (``decode_ab.py``, ``decode_tail_ab.py``, ``decode_step_ab.py``)."""
+    p = arg_parser(doc)
+    p.add_argument("--model", default="small")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--steps", type=int, default=16, help="timed steps per variant")
+    return p
+
+
 def write_json(results: dict, path: Path | None) -> None:
     text = json.dumps(results, indent=2, sort_keys=True)
     print(text)

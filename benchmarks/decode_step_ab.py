@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, interleaved, machine_info, write_json  # noqa: E402
+from common import decode_ab_parser, interleaved, machine_info, write_json  # noqa: E402
 
 
 def load_decode(path: Path):
@@ -37,12 +37,8 @@ def load_decode(path: Path):
 
 
 def main() -> None:
-    p = arg_parser(__doc__)
+    p = decode_ab_parser(__doc__)
     p.add_argument("--base", type=Path, required=True, help="the attention.py to compare against")
-    p.add_argument("--model", default="small")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--context", type=int, default=512)
-    p.add_argument("--steps", type=int, default=16, help="timed steps per variant")
     args = p.parse_args()
 
     import mooncake_jax as mj

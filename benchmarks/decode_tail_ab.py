@@ -17,15 +17,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, interleaved, machine_info, write_json  # noqa: E402
+from common import decode_ab_parser, interleaved, machine_info, write_json  # noqa: E402
 
 
 def main() -> None:
-    p = arg_parser(__doc__)
-    p.add_argument("--model", default="small")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--context", type=int, default=512)
-    p.add_argument("--steps", type=int, default=16, help="timed steps per variant")
+    p = decode_ab_parser(__doc__)
     args = p.parse_args()
 
     import mooncake_jax as mj
