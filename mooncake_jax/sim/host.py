@@ -6,8 +6,8 @@ while the busy processes' weighted shares all fit, each runs at its cost model's
 heavier ones keep what they can use and the rest share what is left by weight. A local cluster runs its prefill
 processes at a lower priority than its decode processes (``instance/cluster.py``: ``PREFILL_NICENESS``; where it may,
 it also raises the decode processes above the rest, ``DECODE_NICENESS``, which this model does not separate from
-the host's other load), so beside a busy decode process two prefills share what it leaves of the cores. ``others`` (``SimConfig.host_other_busy``):
-runnable processes besides the instances (the host's other load), each weighing as a decode process and taking its
+the host's other load), so beside a busy decode process two prefills share what it leaves of the cores.
+``others`` (``SimConfig.host_other_busy``): runnable processes besides the instances (the host's other load), each weighing as a decode process and taking its
 share of the cores like one, measured by how a prefill slows as more of the instances run at once
 (``benchmarks/sim_real/live.py`` ``contention``).
 
