@@ -7,9 +7,9 @@ heavier ones keep what they can use and the rest share what is left by weight. A
 processes at a lower priority than its decode processes (``instance/cluster.py``: ``PREFILL_NICENESS``; where it may,
 it also raises the decode processes above the rest, ``DECODE_NICENESS``, which this model does not separate from
 the host's other load), so beside a busy decode process two prefills share what it leaves of the cores.
-``others`` (``SimConfig.host_other_busy``): runnable processes besides the instances (the host's other load), each weighing as a decode process and taking its
-share of the cores like one, measured by how a prefill slows as more of the instances run at once
-(``benchmarks/sim_real/live.py`` ``contention``).
+``others`` (``SimConfig.host_other_busy``): runnable processes besides the instances (the host's other load), each
+weighing as a decode process and taking its share of the cores like one, measured by how a prefill slows as more of
+the instances run at once (``benchmarks/sim_real/live.py`` ``contention``).
 
 ``streaming`` (``SimConfig.decode_stream_cpu_s``): the work a decode batch brings with it off its own process, the
 tokens it streams (the gateway's backend receiving them, the clients' threads: one Python process beside the
