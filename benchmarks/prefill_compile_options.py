@@ -19,6 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import arg_parser, interleaved, load_average, machine_info, write_json  # noqa: E402
+from prefill_profile import capture_prefill  # noqa: E402
 
 VARIANTS = {
     "default": {},
@@ -37,33 +38,6 @@ VARIANTS = {
     "fast_min_max": {"xla_cpu_enable_fast_min_max": True},
 }
 """Named per-compile option sets (``default``: none)."""
-
-
-def capture_prefill(eng, prompt):
-    """(lowered forward_step, its non-static arguments but params and kv) of the engine's prefill of ``prompt``."""
-    from mooncake_jax.model.sequence import SamplingParams
-    from mooncake_jax.model.steps import forward_step
-
-    stage = eng.runner.stages[0]
-    captured = {}
-    real = stage.__class__.__call__
-
-    def capture(self, inputs, step):
-        captured["args"] = self.layout.place_inputs(self.index, (inputs, step.positions, step.batch,
-                                                                 step.logits_index, step.sampling))
-        captured["mode"] = step.mode
-        return real(self, inputs, step)
-
-    stage.__class__.__call__ = capture
-    try:
-        seq = eng.new_sequence(prompt, SamplingParams(max_new_tokens=1))
-        eng.admit(seq, cached_pages=[])
-        eng.prefill(seq)
-        eng.release(seq)
-    finally:
-        stage.__class__.__call__ = real
-    lowered = forward_step.lower(stage.graphdef, stage.params, stage.kv, *captured["args"], mode=captured["mode"])
-    return stage, lowered, captured["args"]
 
 
 def main() -> None:

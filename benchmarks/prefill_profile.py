@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import arg_parser, machine_info, trace_events, write_json  # noqa: E402
 
 
-def compiled_prefill_text(eng, prompt) -> str:
-    """Optimized HLO of the program the engine runs for ``prompt``'s prefill (its last chunk's, if several)."""
+def capture_prefill(eng, prompt):
+    """(the stage, the lowered ``forward_step``, its placed arguments but params and kv) of the step the engine runs
+    for ``prompt``'s prefill (its last chunk's, if several)."""
     from mooncake_jax.model.sequence import SamplingParams
     from mooncake_jax.model.steps import forward_step
 
@@ -47,7 +48,12 @@ def compiled_prefill_text(eng, prompt) -> str:
     finally:
         stage.__class__.__call__ = real
     lowered = forward_step.lower(stage.graphdef, stage.params, stage.kv, *captured["args"], mode=captured["mode"])
-    return lowered.compile().as_text()
+    return stage, lowered, captured["args"]
+
+
+def compiled_prefill_text(eng, prompt) -> str:
+    """Optimized HLO of the program the engine runs for ``prompt``'s prefill (its last chunk's, if several)."""
+    return capture_prefill(eng, prompt)[1].compile().as_text()
 
 
 def op_names(hlo: str) -> dict[str, str]:
