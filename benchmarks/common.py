@@ -127,6 +127,31 @@ def decode_ab_parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def prefilled_engine(model: str, batch: int, context: int, max_new_tokens: int, prompts: list | None = None,
+                     extra_pages: int = 0):
+    """An ``mj.LLM`` sized for ``batch`` sequences of ``context`` prompt tokens and their decode, with those sequences
+    admitted and prefilled, for the decode A/B scripts: (llm, sequences, prompts). ``prompts``: the ones to prefill
+    (None: drawn from the model's vocabulary with a fixed seed; returned, so a second engine gets the same).
+    ``extra_pages``: pages beyond the sizing, so engines built in one process differ in page count and each compiles
+    programs of its own."""
+    import mooncake_jax as mj
+    from mooncake_jax.model.sequence import SamplingParams
+
+    llm = mj.LLM(model, prefill_chunk_size=512, max_batch=batch,
+                 num_pages=1 + batch * (context // 16 + 8) + 64 + extra_pages)
+    eng = llm.engine
+    if prompts is None:
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, llm.config.vocab_size, context).tolist() for _ in range(batch)]
+    seqs = []
+    for prompt in prompts:
+        seq = eng.new_sequence(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+        eng.admit(seq, cached_pages=[])
+        eng.prefill(seq)
+        seqs.append(seq)
+    return llm, seqs, prompts
+
+
 def write_json(results: dict, path: Path | None) -> None:
     text = json.dumps(results, indent=2, sort_keys=True)
     print(text)

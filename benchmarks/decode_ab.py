@@ -13,10 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).parent))
-from common import decode_ab_parser, interleaved, machine_info, write_json  # noqa: E402
+from common import decode_ab_parser, interleaved, machine_info, prefilled_engine, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -25,13 +23,12 @@ def main() -> None:
 
     from flax import nnx
 
-    import mooncake_jax as mj
     from mooncake_jax.model.llama import Stage
-    from mooncake_jax.model.sequence import SamplingParams
     from mooncake_jax.model.steps import HashedGraph, plain_arrays
 
     b, ctx = args.batch, args.context
-    llm = mj.LLM(args.model, prefill_chunk_size=512, max_batch=b, num_pages=1 + b * (ctx // 16 + 8) + 64)
+    variants_count = 2  # decode_copy and canonical, each stepped args.steps + 1 times
+    llm, seqs, _ = prefilled_engine(args.model, b, ctx, (args.steps + 1) * variants_count + 2)
     eng = llm.engine
     runner = eng.runner.stages[0]
     if runner.scan or len(eng.runner.stages) != 1:
@@ -41,14 +38,6 @@ def main() -> None:
     graphdef, params = nnx.split(plain)
     variants = {"decode_copy": (runner.graphdef, runner.params),
                 "canonical": (HashedGraph(graphdef), plain_arrays(runner.layout.place_params(0, params)))}
-    rng = np.random.default_rng(0)
-    seqs = []
-    for _ in range(b):
-        s = eng.new_sequence(rng.integers(0, llm.config.vocab_size, ctx).tolist(),
-                             SamplingParams(max_new_tokens=(args.steps + 1) * len(variants) + 2, ignore_eos=True))
-        eng.admit(s, cached_pages=[])
-        eng.prefill(s)
-        seqs.append(s)
 
     def step(g, prm):
         def run():

@@ -17,10 +17,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).parent))
-from common import decode_ab_parser, interleaved, machine_info, write_json  # noqa: E402
+from common import decode_ab_parser, interleaved, machine_info, prefilled_engine, write_json  # noqa: E402
 
 
 def load_decode(path: Path):
@@ -41,29 +39,17 @@ def main() -> None:
     p.add_argument("--base", type=Path, required=True, help="the attention.py to compare against")
     args = p.parse_args()
 
-    import mooncake_jax as mj
     from mooncake_jax.model import attention
-    from mooncake_jax.model.sequence import SamplingParams
 
     b, ctx = args.batch, args.context
-    rng = np.random.default_rng(0)
     prompts = None  # the same for both engines, drawn from the model's vocabulary
     ours = attention._decode_xla
     steps = {}
     for extra, (name, decode) in enumerate((("base", load_decode(args.base)), ("tree", ours))):
         attention._decode_xla = decode
         try:
-            llm = mj.LLM(args.model, prefill_chunk_size=512, max_batch=b,
-                         num_pages=1 + b * (ctx // 16 + 8) + 64 + extra)
+            llm, seqs, prompts = prefilled_engine(args.model, b, ctx, args.steps + 4, prompts, extra)
             eng = llm.engine
-            if prompts is None:
-                prompts = [rng.integers(0, llm.config.vocab_size, ctx).tolist() for _ in range(b)]
-            seqs = []
-            for prompt in prompts:
-                s = eng.new_sequence(prompt, SamplingParams(max_new_tokens=args.steps + 4, ignore_eos=True))
-                eng.admit(s, cached_pages=[])
-                eng.prefill(s)
-                seqs.append(s)
             first = eng.decode(seqs)  # compiles this engine's decode program with this attention
         finally:
             attention._decode_xla = ours

@@ -14,39 +14,25 @@ import functools
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).parent))
-from common import decode_ab_parser, interleaved, machine_info, write_json  # noqa: E402
+from common import decode_ab_parser, interleaved, machine_info, prefilled_engine, write_json  # noqa: E402
 
 
 def main() -> None:
     p = decode_ab_parser(__doc__)
     args = p.parse_args()
 
-    import mooncake_jax as mj
     from mooncake_jax.model import attention
-    from mooncake_jax.model.sequence import SamplingParams
 
     b, ctx = args.batch, args.context
-    rng = np.random.default_rng(0)
     prompts = None  # the same for both engines, drawn from the model's vocabulary
     default = attention.DECODE_TAIL_PAGES
     engines, batches = {}, {}
     for extra, (name, tail) in enumerate((("no_tail", 0), ("tail", default))):
         attention.DECODE_TAIL_PAGES = tail
         try:
-            llm = mj.LLM(args.model, prefill_chunk_size=512, max_batch=b,
-                         num_pages=1 + b * (ctx // 16 + 8) + 64 + extra)
+            llm, seqs, prompts = prefilled_engine(args.model, b, ctx, args.steps + 4, prompts, extra)
             eng = llm.engine
-            if prompts is None:
-                prompts = [rng.integers(0, llm.config.vocab_size, ctx).tolist() for _ in range(b)]
-            seqs = []
-            for prompt in prompts:
-                s = eng.new_sequence(prompt, SamplingParams(max_new_tokens=args.steps + 4, ignore_eos=True))
-                eng.admit(s, cached_pages=[])
-                eng.prefill(s)
-                seqs.append(s)
             eng.decode(seqs)  # compiles this engine's decode program with this tail
         finally:
             attention.DECODE_TAIL_PAGES = default
