@@ -95,6 +95,7 @@ from mooncake_jax.transfer import BlockPool, BlockSpec
 from mooncake_jax.transfer.messenger import MessengerClient, upload_messages
 from mooncake_jax.transfer.peer import PeerProcess
 from mooncake_jax.transfer.pieces import message_bytes, piece_bytes_for
+from mooncake_jax.transfer.pool import page_aligned_empty
 from mooncake_jax.transfer.shard_writer import ALIGN, PIECE_BYTES, aligned_buffer
 from mooncake_jax.transfer.stream_copy import address, streaming_copy
 
@@ -116,7 +117,6 @@ def make_blocks(spec: BlockSpec, count: int) -> list[np.ndarray]:
             for _ in range(count)]
 
 
-PAGE_BYTES = 4096
 STAGING_PAGE_OFFSET = 0
 """Where the SSD get's staging buffer starts in a page: page-aligned, as the raw read's buffer, as
 ``BlockPool.get_many`` allocates blocks itself (``page_aligned_empty``). Fixed, because the kernel's copy costs 4-8x
@@ -129,12 +129,11 @@ at such a distance through a bounce buffer: ``benchmarks/copy_distance.py`` meas
 
 
 def at_page_offset(shape: tuple[int, ...], dtype, offset: int) -> np.ndarray:
-    """A touched (ones) C-contiguous array of ``shape`` and ``dtype`` starting ``offset`` bytes into a page."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    spare = np.ones(nbytes + 2 * PAGE_BYTES, np.uint8)
-    shift = (offset - spare.ctypes.data) % PAGE_BYTES
-    return spare[shift : shift + nbytes].view(dtype).reshape(shape)
+    """A touched (every byte 1) C-contiguous array of ``shape`` and ``dtype`` starting ``offset`` bytes into a page
+    (``pool.page_aligned_empty``, first touched here rather than in a timed copy)."""
+    out = page_aligned_empty(shape, dtype, offset)
+    out.view(np.uint8).fill(1)
+    return out
 
 
 def gbps(n_bytes: int, seconds: float) -> float:

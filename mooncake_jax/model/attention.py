@@ -210,8 +210,8 @@ def _one_sequence(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
         lo = start if start >= UNMASKED_MIN_KEYS else 0  # keys [lo:end] masked, [:lo] folded in unmasked
         s = _dot(q_blk, k_new[0, lo:end, j].T)
         p = _first(jnp.where(rows[:, None] >= jnp.arange(lo, end)[None, :], s, MASKED), v_new[0, lo:end, j], _dot)
-        if start >= UNMASKED_MIN_KEYS:
-            p = _update(p, _dot(q_blk, k_new[0, :start, j].T), v_new[0, :start, j], _dot)
+        if lo:
+            p = _update(p, _dot(q_blk, k_new[0, :lo, j].T), v_new[0, :lo, j], _dot)
         state.append(p)
     if batch.page_table.shape[1] > 0:
         def fold(state, k_c, v_c, valid):

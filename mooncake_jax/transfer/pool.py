@@ -39,15 +39,16 @@ from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_
 log = logging.getLogger(__name__)
 
 
-def page_aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array starting at a page boundary (a page more is allocated). Where a get's
-    block lands: the SSD tier's records start page-aligned in their files, and the kernel's copy out of the page
-    cache costs 4-8x on the AMD EPYC measured when its destination lies 1-31 bytes past its source modulo a page
-    (``shard_reader.ALIASED_BYTES``; such a read goes through a bounce buffer, an extra copy), where numpy's own
-    arrays may lie (glibc puts a large one 16 bytes into a page, a reused heap one anywhere)."""
+def page_aligned_empty(shape: tuple[int, ...], dtype: np.dtype, page_offset: int = 0) -> np.ndarray:
+    """An uninitialised C-contiguous array starting at a page boundary (``page_offset`` bytes past one; a page more
+    is allocated). Where a get's block lands: the SSD tier's records start page-aligned in their files, and the
+    kernel's copy out of the page cache costs 4-8x on the AMD EPYC measured when its destination lies 1-31 bytes past
+    its source modulo a page (``shard_reader.ALIASED_BYTES``; such a read goes through a bounce buffer, an extra
+    copy), where numpy's own arrays may lie (glibc puts a large one 16 bytes into a page, a reused heap one
+    anywhere)."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     spare = np.empty(nbytes + PAGE_BYTES, np.uint8)
-    shift = -writable_address(spare) % PAGE_BYTES
+    shift = (page_offset - writable_address(spare)) % PAGE_BYTES
     return spare[shift : shift + nbytes].view(dtype).reshape(shape)
 
 
