@@ -31,9 +31,10 @@ from mooncake_jax.transfer.frame import (DATA_OFFSET, VERSION, CorruptBlockError
                                          check_head, check_key, data_bytes, frame_bytes, record_bytes)
 from mooncake_jax.transfer.frame import verify as verify_record
 from mooncake_jax.transfer.host_memory import keep_freed_buffers
-from mooncake_jax.transfer.shard_reader import PAGE_BYTES, writable_address
+from mooncake_jax.transfer.shard_reader import PAGE_BYTES
 from mooncake_jax.transfer.slots import joined, message_of
 from mooncake_jax.transfer.spec import BlockSpec
+from mooncake_jax.transfer.stream_copy import writable_address
 from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_tier
 
 log = logging.getLogger(__name__)

@@ -43,6 +43,13 @@ def address(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
 
 
+def writable_address(out: np.ndarray) -> int:
+    """``address`` of a writable, non-empty ``out``, through ctypes: 2-5x cheaper than numpy's ``out.ctypes.data``
+    (which builds an object; 5-8 us a call on a loaded machine, beside a 16-token record's read of 30-60) and about
+    a quarter of ``address`` (0.45 against 1.6 us, quiet, AMD EPYC)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(out))
+
+
 _built: list[Copy | None] = []  # once tried: [the copy] or [None]
 _building = threading.Lock()
 
