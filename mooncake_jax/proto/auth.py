@@ -89,10 +89,10 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reco
 default backoff of up to 2 minutes: calls fail fast while it is away (UNAVAILABLE) and succeed soon after it is back."""
 
 
-def open_channel(address: str, token: str | None = None) -> grpc.Channel:
+def open_channel(address: str, token: str | None = None, options: tuple = ()) -> grpc.Channel:
     """A channel to ``address`` with the project's message limits (TLS when this process has it: ``tls.py``),
-    carrying ``token`` on every call if given."""
-    channel = tls.channel(address, channel_options() + RECONNECT_OPTIONS)
+    carrying ``token`` on every call if given; ``options`` are more gRPC channel options."""
+    channel = tls.channel(address, channel_options() + RECONNECT_OPTIONS + list(options))
     return grpc.intercept_channel(channel, _AddToken(token)) if token else channel
 
 
