@@ -59,6 +59,16 @@ against 0.288 in 1 MiB steps (the raw read 0.193), 9 alternated rounds, load 3.7
 pass)."""
 ONE_READ_BYTES = 2 * READ_STEP_BYTES
 """A record up to this size (a 16-token block of the ``small`` preset, 384 KiB) is read by one ``preadv``."""
+RUN_BYTES = 3 << 19
+"""Bytes of records lying end to end in a shard file (each up to ``ONE_READ_BYTES``) read by one ``preadv`` into
+their several destinations, then hashed one by one (``read_many``): four 16-token records of the ``small`` preset.
+A ``preadv`` has a fixed cost beside its copy (about 2 us, 0.005 CPU s/GB of 384 KiB records) and each record's
+Python around it another few; on the AMD EPYC measured a 384 KiB record read and hashed alone cost 0.095 CPU s/GB,
+four at a time 0.090 and sixteen 0.090 (the hash from L3 no dearer than from L2; a raw read of the same records
+0.076 one by one, 0.071 sixteen at a time: docs/benchmarks/pool.md, nineteenth pass). Four, not the batch's
+sixteen: the helper thread takes runs in turn with the caller, so a batch is cut into several."""
+RUN_RECORDS = 64
+"""At most this many records in one run (a ``preadv`` takes at most ``IOV_MAX``, 1024, buffers)."""
 PAGE_BYTES = 4096
 ALIASED_BYTES = 64
 """A kernel copy (``preadv`` from the page cache) whose destination lies 1 to ``ALIASED_BYTES - 1`` bytes past its
@@ -173,6 +183,63 @@ def read_with_checksum(fd: int, out: np.ndarray, offset: int,
                               READ_STEP_BYTES)
 
 
+def read_run(fd: int, outs: Sequence[np.ndarray], offset: int,
+             on_cold: Callable[[], None] | None = None) -> list[ReadResult]:
+    """Read records lying end to end in ``fd`` from ``offset`` into ``outs`` (flat uint8, each up to
+    ``ONE_READ_BYTES``, none at a slow distance from its source: ``aliased``) with one ``preadv``, then hash each
+    (``RUN_BYTES``); the result of each as ``read_many`` gives it. With ``on_cold``, the ``preadv`` does not wait for
+    the device: when the page cache did not hold the whole run, ``on_cold`` is called and the records that did not
+    land whole are read one by one (``read_with_checksum``, waiting), as are all of them when the run's ``preadv``
+    fails (each then meets its own error) or the file ends inside it."""
+    got = 0
+    try:
+        if on_cold is not None and _NOWAIT is not None:
+            try:
+                got = os.preadv(fd, outs, offset, _NOWAIT)
+            except OSError:  # EAGAIN: nothing cached at offset; EOPNOTSUPP: a filesystem without it
+                got = 0
+        else:
+            got = os.preadv(fd, outs, offset)
+    except OSError:
+        got = 0
+    results: list[ReadResult] = []
+    start = 0
+    for out in outs:
+        end = start + out.size
+        if end <= got:
+            results.append(split_digest(xxh3_128_intdigest(out)))
+        else:
+            if on_cold is not None:
+                on_cold()  # (once: it hands the wanted runs to the kernel and forgets them)
+                on_cold = None
+            try:
+                results.append(read_with_checksum(fd, out, offset + start))
+            except OSError as err:
+                results.append(err if err.errno in UNAVAILABLE else None)
+        start = end
+    return results
+
+
+def _runs(reads: Sequence[tuple[int, int, np.ndarray]]) -> list[tuple[int, int]]:
+    """``read_many``'s reads cut into ``(first, count)`` runs: records lying end to end in one shard, in the order
+    given, each up to ``ONE_READ_BYTES`` and none at a slow distance from its source (``aliased``), up to
+    ``RUN_BYTES`` and ``RUN_RECORDS`` a run; any other read is a run of its own."""
+    runs: list[tuple[int, int]] = []
+    end_shard, end_offset, run_bytes = -1, -1, 0  # where the last run ends, and its bytes (-1: it takes no more)
+    for i, (shard, offset, out) in enumerate(reads):
+        n = out.size
+        joins = 0 < n <= ONE_READ_BYTES and not aliased(writable_address(out), offset)
+        if joins and shard == end_shard and offset == end_offset and run_bytes + n <= RUN_BYTES \
+                and runs[-1][1] < RUN_RECORDS:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            run_bytes += n
+        else:
+            runs.append((i, 1))
+            run_bytes = n
+        end_shard, end_offset = (shard, offset + n) if joins else (-1, -1)
+    return runs
+
+
 class Pace:
     """Which way of reading a batch has been faster lately: with the helper thread (True) or on the caller's thread
     alone (False), by the median seconds per byte of each way's last ``window`` batches; until each way has
@@ -258,44 +325,43 @@ class ShardReader:
 
     def read_many(self, reads: Sequence[tuple[int, int, np.ndarray]]) -> list[ReadResult]:
         """Read and hash each ``(shard, offset, out)`` chunk, on this thread and, when ``Pace`` finds it faster, a
-        helper thread, each taking the next (module docstring); the result of each, in order. Every read has ended
-        when this returns, so nothing writes into an ``out`` after it. A batch spanning more shard files than stay
-        open is read on this thread alone (the descriptors are all opened first, here, so the helper never touches
-        the descriptor cache)."""
+        helper thread, each taking the next run (module docstring); the result of each, in order. Records lying
+        end to end in a shard, in the order given, are read a run at a time (``read_run``, ``RUN_BYTES``). Every
+        read has ended when this returns, so nothing writes into an ``out`` after it. A batch spanning more shard
+        files than stay open is read on this thread alone (the descriptors are all opened first, here, so the
+        helper never touches the descriptor cache)."""
         results: list[ReadResult] = [None] * len(reads)
-        taken = iter(range(len(reads)))
-        lock = threading.Lock()
+        runs = _runs(reads)
         on_cold = self._advise_wanted if self._wanted else None
+        nbytes = sum(out.size for _, _, out in reads)
 
-        def work() -> None:
-            while True:
-                with lock:
-                    i = next(taken, None)
-                if i is None:
-                    return
-                shard, offset, out = reads[i]
-                fd = fds[shard]
+        def read(first: int, count: int, fd: int) -> None:
+            shard, offset, out = reads[first]
+            if count == 1:
                 try:
-                    if isinstance(fd, OSError):
-                        raise fd
-                    results[i] = read_with_checksum(fd, out, offset, on_cold)
+                    results[first] = read_with_checksum(fd, out, offset, on_cold)
                 except OSError as err:
-                    results[i] = err if err.errno in UNAVAILABLE else None
+                    results[first] = err if err.errno in UNAVAILABLE else None
+            else:
+                results[first : first + count] = read_run(fd, [out for _, _, out in reads[first : first + count]],
+                                                          offset, on_cold)
 
         shards = {shard for shard, _, _ in reads}
-        helped = len(reads) > 1 and self._pace.helped()
+        helped = len(runs) > 1 and self._pace.helped()
         if not helped or len(shards) > MAX_OPEN_FILES:  # past it, opening one might close another in use
             started = time.perf_counter()
             last_shard, fd = -1, -1
-            for i, (shard, offset, out) in enumerate(reads):
+            for first, count in runs:
+                shard = reads[first][0]
                 try:
                     if shard != last_shard:  # a batch's records mostly lie in one shard: its descriptor looked up once
                         fd, last_shard = self._fd(shard), shard  # (neither set when the open fails)
-                    results[i] = read_with_checksum(fd, out, offset, on_cold)
                 except OSError as err:
-                    results[i] = err if err.errno in UNAVAILABLE else None
-            if len(reads) > 1:
-                self._pace.took(False, time.perf_counter() - started, sum(out.size for _, _, out in reads))
+                    results[first : first + count] = [err if err.errno in UNAVAILABLE else None] * count
+                    continue
+                read(first, count, fd)
+            if len(runs) > 1:
+                self._pace.took(False, time.perf_counter() - started, nbytes)
             return results
         started = time.perf_counter()
         fds: dict[int, int | OSError] = {}
@@ -304,18 +370,34 @@ class ShardReader:
                 fds[shard] = self._fd(shard)
             except OSError as err:
                 fds[shard] = err
+        taken = iter(runs)
+        lock = threading.Lock()
+
+        def work() -> None:
+            while True:
+                with lock:
+                    run = next(taken, None)
+                if run is None:
+                    return
+                first, count = run
+                fd = fds[reads[first][0]]
+                if isinstance(fd, OSError):
+                    results[first : first + count] = [fd if fd.errno in UNAVAILABLE else None] * count
+                else:
+                    read(first, count, fd)
+
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="ssd-read")
         helping = self._helper.submit(work)
         try:
             work()
         finally:
-            started_helping = not helping.cancel()  # started: reading at most one record, or finding none left
+            started_helping = not helping.cancel()  # started: reading at most one run, or finding none left
             if started_helping:
                 wait([helping])  # even when this thread failed: nothing may write into an out once this returns
         if started_helping:
             helping.result()  # the helper's own failure (a read's OSError is its result, not this)
-        self._pace.took(True, time.perf_counter() - started, sum(out.size for _, _, out in reads))
+        self._pace.took(True, time.perf_counter() - started, nbytes)
         return results
 
     def read_exact(self, shard: int, offset: int, out: np.ndarray) -> bool:
