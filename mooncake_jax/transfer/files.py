@@ -637,6 +637,22 @@ class FileStore:
         del self._read_ahead[key]
         return ahead[4]  # as it was at prefetch: the key still lies in that slot, so its head is unchanged
 
+    def take_checked_many(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray]) -> list[bytes | None]:
+        """``take_checked`` of each key into its out, in order (a key twice: its first out only)."""
+        ahead = self._read_ahead
+        if not ahead or self._pending or self._staged or self._failed:
+            return [None] * len(keys)
+        heads: list[bytes | None] = []
+        slot_of = self._slot_of
+        for key, out in zip(keys, outs):
+            found = ahead.get(key)
+            if found is None or not found[3] or found[0] is not out or slot_of.get(key) != found[1]:
+                heads.append(None)
+            else:
+                del ahead[key]
+                heads.append(found[4])
+        return heads
+
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes, tuple[int, int] | None] | None:
         """Read the record's data from its shard file straight into ``out`` (flat uint8), hashed as it lands; the
         head (kept in memory since it was written or found on open) and the checksum of what landed, None when the

@@ -281,17 +281,24 @@ class BlockPool:
             if not out.flags.c_contiguous:  # a block lands as flat bytes: a strided view would be a copy
                 raise ValueError("out must be C-contiguous (np.ascontiguousarray, or a slice of whole blocks)")
         blocks: list[np.ndarray | None] = []
-        targets = list(out) if out is not None else [page_aligned_empty(self.spec.shape, self.spec.dtype) for _ in keys]
-        flats = [data_bytes(block) for block in targets]
+        if out is not None:
+            targets = list(out)
+            flats = list(out.reshape(len(keys), -1).view(np.uint8)) if keys else []  # one view a block, not two
+        else:
+            targets = [page_aligned_empty(self.spec.shape, self.spec.dtype) for _ in keys]
+            flats = [data_bytes(block) for block in targets]
         with self._operation():
+            if keys:
+                self._check_open()
             below = list(range(len(keys)))  # the keys no faster tier holds
             for level, tier in enumerate(self._tiers):  # disk tiers read ahead of the copies
                 if level:
                     upper = self._tiers[level - 1]
                     below = [i for i in below if keys[i] not in upper]
                 tier.prefetch([keys[i] for i in below], [flats[i] for i in below])
-            for key, block, flat in zip(keys, targets, flats):
-                found = self._read_into(key, flat)
+            taken = self._take_checked_first(keys, flats)
+            for key, block, flat, head in zip(keys, targets, flats, taken):
+                found = head is not None or self._read_into(key, flat)
                 if out is None:
                     block.flags.writeable = False
                 blocks.append(block if found else None)
@@ -527,6 +534,25 @@ class BlockPool:
         tier.counters.evictions += 1
         self._drop(tier, victim)
         return True
+
+    def _take_checked_first(self, keys: list[BlockKey], flats: list[np.ndarray]) -> list[bytes | None]:
+        """The heads of the blocks the fastest tier's batch read (``prefetch``) landed and checked (an SSD-only
+        pool), counted as its hits, in one call rather than the per-record path's five a block (its Python cost
+        about 2 us a 16-token record beside a read and hash of 35, docs/benchmarks/pool.md, nineteenth pass); None
+        for each other block, which ``_read_into`` reads. Only the fastest tier's: a hit there is served with no
+        promotion, so taking them all before any other block's read changes no order of writes (a lower tier's hit
+        is promoted, whose eviction may write into that tier before the next block is read)."""
+        tier = self._tiers[0]
+        heads = tier.take_checked_many(keys, flats)
+        if heads is None:
+            return [None] * len(keys)
+        accessed, hits = tier.policy.accessed, 0
+        for key, head in zip(keys, heads):
+            if head is not None:
+                accessed(key)
+                hits += 1
+        tier.counters.hits += hits
+        return heads
 
     def _read_into(self, key: BlockKey, out: np.ndarray) -> bool:
         """Copy ``key``'s data from the fastest tier holding a sound copy into ``out`` (flat uint8), verified as
