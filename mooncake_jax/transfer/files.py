@@ -46,6 +46,7 @@ import contextlib
 import logging
 import re
 import shutil
+import struct
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -64,7 +65,6 @@ from mooncake_jax.transfer.frame import (
     StaleFormatError,
     check_digest,
     check_head,
-    digest_bytes,
     record_bytes,
     record_head,
     verify,
@@ -97,6 +97,9 @@ _DATA_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "
                             "file_io_mode": {"mode": "memmap"}})
 _HEADS_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "none"}})
 _NO_HEAD = np.zeros(DATA_OFFSET, np.uint8)  # the fill value: writing it removes the head's chunk
+_DIGEST_AT = DIGEST_IN_HEAD.start
+_DIGEST_WORDS = struct.Struct("<QQ")  # a head's checksum as ``(high, low)``, as ``frame.digest_bytes`` packs it: compared
+# with a read's digest in place (``prefetch``) rather than packing the digest per record
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
@@ -609,19 +612,19 @@ class FileStore:
         self._read_ahead = {}
         if len(reads) < 2 or self._pending or self._staged:  # one record: nothing to share; writes: not yet on disk
             return
-        ahead, checked, record_heads = self._read_ahead, self._head_checked, {}  # shard -> its heads as bytes
+        ahead, shards = self._read_ahead, {}  # shard -> its heads as bytes and which are checked, as a list
         for (key, slot), (shard, _, out), result in zip(read_keys, reads, self._reader.read_many(reads)):
             if key in ahead:
                 continue  # a key twice: the second read later
             row = slot % size
             sound, head = False, None
-            if checked[shard][row] and type(result) is tuple:  # compared here: bytes, not numpy, per record
-                heads = record_heads.get(shard)
-                if heads is None:
-                    heads = record_heads[shard] = self._shard_heads[shard].tobytes()
+            if type(result) is tuple:  # compared here: bytes and lists, not numpy, per record
+                known = shards.get(shard)
+                if known is None:
+                    known = shards[shard] = (self._shard_heads[shard].tobytes(), self._head_checked[shard].tolist())
                 at = row * DATA_OFFSET
-                head = heads[at : at + DATA_OFFSET]
-                sound = head[DIGEST_IN_HEAD] == digest_bytes(result)
+                if known[1][row] and _DIGEST_WORDS.unpack_from(known[0], at + _DIGEST_AT) == result:
+                    sound, head = True, known[0][at : at + DATA_OFFSET]
             ahead[key] = (out, slot, result, sound, head)
 
     def take_checked(self, key: BlockKey, out: np.ndarray) -> bytes | None:

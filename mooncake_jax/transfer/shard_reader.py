@@ -222,21 +222,29 @@ def read_run(fd: int, outs: Sequence[np.ndarray], offset: int,
 
 def _runs(reads: Sequence[tuple[int, int, np.ndarray]]) -> list[tuple[int, int]]:
     """``read_many``'s reads cut into ``(first, count)`` runs: records lying end to end in one shard, in the order
-    given, each up to ``ONE_READ_BYTES`` and none at a slow distance from its source (``aliased``), up to
-    ``RUN_BYTES`` and ``RUN_RECORDS`` a run; any other read is a run of its own."""
+    given, each up to ``ONE_READ_BYTES`` and none at a slow distance from its source (``aliased``, written out
+    here: this loop is a share of a 16-token get's Python), up to ``RUN_BYTES`` and ``RUN_RECORDS`` a run; any
+    other read is a run of its own."""
     runs: list[tuple[int, int]] = []
-    end_shard, end_offset, run_bytes = -1, -1, 0  # where the last run ends, and its bytes (-1: it takes no more)
+    end_shard, end_offset, run_bytes, count = -1, -1, 0, 0  # where the last run ends (-1: it takes no more)
     for i, (shard, offset, out) in enumerate(reads):
         n = out.size
-        joins = 0 < n <= ONE_READ_BYTES and not aliased(writable_address(out), offset)
-        if joins and shard == end_shard and offset == end_offset and run_bytes + n <= RUN_BYTES \
-                and runs[-1][1] < RUN_RECORDS:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            run_bytes += n
+        if 0 < n <= ONE_READ_BYTES and not 0 < (writable_address(out) - offset) % PAGE_BYTES < ALIASED_BYTES:
+            if shard == end_shard and offset == end_offset and run_bytes + n <= RUN_BYTES and count < RUN_RECORDS:
+                run_bytes += n
+                count += 1
+            else:
+                if count:
+                    runs.append((i - count, count))
+                run_bytes, count = n, 1
+            end_shard, end_offset = shard, offset + n
         else:
+            if count:
+                runs.append((i - count, count))
             runs.append((i, 1))
-            run_bytes = n
-        end_shard, end_offset = (shard, offset + n) if joins else (-1, -1)
+            end_shard, end_offset, run_bytes, count = -1, -1, 0, 0
+    if count:
+        runs.append((len(reads) - count, count))
     return runs
 
 
@@ -333,7 +341,6 @@ class ShardReader:
         results: list[ReadResult] = [None] * len(reads)
         runs = _runs(reads)
         on_cold = self._advise_wanted if self._wanted else None
-        nbytes = sum(out.size for _, _, out in reads)
 
         def read(first: int, count: int, fd: int) -> None:
             shard, offset, out = reads[first]
@@ -343,25 +350,25 @@ class ShardReader:
                 except OSError as err:
                     results[first] = err if err.errno in UNAVAILABLE else None
             else:
-                results[first : first + count] = read_run(fd, [out for _, _, out in reads[first : first + count]],
+                results[first : first + count] = read_run(fd, [read[2] for read in reads[first : first + count]],
                                                           offset, on_cold)
 
-        shards = {shard for shard, _, _ in reads}
         helped = len(runs) > 1 and self._pace.helped()
+        shards = {shard for shard, _, _ in reads} if helped else ()
         if not helped or len(shards) > MAX_OPEN_FILES:  # past it, opening one might close another in use
             started = time.perf_counter()
             last_shard, fd = -1, -1
             for first, count in runs:
                 shard = reads[first][0]
-                try:
-                    if shard != last_shard:  # a batch's records mostly lie in one shard: its descriptor looked up once
+                if shard != last_shard:  # a batch's records mostly lie in one shard: its descriptor looked up once
+                    try:
                         fd, last_shard = self._fd(shard), shard  # (neither set when the open fails)
-                except OSError as err:
-                    results[first : first + count] = [err if err.errno in UNAVAILABLE else None] * count
-                    continue
+                    except OSError as err:
+                        results[first : first + count] = [err if err.errno in UNAVAILABLE else None] * count
+                        continue
                 read(first, count, fd)
             if len(runs) > 1:
-                self._pace.took(False, time.perf_counter() - started, nbytes)
+                self._pace.took(False, time.perf_counter() - started, sum(out.size for _, _, out in reads))
             return results
         started = time.perf_counter()
         fds: dict[int, int | OSError] = {}
@@ -397,7 +404,7 @@ class ShardReader:
                 wait([helping])  # even when this thread failed: nothing may write into an out once this returns
         if started_helping:
             helping.result()  # the helper's own failure (a read's OSError is its result, not this)
-        self._pace.took(True, time.perf_counter() - started, nbytes)
+        self._pace.took(True, time.perf_counter() - started, sum(out.size for _, _, out in reads))
         return results
 
     def read_exact(self, shard: int, offset: int, out: np.ndarray) -> bool:

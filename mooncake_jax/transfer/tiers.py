@@ -114,7 +114,7 @@ class Tier:
         if self._take_checked is None:  # (a store without batch reads, or one told to act as one)
             return None
         heads = self.store.take_checked_many(keys, outs)
-        self.counters.bytes_read += sum(out.size + len(head) for out, head in zip(outs, heads) if head is not None)
+        self.counters.bytes_read += (len(heads) - heads.count(None)) * self.store.record_bytes  # data and head each
         return heads
 
     def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray]) -> None:
