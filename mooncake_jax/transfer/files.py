@@ -580,7 +580,8 @@ class FileStore:
             return None
         return record
 
-    def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None) -> None:
+    def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None,
+                 addresses: Sequence[int] | None = None) -> None:
         """A batch read of these records is coming: name its runs of chunks lying end to end in one shard (a batch
         written by one call, read back in order) to the reader, which asks the kernel for them once a read finds
         the page cache cold (``shard_reader.py``). With ``outs`` (where ``read_into`` will put them) and nothing
@@ -588,10 +589,11 @@ class FileStore:
         compared here with the one its head promises where that head is known sound (``_head_checked``), and
         ``take_checked`` / ``read_into`` hand on what landed: the per-record checks of a batch in one loop here
         instead of the pool's per-record path (its Python cost 10-15 us a 16-token record beside a read of about
-        60, docs/benchmarks/pool.md, sixteenth pass)."""
+        60, docs/benchmarks/pool.md, sixteenth pass). ``addresses``: where each out starts, if the caller knows."""
         runs: list[tuple[int, int, int]] = []  # shard, offset, length
         reads: list[tuple[int, int, np.ndarray]] = []  # shard, offset, out
         read_keys: list[tuple[BlockKey, int]] = []  # key, slot
+        read_addresses: list[int] | None = [] if addresses is not None and outs is not None else None
         slot_of, size, nbytes, offsets = self._slot_of, self.shard_slots, self.spec.nbytes, self._offsets
         for i, key in enumerate(keys):
             slot = slot_of.get(key)
@@ -608,12 +610,14 @@ class FileStore:
             if outs is not None:
                 reads.append((shard, offset, outs[i]))
                 read_keys.append((key, slot))
+                if read_addresses is not None:
+                    read_addresses.append(addresses[i])
         self._reader.want(runs)
         self._read_ahead = {}
         if len(reads) < 2 or self._pending or self._staged:  # one record: nothing to share; writes: not yet on disk
             return
         ahead, shards = self._read_ahead, {}  # shard -> its heads as bytes and which are checked, as a list
-        for (key, slot), (shard, _, out), result in zip(read_keys, reads, self._reader.read_many(reads)):
+        for (key, slot), (shard, _, out), result in zip(read_keys, reads, self._reader.read_many(reads, read_addresses)):
             if key in ahead:
                 continue  # a key twice: the second read later
             row = slot % size

@@ -284,9 +284,13 @@ class BlockPool:
             if not out.flags.c_contiguous:  # a block lands as flat bytes: a strided view would be a copy
                 raise ValueError("out must be C-contiguous (np.ascontiguousarray, or a slice of whole blocks)")
         blocks: list[np.ndarray | None] = []
+        addresses = None  # where each block starts: known at once for staging (the SSD's batch read needs them)
         if out is not None:
             targets = list(out)
             flats = list(out.reshape(len(keys), -1).view(np.uint8)) if keys else []  # one view a block, not two
+            if keys and self.spec.nbytes:
+                base, step = writable_address(out), self.spec.nbytes
+                addresses = range(base, base + step * len(keys), step)
         else:
             targets = [page_aligned_empty(self.spec.shape, self.spec.dtype) for _ in keys]
             flats = [data_bytes(block) for block in targets]
@@ -298,7 +302,8 @@ class BlockPool:
                 if level:
                     upper = self._tiers[level - 1]
                     below = [i for i in below if keys[i] not in upper]
-                tier.prefetch([keys[i] for i in below], [flats[i] for i in below])
+                tier.prefetch([keys[i] for i in below], [flats[i] for i in below],
+                              None if addresses is None else [addresses[i] for i in below])
             taken = self._take_checked_first(keys, flats)
             for key, block, flat, head in zip(keys, targets, flats, taken):
                 found = head is not None or self._read_into(key, flat)

@@ -117,11 +117,16 @@ class Tier:
         self.counters.bytes_read += (len(heads) - heads.count(None)) * self.store.record_bytes  # data and head each
         return heads
 
-    def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray]) -> None:
+    def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray],
+                 addresses: Sequence[int] | None = None) -> None:
         """Start bringing in the records of the ``keys`` this tier holds (a batch read is coming), their data
-        into ``outs`` (flat uint8, one per key), where ``read_into`` will be asked to copy them."""
+        into ``outs`` (flat uint8, one per key), where ``read_into`` will be asked to copy them (``addresses``:
+        where each out starts, if the caller knows; for a store that reads ahead, the SSD's)."""
         held = [i for i, key in enumerate(keys) if key in self._present]
-        self.store.prefetch([keys[i] for i in held], [outs[i] for i in held])
+        if addresses is not None and isinstance(self.store, FileStore):
+            self.store.prefetch([keys[i] for i in held], [outs[i] for i in held], [addresses[i] for i in held])
+        else:
+            self.store.prefetch([keys[i] for i in held], [outs[i] for i in held])
 
     def write_block(self, key: BlockKey, data: np.ndarray) -> None:
         """Start storing the block whose bytes are ``data`` (flat uint8) under a key not yet in the tier."""
