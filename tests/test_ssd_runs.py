@@ -151,3 +151,17 @@ def test_a_batch_get_reads_a_run_with_one_call_and_serves_every_block(tmp_path, 
         counters = pool.counters()["ssd"]
         assert counters.hits == gets * len(keys) and counters.misses == 0 and counters.corrupt == 0
         assert counters.bytes_read == gets * len(keys) * pool.record_bytes
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", np.float16])
+def test_a_batch_get_into_staging_of_a_dtype_ctypes_cannot_view(tmp_path, dtype):
+    """Staging of bfloat16 (as a 70B model's blocks): its rows' addresses are found through their bytes."""
+    spec = BlockSpec((2, 2, 16, 2, 64), dtype)
+    keys = [1, 2, 3]
+    raw = [np.random.default_rng(k).integers(0, 1 << 16, spec.nbytes // 2, dtype=np.uint16) for k in keys]
+    blocks = [r.view(spec.dtype).reshape(spec.shape) for r in raw]
+    with BlockPool(spec, dram_blocks=0, ssd_path=tmp_path) as pool:
+        pool.put_many(keys, blocks)
+        staging = page_aligned_empty((len(keys), *spec.shape), spec.dtype)
+        got = pool.get_many(keys, staging)
+        assert all(g.view(np.uint16).tobytes() == r.tobytes() for g, r in zip(got, raw))

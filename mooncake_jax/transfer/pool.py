@@ -289,7 +289,7 @@ class BlockPool:
             targets = list(out)
             flats = list(out.reshape(len(keys), -1).view(np.uint8)) if keys else []  # one view a block, not two
             if keys and self.spec.nbytes:
-                base, step = writable_address(out), self.spec.nbytes
+                base, step = writable_address(flats[0]), self.spec.nbytes  # (bytes: ctypes takes no bfloat16)
                 addresses = range(base, base + step * len(keys), step)
         else:
             targets = [page_aligned_empty(self.spec.shape, self.spec.dtype) for _ in keys]
