@@ -263,10 +263,18 @@ class Pace:
     pool's per-record work spread over 8x fewer bytes), so one size's batches must not decide for another's. With
     one ``Pace`` for all sizes, the benchmark's 16-token batches, read after 128-token ones, went the helper's way in
     30 of 32 batches of a trial on a machine where it was the slower way for them (tenth pass, docs/benchmarks/
-    pool.md): the other way's window held 128-token figures, and was tried again only every 16th batch."""
+    pool.md): the other way's window held 128-token figures, and was tried again only every 16th batch.
+
+    A slower way more than ``far`` times slower is tried only every ``far_explore_every`` batches: the helper's way
+    on a loaded machine (it cannot be more than twice as fast as the caller alone, so only it is ever that far
+    behind). There, a 16-token batch read with the helper took 2-5x the caller's time (its run of four records
+    waited on a thread not scheduled: 160-490 us/MB against 92-95, load 3.5, nineteenth pass), so its two tries in
+    a 32-batch trial cost 15-25% of the trial's reads; a freed core is still noticed within a few hundred batches."""
 
     window = 8
     explore_every = 16
+    far = 2.0
+    far_explore_every = 64
 
     def __init__(self) -> None:
         self._seconds_per_byte: dict[bool, deque[float]] = {way: deque(maxlen=self.window) for way in (True, False)}
@@ -280,8 +288,11 @@ class Pace:
             with_helper, alone = self._seconds_per_byte[True], self._seconds_per_byte[False]
             if min(len(with_helper), len(alone)) < self.window // 2:
                 return len(with_helper) <= len(alone)
-            faster = statistics.median(with_helper) <= statistics.median(alone)
-            return faster != (self._batches % self.explore_every == 0)
+            helper_s, alone_s = statistics.median(with_helper), statistics.median(alone)
+            faster = helper_s <= alone_s
+            every = self.far_explore_every if max(helper_s, alone_s) > self.far * min(helper_s, alone_s) \
+                else self.explore_every
+            return faster != (self._batches % every == 0)
 
     def took(self, helped: bool, seconds: float, nbytes: int) -> None:
         with self._lock:
