@@ -98,8 +98,8 @@ _DATA_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "
 _HEADS_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "none"}})
 _NO_HEAD = np.zeros(DATA_OFFSET, np.uint8)  # the fill value: writing it removes the head's chunk
 _DIGEST_AT = DIGEST_IN_HEAD.start
-_DIGEST_WORDS = struct.Struct("<QQ")  # a head's checksum as ``(high, low)``, as ``frame.digest_bytes`` packs it: compared
-# with a read's digest in place (``prefetch``) rather than packing the digest per record
+_DIGEST_WORDS = struct.Struct("<QQ")  # a head's checksum as ``(high, low)``, as ``frame.digest_bytes`` packs it:
+# compared with a read's digest in place (``prefetch``) rather than packing the digest per record
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
@@ -617,7 +617,8 @@ class FileStore:
         if len(reads) < 2 or self._pending or self._staged:  # one record: nothing to share; writes: not yet on disk
             return
         ahead, shards = self._read_ahead, {}  # shard -> its heads as bytes and which are checked, as a list
-        for (key, slot), (shard, _, out), result in zip(read_keys, reads, self._reader.read_many(reads, read_addresses)):
+        results = self._reader.read_many(reads, read_addresses)
+        for (key, slot), (shard, _, out), result in zip(read_keys, reads, results):
             if key in ahead:
                 continue  # a key twice: the second read later
             row = slot % size

@@ -17,15 +17,21 @@ comes back short), so a cold batch has its later records read from the device wh
 hashed, and a warm one (the records just written, most gets) pays nothing for it: asking for cached pages cost
 about 7% of a 16-token get's CPU.
 
-A batch of several records is read on two threads at once (``read_many``): the caller and one helper thread
-each take the next record not yet taken, read and hash it; ``preadv`` and XXH3 both release the GIL, so with a core
+Records of a batch lying end to end in a shard (a batch written by one call, read back in order) are read a run at
+a time (``read_run``, ``RUN_BYTES``): one ``preadv`` into their several destinations, then each hashed; a
+``preadv`` and the Python around it cost a share of a 384 KiB record's get (docs/benchmarks/pool.md, nineteenth
+pass).
+
+A batch of several runs is read on two threads at once (``read_many``): the caller and one helper thread
+each take the next run not yet taken, read and hash it; ``preadv`` and XXH3 both release the GIL, so with a core
 free a batch costs about half its copy-and-hash time in wall (a raw read of the same bytes is the copy alone, one
-thread). Taking records in turn, rather than half each, keeps the batch going at the caller's pace when the helper
-is late to be scheduled on a loaded machine, and the caller waits at the end for at most the one record the helper
+thread). Taking runs in turn, rather than half each, keeps the batch going at the caller's pace when the helper
+is late to be scheduled on a loaded machine, and the caller waits at the end for at most the one run the helper
 is reading. A helper only pays with a core free for it: with both threads on one busy core (load 12-13 on this
 2-core machine) a 16-token batch took 1.27 ms with it against 0.86 ms without (the GIL handed back and forth at every
 read and hash). So each batch goes the way that has read faster lately (``Pace``: the median seconds per byte of
-each way's last batches, the other way tried every ``Pace.explore_every`` batches).
+each way's last batches, the other way tried every ``Pace.explore_every`` batches, or ``Pace.far_explore_every``
+when it is far slower).
 
 Open files are kept in a small LRU (``MAX_OPEN_FILES``): a tier of many shards does not run out of descriptors, and
 a deleted shard's descriptor is closed with it (``forget``) so its space is freed at once.
@@ -222,7 +228,8 @@ def read_run(fd: int, outs: Sequence[np.ndarray], offset: int,
     return results
 
 
-def _runs(reads: Sequence[tuple[int, int, np.ndarray]], addresses: Sequence[int] | None = None) -> list[tuple[int, int]]:
+def _runs(reads: Sequence[tuple[int, int, np.ndarray]],
+          addresses: Sequence[int] | None = None) -> list[tuple[int, int]]:
     """``read_many``'s reads cut into ``(first, count)`` runs: records lying end to end in one shard, in the order
     given, each up to ``ONE_READ_BYTES`` and none at a slow distance from its source (``aliased``, written out
     here: this loop is a share of a 16-token get's Python), up to ``RUN_BYTES`` and ``RUN_RECORDS`` a run; any
