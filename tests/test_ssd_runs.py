@@ -165,3 +165,26 @@ def test_a_batch_get_into_staging_of_a_dtype_ctypes_cannot_view(tmp_path, dtype)
         staging = page_aligned_empty((len(keys), *spec.shape), spec.dtype)
         got = pool.get_many(keys, staging)
         assert all(g.view(np.uint16).tobytes() == r.tobytes() for g, r in zip(got, raw))
+
+
+def test_a_batch_gets_hits_are_used_in_key_order_as_the_per_record_way_uses_them(tmp_path):
+    """Hits the batch read checked and hits the per-record way reads (heads not known sound) are counted and made
+    recent in the order asked, as the per-record way alone does: the SSD tier's eviction order is the same."""
+    keys = list(range(1, 9))
+    asked = [5, 2, 8, 1, 7, 3, 6, 4]
+    blocks = [np.random.default_rng(k).standard_normal(SPEC.shape).astype(np.float32) for k in keys]
+    orders, counters = {}, {}
+    for way in ("batch", "per-record"):
+        with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path / way) as pool:
+            pool.put_many(keys, blocks)
+            tier = pool._tiers[0]
+            for key in (2, 7):  # heads not known sound: read and checked the per-record way
+                shard, row, _ = tier.store._location(key)
+                tier.store._head_checked[shard][row] = False
+            if way == "per-record":
+                tier._take_checked = None
+            got = pool.get_many(asked, page_aligned_empty((len(asked), *SPEC.shape), SPEC.dtype))
+            assert all(np.array_equal(g, blocks[k - 1]) for g, k in zip(got, asked))
+            orders[way], counters[way] = list(tier.policy._order), tier.counters
+    assert orders["batch"] == orders["per-record"] == asked
+    assert counters["batch"] == counters["per-record"]

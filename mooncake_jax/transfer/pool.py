@@ -304,9 +304,20 @@ class BlockPool:
                     below = [i for i in below if keys[i] not in upper]
                 tier.prefetch([keys[i] for i in below], [flats[i] for i in below],
                               None if addresses is None else [addresses[i] for i in below])
-            taken = self._take_checked_first(keys, flats)
+            # the fastest tier's batch-checked hits (an SSD-only pool's), taken in one call rather than the per-record
+            # path's five a block (about 2 us a 16-token record beside a read and hash of 35, docs/benchmarks/pool.md,
+            # nineteenth pass); only the fastest tier's: its hits are served with no promotion, so taking them before
+            # the other blocks' reads changes no order of writes (a lower tier's hit is promoted, and its evictions
+            # may write into that tier before the next block is read)
+            first = self._tiers[0]
+            taken = first.take_checked_many(keys, flats) or [None] * len(keys)
             for key, block, flat, head in zip(keys, targets, flats, taken):
-                found = head is not None or self._read_into(key, flat)
+                if head is not None:  # a hit, counted and used in key order as the per-record path would
+                    first.counters.hits += 1
+                    first.accessed(key)
+                    found = True
+                else:
+                    found = self._read_into(key, flat)
                 if out is None:
                     block.flags.writeable = False
                 blocks.append(block if found else None)
@@ -542,25 +553,6 @@ class BlockPool:
         tier.counters.evictions += 1
         self._drop(tier, victim)
         return True
-
-    def _take_checked_first(self, keys: list[BlockKey], flats: list[np.ndarray]) -> list[bytes | None]:
-        """The heads of the blocks the fastest tier's batch read (``prefetch``) landed and checked (an SSD-only
-        pool), counted as its hits, in one call rather than the per-record path's five a block (its Python cost
-        about 2 us a 16-token record beside a read and hash of 35, docs/benchmarks/pool.md, nineteenth pass); None
-        for each other block, which ``_read_into`` reads. Only the fastest tier's: a hit there is served with no
-        promotion, so taking them all before any other block's read changes no order of writes (a lower tier's hit
-        is promoted, whose eviction may write into that tier before the next block is read)."""
-        tier = self._tiers[0]
-        heads = tier.take_checked_many(keys, flats)
-        if heads is None:
-            return [None] * len(keys)
-        accessed, hits = tier.policy.accessed, 0
-        for key, head in zip(keys, heads):
-            if head is not None:
-                accessed(key)
-                hits += 1
-        tier.counters.hits += hits
-        return heads
 
     def _read_into(self, key: BlockKey, out: np.ndarray) -> bool:
         """Copy ``key``'s data from the fastest tier holding a sound copy into ``out`` (flat uint8), verified as
