@@ -123,10 +123,13 @@ class Tier:
         into ``outs`` (flat uint8, one per key), where ``read_into`` will be asked to copy them (``addresses``:
         where each out starts, if the caller knows; for a store that reads ahead, the SSD's)."""
         held = [i for i, key in enumerate(keys) if key in self._present]
+        if len(held) < len(keys):
+            keys, outs = [keys[i] for i in held], [outs[i] for i in held]
+            addresses = None if addresses is None else [addresses[i] for i in held]
         if addresses is not None and isinstance(self.store, FileStore):
-            self.store.prefetch([keys[i] for i in held], [outs[i] for i in held], [addresses[i] for i in held])
+            self.store.prefetch(keys, outs, addresses)
         else:
-            self.store.prefetch([keys[i] for i in held], [outs[i] for i in held])
+            self.store.prefetch(keys, outs)
 
     def write_block(self, key: BlockKey, data: np.ndarray) -> None:
         """Start storing the block whose bytes are ``data`` (flat uint8) under a key not yet in the tier."""
