@@ -374,7 +374,7 @@ class ShardReader:
                 except OSError as err:
                     results[first] = err if err.errno in UNAVAILABLE else None
             else:
-                results[first : first + count] = read_run(fd, [read[2] for read in reads[first : first + count]],
+                results[first : first + count] = read_run(fd, [item[2] for item in reads[first : first + count]],
                                                           offset, on_cold)
 
         helped = len(runs) > 1 and self._pace.helped()
