@@ -238,23 +238,31 @@ def test_a_record_read_ahead_is_read_again_once_it_has_moved(tmp_path):
 
 def test_pace_reads_each_batch_the_way_that_has_been_faster_and_tries_the_other():
     """Both ways taken in turn until each has half a window of batches; then the faster by median seconds per byte,
-    the slower one tried every ``explore_every`` batches (so a freed or taken core is noticed); a way that turns
-    slower loses its place."""
+    the slower one tried every ``explore_every`` batches (so a freed or taken core is noticed), every
+    ``far_explore_every`` when it is more than ``far`` times slower; a way that turns slower loses its place."""
     pace = shard_reader.Pace()
     ways = []
     for _ in range(pace.window):
         ways.append(pace.helped())
-        pace.took(ways[-1], 1.0 if ways[-1] else 3.0, 1000)  # the helper three times as fast
+        pace.took(ways[-1], 1.0 if ways[-1] else 1.5, 1000)  # the helper 1.5 times as fast
     assert ways == [True, False] * (pace.window // 2)
     chosen = []
     for _ in range(2 * pace.explore_every):
         chosen.append(pace.helped())
-        pace.took(chosen[-1], 1.0 if chosen[-1] else 3.0, 1000)
+        pace.took(chosen[-1], 1.0 if chosen[-1] else 1.5, 1000)
     assert chosen.count(False) == 2  # the slower way, tried once every explore_every batches
     for _ in range(3 * pace.window):  # now the helper is the slow way (its core taken)
         way = pace.helped()
         pace.took(way, 5.0 if way else 3.0, 1000)
     assert [pace.helped() for _ in range(pace.explore_every)].count(True) == 1
+    for _ in range(pace.far_explore_every):  # and far slower (a loaded machine): tried four times as seldom
+        way = pace.helped()
+        pace.took(way, 9.0 if way else 3.0, 1000)
+    tried = []
+    for _ in range(2 * pace.far_explore_every):
+        tried.append(pace.helped())
+        pace.took(tried[-1], 9.0 if tried[-1] else 3.0, 1000)
+    assert tried.count(True) == 2
 
 
 @pytest.mark.parametrize("helped", [True, False])

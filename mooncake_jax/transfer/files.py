@@ -46,6 +46,7 @@ import contextlib
 import logging
 import re
 import shutil
+import struct
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -64,7 +65,6 @@ from mooncake_jax.transfer.frame import (
     StaleFormatError,
     check_digest,
     check_head,
-    digest_bytes,
     record_bytes,
     record_head,
     verify,
@@ -97,6 +97,9 @@ _DATA_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "
                             "file_io_mode": {"mode": "memmap"}})
 _HEADS_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "none"}})
 _NO_HEAD = np.zeros(DATA_OFFSET, np.uint8)  # the fill value: writing it removes the head's chunk
+_DIGEST_AT = DIGEST_IN_HEAD.start
+_DIGEST_WORDS = struct.Struct("<QQ")  # a head's checksum as ``(high, low)``, as ``frame.digest_bytes`` packs it:
+# compared with a read's digest in place (``prefetch``) rather than packing the digest per record
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
@@ -577,7 +580,8 @@ class FileStore:
             return None
         return record
 
-    def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None) -> None:
+    def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None,
+                 addresses: Sequence[int] | None = None) -> None:
         """A batch read of these records is coming: name its runs of chunks lying end to end in one shard (a batch
         written by one call, read back in order) to the reader, which asks the kernel for them once a read finds
         the page cache cold (``shard_reader.py``). With ``outs`` (where ``read_into`` will put them) and nothing
@@ -585,10 +589,11 @@ class FileStore:
         compared here with the one its head promises where that head is known sound (``_head_checked``), and
         ``take_checked`` / ``read_into`` hand on what landed: the per-record checks of a batch in one loop here
         instead of the pool's per-record path (its Python cost 10-15 us a 16-token record beside a read of about
-        60, docs/benchmarks/pool.md, sixteenth pass)."""
+        60, docs/benchmarks/pool.md, sixteenth pass). ``addresses``: where each out starts, if the caller knows."""
         runs: list[tuple[int, int, int]] = []  # shard, offset, length
         reads: list[tuple[int, int, np.ndarray]] = []  # shard, offset, out
         read_keys: list[tuple[BlockKey, int]] = []  # key, slot
+        read_addresses: list[int] | None = [] if addresses is not None and outs is not None else None
         slot_of, size, nbytes, offsets = self._slot_of, self.shard_slots, self.spec.nbytes, self._offsets
         for i, key in enumerate(keys):
             slot = slot_of.get(key)
@@ -605,23 +610,26 @@ class FileStore:
             if outs is not None:
                 reads.append((shard, offset, outs[i]))
                 read_keys.append((key, slot))
+                if read_addresses is not None:
+                    read_addresses.append(addresses[i])
         self._reader.want(runs)
         self._read_ahead = {}
         if len(reads) < 2 or self._pending or self._staged:  # one record: nothing to share; writes: not yet on disk
             return
-        ahead, checked, record_heads = self._read_ahead, self._head_checked, {}  # shard -> its heads as bytes
-        for (key, slot), (shard, _, out), result in zip(read_keys, reads, self._reader.read_many(reads)):
+        ahead, shards = self._read_ahead, {}  # shard -> its heads as bytes and which are checked, as a list
+        results = self._reader.read_many(reads, read_addresses)
+        for (key, slot), (shard, _, out), result in zip(read_keys, reads, results):
             if key in ahead:
                 continue  # a key twice: the second read later
             row = slot % size
             sound, head = False, None
-            if checked[shard][row] and type(result) is tuple:  # compared here: bytes, not numpy, per record
-                heads = record_heads.get(shard)
-                if heads is None:
-                    heads = record_heads[shard] = self._shard_heads[shard].tobytes()
+            if type(result) is tuple:  # compared here: bytes and lists, not numpy, per record
+                known = shards.get(shard)
+                if known is None:
+                    known = shards[shard] = (self._shard_heads[shard].tobytes(), self._head_checked[shard].tolist())
                 at = row * DATA_OFFSET
-                head = heads[at : at + DATA_OFFSET]
-                sound = head[DIGEST_IN_HEAD] == digest_bytes(result)
+                if known[1][row] and _DIGEST_WORDS.unpack_from(known[0], at + _DIGEST_AT) == result:
+                    sound, head = True, known[0][at : at + DATA_OFFSET]
             ahead[key] = (out, slot, result, sound, head)
 
     def take_checked(self, key: BlockKey, out: np.ndarray) -> bytes | None:
@@ -636,6 +644,22 @@ class FileStore:
             return None
         del self._read_ahead[key]
         return ahead[4]  # as it was at prefetch: the key still lies in that slot, so its head is unchanged
+
+    def take_checked_many(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray]) -> list[bytes | None]:
+        """``take_checked`` of each key into its out, in order (a key twice: its first out only)."""
+        ahead = self._read_ahead
+        if not ahead or self._pending or self._staged or self._failed:
+            return [None] * len(keys)
+        heads: list[bytes | None] = []
+        slot_of = self._slot_of
+        for key, out in zip(keys, outs):
+            found = ahead.get(key)
+            if found is None or not found[3] or found[0] is not out or slot_of.get(key) != found[1]:
+                heads.append(None)
+            else:
+                del ahead[key]
+                heads.append(found[4])
+        return heads
 
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes, tuple[int, int] | None] | None:
         """Read the record's data from its shard file straight into ``out`` (flat uint8), hashed as it lands; the

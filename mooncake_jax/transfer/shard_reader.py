@@ -17,15 +17,21 @@ comes back short), so a cold batch has its later records read from the device wh
 hashed, and a warm one (the records just written, most gets) pays nothing for it: asking for cached pages cost
 about 7% of a 16-token get's CPU.
 
-A batch of several records is read on two threads at once (``read_many``): the caller and one helper thread
-each take the next record not yet taken, read and hash it; ``preadv`` and XXH3 both release the GIL, so with a core
+Records of a batch lying end to end in a shard (a batch written by one call, read back in order) are read a run at
+a time (``read_run``, ``RUN_BYTES``): one ``preadv`` into their several destinations, then each hashed; a
+``preadv`` and the Python around it cost a share of a 384 KiB record's get (docs/benchmarks/pool.md, nineteenth
+pass).
+
+A batch of several runs is read on two threads at once (``read_many``): the caller and one helper thread
+each take the next run not yet taken, read and hash it; ``preadv`` and XXH3 both release the GIL, so with a core
 free a batch costs about half its copy-and-hash time in wall (a raw read of the same bytes is the copy alone, one
-thread). Taking records in turn, rather than half each, keeps the batch going at the caller's pace when the helper
-is late to be scheduled on a loaded machine, and the caller waits at the end for at most the one record the helper
+thread). Taking runs in turn, rather than half each, keeps the batch going at the caller's pace when the helper
+is late to be scheduled on a loaded machine, and the caller waits at the end for at most the one run the helper
 is reading. A helper only pays with a core free for it: with both threads on one busy core (load 12-13 on this
 2-core machine) a 16-token batch took 1.27 ms with it against 0.86 ms without (the GIL handed back and forth at every
 read and hash). So each batch goes the way that has read faster lately (``Pace``: the median seconds per byte of
-each way's last batches, the other way tried every ``Pace.explore_every`` batches).
+each way's last batches, the other way tried every ``Pace.explore_every`` batches, or ``Pace.far_explore_every``
+when it is far slower).
 
 Open files are kept in a small LRU (``MAX_OPEN_FILES``): a tier of many shards does not run out of descriptors, and
 a deleted shard's descriptor is closed with it (``forget``) so its space is freed at once.
@@ -59,6 +65,16 @@ against 0.288 in 1 MiB steps (the raw read 0.193), 9 alternated rounds, load 3.7
 pass)."""
 ONE_READ_BYTES = 2 * READ_STEP_BYTES
 """A record up to this size (a 16-token block of the ``small`` preset, 384 KiB) is read by one ``preadv``."""
+RUN_BYTES = 3 << 19
+"""Bytes of records lying end to end in a shard file (each up to ``ONE_READ_BYTES``) read by one ``preadv`` into
+their several destinations, then hashed one by one (``read_many``): four 16-token records of the ``small`` preset.
+A ``preadv`` has a fixed cost beside its copy (about 2 us, 0.005 CPU s/GB of 384 KiB records) and each record's
+Python around it another few; on the AMD EPYC measured a 384 KiB record read and hashed alone cost 0.095 CPU s/GB,
+four at a time 0.090 and sixteen 0.090 (the hash from L3 no dearer than from L2; a raw read of the same records
+0.076 one by one, 0.071 sixteen at a time: docs/benchmarks/pool.md, nineteenth pass). Four, not the batch's
+sixteen: the helper thread takes runs in turn with the caller, so a batch is cut into several."""
+RUN_RECORDS = 64
+"""At most this many records in one run (a ``preadv`` takes at most ``IOV_MAX``, 1024, buffers)."""
 PAGE_BYTES = 4096
 ALIASED_BYTES = 64
 """A kernel copy (``preadv`` from the page cache) whose destination lies 1 to ``ALIASED_BYTES - 1`` bytes past its
@@ -82,6 +98,7 @@ ReadResult = Digest | OSError | None
 """A record read by ``read_many``: its digest; None when missing, unreadable or cut short; an ``UNAVAILABLE``
 error, for the caller to raise where it would have been raised."""
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+_LOW = (1 << 64) - 1
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)
 
 
@@ -173,6 +190,75 @@ def read_with_checksum(fd: int, out: np.ndarray, offset: int,
                               READ_STEP_BYTES)
 
 
+def read_run(fd: int, outs: Sequence[np.ndarray], offset: int,
+             on_cold: Callable[[], None] | None = None) -> list[ReadResult]:
+    """Read records lying end to end in ``fd`` from ``offset`` into ``outs`` (flat uint8, each up to
+    ``ONE_READ_BYTES``, none at a slow distance from its source: ``aliased``) with one ``preadv``, then hash each
+    (``RUN_BYTES``); the result of each as ``read_many`` gives it. With ``on_cold``, the ``preadv`` does not wait for
+    the device: when the page cache did not hold the whole run, ``on_cold`` is called and the records that did not
+    land whole are read one by one (``read_with_checksum``, waiting), as are all of them when the run's ``preadv``
+    fails (each then meets its own error) or the file ends inside it."""
+    got = 0
+    try:
+        if on_cold is not None and _NOWAIT is not None:
+            try:
+                got = os.preadv(fd, outs, offset, _NOWAIT)
+            except OSError:  # EAGAIN: nothing cached at offset; EOPNOTSUPP: a filesystem without it
+                got = 0
+        else:
+            got = os.preadv(fd, outs, offset)
+    except OSError:
+        got = 0
+    results: list[ReadResult] = []
+    start = 0
+    for out in outs:
+        end = start + out.size
+        if end <= got:
+            digest = xxh3_128_intdigest(out)
+            results.append((digest >> 64, digest & _LOW))  # split_digest, written out
+        else:
+            if on_cold is not None:
+                on_cold()  # (once: it hands the wanted runs to the kernel and forgets them)
+                on_cold = None
+            try:
+                results.append(read_with_checksum(fd, out, offset + start))
+            except OSError as err:
+                results.append(err if err.errno in UNAVAILABLE else None)
+        start = end
+    return results
+
+
+def _runs(reads: Sequence[tuple[int, int, np.ndarray]],
+          addresses: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """``read_many``'s reads cut into ``(first, count)`` runs: records lying end to end in one shard, in the order
+    given, each up to ``ONE_READ_BYTES`` and none at a slow distance from its source (``aliased``, written out
+    here: this loop is a share of a 16-token get's Python), up to ``RUN_BYTES`` and ``RUN_RECORDS`` a run; any
+    other read is a run of its own. ``addresses``: where each ``out`` starts, when the caller knows (else looked up
+    here, about 0.7 us each)."""
+    runs: list[tuple[int, int]] = []
+    end_shard, end_offset, run_bytes, count = -1, -1, 0, 0  # where the last run ends (-1: it takes no more)
+    for i, (shard, offset, out) in enumerate(reads):
+        n = out.size
+        if 0 < n <= ONE_READ_BYTES and not 0 < ((writable_address(out) if addresses is None else addresses[i])
+                                                 - offset) % PAGE_BYTES < ALIASED_BYTES:
+            if shard == end_shard and offset == end_offset and run_bytes + n <= RUN_BYTES and count < RUN_RECORDS:
+                run_bytes += n
+                count += 1
+            else:
+                if count:
+                    runs.append((i - count, count))
+                run_bytes, count = n, 1
+            end_shard, end_offset = shard, offset + n
+        else:
+            if count:
+                runs.append((i - count, count))
+            runs.append((i, 1))
+            end_shard, end_offset, run_bytes, count = -1, -1, 0, 0
+    if count:
+        runs.append((len(reads) - count, count))
+    return runs
+
+
 class Pace:
     """Which way of reading a batch has been faster lately: with the helper thread (True) or on the caller's thread
     alone (False), by the median seconds per byte of each way's last ``window`` batches; until each way has
@@ -184,10 +270,18 @@ class Pace:
     pool's per-record work spread over 8x fewer bytes), so one size's batches must not decide for another's. With
     one ``Pace`` for all sizes, the benchmark's 16-token batches, read after 128-token ones, went the helper's way in
     30 of 32 batches of a trial on a machine where it was the slower way for them (tenth pass, docs/benchmarks/
-    pool.md): the other way's window held 128-token figures, and was tried again only every 16th batch."""
+    pool.md): the other way's window held 128-token figures, and was tried again only every 16th batch.
+
+    A slower way more than ``far`` times slower is tried only every ``far_explore_every`` batches: the helper's way
+    on a loaded machine (it cannot be more than twice as fast as the caller alone, so only it is ever that far
+    behind). There, a 16-token batch read with the helper took 2-5x the caller's time (its run of four records
+    waited on a thread not scheduled: 160-490 us/MB against 92-95, load 3.5, nineteenth pass), so its two tries in
+    a 32-batch trial cost 15-25% of the trial's reads; a freed core is still noticed within a few hundred batches."""
 
     window = 8
     explore_every = 16
+    far = 2.0
+    far_explore_every = 64
 
     def __init__(self) -> None:
         self._seconds_per_byte: dict[bool, deque[float]] = {way: deque(maxlen=self.window) for way in (True, False)}
@@ -201,8 +295,11 @@ class Pace:
             with_helper, alone = self._seconds_per_byte[True], self._seconds_per_byte[False]
             if min(len(with_helper), len(alone)) < self.window // 2:
                 return len(with_helper) <= len(alone)
-            faster = statistics.median(with_helper) <= statistics.median(alone)
-            return faster != (self._batches % self.explore_every == 0)
+            helper_s, alone_s = statistics.median(with_helper), statistics.median(alone)
+            faster = helper_s <= alone_s
+            every = self.far_explore_every if max(helper_s, alone_s) > self.far * min(helper_s, alone_s) \
+                else self.explore_every
+            return faster != (self._batches % every == 0)
 
     def took(self, helped: bool, seconds: float, nbytes: int) -> None:
         with self._lock:
@@ -256,45 +353,45 @@ class ShardReader:
                 raise
             return None
 
-    def read_many(self, reads: Sequence[tuple[int, int, np.ndarray]]) -> list[ReadResult]:
+    def read_many(self, reads: Sequence[tuple[int, int, np.ndarray]],
+                  addresses: Sequence[int] | None = None) -> list[ReadResult]:
         """Read and hash each ``(shard, offset, out)`` chunk, on this thread and, when ``Pace`` finds it faster, a
-        helper thread, each taking the next (module docstring); the result of each, in order. Every read has ended
-        when this returns, so nothing writes into an ``out`` after it. A batch spanning more shard files than stay
-        open is read on this thread alone (the descriptors are all opened first, here, so the helper never touches
-        the descriptor cache)."""
+        helper thread, each taking the next run (module docstring); the result of each, in order. Records lying
+        end to end in a shard, in the order given, are read a run at a time (``read_run``, ``RUN_BYTES``). Every
+        read has ended when this returns, so nothing writes into an ``out`` after it. ``addresses``: where each
+        ``out`` starts, when the caller knows (a batch's staging rows: one lookup for all). A batch spanning more shard
+        files than stay open is read on this thread alone (the descriptors are all opened first, here, so the
+        helper never touches the descriptor cache)."""
         results: list[ReadResult] = [None] * len(reads)
-        taken = iter(range(len(reads)))
-        lock = threading.Lock()
+        runs = _runs(reads, addresses)
         on_cold = self._advise_wanted if self._wanted else None
 
-        def work() -> None:
-            while True:
-                with lock:
-                    i = next(taken, None)
-                if i is None:
-                    return
-                shard, offset, out = reads[i]
-                fd = fds[shard]
+        def read(first: int, count: int, fd: int) -> None:
+            shard, offset, out = reads[first]
+            if count == 1:
                 try:
-                    if isinstance(fd, OSError):
-                        raise fd
-                    results[i] = read_with_checksum(fd, out, offset, on_cold)
+                    results[first] = read_with_checksum(fd, out, offset, on_cold)
                 except OSError as err:
-                    results[i] = err if err.errno in UNAVAILABLE else None
+                    results[first] = err if err.errno in UNAVAILABLE else None
+            else:
+                results[first : first + count] = read_run(fd, [item[2] for item in reads[first : first + count]],
+                                                          offset, on_cold)
 
-        shards = {shard for shard, _, _ in reads}
-        helped = len(reads) > 1 and self._pace.helped()
+        helped = len(runs) > 1 and self._pace.helped()
+        shards = {shard for shard, _, _ in reads} if helped else ()
         if not helped or len(shards) > MAX_OPEN_FILES:  # past it, opening one might close another in use
             started = time.perf_counter()
             last_shard, fd = -1, -1
-            for i, (shard, offset, out) in enumerate(reads):
-                try:
-                    if shard != last_shard:  # a batch's records mostly lie in one shard: its descriptor looked up once
+            for first, count in runs:
+                shard = reads[first][0]
+                if shard != last_shard:  # a batch's records mostly lie in one shard: its descriptor looked up once
+                    try:
                         fd, last_shard = self._fd(shard), shard  # (neither set when the open fails)
-                    results[i] = read_with_checksum(fd, out, offset, on_cold)
-                except OSError as err:
-                    results[i] = err if err.errno in UNAVAILABLE else None
-            if len(reads) > 1:
+                    except OSError as err:
+                        results[first : first + count] = [err if err.errno in UNAVAILABLE else None] * count
+                        continue
+                read(first, count, fd)
+            if len(runs) > 1:
                 self._pace.took(False, time.perf_counter() - started, sum(out.size for _, _, out in reads))
             return results
         started = time.perf_counter()
@@ -304,13 +401,29 @@ class ShardReader:
                 fds[shard] = self._fd(shard)
             except OSError as err:
                 fds[shard] = err
+        taken = iter(runs)
+        lock = threading.Lock()
+
+        def work() -> None:
+            while True:
+                with lock:
+                    run = next(taken, None)
+                if run is None:
+                    return
+                first, count = run
+                fd = fds[reads[first][0]]
+                if isinstance(fd, OSError):
+                    results[first : first + count] = [fd if fd.errno in UNAVAILABLE else None] * count
+                else:
+                    read(first, count, fd)
+
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="ssd-read")
         helping = self._helper.submit(work)
         try:
             work()
         finally:
-            started_helping = not helping.cancel()  # started: reading at most one record, or finding none left
+            started_helping = not helping.cancel()  # started: reading at most one run, or finding none left
             if started_helping:
                 wait([helping])  # even when this thread failed: nothing may write into an out once this returns
         if started_helping:
