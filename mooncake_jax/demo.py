@@ -172,8 +172,13 @@ _done_counter = None  # the client process's count of finished requests (shared 
 
 
 def _count_into(counter) -> None:
+    """The client process's start: its counter, and the default CPU slice (the gateway's process, which started
+    it, asked for short ones; the clients stand for users elsewhere and get no such favour)."""
     global _done_counter
     _done_counter = counter
+    from .instance.sched_slice import restore_default_slices
+
+    restore_default_slices()
 
 
 def replay(url: str, items: list[dict], speed: float, clients: int = 64) -> tuple[list[dict], float]:
@@ -348,7 +353,7 @@ def run(args) -> int:
         cluster.warm_serving_path()
         before = cluster.stats()  # the figures below count the replay only, not the warm-up
         gateway = cluster.serve_gateway(grpc_port=None, http_port=0)
-        settle_serving_process()
+        settle_serving_process(carries_tokens=True)
         url = f"http://127.0.0.1:{gateway.http_port}/v1/completions"
         print(f"replaying {len(items)} trace requests through {url} (instance logs in {log_dir})", flush=True)
         bar = tqdm(total=len(items), desc="requests", unit="req")

@@ -105,7 +105,7 @@ def run(args) -> int:
             backend.close()
         return roles.fail("gateway", e, roles.EXIT_BAD_INPUT)
     stop = roles.stop_event()
-    settle_serving_process()
+    settle_serving_process(carries_tokens=True)
     log.info("gateway of %s serving gRPC on %s:%d and HTTP on %s:%d (Conductor %s)", model, args.host,
              gateway.grpc_port, args.host, gateway.http_port, args.conductor)
     roles.announce(role="gateway", model=model, grpc_port=gateway.grpc_port, http_port=gateway.http_port)

@@ -29,7 +29,7 @@ from .. import roles
 from ..model.compile_cache import enable_compilation_cache
 from ..roles import add_security_arguments, parse_address
 from .conductor_link import DECODE, PREFILL
-from . import cpus
+from . import cpus, sched_slice
 from .config import InstanceConfig
 from ..transfer.messenger import DATA_PLANES
 from .devices import reserve_cpu_devices
@@ -136,14 +136,17 @@ keeps the lock busy arrived in 0.32-0.34 ms at the median against 0.71 ms (``ben
 AMD EPYC, 2 cores; docs/benchmarks/demo.md, "seventeenth session")."""
 
 
-def settle_serving_process() -> None:
+def settle_serving_process(carries_tokens: bool) -> None:
     """Tune this process for serving once its servers are up (instances here; ``serve`` and ``demo`` for the
     gateway). Everything alive now (JAX, the model, compiled programs: millions of objects) stays for the process's
     life: freezing it keeps a full garbage collection (~90 ms measured) from walking it while requests run, a pause
-    every running stream would see as a token gap."""
+    every running stream would see as a token gap. A process that ``carries_tokens`` (a decode instance, a gateway)
+    asks for short CPU slices (``sched_slice.py``), so its threads run soon after they wake."""
     gc.collect()
     gc.freeze()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    if carries_tokens:
+        sched_slice.prefer_short_slices()
 
 
 def _stop_followers(config: InstanceConfig, server: InstanceServer | None) -> None:
@@ -202,7 +205,7 @@ def run(args) -> int:
         raise
     stop = roles.stop_event()
     roles.exit_with_stdin(args, stop)
-    settle_serving_process()
+    settle_serving_process(carries_tokens=config.role == DECODE)
     log.info("%s instance %s serving on %s:%d, registered as %s", config.role, config.instance_id, config.host,
              server.port, server.address)
     roles.announce(instance_id=config.instance_id, address=server.address, port=server.port,

@@ -118,7 +118,7 @@ def run(args) -> int:
         log.info("gateway gRPC  %s:%s (mooncake.v1.Gateway, health, reflection)", args.host, gateway.grpc_port)
         log.info("gateway HTTP  http://%s:%s/v1/completions  /v1/chat/completions  /v1/models  /metrics",
                  args.host, gateway.http_port)
-        settle_serving_process()
+        settle_serving_process(carries_tokens=True)
         print(f"READY grpc={gateway.grpc_port} http={gateway.http_port}", flush=True)
         stop.wait()
         log.info("shutting down")

@@ -1,0 +1,93 @@
+"""A short CPU time slice for the threads that carry tokens (decode instances, the gateway), where Linux has one.
+
+Why: on cores shared with prefill processes, each hop of a token (the decode engine thread handing it to a gRPC
+thread, the gateway reading the stream, its event loop writing the chunk) wakes a thread that must wait for a core.
+Linux's EEVDF scheduler (6.6 and later) lets the running thread finish its slice before a woken one of equal or
+lower deadline preempts it: 1.4 ms by default on 2 cores, longer than a small model's decode step. A thread that
+asks for a short slice (``sched_setattr`` with ``sched_runtime``, honoured for SCHED_OTHER since Linux 6.12) gets
+an earlier deadline and preempts at wake-up. It does not raise its share of the CPU (that is the niceness); it only
+runs sooner, for less at a time. Elsewhere (another OS or architecture, an older kernel) nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+
+log = logging.getLogger(__name__)
+
+SHORT_SLICE_NS = 100_000
+"""The slice asked for: 0.1 ms, the shortest Linux grants (it clamps to 0.1-100 ms)."""
+_SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
+"""``sched_setattr`` / ``sched_getattr`` numbers by machine."""
+
+
+class _SchedAttr(ctypes.Structure):
+    """``struct sched_attr`` (include/uapi/linux/sched/types.h), up to the utilization clamps."""
+
+    _fields_ = [("size", ctypes.c_uint32), ("policy", ctypes.c_uint32), ("flags", ctypes.c_uint64),
+                ("nice", ctypes.c_int32), ("priority", ctypes.c_uint32), ("runtime", ctypes.c_uint64),
+                ("deadline", ctypes.c_uint64), ("period", ctypes.c_uint64), ("util_min", ctypes.c_uint32),
+                ("util_max", ctypes.c_uint32)]
+
+
+def _syscalls() -> tuple[int, int] | None:
+    return _SYSCALLS.get(platform.machine()) if os.name == "posix" and platform.system() == "Linux" else None
+
+
+def slice_ns(tid: int = 0) -> int | None:
+    """The slice thread ``tid`` (0: the calling one) runs with, in ns; None where it cannot be read."""
+    numbers = _syscalls()
+    if numbers is None:
+        return None
+    attr = _SchedAttr()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(numbers[1], tid, ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0:
+        return None
+    return int(attr.runtime)
+
+
+def set_slice(tid: int, ns: int) -> None:
+    """Ask for a slice of ``ns`` for thread ``tid`` (0: the calling one; 0 ns: the default), keeping its policy and
+    niceness. OSError where refused or unsupported."""
+    numbers = _syscalls()
+    if numbers is None:
+        raise OSError(f"no sched_setattr on {platform.system()} {platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    attr = _SchedAttr()
+    if libc.syscall(numbers[1], tid, ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    if attr.policy not in (os.SCHED_OTHER, getattr(os, "SCHED_BATCH", 3)):
+        return  # a real-time or idle policy someone chose: leave it be
+    attr.size, attr.runtime, attr.flags = ctypes.sizeof(attr), ns, 0
+    if libc.syscall(numbers[0], tid, ctypes.byref(attr), 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def prefer_short_slices(ns: int = SHORT_SLICE_NS) -> bool:
+    """Every thread of this process, and those it starts from now on (they inherit it), asks for a slice of ``ns``;
+    whether that took (a log line says why not, never an error)."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    try:
+        for tid in tids:
+            try:
+                set_slice(tid, ns)
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
+    except OSError as e:
+        log.info("short CPU slices unavailable here (threads keep the default): %s", e)
+        return False
+    return True
+
+
+def restore_default_slices() -> bool:
+    """Every thread of this process back to the default slice (a process started by one that asked for short ones,
+    whose work is not on a token's way: it inherited them)."""
+    return prefer_short_slices(0)
