@@ -122,6 +122,7 @@ def variants():
         "library": library,
         "hb": heads_batched,
         "hb_nomax": lambda q, k, v: heads_batched(q, k, v, shift="bound"),
+        "hb_all": lambda q, k, v: heads_batched(q, k, v, lo_min=1),
         "hb256": lambda q, k, v: heads_batched(q, k, v, qb=256),
         "split": tiled,
         "nomax": lambda q, k, v: tiled(q, k, v, shift="bound"),
