@@ -80,12 +80,14 @@ def variants():
             heads.append(jnp.concatenate(outs, axis=0))
         return jnp.stack(heads, axis=1)[None]
 
-    def heads_batched(q, k, v, qb=128, lo_min=512, shift=None):
+    def heads_batched(q, k, v, qb=128, lo_min=512, shift=None, ones=False):
         """As ``tiled`` (one tile), but every product and softmax pass takes the KV heads at once (a batch axis):
         a quarter of the ops."""
         _, t, hk, g, d = q.shape
         qh = jnp.transpose(q[0], (1, 0, 2, 3)).reshape(hk, t * g, d)  # [K, T*G, D], rows (token, group)
         kh, vh = jnp.transpose(k[0], (1, 0, 2)), jnp.transpose(v[0], (1, 0, 2))  # [K, T, D]
+        if ones:  # the softmax sum as one more column of the weighted sum (no sum pass over the weights)
+            vh = jnp.concatenate([vh, jnp.ones(vh.shape[:2] + (8,), vh.dtype)], axis=-1)
 
         def bdot(spec, a, b):
             return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
@@ -104,10 +106,12 @@ def variants():
             if shift == "bound":
                 m = jnp.maximum(qnorm[:, start * g: end * g] * knorm[:, :end].max(-1)[:, None, None] - 60.0, 0.0)
                 e = jnp.exp(s - m)
-                l, acc = e.sum(-1, keepdims=True), bdot("krs,ksd->krd", e, vh[:, lo:end])
+                l, acc = (0 if ones else e.sum(-1, keepdims=True)), bdot("krs,ksd->krd", e, vh[:, lo:end])
                 if lo:
                     e = jnp.exp(bdot("krd,ksd->krs", q_blk, kh[:, :lo]) - m)
-                    l, acc = l + e.sum(-1, keepdims=True), acc + bdot("krs,ksd->krd", e, vh[:, :lo])
+                    l, acc = l + (0 if ones else e.sum(-1, keepdims=True)), acc + bdot("krs,ksd->krd", e, vh[:, :lo])
+                if ones:
+                    acc, l = acc[..., :d], acc[..., d:d + 1]
             else:
                 def w(e, vals):
                     return bdot("krs,ksd->krd", e, vals)
@@ -118,10 +122,74 @@ def variants():
             outs.append((acc / l).reshape(hk, end - start, g, d))
         return jnp.transpose(jnp.concatenate(outs, axis=1), (1, 0, 2, 3))[None]
 
+    def keys_left(q, k, v, qb=128, lo_min=512):
+        """As ``heads_batched``, with the scores laid out [K, S, R] (keys the left operand of the product, the
+        softmax reductions over axis 1, the weighted sum contracting the weights' axis 1)."""
+        _, t, hk, g, d = q.shape
+        qh = jnp.transpose(q[0], (1, 0, 2, 3)).reshape(hk, t * g, d)
+        kh, vh = jnp.transpose(k[0], (1, 0, 2)), jnp.transpose(v[0], (1, 0, 2))
+
+        def bdot(spec, a, b):
+            return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+        outs = []
+        for start in range(0, t, qb):
+            end = min(start + qb, t)
+            q_blk = qh[:, start * g: end * g]
+            rows = start + jnp.arange((end - start) * g) // g
+            lo = start if start >= lo_min else 0
+            s = bdot("ksd,krd->ksr", kh[:, lo:end], q_blk)
+            s = jnp.where(jnp.arange(lo, end)[:, None] <= rows[None, :], s, at.MASKED)
+            m = s.max(1, keepdims=True)
+            if lo:
+                s2 = bdot("ksd,krd->ksr", kh[:, :lo], q_blk)
+                m = jnp.maximum(m, s2.max(1, keepdims=True))
+            e = jnp.exp(s - m)
+            l, acc = e.sum(1), bdot("ksr,ksd->krd", e, vh[:, lo:end])
+            if lo:
+                e = jnp.exp(s2 - m)
+                l, acc = l + e.sum(1), acc + bdot("ksr,ksd->krd", e, vh[:, :lo])
+            outs.append((acc / l[..., None]).reshape(hk, end - start, g, d))
+        return jnp.transpose(jnp.concatenate(outs, axis=1), (1, 0, 2, 3))[None]
+
+    def one_max(q, k, v, qb=128, lo_min=512):
+        """As ``heads_batched``, but the diagonal and earlier keys share one max (no rescaling)."""
+        _, t, hk, g, d = q.shape
+        qh = jnp.transpose(q[0], (1, 0, 2, 3)).reshape(hk, t * g, d)
+        kh, vh = jnp.transpose(k[0], (1, 0, 2)), jnp.transpose(v[0], (1, 0, 2))
+
+        def bdot(spec, a, b):
+            return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+        outs = []
+        for start in range(0, t, qb):
+            end = min(start + qb, t)
+            q_blk = qh[:, start * g: end * g]
+            rows = start + jnp.arange((end - start) * g) // g
+            lo = start if start >= lo_min else 0
+            s = bdot("krd,ksd->krs", q_blk, kh[:, lo:end])
+            s = jnp.where(rows[:, None] >= jnp.arange(lo, end)[None, :], s, at.MASKED)
+            m = s.max(-1, keepdims=True)
+            if lo:
+                s2 = bdot("krd,ksd->krs", q_blk, kh[:, :lo])
+                m = jnp.maximum(m, s2.max(-1, keepdims=True))
+            e = jnp.exp(s - m)
+            l, acc = e.sum(-1, keepdims=True), bdot("krs,ksd->krd", e, vh[:, lo:end])
+            if lo:
+                e = jnp.exp(s2 - m)
+                l, acc = l + e.sum(-1, keepdims=True), acc + bdot("krs,ksd->krd", e, vh[:, :lo])
+            outs.append((acc / l).reshape(hk, end - start, g, d))
+        return jnp.transpose(jnp.concatenate(outs, axis=1), (1, 0, 2, 3))[None]
+
     return {
         "library": library,
+        "keys_left": keys_left,
+        "one_max": one_max,
         "hb": heads_batched,
         "hb_nomax": lambda q, k, v: heads_batched(q, k, v, shift="bound"),
+        "hb_nomax_ones": lambda q, k, v: heads_batched(q, k, v, shift="bound", ones=True),
+        "hb64_nomax_ones": lambda q, k, v: heads_batched(q, k, v, qb=64, shift="bound", ones=True),
+        "hb64": lambda q, k, v: heads_batched(q, k, v, qb=64),
         "hb_all": lambda q, k, v: heads_batched(q, k, v, lo_min=1),
         "hb256": lambda q, k, v: heads_batched(q, k, v, qb=256),
         "split": tiled,
