@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -86,9 +87,11 @@ def worker(kind: str, folder: str, n: int) -> None:
     for line in sys.stdin:
         if line.strip() != "go":
             break
-        t, c = time.perf_counter(), time.process_time()
+        r0, t, c = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), time.process_time()
         run()
-        print(json.dumps({"wall": time.perf_counter() - t, "cpu": time.process_time() - c}), flush=True)
+        wall, cpu, r1 = time.perf_counter() - t, time.process_time() - c, resource.getrusage(resource.RUSAGE_SELF)
+        print(json.dumps({"wall": wall, "cpu": cpu, "sys": r1.ru_stime - r0.ru_stime,
+                          "minflt": r1.ru_minflt - r0.ru_minflt}), flush=True)
 
 
 def main() -> None:
@@ -146,6 +149,9 @@ def main() -> None:
         res[f"{name}_wall_median_ms"] = round(float(np.median(wall)) * 1e3, 1)
         res[f"{name}_cpu_median_ms"] = round(float(np.median(cpu)) * 1e3, 1)
         res[f"{name}_tok_s_best"] = round(args.tokens / float(wall.min()), 1)
+        if "sys" in ts[0]:  # kernel time and minor page faults (fresh temp buffers) of one prefill
+            res[f"{name}_sys_median_ms"] = round(float(np.median([t["sys"] for t in ts])) * 1e3, 1)
+            res[f"{name}_minflt_median"] = int(np.median([t["minflt"] for t in ts]))
     for name in variants[1:]:
         res[f"{name}_over_{base}_wall_min"] = round(res[f"{name}_wall_min_ms"] / res[f"{base}_wall_min_ms"], 3)
         res[f"{name}_over_{base}_wall_median"] = round(res[f"{name}_wall_median_ms"] / res[f"{base}_wall_median_ms"], 3)

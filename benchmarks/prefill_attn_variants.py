@@ -1,0 +1,292 @@
+"""Variants of the one-chunk prefill attention (local causal part, no context) against the library's and torch's
+SDPA, ``--layers`` layers chained through the queries (``small`` shape: 4 KV heads x 3 queries, head_dim 64),
+alternated in one process: wall and process CPU time (all threads) of each call, a 0.2 s pause before each.
+
+Few layers keep the compiles short (the library's 12-layer program compiles in ~2 minutes on 2 cores); every
+variant's output is compared with the library's.
+
+    PYTHONPATH=<tree> python benchmarks/prefill_attn_variants.py --layers 2 --rounds 7 --variants library,nomax
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import arg_parser, load_average, machine_info, write_json  # noqa: E402
+
+KV, G, HD = 4, 3, 64
+
+
+def variants():
+    import jax
+    import jax.numpy as jnp
+
+    from mooncake_jax.model import attention as at
+
+    def dot(a, b):
+        return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+    def library(q, k, v):
+        t = q.shape[1]
+        pages = jnp.zeros((KV, 1, 16, HD), jnp.float32)
+        batch = at.PagedBatch(jnp.zeros((1, 0), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((1, t), jnp.int32))
+        return at.paged_attention(q, k, v, pages, pages, batch, 1.0)
+
+    def tiled(q, k, v, qb=128, kt=None, shift=None, lo_min=512, kt_layout=False):
+        """Per (kv head, query block): diagonal keys masked; keys before the block (from lo_min on) in tiles of
+        kt keys (None: one tile), online softmax. shift="bound": subtract a per-row upper bound of the scores
+        (|q| max|k|, minus 60, at least 0) instead of the running max: no max pass, no rescaling."""
+        _, t, hk, g, d = q.shape
+        heads = []
+        for j in range(hk):
+            qj, kj, vj = q[0, :, j].reshape(t * g, d), k[0, :, j], v[0, :, j]
+            if kt_layout:  # keys transposed once per head: [D, T], each block's product a plain [R, D] x [D, S]
+                kT = jax.lax.optimization_barrier(kj.T)
+
+                def qk(q_blk, a, b):
+                    return dot(q_blk, kT[:, a:b])
+            else:
+                def qk(q_blk, a, b):
+                    return dot(q_blk, kj[a:b].T)
+            if shift == "bound":
+                knorm = jnp.sqrt((kj * kj).sum(-1))
+                qnorm = jnp.sqrt((qj * qj).sum(-1, keepdims=True))
+            outs = []
+            for start in range(0, t, qb):
+                end = min(start + qb, t)
+                q_blk = qj[start * g: end * g]
+                rows = start + jnp.arange((end - start) * g) // g
+                lo = start if start >= lo_min else 0
+                s = jnp.where(rows[:, None] >= jnp.arange(lo, end)[None, :], qk(q_blk, lo, end), at.MASKED)
+                tiles = [] if not lo else [(a, min(a + (kt or lo), lo)) for a in range(0, lo, kt or lo)]
+                if shift == "bound":
+                    m = jnp.maximum(qnorm[start * g: end * g] * knorm[:end].max() - 60.0, 0.0)
+                    e = jnp.exp(s - m)
+                    l, acc = e.sum(-1, keepdims=True), dot(e, vj[lo:end])
+                    for a, b in tiles:
+                        e = jnp.exp(qk(q_blk, a, b) - m)
+                        l, acc = l + e.sum(-1, keepdims=True), acc + dot(e, vj[a:b])
+                else:
+                    p = at._first(s, vj[lo:end], dot)
+                    for a, b in tiles:
+                        p = at._update(p, qk(q_blk, a, b), vj[a:b], dot)
+                    l, acc = p.l, p.acc
+                outs.append((acc / l).reshape(end - start, g, d))
+            heads.append(jnp.concatenate(outs, axis=0))
+        return jnp.stack(heads, axis=1)[None]
+
+    def heads_batched(q, k, v, qb=128, lo_min=512, shift=None, ones=False):
+        """As ``tiled`` (one tile), but every product and softmax pass takes the KV heads at once (a batch axis):
+        a quarter of the ops."""
+        _, t, hk, g, d = q.shape
+        qh = jnp.transpose(q[0], (1, 0, 2, 3)).reshape(hk, t * g, d)  # [K, T*G, D], rows (token, group)
+        kh, vh = jnp.transpose(k[0], (1, 0, 2)), jnp.transpose(v[0], (1, 0, 2))  # [K, T, D]
+        if ones:  # the softmax sum as one more column of the weighted sum (no sum pass over the weights)
+            vh = jnp.concatenate([vh, jnp.ones(vh.shape[:2] + (8,), vh.dtype)], axis=-1)
+
+        def bdot(spec, a, b):
+            return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+        if shift == "bound":
+            knorm = jnp.sqrt((kh * kh).sum(-1))  # [K, T]
+            qnorm = jnp.sqrt((qh * qh).sum(-1, keepdims=True))  # [K, T*G, 1]
+        outs = []
+        for start in range(0, t, qb):
+            end = min(start + qb, t)
+            q_blk = qh[:, start * g: end * g]
+            rows = start + jnp.arange((end - start) * g) // g
+            lo = start if start >= lo_min else 0
+            s = bdot("krd,ksd->krs", q_blk, kh[:, lo:end])
+            s = jnp.where(rows[:, None] >= jnp.arange(lo, end)[None, :], s, at.MASKED)
+            if shift == "bound":
+                m = jnp.maximum(qnorm[:, start * g: end * g] * knorm[:, :end].max(-1)[:, None, None] - 60.0, 0.0)
+                e = jnp.exp(s - m)
+                l, acc = (0 if ones else e.sum(-1, keepdims=True)), bdot("krs,ksd->krd", e, vh[:, lo:end])
+                if lo:
+                    e = jnp.exp(bdot("krd,ksd->krs", q_blk, kh[:, :lo]) - m)
+                    l, acc = l + (0 if ones else e.sum(-1, keepdims=True)), acc + bdot("krs,ksd->krd", e, vh[:, :lo])
+                if ones:
+                    acc, l = acc[..., :d], acc[..., d:d + 1]
+            else:
+                def w(e, vals):
+                    return bdot("krs,ksd->krd", e, vals)
+                p = at._first(s, vh[:, lo:end], w)
+                if lo:
+                    p = at._update(p, bdot("krd,ksd->krs", q_blk, kh[:, :lo]), vh[:, :lo], w)
+                l, acc = p.l, p.acc
+            outs.append((acc / l).reshape(hk, end - start, g, d))
+        return jnp.transpose(jnp.concatenate(outs, axis=1), (1, 0, 2, 3))[None]
+
+    def keys_left(q, k, v, qb=128, lo_min=512):
+        """As ``heads_batched``, with the scores laid out [K, S, R] (keys the left operand of the product, the
+        softmax reductions over axis 1, the weighted sum contracting the weights' axis 1)."""
+        _, t, hk, g, d = q.shape
+        qh = jnp.transpose(q[0], (1, 0, 2, 3)).reshape(hk, t * g, d)
+        kh, vh = jnp.transpose(k[0], (1, 0, 2)), jnp.transpose(v[0], (1, 0, 2))
+
+        def bdot(spec, a, b):
+            return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+        outs = []
+        for start in range(0, t, qb):
+            end = min(start + qb, t)
+            q_blk = qh[:, start * g: end * g]
+            rows = start + jnp.arange((end - start) * g) // g
+            lo = start if start >= lo_min else 0
+            s = bdot("ksd,krd->ksr", kh[:, lo:end], q_blk)
+            s = jnp.where(jnp.arange(lo, end)[:, None] <= rows[None, :], s, at.MASKED)
+            m = s.max(1, keepdims=True)
+            if lo:
+                s2 = bdot("ksd,krd->ksr", kh[:, :lo], q_blk)
+                m = jnp.maximum(m, s2.max(1, keepdims=True))
+            e = jnp.exp(s - m)
+            l, acc = e.sum(1), bdot("ksr,ksd->krd", e, vh[:, lo:end])
+            if lo:
+                e = jnp.exp(s2 - m)
+                l, acc = l + e.sum(1), acc + bdot("ksr,ksd->krd", e, vh[:, :lo])
+            outs.append((acc / l[..., None]).reshape(hk, end - start, g, d))
+        return jnp.transpose(jnp.concatenate(outs, axis=1), (1, 0, 2, 3))[None]
+
+    def one_max(q, k, v, qb=128, lo_min=512):
+        """As ``heads_batched``, but the diagonal and earlier keys share one max (no rescaling)."""
+        _, t, hk, g, d = q.shape
+        qh = jnp.transpose(q[0], (1, 0, 2, 3)).reshape(hk, t * g, d)
+        kh, vh = jnp.transpose(k[0], (1, 0, 2)), jnp.transpose(v[0], (1, 0, 2))
+
+        def bdot(spec, a, b):
+            return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+        outs = []
+        for start in range(0, t, qb):
+            end = min(start + qb, t)
+            q_blk = qh[:, start * g: end * g]
+            rows = start + jnp.arange((end - start) * g) // g
+            lo = start if start >= lo_min else 0
+            s = bdot("krd,ksd->krs", q_blk, kh[:, lo:end])
+            s = jnp.where(rows[:, None] >= jnp.arange(lo, end)[None, :], s, at.MASKED)
+            m = s.max(-1, keepdims=True)
+            if lo:
+                s2 = bdot("krd,ksd->krs", q_blk, kh[:, :lo])
+                m = jnp.maximum(m, s2.max(-1, keepdims=True))
+            e = jnp.exp(s - m)
+            l, acc = e.sum(-1, keepdims=True), bdot("krs,ksd->krd", e, vh[:, lo:end])
+            if lo:
+                e = jnp.exp(s2 - m)
+                l, acc = l + e.sum(-1, keepdims=True), acc + bdot("krs,ksd->krd", e, vh[:, :lo])
+            outs.append((acc / l).reshape(hk, end - start, g, d))
+        return jnp.transpose(jnp.concatenate(outs, axis=1), (1, 0, 2, 3))[None]
+
+    return {
+        "library": library,
+        "keys_left": keys_left,
+        "one_max": one_max,
+        "hb": heads_batched,
+        "hb_nomax": lambda q, k, v: heads_batched(q, k, v, shift="bound"),
+        "hb_nomax_ones": lambda q, k, v: heads_batched(q, k, v, shift="bound", ones=True),
+        "hb64_nomax_ones": lambda q, k, v: heads_batched(q, k, v, qb=64, shift="bound", ones=True),
+        "hb64": lambda q, k, v: heads_batched(q, k, v, qb=64),
+        "hb_all": lambda q, k, v: heads_batched(q, k, v, lo_min=1),
+        "hb256": lambda q, k, v: heads_batched(q, k, v, qb=256),
+        "split": tiled,
+        "nomax": lambda q, k, v: tiled(q, k, v, shift="bound"),
+        "kt512": lambda q, k, v: tiled(q, k, v, kt=512),
+        "kt512_nomax": lambda q, k, v: tiled(q, k, v, kt=512, shift="bound"),
+        "kT": lambda q, k, v: tiled(q, k, v, kt_layout=True),
+        "kT_nomax": lambda q, k, v: tiled(q, k, v, kt_layout=True, shift="bound"),
+        "qb64": lambda q, k, v: tiled(q, k, v, qb=64),
+        "qb256": lambda q, k, v: tiled(q, k, v, qb=256),
+        "qb256_nomax": lambda q, k, v: tiled(q, k, v, qb=256, shift="bound"),
+    }
+
+
+_YNN = "xla_cpu_experimental_ynn_fusion_type"
+OPTIONS = {  # per-compile XLA:CPU options, as ``variant@key``
+    "dot": {_YNN: "LIBRARY_FUSION_TYPE_DOT"},
+    "dot_elt": {_YNN: "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"},
+    "dot_elt_red": {_YNN: "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE,LIBRARY_FUSION_TYPE_REDUCE"},
+    "idot_elt_red": {_YNN: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_ELTWISE,LIBRARY_FUSION_TYPE_REDUCE"},
+    "dot_red": {_YNN: "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"},
+}
+
+
+def main() -> None:
+    p = arg_parser(__doc__)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--variants", default="library,nomax")
+    p.add_argument("--no-torch", action="store_true")
+    args = p.parse_args()
+    import jax
+    import jax.numpy as jnp
+    import torch
+    import torch.nn.functional as fn
+
+    t, n_layers = args.tokens, args.layers
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, t, KV, G, HD)), jnp.float32)
+    ks = jnp.asarray(rng.standard_normal((n_layers, 1, t, KV, HD)), jnp.float32)
+    vs = jnp.asarray(rng.standard_normal((n_layers, 1, t, KV, HD)), jnp.float32)
+    res = dict(machine_info(), tokens=t, layers=n_layers, torch_threads=torch.get_num_threads(),
+               load_start=load_average())
+    table = variants()
+    runs, ref = {}, None
+    for name in args.variants.split(","):
+        att = table[name.split("@")[0]]
+        options = OPTIONS[name.split("@")[1]] if "@" in name else {}
+
+        @jax.jit
+        def chained(q, ks, vs, att=att):
+            for i in range(n_layers):
+                q = q + att(q * HD ** -0.5, ks[i], vs[i])
+            return q
+
+        t0 = time.perf_counter()
+        chained = chained.lower(q, ks, vs).compile(compiler_options=options)
+        out = np.asarray(chained(q, ks, vs))
+        res[f"{name}_compile_s"] = round(time.perf_counter() - t0, 1)
+        ref = out if ref is None else ref
+        res[f"{name}_max_abs_diff"] = float(np.abs(out - ref).max())
+        runs[name] = (lambda f: lambda: f(q, ks, vs).block_until_ready())(chained)
+    if not args.no_torch:
+        tq = torch.from_numpy(np.asarray(q)).reshape(1, t, KV * G, HD).transpose(1, 2)
+        tks, tvs = (torch.from_numpy(np.asarray(a)).transpose(2, 3) for a in (ks, vs))
+
+        def rep(x):  # Hugging Face's repeat_kv
+            return x[:, :, None].expand(1, KV, G, t, HD).reshape(1, KV * G, t, HD)
+
+        def torch_sdpa():
+            y = tq
+            with torch.inference_mode():
+                for i in range(n_layers):
+                    y = y + fn.scaled_dot_product_attention(y, rep(tks[i]), rep(tvs[i]), is_causal=True)
+            return y
+
+        out = torch_sdpa().transpose(1, 2).reshape(ref.shape).numpy()
+        res["torch_sdpa_max_abs_diff"] = float(np.abs(out - ref).max())
+        runs["torch_sdpa"] = torch_sdpa
+    times = {n: [] for n in runs}
+    for _ in range(args.rounds):
+        for n, run in runs.items():
+            time.sleep(0.2)
+            w, c = time.perf_counter(), time.process_time()
+            run()
+            times[n].append((time.perf_counter() - w, time.process_time() - c))
+    res["load_end"] = load_average()
+    first = next(iter(runs))
+    for n, ts in times.items():
+        res[f"{n}_wall_min_ms"] = round(min(w for w, _ in ts) * 1e3, 1)
+        res[f"{n}_wall_median_ms"] = round(float(np.median([w for w, _ in ts])) * 1e3, 1)
+        res[f"{n}_cpu_median_ms"] = round(float(np.median([c for _, c in ts])) * 1e3, 1)
+        res[f"{n}_cpu_ratio"] = round(res[f"{n}_cpu_median_ms"] / res[f"{first}_cpu_median_ms"], 3)
+        res[f"{n}_wall_min_ratio"] = round(res[f"{n}_wall_min_ms"] / res[f"{first}_wall_min_ms"], 3)
+    write_json(res, args.json)
+
+
+if __name__ == "__main__":
+    main()
