@@ -22,6 +22,23 @@ from common import arg_parser, load_average, machine_info, write_json  # noqa: E
 KV, G, HD = 4, 3, 64
 
 
+def bdot(spec, a, b):
+    """A batched product in float32."""
+    import jax.numpy as jnp
+
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def by_heads(q, k, v):
+    """(T, K, G, D, queries [K, T*G, D] with rows (token, group), keys [K, T, D], values [K, T, D]) of one
+    sequence's q [1, T, K, G, D], k and v [1, T, K, D]: the layout of the heads-batched variants."""
+    import jax.numpy as jnp
+
+    _, t, hk, g, d = q.shape
+    return (t, hk, g, d, jnp.transpose(q[0], (1, 0, 2, 3)).reshape(hk, t * g, d),
+            jnp.transpose(k[0], (1, 0, 2)), jnp.transpose(v[0], (1, 0, 2)))
+
+
 def variants():
     import jax
     import jax.numpy as jnp
@@ -83,14 +100,9 @@ def variants():
     def heads_batched(q, k, v, qb=128, lo_min=512, shift=None, ones=False):
         """As ``tiled`` (one tile), but every product and softmax pass takes the KV heads at once (a batch axis):
         a quarter of the ops."""
-        _, t, hk, g, d = q.shape
-        qh = jnp.transpose(q[0], (1, 0, 2, 3)).reshape(hk, t * g, d)  # [K, T*G, D], rows (token, group)
-        kh, vh = jnp.transpose(k[0], (1, 0, 2)), jnp.transpose(v[0], (1, 0, 2))  # [K, T, D]
+        t, hk, g, d, qh, kh, vh = by_heads(q, k, v)
         if ones:  # the softmax sum as one more column of the weighted sum (no sum pass over the weights)
             vh = jnp.concatenate([vh, jnp.ones(vh.shape[:2] + (8,), vh.dtype)], axis=-1)
-
-        def bdot(spec, a, b):
-            return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
         if shift == "bound":
             knorm = jnp.sqrt((kh * kh).sum(-1))  # [K, T]
@@ -125,12 +137,7 @@ def variants():
     def keys_left(q, k, v, qb=128, lo_min=512):
         """As ``heads_batched``, with the scores laid out [K, S, R] (keys the left operand of the product, the
         softmax reductions over axis 1, the weighted sum contracting the weights' axis 1)."""
-        _, t, hk, g, d = q.shape
-        qh = jnp.transpose(q[0], (1, 0, 2, 3)).reshape(hk, t * g, d)
-        kh, vh = jnp.transpose(k[0], (1, 0, 2)), jnp.transpose(v[0], (1, 0, 2))
-
-        def bdot(spec, a, b):
-            return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+        t, hk, g, d, qh, kh, vh = by_heads(q, k, v)
 
         outs = []
         for start in range(0, t, qb):
@@ -154,12 +161,7 @@ def variants():
 
     def one_max(q, k, v, qb=128, lo_min=512):
         """As ``heads_batched``, but the diagonal and earlier keys share one max (no rescaling)."""
-        _, t, hk, g, d = q.shape
-        qh = jnp.transpose(q[0], (1, 0, 2, 3)).reshape(hk, t * g, d)
-        kh, vh = jnp.transpose(k[0], (1, 0, 2)), jnp.transpose(v[0], (1, 0, 2))
-
-        def bdot(spec, a, b):
-            return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+        t, hk, g, d, qh, kh, vh = by_heads(q, k, v)
 
         outs = []
         for start in range(0, t, qb):
