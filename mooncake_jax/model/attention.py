@@ -284,6 +284,43 @@ context; with the tail 34 (12 layers of decode attention -7 to -15% CPU time, In
 engine.md, Xeon decode sixteenth pass)."""
 
 
+def _page_rows(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """The pages of ``page_table`` [B, P] as rows [H * B * P, bs * D] of the stored cache (not ``as_logical`` yet):
+    a gather batched over the heads, which XLA:CPU lowers to one gather of whole bs * D rows, head after head, with
+    no transpose (``gather_context``'s ``pages[:, rows]`` gathers [rows, H, bs * D] and transposes it)."""
+    h, n, bs, d = pages.shape
+    heads = jnp.arange(h, dtype=page_table.dtype)[:, None] * n
+    index = (heads + page_table.reshape(1, -1)).reshape(-1)
+    return pages.reshape(h * n, bs * d).at[index].get(mode="promise_in_bounds")
+
+
+def _decode_gather(k_pages, v_pages, page_table, take: jax.Array):
+    """The chunk's context keys and values [H, B, P * bs, D] for the decode loop, gathered as whole rows inside a
+    ``lax.cond``.
+
+    Why the conditional: the products read the rows as [H, B, S, D], and XLA:CPU fuses that reshape into the
+    gather's fusion, whose loop then runs over 64-float rows that it copies with scalar loads and stores (about half
+    of memcpy speed; the page gathers were half of the loop, docs/benchmarks/engine.md, EPYC decode eighteenth
+    pass). A branch of a conditional is a computation of its own, so the fusion inside it keeps its
+    [H * B * P, bs * D] root and copies whole rows with vector loads and stores; the reshape outside is a bitcast
+    that the products read in place. ``take`` is always true in practice (the chunk's first page, >= 0), but
+    not known to the compiler; the other branch gathers the same values the plain way, so the result does not
+    depend on it.
+    """
+    b, p = page_table.shape
+    h, _, bs, d = k_pages.shape
+
+    def rows():
+        return _page_rows(k_pages, page_table), _page_rows(v_pages, page_table)
+
+    def plain():
+        return tuple(pages.reshape(h, -1, bs * d)[:, page_table.reshape(-1)].reshape(h * b * p, bs * d)
+                     for pages in (k_pages, v_pages))
+
+    k_rows, v_rows = jax.lax.cond(take, rows, plain)
+    return tuple(as_logical(r.reshape(h, b, p * bs, d)) for r in (k_rows, v_rows))
+
+
 def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch, tail_pages: int | None = None,
                 chunk_pages: int | None = None):
     """Decode (T = 1) of B sequences: an online softmax over chunks of context pages, as many chunks as the
@@ -294,10 +331,11 @@ def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch, tail_pages
     cache between its gather and its two products. Within a chunk, measured on a 2-core EPYC (small preset, B = 32),
     each choice below is worth 2-10x:
 
-    - the context is gathered as whole rows of bs * D values (``gather_context``), never element-wise;
-    - the products' operands are materialised (``optimization_barrier``) rather than fused into them: XLA:CPU
-      otherwise fuses the gather, or the softmax's exp, into the dot and emits a naive loop instead of a library
-      call (5-10x slower);
+    - the context is gathered as whole rows of bs * D values, never element-wise, inside a conditional
+      (``_decode_gather``) so that the copy stays a 2-D row copy that XLA:CPU vectorises (12 layers of b32 decode
+      attention -18% CPU time, AMD EPYC, nineteenth pass); being a conditional's result, the products read it
+      materialised rather than fused into them: XLA:CPU otherwise fuses the gather into the dot and emits a naive
+      loop instead of a library call (5-10x slower), and the softmax's exp is materialised for the same reason;
     - the keys are the scores' *left* operand, scores laid out [H, B, S, G] (S long, G = q_per_kv short): a
       [S, D] x [D, G] product per (head, sequence) instead of [G, D] x [D, S], which XLA:CPU runs several times
       slower; the weights are then transposed to [H, B, G, S] (small) for the weighted sum, a plain [G, S] x [S, D]
@@ -332,8 +370,7 @@ def _decode_xla(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch, tail_pages
 
     def fold(first_page, n_pages, m, l, acc):
         pages = jax.lax.dynamic_slice_in_dim(table, first_page, n_pages, axis=1)  # [B, n_pages]
-        k_ctx, v_ctx = jax.lax.optimization_barrier((gather_context(k_pages, pages),
-                                                     gather_context(v_pages, pages)))  # [H, B, S, D]
+        k_ctx, v_ctx = _decode_gather(k_pages, v_pages, pages, first_page >= 0)  # [H, B, S, D]
         s = jax.lax.optimization_barrier(
             jnp.einsum("hbtd,hbgd->hbtg", k_ctx, q1, preferred_element_type=jnp.float32))  # [H, B, S, G]
         pos = first_page * bs + jnp.arange(n_pages * bs)
