@@ -1,6 +1,7 @@
 """Latency of each message of a server-streaming gRPC call on loopback, as the gateway reads a decode instance's
 tokens: the channel's default reading (a polling thread of the channel receives each message and wakes the
-reader) against ``SingleThreadedUnaryStream`` (the reading thread receives it itself), alternated in one run.
+reader) against ``SingleThreadedUnaryStream`` (the reading thread receives it itself), alternated in one run
+(each round in the other order).
 
     python benchmarks/stream_latency.py --json /tmp/stream_latency.json [--busy] [--rounds 4]
 
@@ -8,8 +9,8 @@ A server process yields a message every ``--gap-ms`` (default 1.7: the demo deco
 the AMD EPYC measured) stamped with ``time.perf_counter`` (the host's monotonic clock, the same in every process);
 the client stamps its arrival. ``--busy``: a Python thread of the client process keeps the interpreter lock busy
 meanwhile, as the gateway's event loop and its other streams do; the client runs with the serving processes'
-switch interval (``instance/main.py``; ``--switch-interval-ms`` another). Figures: latency percentiles (ms) of every message but each call's first
-five, per way, and the ratio of the tails (default over single-threaded).
+switch interval (``instance/main.py``; ``--switch-interval-ms`` another). Figures: latency percentiles (ms) of
+every message but each call's first five, per way, and the ratio of the tails (default over single-threaded).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def latencies_ms(port: int, options: tuple, count: int) -> np.ndarray:
     """One call of ``count`` messages on a fresh channel with ``options``: each message's latency but the first few."""
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=list(options))
     try:
-        arrived = [(time.perf_counter(), message) for message in channel.unary_stream(METHOD)(struct.pack("<I", count))]
+        call = channel.unary_stream(METHOD)(struct.pack("<I", count))
+        arrived = [(time.perf_counter(), message) for message in call]
     finally:
         channel.close()
     return np.array([(t - struct.unpack("<d", m)[0]) * 1e3 for t, m in arrived[WARM_MESSAGES:]])
@@ -74,8 +76,9 @@ def main() -> None:
                    help="the client's interpreter lock switch interval (default: the serving processes')")
     args = p.parse_args()
     sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    ports = multiprocessing.Queue()
-    server = multiprocessing.Process(target=serve, args=(ports, args.gap_ms / 1e3), daemon=True)
+    spawn = multiprocessing.get_context("spawn")  # a server process without this one's threads
+    ports = spawn.Queue()
+    server = spawn.Process(target=serve, args=(ports, args.gap_ms / 1e3), daemon=True)
     server.start()
     port = ports.get(timeout=60)
     stop = threading.Event()
@@ -89,8 +92,8 @@ def main() -> None:
     got: dict[str, list] = {way: [] for way in ways}
     load = load_average()
     try:
-        for _ in range(args.rounds):
-            for way, options in ways.items():
+        for r in range(args.rounds):
+            for way, options in list(ways.items())[:: 1 if r % 2 == 0 else -1]:
                 got[way].append(latencies_ms(port, options, args.messages))
     finally:
         stop.set()

@@ -42,8 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         build_parser().print_help()
         return 2
+    _start_with_default_slices()
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     return int(module.run(args) or 0)
+
+
+def _start_with_default_slices() -> None:
+    """Every command starts with the default CPU slice: one started by a process that asked for short ones (a
+    Conductor restarted by ``serve`` once it serves) inherited them; those that carry tokens ask again once they
+    serve (``instance/main.settle_serving_process``)."""
+    from .instance import sched_slice
+
+    if sched_slice.slice_ns() == sched_slice.SHORT_SLICE_NS:
+        sched_slice.restore_default_slices()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The one-sequence prefill runs each product over every KV head at once (a batch axis), not once per (head, query
 block): a quarter of the ops and several times faster compiles at the same run time (docs/benchmarks/engine.md,
 AMD EPYC prefill, nineteenth pass). Its results against the float64 reference are in test_attention*.py; here
-the program's shape, and one case with context and several blocks on a model with more KV heads than those tests."""
+the program's shape, and one case with context and several query blocks crossing the unmasked-keys threshold."""
 
 import re
 

@@ -48,4 +48,27 @@ def test_an_unsupported_platform_is_a_log_line_not_an_error(monkeypatch, caplog)
     assert sched_slice.slice_ns() is None
     with caplog.at_level("INFO"):
         assert sched_slice.prefer_short_slices() is False
-    assert "short CPU slices unavailable" in caplog.text
+    assert "CPU slices of 0.1 ms unavailable" in caplog.text
+
+
+def test_a_kernel_that_ignores_the_request_is_a_refusal(monkeypatch, caplog):
+    monkeypatch.setattr(sched_slice, "set_slice", lambda tid, ns: None)  # accepted, as Linux < 6.12 does
+    monkeypatch.setattr(sched_slice, "slice_ns", lambda tid=0: 0)  # and read back as no slice
+    with caplog.at_level("INFO"):
+        assert sched_slice.prefer_short_slices() is False
+    assert "Linux before 6.12" in caplog.text
+
+
+def test_a_command_started_by_a_short_slice_process_starts_with_the_default():
+    if sched_slice.slice_ns() in (None, 0):
+        pytest.skip("this kernel reports no slice for SCHED_OTHER threads (Linux < 6.12, or not Linux)")
+    child = ("import subprocess, sys\n"
+             "from mooncake_jax.instance import sched_slice as s\n"
+             "s.prefer_short_slices()\n"
+             "code = 'from mooncake_jax import cli; from mooncake_jax.instance import sched_slice as s; "
+             "print(s.slice_ns()); cli._start_with_default_slices(); print(s.slice_ns())'\n"
+             "print(subprocess.run([sys.executable, '-c', code], capture_output=True, text=True).stdout)\n")
+    inherited, started = map(int, subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                                                 check=True, timeout=60).stdout.split())
+    assert inherited == sched_slice.SHORT_SLICE_NS
+    assert started == sched_slice.slice_ns() != sched_slice.SHORT_SLICE_NS

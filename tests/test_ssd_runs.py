@@ -73,7 +73,7 @@ def test_a_run_the_page_cache_holds_in_part_asks_once_and_reads_the_rest_waiting
     sizes = [PAGE_BYTES, 2 * PAGE_BYTES, PAGE_BYTES]
     outs = outs_for(sizes)
     got = read_run(fd, outs, 0, lambda: asked.append(1))
-    assert asked == [1]
+    assert asked == ([1] if hasattr(os, "RWF_NOWAIT") else [])  # without it, reads never ask the page cache first
     start = 0
     for out, result in zip(outs, got):
         assert result == checksum(data[start : start + out.size]) and (out == data[start : start + out.size]).all()

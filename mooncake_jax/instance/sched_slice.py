@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 SHORT_SLICE_NS = 100_000
 """The slice asked for: 0.1 ms, the shortest Linux grants (it clamps to 0.1-100 ms)."""
+_RESET_ON_FORK = 0x01
+"""``SCHED_FLAG_RESET_ON_FORK``."""
 _SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
 """``sched_setattr`` / ``sched_getattr`` numbers by machine."""
 
@@ -34,7 +36,11 @@ class _SchedAttr(ctypes.Structure):
 
 
 def _syscalls() -> tuple[int, int] | None:
-    return _SYSCALLS.get(platform.machine()) if os.name == "posix" and platform.system() == "Linux" else None
+    """This process's ``sched_setattr`` / ``sched_getattr`` numbers; None off Linux, or for a 32-bit interpreter
+    (``platform.machine`` names the kernel's architecture, whose numbers a 32-bit process does not share)."""
+    if os.name != "posix" or platform.system() != "Linux" or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return None
+    return _SYSCALLS.get(platform.machine())
 
 
 def slice_ns(tid: int = 0) -> int | None:
@@ -62,27 +68,34 @@ def set_slice(tid: int, ns: int) -> None:
         raise OSError(err, os.strerror(err))
     if attr.policy not in (os.SCHED_OTHER, getattr(os, "SCHED_BATCH", 3)):
         return  # a real-time or idle policy someone chose: leave it be
-    attr.size, attr.runtime, attr.flags = ctypes.sizeof(attr), ns, 0
+    attr.size, attr.runtime = ctypes.sizeof(attr), ns
+    attr.flags &= _RESET_ON_FORK  # kept if someone set it; nothing else asked for
     if libc.syscall(numbers[0], tid, ctypes.byref(attr), 0) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
 
 def prefer_short_slices(ns: int = SHORT_SLICE_NS) -> bool:
-    """Every thread of this process, and those it starts from now on (they inherit it), asks for a slice of ``ns``;
-    whether that took (a log line says why not, never an error)."""
+    """Every thread of this process, and those it starts from now on (they inherit it), asks for a slice of ``ns``
+    (0: the default); whether that took everywhere (a log line says why not, never an error). A kernel before
+    Linux 6.12 accepts the request and ignores it: read back, that is a refusal too."""
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         tids = [0]
-    try:
-        for tid in tids:
-            try:
-                set_slice(tid, ns)
-            except ProcessLookupError:  # a thread that ended meanwhile
-                pass
-    except OSError as e:
-        log.info("short CPU slices unavailable here (threads keep the default): %s", e)
+    failed = None
+    for tid in tids:
+        try:
+            set_slice(tid, ns)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+        except OSError as e:
+            failed = failed or e
+    if failed is None and ns and slice_ns() != ns:
+        failed = "the kernel ignores sched_runtime for normal threads (Linux before 6.12)"
+    if failed is not None:
+        log.info("CPU slices of %s unavailable here (threads keep the default): %s",
+                 f"{ns / 1e6:g} ms" if ns else "the default", failed)
         return False
     return True
 

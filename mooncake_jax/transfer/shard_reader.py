@@ -102,6 +102,12 @@ _LOW = (1 << 64) - 1
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)
 
 
+def read_result(err: OSError) -> OSError | None:
+    """A failed read's ``ReadResult``: the error when it says nothing about the record (``UNAVAILABLE``: raised
+    to the caller, a miss this time), else None (the record is missing or damaged)."""
+    return err if err.errno in UNAVAILABLE else None
+
+
 def _pread(fd: int, chunk: np.ndarray, offset: int, on_cold: Callable[[], None] | None) -> int:
     """``preadv`` of ``chunk`` at ``offset``; with ``on_cold``, first without waiting for the device, calling
     ``on_cold`` (once) when the page cache did not hold it all."""
@@ -223,7 +229,7 @@ def read_run(fd: int, outs: Sequence[np.ndarray], offset: int,
             try:
                 results.append(read_with_checksum(fd, out, offset + start))
             except OSError as err:
-                results.append(err if err.errno in UNAVAILABLE else None)
+                results.append(read_result(err))
         start = end
     return results
 
@@ -372,7 +378,7 @@ class ShardReader:
                 try:
                     results[first] = read_with_checksum(fd, out, offset, on_cold)
                 except OSError as err:
-                    results[first] = err if err.errno in UNAVAILABLE else None
+                    results[first] = read_result(err)
             else:
                 results[first : first + count] = read_run(fd, [item[2] for item in reads[first : first + count]],
                                                           offset, on_cold)
@@ -388,7 +394,7 @@ class ShardReader:
                     try:
                         fd, last_shard = self._fd(shard), shard  # (neither set when the open fails)
                     except OSError as err:
-                        results[first : first + count] = [err if err.errno in UNAVAILABLE else None] * count
+                        results[first : first + count] = [read_result(err)] * count
                         continue
                 read(first, count, fd)
             if len(runs) > 1:
@@ -413,7 +419,7 @@ class ShardReader:
                 first, count = run
                 fd = fds[reads[first][0]]
                 if isinstance(fd, OSError):
-                    results[first : first + count] = [fd if fd.errno in UNAVAILABLE else None] * count
+                    results[first : first + count] = [read_result(fd)] * count
                 else:
                     read(first, count, fd)
 
