@@ -185,48 +185,40 @@ EPYC prefill, eighteenth pass)."""
 
 
 def _one_sequence(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
-    """Attention of one sequence's T new tokens, per query block, every KV head at once.
+    """Attention of one sequence's T new tokens as plain 2-D matrix products per KV head.
 
-    Each product is a [K, R, D] x [K, S, D] dot with the KV heads as batch axis (rows R = (token, group member)
-    pairs of the block), and each softmax pass covers every head: a quarter of the ops of one product per (head,
-    block), for the same run time, and the 2,048-token program compiles several times faster (docs/benchmarks/
-    engine.md, AMD EPYC prefill, nineteenth pass). The local (causal) part runs first per query block: the
-    block's keys masked, or, past ``UNMASKED_MIN_KEYS``, its diagonal keys masked and the keys before it folded in
-    unmasked (no select pass over their scores); the context, if any, is then folded in by ``_context_loop``.
+    XLA:CPU runs a [T * q_per_kv, head_dim] x [head_dim, S] product two to three times faster than the same work
+    as a dot with batch dimensions, and prefill (one sequence, many tokens) is where the attention FLOPs are.
+    The local (causal) part runs first per (head, query block): the block's keys masked, or, past
+    ``UNMASKED_MIN_KEYS``, its diagonal keys masked and the keys before it folded in unmasked (no select pass over
+    their scores); the context, if any, is then folded in by ``_context_loop``.
     """
     _, t, hk, g, d = q.shape
     qb = query_block_size(t)
-    spans = [(start, min(start + qb, t)) for start in range(0, t, qb)]
-    q_h = jnp.transpose(q[0], (1, 0, 2, 3)).reshape(hk, t * g, d)  # [K, T * G, D]: rows (token, group member)
-    k_h, v_h = jnp.transpose(k_new[0], (1, 0, 2)), jnp.transpose(v_new[0], (1, 0, 2))  # [K, T, D]
-    q_blks = [q_h[:, start * g: end * g] for start, end in spans]
-
-    def scores(q_blk, keys):
-        return jnp.einsum("krd,ksd->krs", q_blk, keys, preferred_element_type=jnp.float32)
-
-    def weigh(e, values):
-        return jnp.einsum("krs,ksd->krd", e, values, preferred_element_type=jnp.float32)
-
+    blocks = [(j, start, min(start + qb, t)) for j in range(hk) for start in range(0, t, qb)]
+    q_rows = [q[0, :, j].reshape(t * g, d) for j in range(hk)]  # rows are (token, group member)
+    q_blks = [q_rows[j][start * g: end * g] for j, start, end in blocks]
     state = []
-    for (start, end), q_blk in zip(spans, q_blks):
+    for (j, start, end), q_blk in zip(blocks, q_blks):
         # The causal mask touches only the block's diagonal keys (start:end); from UNMASKED_MIN_KEYS keys before
         # the block on, those are folded in unmasked, so no select pass runs over the block's [rows, start] scores.
         rows = start + jnp.arange((end - start) * g) // g
         lo = start if start >= UNMASKED_MIN_KEYS else 0  # keys [lo:end] masked, [:lo] folded in unmasked
-        s = scores(q_blk, k_h[:, lo:end])
-        p = _first(jnp.where(rows[:, None] >= jnp.arange(lo, end)[None, :], s, MASKED), v_h[:, lo:end], weigh)
+        s = _dot(q_blk, k_new[0, lo:end, j].T)
+        p = _first(jnp.where(rows[:, None] >= jnp.arange(lo, end)[None, :], s, MASKED), v_new[0, lo:end, j], _dot)
         if lo:
-            p = _update(p, scores(q_blk, k_h[:, :lo]), v_h[:, :lo], weigh)
+            p = _update(p, _dot(q_blk, k_new[0, :lo, j].T), v_new[0, :lo, j], _dot)
         state.append(p)
     if batch.page_table.shape[1] > 0:
         def fold(state, k_c, v_c, valid):
-            return [_update(p, jnp.where(valid, scores(q_blk, k_c[:, 0]), MASKED), v_c[:, 0], weigh)
-                    for p, q_blk in zip(state, q_blks)]
+            return [_update(p, jnp.where(valid, _dot(q_blk, k_c[j, 0].T), MASKED), v_c[j, 0], _dot)
+                    for p, q_blk, (j, _, _) in zip(state, q_blks, blocks)]
 
         state = _context_loop(k_pages, v_pages, batch, state, fold)
-    outs = [(p.acc / p.l).reshape(hk, end - start, g, d) for p, (start, end) in zip(state, spans)]
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)  # [K, T, G, D]
-    return jnp.transpose(out, (1, 0, 2, 3))[None]
+    outs = [(p.acc / p.l).reshape(end - start, g, d) for p, (_, start, end) in zip(state, blocks)]
+    n = len(outs) // hk
+    heads = [outs[j * n] if n == 1 else jnp.concatenate(outs[j * n: (j + 1) * n], axis=0) for j in range(hk)]
+    return jnp.stack(heads, axis=1)[None]
 
 
 def _batched(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
