@@ -120,6 +120,10 @@ def gather_context(pages: jax.Array, page_table: jax.Array) -> jax.Array:
 
 # ---- the xla implementation ------------------------------------------------------------------------------------
 
+def _dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
 class _Partial(NamedTuple):
     """Unnormalised softmax state of a block of query rows: running max ``m``, sum ``l`` (both broadcastable to
     ``acc`` after ``to_acc``) and weighted sum of values ``acc`` (float32)."""

@@ -637,18 +637,13 @@ class FileStore:
         matched the checksum of its sound head (the record is then served as it landed: nothing more to check);
         None otherwise, the read ahead left for ``read_into``, which hands the head and checksum on for the
         pool's own checks."""
-        ahead = self._read_ahead.get(key)
-        if (ahead is None or not ahead[3] or ahead[0] is not out or self._slot_of.get(key) != ahead[1]
-                or self._pending or self._staged or self._failed):  # written since (a promotion demoting) or a write
-            # failed: read_into settles first, and raises what failed where the per-record way raises it
-            return None
-        del self._read_ahead[key]
-        return ahead[4]  # as it was at prefetch: the key still lies in that slot, so its head is unchanged
+        return self.take_checked_many([key], [out])[0]
 
     def take_checked_many(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray]) -> list[bytes | None]:
         """``take_checked`` of each key into its out, in order (a key twice: its first out only)."""
         ahead = self._read_ahead
-        if not ahead or self._pending or self._staged or self._failed:
+        if not ahead or self._pending or self._staged or self._failed:  # written since (a promotion demoting) or a
+            # write failed: read_into settles first, and raises what failed where the per-record way raises it
             return [None] * len(keys)
         heads: list[bytes | None] = []
         slot_of = self._slot_of
@@ -658,7 +653,7 @@ class FileStore:
                 heads.append(None)
             else:
                 del ahead[key]
-                heads.append(found[4])
+                heads.append(found[4])  # as it was at prefetch: the key still lies in that slot, its head unchanged
         return heads
 
     def read_into(self, key: BlockKey, out: np.ndarray) -> tuple[bytes, tuple[int, int] | None] | None:
