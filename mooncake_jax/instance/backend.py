@@ -49,9 +49,10 @@ INSTANCE_CHANNEL_OPTIONS = ((grpc.experimental.ChannelOptions.SingleThreadedUnar
 """Each decode stream's tokens are read by the thread that iterates it (``SingleThreadedUnaryStream``), not handed
 to it by the channel's own polling thread: one thread wake-up and one interpreter-lock hand-off fewer per token,
 in the process that also runs the gateway. Measured on loopback (``benchmarks/stream_latency.py``, AMD EPYC, 2
-cores), a message every 1.7 ms (a decode step): latency p99 0.20-0.22 ms against 1.06-1.78 ms; beside a Python
-thread that keeps the interpreter lock busy, p99 2.8-4.2 ms against 6.0-15.2 ms. Such a stream must be ended with
-``end_stream``, not a bare cancel."""
+cores), a message every 1.7 ms (a decode step): latency p99 0.20-0.27 ms against 0.41-3.58 ms in five runs of six;
+beside a Python thread that keeps the interpreter lock busy, p99 2.6-5.7 ms against 4.2-25.2 ms in six of seven
+(docs/benchmarks/demo.md, "seventeenth session"). It relies on the serving processes' short GIL switch interval.
+Such a stream must be ended with ``end_stream``, not a bare cancel."""
 MISSING_ROLE = {"no_prefill_instance": "prefill", "no_decode_instance": "decode"}
 """Schedule's reasons that mean "nothing to serve with", not overload: 503, naming the role."""
 

@@ -132,7 +132,7 @@ SWITCH_INTERVAL_S = 0.0001
 """GIL switch interval of serving processes. A thread waiting for the GIL (the compute thread after a step, a gRPC
 thread with a token to send) waits up to this long for the holder to yield: 5 ms by default, longer than a small
 model's decode step. 0.5 ms until the seventeenth session; at 0.1 ms a stream's message read beside a thread that
-keeps the lock busy arrived in 0.32-0.34 ms at the median against 0.71 ms (``benchmarks/stream_latency.py --busy``,
+keeps the lock busy arrived in 0.30-0.34 ms at the median against 0.70-0.73 ms (``benchmarks/stream_latency.py --busy``,
 AMD EPYC, 2 cores; docs/benchmarks/demo.md, "seventeenth session")."""
 
 
