@@ -17,12 +17,12 @@ import xxhash
 
 from mooncake_jax.transfer.stream_copy import address, streaming_copy
 
-_LOW = (1 << 64) - 1
+LOW_WORD = (1 << 64) - 1
 
 
 def split_digest(digest: int) -> tuple[int, int]:
     """A 128-bit XXH3 digest as the ``(high, low)`` 64-bit words the frame header stores."""
-    return digest >> 64, digest & _LOW
+    return digest >> 64, digest & LOW_WORD
 
 
 def checksum(data: memoryview | bytes | np.ndarray) -> tuple[int, int]:

@@ -46,7 +46,6 @@ import contextlib
 import logging
 import re
 import shutil
-import struct
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -60,6 +59,7 @@ from mooncake_jax.transfer.checksum import checksum
 from mooncake_jax.transfer.frame import (
     DATA_OFFSET,
     DIGEST_IN_HEAD,
+    DIGEST_WORDS,
     PREFIX_BYTES,
     CorruptBlockError,
     StaleFormatError,
@@ -98,8 +98,6 @@ _DATA_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "
 _HEADS_CONTEXT = ts.Context({"file_io_sync": False, "file_io_locking": {"mode": "none"}})
 _NO_HEAD = np.zeros(DATA_OFFSET, np.uint8)  # the fill value: writing it removes the head's chunk
 _DIGEST_AT = DIGEST_IN_HEAD.start
-_DIGEST_WORDS = struct.Struct("<QQ")  # a head's checksum as ``(high, low)``, as ``frame.digest_bytes`` packs it:
-# compared with a read's digest in place (``prefetch``) rather than packing the digest per record
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
@@ -628,7 +626,7 @@ class FileStore:
                 if known is None:
                     known = shards[shard] = (self._shard_heads[shard].tobytes(), self._head_checked[shard].tolist())
                 at = row * DATA_OFFSET
-                if known[1][row] and _DIGEST_WORDS.unpack_from(known[0], at + _DIGEST_AT) == result:
+                if known[1][row] and DIGEST_WORDS.unpack_from(known[0], at + _DIGEST_AT) == result:
                     sound, head = True, known[0][at : at + DATA_OFFSET]
             ahead[key] = (out, slot, result, sound, head)
 

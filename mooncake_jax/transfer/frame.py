@@ -38,16 +38,16 @@ PREFIX_BYTES = 64  # the record's wire prefix
 DATA_OFFSET = PREFIX_BYTES + HEADER_BYTES  # where a block's data starts in its record
 _HEADER = struct.Struct("<4sHHQQQQQ")
 _HEADER_PADDING = bytes(HEADER_BYTES - _HEADER.size)
-_DIGEST = struct.Struct("<QQ")  # the header's last two fields: the data's checksum, high then low
-DIGEST_IN_HEAD = slice(PREFIX_BYTES + _HEADER.size - _DIGEST.size, PREFIX_BYTES + _HEADER.size)
+DIGEST_WORDS = struct.Struct("<QQ")  # the header's last two fields: the data's checksum, high then low
+DIGEST_IN_HEAD = slice(PREFIX_BYTES + _HEADER.size - DIGEST_WORDS.size, PREFIX_BYTES + _HEADER.size)
 """Where a record head holds its data's checksum: a tier that knows a head is sound compares only these bytes
 (``digest_bytes``) with the checksum of data it just read."""
 
 
 def digest_bytes(digest: tuple[int, int]) -> bytes:
     """``(high, low)`` as a record head stores it (``DIGEST_IN_HEAD``)."""
-    return _DIGEST.pack(*digest)
-_MAX_KEY = (1 << 64) - 1
+    return DIGEST_WORDS.pack(*digest)
+MAX_KEY = (1 << 64) - 1
 
 # BlockPiece field tags (field number << 3 | wire type): see messenger.proto
 TAG_KEY, TAG_OFFSET, TAG_FRAME_BYTES, TAG_DATA, TAG_SPEC, TAG_PADDING = 0x08, 0x10, 0x18, 0x22, 0x28, 0x32
@@ -71,7 +71,7 @@ def check_key(key: object) -> BlockKey:
     if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
         raise ValueError(f"block key must be an int, got {type(key).__name__}")
     key = int(key)
-    if not 0 <= key <= _MAX_KEY:
+    if not 0 <= key <= MAX_KEY:
         raise ValueError(f"block key must be in [0, 2**64), got {key}")
     return key
 

@@ -27,8 +27,8 @@ from mooncake_jax.transfer.checksum import checksum
 from mooncake_jax.transfer.counters import TierCounters
 from mooncake_jax.transfer.events import BlockEvent, EventKind, EventListener
 from mooncake_jax.transfer.eviction import PolicyChoice, make_policy
-from mooncake_jax.transfer.frame import (DATA_OFFSET, VERSION, CorruptBlockError, StaleFormatError, check_digest,
-                                         check_head, check_key, data_bytes, frame_bytes, record_bytes)
+from mooncake_jax.transfer.frame import (DATA_OFFSET, MAX_KEY, VERSION, CorruptBlockError, StaleFormatError,
+                                         check_digest, check_head, check_key, data_bytes, frame_bytes, record_bytes)
 from mooncake_jax.transfer.frame import verify as verify_record
 from mooncake_jax.transfer.host_memory import keep_freed_buffers
 from mooncake_jax.transfer.shard_reader import PAGE_BYTES
@@ -39,7 +39,6 @@ from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_
 
 log = logging.getLogger(__name__)
 
-_MAX_KEY = (1 << 64) - 1
 
 
 def page_aligned_empty(shape: tuple[int, ...], dtype: np.dtype, page_offset: int = 0) -> np.ndarray:
@@ -272,7 +271,7 @@ class BlockPool:
         than the copy. ``out[i]`` of a block that was missing is untouched; of one that failed its checksum it
         holds garbage (the result says None).
         """
-        keys = [key if type(key) is int and 0 <= key <= _MAX_KEY else check_key(key) for key in keys]  # (a call a
+        keys = [key if type(key) is int and 0 <= key <= MAX_KEY else check_key(key) for key in keys]  # (a call a
         # key is a share of a 16-token get's Python)
         if out is not None:
             expected = (len(keys), *self.spec.shape)

@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 from xxhash import xxh3_128, xxh3_128_intdigest
 
-from mooncake_jax.transfer.checksum import fill_with_checksum, split_digest
+from mooncake_jax.transfer.checksum import LOW_WORD, fill_with_checksum, split_digest
 from mooncake_jax.transfer.stream_copy import streaming_copy, writable_address
 
 READ_STEP_BYTES = 256 << 10
@@ -98,7 +98,6 @@ ReadResult = Digest | OSError | None
 """A record read by ``read_many``: its digest; None when missing, unreadable or cut short; an ``UNAVAILABLE``
 error, for the caller to raise where it would have been raised."""
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
-_LOW = (1 << 64) - 1
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)
 
 
@@ -221,7 +220,7 @@ def read_run(fd: int, outs: Sequence[np.ndarray], offset: int,
         end = start + out.size
         if end <= got:
             digest = xxh3_128_intdigest(out)
-            results.append((digest >> 64, digest & _LOW))  # split_digest, written out
+            results.append((digest >> 64, digest & LOW_WORD))  # split_digest, written out
         else:
             if on_cold is not None:
                 on_cold()  # (once: it hands the wanted runs to the kernel and forgets them)
