@@ -40,7 +40,6 @@ from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_
 log = logging.getLogger(__name__)
 
 
-
 def page_aligned_empty(shape: tuple[int, ...], dtype: np.dtype, page_offset: int = 0) -> np.ndarray:
     """An uninitialised C-contiguous array starting at a page boundary (``page_offset`` bytes past one; a page more
     is allocated). Where a get's block lands: the SSD tier's records start page-aligned in their files, and the
@@ -287,7 +286,7 @@ class BlockPool:
         if out is not None:
             targets = list(out)
             flats = list(out.reshape(len(keys), -1).view(np.uint8)) if keys else []  # one view a block, not two
-            if keys and self.spec.nbytes:
+            if keys:
                 base, step = writable_address(flats[0]), self.spec.nbytes  # (bytes: ctypes takes no bfloat16)
                 addresses = range(base, base + step * len(keys), step)
         else:
@@ -315,8 +314,7 @@ class BlockPool:
             taken = first.take_checked_many(keys, flats) or [None] * len(keys)
             for key, block, flat, head in zip(keys, targets, flats, taken):
                 if head is not None:  # a hit, counted and used in key order as the per-record path would
-                    first.counters.hits += 1
-                    first.accessed(key)
+                    self._hit(0, first, key, lambda t: t.write_record(key, (head, flat)))  # (no promotion at 0)
                     found = True
                 else:
                     found = self._read_into(key, flat)

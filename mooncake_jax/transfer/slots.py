@@ -410,7 +410,8 @@ class SlotStore:
                                     src_address=slot.data_address)
         return memoryview(slot.memory[:DATA_OFFSET]), digest
 
-    def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None) -> None:
+    def prefetch(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray] | None = None,
+                 addresses: Sequence[int] | None = None) -> None:
         """Nothing to do: the records are in memory."""
 
     def delete(self, key: BlockKey) -> None:

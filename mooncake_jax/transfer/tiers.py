@@ -100,12 +100,8 @@ class Tier:
         """The record head of ``key`` if the store's batch read (``prefetch``) already landed its data in ``out``
         and found it matching the checksum of its sound head (the SSD store): nothing left to check; else None
         (then ``read_into``)."""
-        if self._take_checked is None:
-            return None
-        head = self._take_checked(key, out)  # None while writes are in flight: read_into settles them first
-        if head is not None:
-            self.counters.bytes_read += out.size + len(head)
-        return head
+        heads = self.take_checked_many([key], [out])  # None while writes are in flight: read_into settles them
+        return None if heads is None else heads[0]
 
     def take_checked_many(self, keys: Sequence[BlockKey], outs: Sequence[np.ndarray]) -> list[bytes | None] | None:
         """``take_checked`` of each key into its out in one call (a batch's hits in the fastest tier: the pool's
@@ -126,10 +122,7 @@ class Tier:
         if len(held) < len(keys):
             keys, outs = [keys[i] for i in held], [outs[i] for i in held]
             addresses = None if addresses is None else [addresses[i] for i in held]
-        if addresses is not None and isinstance(self.store, FileStore):
-            self.store.prefetch(keys, outs, addresses)
-        else:
-            self.store.prefetch(keys, outs)
+        self.store.prefetch(keys, outs, addresses)
 
     def write_block(self, key: BlockKey, data: np.ndarray) -> None:
         """Start storing the block whose bytes are ``data`` (flat uint8) under a key not yet in the tier."""
