@@ -14,6 +14,7 @@ import logging
 import os
 
 from .config import InstanceConfig, format_devices
+from .sched_slice import threads_of
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +43,6 @@ def check(configs: list[InstanceConfig]) -> None:
     if not cores - owned:
         raise ValueError(f"cpus {format_devices(tuple(sorted(owned)))} take every core of this host "
                          f"({len(cores)}); leave at least one for the launcher and the instances without cpus")
-
-
-def threads_of(pid: int) -> list[int]:
-    """Thread ids of process ``pid`` (Linux lists them in /proc; elsewhere only the process's own id)."""
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return [pid]
 
 
 def pin(cpus: tuple[int, ...] | None, pid: int = 0) -> None:

@@ -12,6 +12,7 @@ runs sooner, for less at a time. Elsewhere (another OS or architecture, an older
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -43,48 +44,62 @@ def _syscalls() -> tuple[int, int] | None:
     return _SYSCALLS.get(platform.machine())
 
 
-def slice_ns(tid: int = 0) -> int | None:
-    """The slice thread ``tid`` (0: the calling one) runs with, in ns; None where it cannot be read."""
+def threads_of(pid: int) -> list[int]:
+    """Thread ids of process ``pid`` (Linux lists them in /proc; elsewhere only the process's own id)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _call(number: int, *args) -> None:
+    """``syscall(number, *args)``; OSError (its errno's subclass) when it fails."""
+    if _libc().syscall(number, *args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _attributes(tid: int) -> tuple[_SchedAttr, int]:
+    """Thread ``tid``'s scheduling attributes (0: the calling thread's) and the ``sched_setattr`` number to write
+    them back with; OSError where they cannot be read."""
     numbers = _syscalls()
     if numbers is None:
-        return None
+        raise OSError(f"no sched_setattr on {platform.system()} {platform.machine()}")
     attr = _SchedAttr()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(numbers[1], tid, ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0:
+    _call(numbers[1], tid, ctypes.byref(attr), ctypes.sizeof(attr), 0)
+    return attr, numbers[0]
+
+
+def slice_ns(tid: int = 0) -> int | None:
+    """The slice thread ``tid`` (0: the calling one) runs with, in ns; None where it cannot be read."""
+    try:
+        return int(_attributes(tid)[0].runtime)
+    except OSError:
         return None
-    return int(attr.runtime)
 
 
 def set_slice(tid: int, ns: int) -> None:
     """Ask for a slice of ``ns`` for thread ``tid`` (0: the calling one; 0 ns: the default), keeping its policy and
     niceness. OSError where refused or unsupported."""
-    numbers = _syscalls()
-    if numbers is None:
-        raise OSError(f"no sched_setattr on {platform.system()} {platform.machine()}")
-    libc = ctypes.CDLL(None, use_errno=True)
-    attr = _SchedAttr()
-    if libc.syscall(numbers[1], tid, ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
+    attr, setattr_number = _attributes(tid)
     if attr.policy not in (os.SCHED_OTHER, getattr(os, "SCHED_BATCH", 3)):
         return  # a real-time or idle policy someone chose: leave it be
     attr.size, attr.runtime = ctypes.sizeof(attr), ns
     attr.flags &= _RESET_ON_FORK  # kept if someone set it; nothing else asked for
-    if libc.syscall(numbers[0], tid, ctypes.byref(attr), 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
+    _call(setattr_number, tid, ctypes.byref(attr), 0)
 
 
 def prefer_short_slices(ns: int = SHORT_SLICE_NS) -> bool:
     """Every thread of this process, and those it starts from now on (they inherit it), asks for a slice of ``ns``
     (0: the default); whether that took everywhere (a log line says why not, never an error). A kernel before
     Linux 6.12 accepts the request and ignores it: read back, that is a refusal too."""
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
     failed = None
-    for tid in tids:
+    for tid in threads_of(os.getpid()):
         try:
             set_slice(tid, ns)
         except ProcessLookupError:  # a thread that ended meanwhile
