@@ -135,7 +135,6 @@ def prefilled_engine(model: str, batch: int, context: int, max_new_tokens: int, 
     ``extra_pages``: pages beyond the sizing, so engines built in one process differ in page count and each compiles
     programs of its own."""
     import mooncake_jax as mj
-    from mooncake_jax.model.sequence import SamplingParams
 
     llm = mj.LLM(model, prefill_chunk_size=512, max_batch=batch,
                  num_pages=1 + batch * (context // 16 + 8) + 64 + extra_pages)
@@ -143,13 +142,21 @@ def prefilled_engine(model: str, batch: int, context: int, max_new_tokens: int, 
     if prompts is None:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, llm.config.vocab_size, context).tolist() for _ in range(batch)]
+    return llm, prefilled_sequences(eng, prompts, max_new_tokens), prompts
+
+
+def prefilled_sequences(engine, prompts: list, max_new_tokens: int) -> list:
+    """A sequence per prompt, admitted with no prefix-cache hit and prefilled, ready to decode ``max_new_tokens``
+    (end of sequence ignored): the batch a decode measurement steps."""
+    from mooncake_jax.model.sequence import SamplingParams
+
     seqs = []
     for prompt in prompts:
-        seq = eng.new_sequence(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
-        eng.admit(seq, cached_pages=[])
-        eng.prefill(seq)
+        seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+        engine.admit(seq, cached_pages=[])
+        engine.prefill(seq)
         seqs.append(seq)
-    return llm, seqs, prompts
+    return seqs
 
 
 def write_json(results: dict, path: Path | None) -> None:

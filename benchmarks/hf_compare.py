@@ -36,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, machine_info, write_json  # noqa: E402
+from common import arg_parser, machine_info, prefilled_sequences, write_json  # noqa: E402
 
 SHAPE = dict(vocab_size=32000, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
              intermediate_size=2048)
@@ -215,12 +215,7 @@ def main() -> None:
             bar.set_postfix_str(f"decode b{b}")
             ctx_prompts = [rng.integers(3, vocab, args.context).tolist() for _ in range(b)]
             budget = 1 + (args.repeats + 2) * steps
-            seqs = []
-            for pr in ctx_prompts:
-                seq = eng.new_sequence(pr, SamplingParams(max_new_tokens=budget, ignore_eos=True))
-                eng.admit(seq, cached_pages=[])
-                eng.prefill(seq)
-                seqs.append(seq)
+            seqs = prefilled_sequences(eng, ctx_prompts, budget)
             ids = torch.tensor(ctx_prompts)
             with torch.inference_mode():
                 cache = transformers.DynamicCache()
