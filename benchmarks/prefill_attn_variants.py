@@ -39,6 +39,17 @@ def by_heads(q, k, v):
             jnp.transpose(k[0], (1, 0, 2)), jnp.transpose(v[0], (1, 0, 2)))
 
 
+def query_blocks(qh, t: int, g: int, qb: int, lo_min: int):
+    """The heads-batched variants' query blocks: (start, end, the block's rows of ``qh`` [K, T*G, D], each row's
+    token, the first key taken masked: 0, or ``start`` from ``lo_min`` on, the keys before it unmasked)."""
+    import jax.numpy as jnp
+
+    for start in range(0, t, qb):
+        end = min(start + qb, t)
+        yield (start, end, qh[:, start * g: end * g], start + jnp.arange((end - start) * g) // g,
+               start if start >= lo_min else 0)
+
+
 def variants():
     import jax
     import jax.numpy as jnp
@@ -108,11 +119,7 @@ def variants():
             knorm = jnp.sqrt((kh * kh).sum(-1))  # [K, T]
             qnorm = jnp.sqrt((qh * qh).sum(-1, keepdims=True))  # [K, T*G, 1]
         outs = []
-        for start in range(0, t, qb):
-            end = min(start + qb, t)
-            q_blk = qh[:, start * g: end * g]
-            rows = start + jnp.arange((end - start) * g) // g
-            lo = start if start >= lo_min else 0
+        for start, end, q_blk, rows, lo in query_blocks(qh, t, g, qb, lo_min):
             s = bdot("krd,ksd->krs", q_blk, kh[:, lo:end])
             s = jnp.where(rows[:, None] >= jnp.arange(lo, end)[None, :], s, at.MASKED)
             if shift == "bound":
@@ -140,11 +147,7 @@ def variants():
         t, hk, g, d, qh, kh, vh = by_heads(q, k, v)
 
         outs = []
-        for start in range(0, t, qb):
-            end = min(start + qb, t)
-            q_blk = qh[:, start * g: end * g]
-            rows = start + jnp.arange((end - start) * g) // g
-            lo = start if start >= lo_min else 0
+        for start, end, q_blk, rows, lo in query_blocks(qh, t, g, qb, lo_min):
             s = bdot("ksd,krd->ksr", kh[:, lo:end], q_blk)
             s = jnp.where(jnp.arange(lo, end)[:, None] <= rows[None, :], s, at.MASKED)
             m = s.max(1, keepdims=True)
@@ -164,11 +167,7 @@ def variants():
         t, hk, g, d, qh, kh, vh = by_heads(q, k, v)
 
         outs = []
-        for start in range(0, t, qb):
-            end = min(start + qb, t)
-            q_blk = qh[:, start * g: end * g]
-            rows = start + jnp.arange((end - start) * g) // g
-            lo = start if start >= lo_min else 0
+        for start, end, q_blk, rows, lo in query_blocks(qh, t, g, qb, lo_min):
             s = bdot("krd,ksd->krs", q_blk, kh[:, lo:end])
             s = jnp.where(rows[:, None] >= jnp.arange(lo, end)[None, :], s, at.MASKED)
             m = s.max(-1, keepdims=True)
