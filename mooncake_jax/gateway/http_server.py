@@ -107,6 +107,9 @@ class _End:
     """The pump's last item: the backend stream has been read to its end."""
 
 
+_DRAIN = object()  # put in a request's queue when stop's grace is over (``_Gateway.drain``)
+
+
 class _Started:
     def __init__(self, request_id: str):
         self.request_id = request_id
@@ -175,7 +178,8 @@ class _Gateway:
         self.body_timeout_s = body_timeout_s
         self.chat_template = chat_template
         self.draining: asyncio.Event | None = None  # set when stop's grace is over (made on the loop)
-        self.active: set[threading.Event] = set()  # the cancelled events of requests being served
+        # the requests being served: each choice's cancelled event and the queue its pump fills
+        self.active: dict[threading.Event, asyncio.Queue] = {}
         self.lock = threading.Lock()
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
@@ -288,7 +292,7 @@ class _Gateway:
             parsed.choices = [dataclasses.replace(p, request_id=i) for p, i in zip(parsed.choices, ids)]
         runs = [_Run(asyncio.Queue(), threading.Event()) for _ in parsed.choices]
         with self.lock:
-            self.active.update(run.cancelled for run in runs)
+            self.active.update((run.cancelled, run.queue) for run in runs)
         for run, params in zip(runs, parsed.choices):
             self.pool.submit(self._pump, loop, run.queue, lambda params=params: params, arrival, run.cancelled)
         watch = asyncio.create_task(_watch_disconnect(request, [run.cancelled for run in runs]))
@@ -372,24 +376,27 @@ class _Gateway:
     def _done(self, cancelled: threading.Event) -> None:
         cancelled.set()  # a no-op for a request that has ended; stops one that has not
         with self.lock:
-            self.active.discard(cancelled)
+            self.active.pop(cancelled, None)
+
+    def drain(self) -> None:
+        """On the loop, when stop's grace is over: every request still being served reads ``_DRAIN`` next.
+
+        The deadline reaches a waiting request through its own queue, so waiting for a token is one plain
+        ``queue.get`` (no race of two futures per token: each of their loop turns delays every stream)."""
+        self.draining.set()
+        with self.lock:
+            queues = list(self.active.values())
+        for queue in queues:
+            queue.put_nowait(_DRAIN)
 
     async def _next(self, queue: asyncio.Queue, cancelled: threading.Event):
         """The pump's next item (raised if it is an error); after the drain deadline, Unavailable."""
         if self.draining is None or self.draining.is_set():
             raise Unavailable(_SHUTTING_DOWN)
-        get = asyncio.ensure_future(queue.get())
-        drain = asyncio.ensure_future(self.draining.wait())
-        try:
-            await asyncio.wait((get, drain), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            drain.cancel()
-            if not get.done():
-                get.cancel()
-        if not get.done() or get.cancelled():
+        item = queue.get_nowait() if not queue.empty() else await queue.get()
+        if item is _DRAIN:
             cancelled.set()
             raise Unavailable(_SHUTTING_DOWN)
-        item = get.result()
         if isinstance(item, BaseException):
             raise item
         if isinstance(item, _End):
@@ -422,19 +429,7 @@ class _Gateway:
         """The choices' events as server-sent chunks, in the order they come (each chunk names its choice)."""
         model = self.core.model_name
         chunk = oai.chat_chunk if chat else oai.chunk
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def forward(i: int, run, event) -> None:
-            try:
-                while True:
-                    await merged.put((i, event))
-                    if isinstance(event, Summary):
-                        return
-                    event = await self._next(run.queue, run.cancelled)
-            except Exception as e:  # noqa: BLE001 - handed to the stream, which reports it
-                await merged.put((i, e))
-
-        tasks = [asyncio.create_task(forward(i, run, first)) for i, (run, first) in enumerate(zip(runs, firsts))]
+        next_event, tasks = self._choice_events(runs, firsts)
         summaries: list = [None] * len(runs)
         offsets = [0] * len(runs)
         try:
@@ -447,9 +442,7 @@ class _Gateway:
                     yield _sse(chunk(request_id, model, created, oai.Choice(i, text, [], logprobs)))
             remaining = len(runs)
             while remaining:
-                i, event = await merged.get()
-                if isinstance(event, Exception):
-                    raise event
+                i, event = await next_event()
                 if isinstance(event, Summary):
                     summaries[i] = event
                     remaining -= 1
@@ -478,6 +471,38 @@ class _Gateway:
             for run in runs:
                 self._done(run.cancelled)  # also when the client went away (the generator is closed)
         yield _DONE
+
+    def _choice_events(self, runs: list, firsts: list):
+        """``(next_event, tasks)``: ``await next_event()`` is the next ``(choice index, event)`` of any choice
+        (raising a choice's error), ``tasks`` what to cancel at the end. One choice (the usual request) reads its
+        queue directly; several are merged by a task each, in the order their events come."""
+        if len(runs) == 1:
+            run, pending = runs[0], [firsts[0]]
+
+            async def next_one():
+                return 0, pending.pop() if pending else await self._next(run.queue, run.cancelled)
+
+            return next_one, []
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def forward(i: int, run, event) -> None:
+            try:
+                while True:
+                    await merged.put((i, event))
+                    if isinstance(event, Summary):
+                        return
+                    event = await self._next(run.queue, run.cancelled)
+            except Exception as e:  # noqa: BLE001 - handed to the stream, which reports it
+                await merged.put((i, e))
+
+        async def next_merged():
+            i, event = await merged.get()
+            if isinstance(event, Exception):
+                raise event
+            return i, event
+
+        return next_merged, [asyncio.create_task(forward(i, run, first))
+                             for i, (run, first) in enumerate(zip(runs, firsts))]
 
 
 @dataclasses.dataclass
@@ -604,10 +629,8 @@ class HttpFrontEnd:
         open streams with an error event and ``[DONE]`` (plain requests: 503) and cancel their generations."""
         loop = self._loop
         if loop is not None and self._thread.is_alive():
-            draining = self._gateway.draining
-
             def begin() -> None:
-                loop.call_later(max(0.0, grace_s), draining.set)
+                loop.call_later(max(0.0, grace_s), self._gateway.drain)
 
             self._server.config.timeout_graceful_shutdown = max(1, math.ceil(grace_s) + 5)
             loop.call_soon_threadsafe(begin)
