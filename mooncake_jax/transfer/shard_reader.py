@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 from xxhash import xxh3_128, xxh3_128_intdigest
 
+from mooncake_jax.transfer import xxh3_nogil
 from mooncake_jax.transfer.checksum import LOW_WORD, fill_with_checksum, split_digest
 from mooncake_jax.transfer.stream_copy import streaming_copy, writable_address
 
@@ -144,65 +145,83 @@ def _bounce(offset: int, n: int) -> tuple[np.ndarray, int]:
     return buffer[shift : shift + n], at + shift
 
 
-def _read_bounced(fd: int, out: np.ndarray, at: int, offset: int,
-                  on_cold: Callable[[], None] | None) -> tuple[int, int] | None:
+def _read_bounced(fd: int, out: np.ndarray, at: int, offset: int, on_cold: Callable[[], None] | None,
+                  native: bool = False) -> tuple[int, int] | None:
     """``read_with_checksum`` for an ``out`` (starting at address ``at``) at a slow distance from its source
     (``aliased``): read into the bounce buffer (a record up to ``ONE_READ_BYTES`` at once, a larger one in
     ``READ_STEP_BYTES`` steps), hashed there from cache and copied on into ``out`` with streaming stores
     (``stream_copy.py``; ``memcpy`` where that copy is missing, at a fast distance too): an extra copy from cache
-    instead of a slow kernel copy."""
+    instead of a slow kernel copy. ``native``: hashed without the GIL (``read_with_checksum``)."""
     n = out.size
     copy = streaming_copy()
+    hash_at = xxh3_nogil.hash_at if native else None
     if n <= ONE_READ_BYTES:
         bounce, bounce_at = _bounce(offset, n)
         if _pread(fd, bounce, offset, on_cold) != n:
             return None
-        digest = xxh3_128_intdigest(bounce)
+        digest = split_digest(xxh3_128_intdigest(bounce)) if hash_at is None else hash_at(bounce_at, n)
         if copy is None:
             out[:] = bounce
         else:
             copy(at, bounce_at, n)
-        return split_digest(digest)
+        return digest
     bounce, bounce_at = _bounce(offset, READ_STEP_BYTES)
-    hasher = xxh3_128()
+    native_hasher = xxh3_nogil.thread_hasher() if hash_at is not None else None
+    hasher = xxh3_128() if native_hasher is None else None
     for start in range(0, n, READ_STEP_BYTES):
         step = bounce[: min(READ_STEP_BYTES, n - start)]
         if _pread(fd, step, offset + start, on_cold) != step.size:
             return None
-        hasher.update(step)
+        if native_hasher is None:
+            hasher.update(step)
+        else:
+            native_hasher.update(bounce_at, step.size)
         if copy is None:
             out[start : start + step.size] = step
         else:
             copy(at + start, bounce_at, step.size)
-    return split_digest(hasher.intdigest())
+    return split_digest(hasher.intdigest()) if native_hasher is None else native_hasher.digest()
 
 
-def read_with_checksum(fd: int, out: np.ndarray, offset: int,
-                       on_cold: Callable[[], None] | None = None) -> tuple[int, int] | None:
+def read_with_checksum(fd: int, out: np.ndarray, offset: int, on_cold: Callable[[], None] | None = None,
+                       native: bool = False) -> tuple[int, int] | None:
     """Read ``out.size`` bytes of ``fd`` at ``offset`` into ``out`` (flat uint8) and return their XXH3-128 digest
     as ``(high, low)``; None when the file ends first (a shard file cut short). ``on_cold``: called when a part is
     not in the page cache, before it is read from the device. An ``out`` at a slow distance from the page cache
-    (``aliased``) is read through a bounce buffer."""
+    (``aliased``) is read through a bounce buffer. ``native``: hashed without the GIL (``xxh3_nogil``, where it
+    can be bound), so another thread can read or hash meanwhile: the two-thread way of ``read_many``."""
     n = out.size
     at = writable_address(out) if n else 0  # (ctypes takes no empty buffer)
+    native = native and xxh3_nogil.hash_at is not None
     if aliased(at, offset):
-        return _read_bounced(fd, out, at, offset, on_cold)
+        return _read_bounced(fd, out, at, offset, on_cold, native)
     if n <= ONE_READ_BYTES:  # one read, hashed from cache (a 16-token block)
         if _pread(fd, out, offset, on_cold) != n:
             return None
-        return split_digest(xxh3_128_intdigest(out))
-    return fill_with_checksum(out, lambda step, start: _pread(fd, step, offset + start, on_cold) == step.size,
-                              READ_STEP_BYTES)
+        return split_digest(xxh3_128_intdigest(out)) if not native else xxh3_nogil.hash_at(at, n)
+    if not native:
+        return fill_with_checksum(out, lambda step, start: _pread(fd, step, offset + start, on_cold) == step.size,
+                                  READ_STEP_BYTES)
+    hasher = xxh3_nogil.thread_hasher()
+    for start in range(0, n, READ_STEP_BYTES):
+        step = out[start : start + READ_STEP_BYTES]
+        if _pread(fd, step, offset + start, on_cold) != step.size:
+            return None
+        hasher.update(at + start, step.size)
+    return hasher.digest()
 
 
-def read_run(fd: int, outs: Sequence[np.ndarray], offset: int,
-             on_cold: Callable[[], None] | None = None) -> list[ReadResult]:
+def read_run(fd: int, outs: Sequence[np.ndarray], offset: int, on_cold: Callable[[], None] | None = None,
+             addresses: Sequence[int] | None = None) -> list[ReadResult]:
     """Read records lying end to end in ``fd`` from ``offset`` into ``outs`` (flat uint8, each up to
     ``ONE_READ_BYTES``, none at a slow distance from its source: ``aliased``) with one ``preadv``, then hash each
     (``RUN_BYTES``); the result of each as ``read_many`` gives it. With ``on_cold``, the ``preadv`` does not wait for
     the device: when the page cache did not hold the whole run, ``on_cold`` is called and the records that did not
     land whole are read one by one (``read_with_checksum``, waiting), as are all of them when the run's ``preadv``
-    fails (each then meets its own error) or the file ends inside it."""
+    fails (each then meets its own error) or the file ends inside it. ``addresses``: where each out starts; given,
+    the records are hashed without the GIL (``xxh3_nogil``, where it can be bound: the two-thread way of
+    ``read_many``)."""
+    hash_at = xxh3_nogil.hash_at if addresses is not None else None
     got = 0
     try:
         if on_cold is not None and _NOWAIT is not None:
@@ -216,17 +235,20 @@ def read_run(fd: int, outs: Sequence[np.ndarray], offset: int,
         got = 0
     results: list[ReadResult] = []
     start = 0
-    for out in outs:
+    for j, out in enumerate(outs):
         end = start + out.size
         if end <= got:
-            digest = xxh3_128_intdigest(out)
-            results.append((digest >> 64, digest & LOW_WORD))  # split_digest, written out
+            if hash_at is None:
+                digest = xxh3_128_intdigest(out)
+                results.append((digest >> 64, digest & LOW_WORD))  # split_digest, written out
+            else:
+                results.append(hash_at(addresses[j], out.size))
         else:
             if on_cold is not None:
                 on_cold()  # (once: it hands the wanted runs to the kernel and forgets them)
                 on_cold = None
             try:
-                results.append(read_with_checksum(fd, out, offset + start))
+                results.append(read_with_checksum(fd, out, offset + start, native=hash_at is not None))
             except OSError as err:
                 results.append(read_result(err))
         start = end
@@ -371,18 +393,22 @@ class ShardReader:
         runs = _runs(reads, addresses)
         on_cold = self._advise_wanted if self._wanted else None
 
+        helped = len(runs) > 1 and self._pace.helped()
+        native = helped and xxh3_nogil.hash_at is not None  # hashes without the GIL: both threads hash at once
+
         def read(first: int, count: int, fd: int) -> None:
             shard, offset, out = reads[first]
             if count == 1:
                 try:
-                    results[first] = read_with_checksum(fd, out, offset, on_cold)
+                    results[first] = read_with_checksum(fd, out, offset, on_cold, native)
                 except OSError as err:
                     results[first] = read_result(err)
             else:
-                results[first : first + count] = read_run(fd, [item[2] for item in reads[first : first + count]],
-                                                          offset, on_cold)
+                outs = [item[2] for item in reads[first : first + count]]
+                at = None if not native else addresses[first : first + count] if addresses is not None \
+                    else [writable_address(out) for out in outs]
+                results[first : first + count] = read_run(fd, outs, offset, on_cold, at)
 
-        helped = len(runs) > 1 and self._pace.helped()
         shards = {shard for shard, _, _ in reads} if helped else ()
         if not helped or len(shards) > MAX_OPEN_FILES:  # past it, opening one might close another in use
             started = time.perf_counter()
