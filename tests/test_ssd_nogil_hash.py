@@ -141,7 +141,7 @@ def test_only_the_two_thread_way_hashes_without_the_gil_and_serves_every_block(t
     calls = []
     real = xxh3_nogil.hash_at
     monkeypatch.setattr(xxh3_nogil, "hash_at", lambda at, n: calls.append(n) or real(at, n))
-    monkeypatch.setattr(shard_reader, "RUN_BYTES", 4 * SPEC.nbytes)  # four runs: the helper has some to take
+    monkeypatch.setattr(shard_reader, "HELPED_RUN_BYTES", 4 * SPEC.nbytes)  # four runs: the helper has some to take
     monkeypatch.setattr(shard_reader.Pace, "helped", lambda self: helped)
     with BlockPool(SPEC, dram_blocks=0, ssd_path=tmp_path) as pool:
         pool.put_many(keys, blocks)
@@ -158,7 +158,7 @@ def test_a_damaged_record_read_by_two_threads_is_never_served(tmp_path, monkeypa
     served, with the hash without the GIL and with the package's (the fallback)."""
     keys = list(range(1, 17))
     blocks = blocks_for(keys)
-    monkeypatch.setattr(shard_reader, "RUN_BYTES", 4 * SPEC.nbytes)
+    monkeypatch.setattr(shard_reader, "HELPED_RUN_BYTES", 4 * SPEC.nbytes)
     monkeypatch.setattr(shard_reader.Pace, "helped", lambda self: True)
     if not native:
         monkeypatch.setattr(xxh3_nogil, "hash_at", None)

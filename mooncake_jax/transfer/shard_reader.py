@@ -23,9 +23,11 @@ a time (``read_run``, ``RUN_BYTES``): one ``preadv`` into their several destinat
 pass).
 
 A batch of several runs is read on two threads at once (``read_many``): the caller and one helper thread
-each take the next run not yet taken, read and hash it; ``preadv`` and XXH3 both release the GIL, so with a core
-free a batch costs about half its copy-and-hash time in wall (a raw read of the same bytes is the copy alone, one
-thread). Taking runs in turn, rather than half each, keeps the batch going at the caller's pace when the helper
+(``Helper``) each take the next run not yet taken, read and hash it. ``preadv`` releases the GIL, and so does the
+hash on this way: the ``xxhash`` package's own call holds it (two threads hashing took twice one's wall), so this way
+calls the library's XXH3-128 through ``ctypes`` (``xxh3_nogil``; the package's call where it cannot be bound), and
+with a core free a batch costs about half its copy-and-hash time in wall (a raw read of the same bytes is the copy
+alone, one thread). Taking runs in turn, rather than half each, keeps the batch going at the caller's pace when the helper
 is late to be scheduled on a loaded machine, and the caller waits at the end for at most the one run the helper
 is reading. A helper only pays with a core free for it: with both threads on one busy core (load 12-13 on this
 2-core machine) a 16-token batch took 1.27 ms with it against 0.86 ms without (the GIL handed back and forth at every
@@ -73,6 +75,15 @@ Python around it another few; on the AMD EPYC measured a 384 KiB record read and
 four at a time 0.090 and sixteen 0.090 (the hash from L3 no dearer than from L2; a raw read of the same records
 0.076 one by one, 0.071 sixteen at a time: docs/benchmarks/pool.md, nineteenth pass). Four, not the batch's
 sixteen: the helper thread takes runs in turn with the caller, so a batch is cut into several."""
+HELPED_RUN_BYTES = 3 << 18
+"""``RUN_BYTES`` on the two-thread way: two 16-token records of the ``small`` preset, so a batch of sixteen is eight
+runs for the two threads to take in turn, not four: with four, a thread late to take its second run leaves the
+other waiting up to a whole run at the end. On the AMD EPYC with the measuring process given the CPU (its
+autogroup at nice -15 beside other sessions at load 6.4-6.9, five rounds, three runs: the nearest to a quiet
+machine to be had) a 16-token batch read 7.8-10.1 GB/s (median) in runs of four, 10.7-11.4 in runs of two, 9.2 in
+runs of three and 9.5 a record at a time, against 9.2-9.3 on one thread and a raw read of 13.8-14.1
+(docs/benchmarks/pool.md, twentieth pass). One thread alone keeps ``RUN_BYTES`` (runs of two cost it 2-3% more
+CPU)."""
 RUN_RECORDS = 64
 """At most this many records in one run (a ``preadv`` takes at most ``IOV_MAX``, 1024, buffers)."""
 PAGE_BYTES = 4096
@@ -254,20 +265,21 @@ def read_run(fd: int, outs: Sequence[np.ndarray], offset: int, on_cold: Callable
     return results
 
 
-def _runs(reads: Sequence[tuple[int, int, np.ndarray]],
-          addresses: Sequence[int] | None = None) -> list[tuple[int, int]]:
+def _runs(reads: Sequence[tuple[int, int, np.ndarray]], addresses: Sequence[int] | None = None,
+          most: int | None = None) -> list[tuple[int, int]]:
     """``read_many``'s reads cut into ``(first, count)`` runs: records lying end to end in one shard, in the order
     given, each up to ``ONE_READ_BYTES`` and none at a slow distance from its source (``aliased``, written out
-    here: this loop is a share of a 16-token get's Python), up to ``RUN_BYTES`` and ``RUN_RECORDS`` a run; any
-    other read is a run of its own. ``addresses``: where each ``out`` starts, when the caller knows (else looked up
-    here, about 0.7 us each)."""
+    here: this loop is a share of a 16-token get's Python), up to ``most`` bytes (``RUN_BYTES`` unless told) and
+    ``RUN_RECORDS`` a run; any other read is a run of its own. ``addresses``: where each ``out`` starts, when the
+    caller knows (else looked up here, about 0.7 us each)."""
+    most = RUN_BYTES if most is None else most
     runs: list[tuple[int, int]] = []
     end_shard, end_offset, run_bytes, count = -1, -1, 0, 0  # where the last run ends (-1: it takes no more)
     for i, (shard, offset, out) in enumerate(reads):
         n = out.size
         if 0 < n <= ONE_READ_BYTES and not 0 < ((writable_address(out) if addresses is None else addresses[i])
                                                  - offset) % PAGE_BYTES < ALIASED_BYTES:
-            if shard == end_shard and offset == end_offset and run_bytes + n <= RUN_BYTES and count < RUN_RECORDS:
+            if shard == end_shard and offset == end_offset and run_bytes + n <= most and count < RUN_RECORDS:
                 run_bytes += n
                 count += 1
             else:
@@ -450,16 +462,16 @@ class ShardReader:
                   addresses: Sequence[int] | None = None) -> list[ReadResult]:
         """Read and hash each ``(shard, offset, out)`` chunk, on this thread and, when ``Pace`` finds it faster, a
         helper thread, each taking the next run (module docstring); the result of each, in order. Records lying
-        end to end in a shard, in the order given, are read a run at a time (``read_run``, ``RUN_BYTES``). Every
-        read has ended when this returns, so nothing writes into an ``out`` after it. ``addresses``: where each
-        ``out`` starts, when the caller knows (a batch's staging rows: one lookup for all). A batch spanning more shard
-        files than stay open is read on this thread alone (the descriptors are all opened first, here, so the
-        helper never touches the descriptor cache)."""
+        end to end in a shard, in the order given, are read a run at a time (``read_run``, ``RUN_BYTES``, or
+        ``HELPED_RUN_BYTES`` on two threads). Every read has ended when this returns, so nothing writes into an
+        ``out`` after it. ``addresses``: where each ``out`` starts, when the caller knows (a batch's staging rows:
+        one lookup for all). A batch spanning more shard files than stay open is read on this thread alone (the
+        descriptors are all opened first, here, so the helper never touches the descriptor cache)."""
         results: list[ReadResult] = [None] * len(reads)
-        runs = _runs(reads, addresses)
+        helped = len(reads) > 1 and self._pace.helped()
+        runs = _runs(reads, addresses, HELPED_RUN_BYTES if helped else RUN_BYTES)
+        helped = helped and len(runs) > 1  # (one run: nothing to share)
         on_cold = self._advise_wanted if self._wanted else None
-
-        helped = len(runs) > 1 and self._pace.helped()
         native = helped and xxh3_nogil.hash_at is not None  # hashes without the GIL: both threads hash at once
 
         def read(first: int, count: int, fd: int) -> None:
