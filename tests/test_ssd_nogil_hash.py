@@ -1,9 +1,9 @@
 """The SSD tier's two-thread read hashes without the GIL (``xxh3_nogil``: the ``xxhash`` extension's own XXH3-128
 exports called through ``ctypes``; issue 15, twentieth pass). Its digests must be the package's, word for word in
 the order the frame header stores them, for every length XXH3 treats apart (0-16, 17-128, 129-240, longer, a
-partial stripe, a partial block), one-shot and streamed; every read path that takes it (a run, a record alone, a
-large record in steps, an aliased destination through the bounce buffer) must give the bytes and checksum of the
-package's path; a damaged record read this way is never served; and where the exports cannot be bound the reads
+partial stripe, a partial block); every read path that takes it (a run, a record alone, an aliased destination
+through the bounce buffer; a large record in steps keeps the package's hash) must give the bytes and checksum of
+the package's path; a damaged record read this way is never served; and where the exports cannot be bound the reads
 fall back to the package with one log line."""
 
 import ctypes
@@ -48,28 +48,11 @@ def test_the_exports_give_the_packages_digest_in_the_headers_word_order():
 
 
 @needs_exports
-def test_the_streamed_hash_in_any_steps_is_the_one_shot_hash():
-    data = np.random.default_rng(12).integers(0, 256, 3 * READ_STEP_BYTES + 777, dtype=np.uint8)
-    at = address(data)
-    for step in (1, 63, 64, 240, 1024, 4096 + 3, READ_STEP_BYTES):
-        hasher = xxh3_nogil.thread_hasher()
-        for start in range(0, min(data.size, 200 * step), step):
-            n = min(step, data.size - start)
-            hasher.update(at + start, n)
-        end = min(data.size, 200 * step)
-        assert hasher.digest() == reference(data[:end]), step
-    again = xxh3_nogil.thread_hasher()  # reset: a second record's hash does not carry the first's state
-    again.update(at, 1000)
-    assert again.digest() == reference(data[:1000])
-
-
-@needs_exports
 def test_the_calls_release_the_gil():
     """``ctypes`` releases the GIL around a call of a ``CDLL`` function, not of a ``PyDLL`` one (the flag it
     checks): what lets the two threads of ``read_many`` hash at once."""
     library = xxh3_nogil._LIBRARY
-    for function in (library.oneshot, library.update):
-        assert not function._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+    assert not library.oneshot._flags_ & ctypes._FUNCFLAG_PYTHONAPI
 
 
 @pytest.fixture
@@ -85,14 +68,21 @@ def data_file(tmp_path):
 @needs_exports
 @pytest.mark.parametrize("n", [1000, PAGE_BYTES, ONE_READ_BYTES, ONE_READ_BYTES + 1, 2 * ONE_READ_BYTES + 999])
 @pytest.mark.parametrize("page_offset", [0, 16, 2048])  # 16: aliased, through the bounce buffer
-def test_a_record_read_alone_hashed_without_the_gil_is_the_packages_read(data_file, n, page_offset):
+def test_a_record_read_alone_hashed_without_the_gil_is_the_packages_read(data_file, monkeypatch, n, page_offset):
+    """Up to ``ONE_READ_BYTES`` (read at once) the record is hashed by the export; a larger one, read in steps, by
+    the package (cheaper there)."""
     fd, data = data_file
+    calls = []
+    real = xxh3_nogil.hash_at
+    monkeypatch.setattr(xxh3_nogil, "hash_at", lambda at, size: calls.append(size) or real(at, size))
     for offset in (0, PAGE_BYTES):
         outs = {}
         for native in (False, True):
+            calls.clear()
             out = page_aligned_empty((n,), np.uint8, page_offset)
             got = read_with_checksum(fd, out, offset, native=native)
             assert got == checksum(data[offset : offset + n]) and (out == data[offset : offset + n]).all()
+            assert calls == ([n] if native and n <= ONE_READ_BYTES else [])
             outs[native] = got
         assert outs[True] == outs[False]
     short = page_aligned_empty((n,), np.uint8, page_offset)  # the file ends inside it: None, as the package's
