@@ -27,8 +27,8 @@ A batch of several runs is read on two threads at once (``read_many``): the call
 hash on this way: the ``xxhash`` package's own call holds it (two threads hashing took twice one's wall), so this way
 calls the library's XXH3-128 through ``ctypes`` (``xxh3_nogil``; the package's call where it cannot be bound), and
 with a core free a batch costs about half its copy-and-hash time in wall (a raw read of the same bytes is the copy
-alone, one thread). Taking runs in turn, rather than half each, keeps the batch going at the caller's pace when the helper
-is late to be scheduled on a loaded machine, and the caller waits at the end for at most the one run the helper
+alone, one thread). Taking runs in turn, rather than half each, keeps the batch going at the caller's pace when the
+helper is late to be scheduled on a loaded machine, and the caller waits at the end for at most the one run the helper
 is reading. A helper only pays with a core free for it: with both threads on one busy core (load 12-13 on this
 2-core machine) a 16-token batch took 1.27 ms with it against 0.86 ms without (the GIL handed back and forth at every
 read and hash). So each batch goes the way that has read faster lately (``Pace``: the median seconds per byte of
