@@ -185,9 +185,9 @@ def test_read_many_on_two_threads_is_each_read_alone(tmp_path, monkeypatch):
     helper_reads = []
     real = shard_reader.read_with_checksum
 
-    def counted(fd, out, offset, on_cold=None):
+    def counted(fd, out, offset, on_cold=None, native=False):
         helper_reads.append(threading.current_thread().name.startswith("ssd-read"))
-        return real(fd, out, offset, on_cold)
+        return real(fd, out, offset, on_cold, native)
 
     monkeypatch.setattr(shard_reader, "read_with_checksum", counted)
     for max_open, helped in ((32, True), (32, False), (1, True)):
@@ -205,10 +205,10 @@ def test_read_many_on_two_threads_is_each_read_alone(tmp_path, monkeypatch):
         if not helped or max_open == 1:  # (with the helper, how many it takes depends on when it is scheduled)
             assert not any(helper_reads)
 
-    def out_of_memory(fd, out, offset, on_cold=None):
+    def out_of_memory(fd, out, offset, on_cold=None, native=False):
         if offset == 4096:
             raise OSError(errno.ENOMEM, "Cannot allocate memory")
-        return real(fd, out, offset, on_cold)
+        return real(fd, out, offset, on_cold, native)
 
     monkeypatch.setattr(shard_reader, "MAX_OPEN_FILES", 32)
     monkeypatch.setattr(shard_reader, "read_with_checksum", out_of_memory)
@@ -239,7 +239,8 @@ def test_a_record_read_ahead_is_read_again_once_it_has_moved(tmp_path):
 def test_pace_reads_each_batch_the_way_that_has_been_faster_and_tries_the_other():
     """Both ways taken in turn until each has half a window of batches; then the faster by median seconds per byte,
     the slower one tried every ``explore_every`` batches (so a freed or taken core is noticed), every
-    ``far_explore_every`` when it is more than ``far`` times slower; a way that turns slower loses its place."""
+    ``far_explore_every`` when it is more than ``far`` times slower; a way that turns slower loses its place; a try
+    of the slower way that beats the faster way has its old figures forgotten (the machine changed)."""
     pace = shard_reader.Pace()
     ways = []
     for _ in range(pace.window):
@@ -263,6 +264,14 @@ def test_pace_reads_each_batch_the_way_that_has_been_faster_and_tries_the_other(
         tried.append(pace.helped())
         pace.took(tried[-1], 9.0 if tried[-1] else 3.0, 1000)
     assert tried.count(True) == 2
+    freed = []  # the core is freed: the helper's next try beats the caller alone, and the helper is taken again
+    for _ in range(2 * pace.far_explore_every):  # at once, not after half a window of tries 64 batches apart
+        freed.append(pace.helped())
+        pace.took(freed[-1], 1.0 if freed[-1] else 3.0, 1000)
+    first = freed.index(True)
+    assert first < pace.far_explore_every
+    after = freed[first + pace.window // 2 :]
+    assert after.count(False) <= len(after) // pace.explore_every + 1
 
 
 @pytest.mark.parametrize("helped", [True, False])

@@ -123,8 +123,8 @@ def test_runs_are_cut_where_records_stop_lying_end_to_end():
 
 def test_a_batch_get_reads_a_run_with_one_call_and_serves_every_block(tmp_path, monkeypatch):
     """16 blocks of 32 KiB written by one call lie end to end: one ``preadv`` for all of them (512 KiB, one run), or
-    one per run of four with runs of 128 KiB, on one thread or two; every block bit for bit, the counters those of
-    16 hits a get."""
+    one per run of four with runs of 128 KiB, on one thread or two, or one per run of two on two threads told runs
+    of 64 KiB (``HELPED_RUN_BYTES``); every block bit for bit, the counters those of 16 hits a get."""
     real = os.preadv
     calls = []
 
@@ -138,8 +138,11 @@ def test_a_batch_get_reads_a_run_with_one_call_and_serves_every_block(tmp_path, 
         pool.put_many(keys, blocks)
         monkeypatch.setattr(shard_reader.os, "preadv", preadv)
         gets = 0
-        for run_bytes, runs in ((RUN_BYTES, [16]), (4 * SPEC.nbytes, [4, 4, 4, 4])):
+        for run_bytes, helped_run_bytes, runs, helped_runs in ((RUN_BYTES, RUN_BYTES, [16], [16]),
+                                                               (4 * SPEC.nbytes, 4 * SPEC.nbytes, [4] * 4, [4] * 4),
+                                                               (4 * SPEC.nbytes, 2 * SPEC.nbytes, [4] * 4, [2] * 8)):
             monkeypatch.setattr(shard_reader, "RUN_BYTES", run_bytes)
+            monkeypatch.setattr(shard_reader, "HELPED_RUN_BYTES", helped_run_bytes)  # the two-thread way's runs
             for helped in (False, True):
                 monkeypatch.setattr(shard_reader.Pace, "helped", lambda self, helped=helped: helped)
                 calls.clear()
@@ -147,7 +150,7 @@ def test_a_batch_get_reads_a_run_with_one_call_and_serves_every_block(tmp_path, 
                 got = pool.get_many(keys, staging)
                 gets += 1
                 assert all(np.array_equal(g, b) for g, b in zip(got, blocks))
-                assert sorted(calls) == runs
+                assert sorted(calls) == (helped_runs if helped else runs)
         counters = pool.counters()["ssd"]
         assert counters.hits == gets * len(keys) and counters.misses == 0 and counters.corrupt == 0
         assert counters.bytes_read == gets * len(keys) * pool.record_bytes

@@ -23,10 +23,12 @@ a time (``read_run``, ``RUN_BYTES``): one ``preadv`` into their several destinat
 pass).
 
 A batch of several runs is read on two threads at once (``read_many``): the caller and one helper thread
-each take the next run not yet taken, read and hash it; ``preadv`` and XXH3 both release the GIL, so with a core
-free a batch costs about half its copy-and-hash time in wall (a raw read of the same bytes is the copy alone, one
-thread). Taking runs in turn, rather than half each, keeps the batch going at the caller's pace when the helper
-is late to be scheduled on a loaded machine, and the caller waits at the end for at most the one run the helper
+(``Helper``) each take the next run not yet taken, read and hash it. ``preadv`` releases the GIL, and so does the
+hash on this way: the ``xxhash`` package's own call holds it (two threads hashing took twice one's wall), so this way
+calls the library's XXH3-128 through ``ctypes`` (``xxh3_nogil``; the package's call where it cannot be bound), and
+with a core free a batch costs about half its copy-and-hash time in wall (a raw read of the same bytes is the copy
+alone, one thread). Taking runs in turn, rather than half each, keeps the batch going at the caller's pace when the
+helper is late to be scheduled on a loaded machine, and the caller waits at the end for at most the one run the helper
 is reading. A helper only pays with a core free for it: with both threads on one busy core (load 12-13 on this
 2-core machine) a 16-token batch took 1.27 ms with it against 0.86 ms without (the GIL handed back and forth at every
 read and hash). So each batch goes the way that has read faster lately (``Pace``: the median seconds per byte of
@@ -46,12 +48,12 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
 from xxhash import xxh3_128, xxh3_128_intdigest
 
+from mooncake_jax.transfer import xxh3_nogil
 from mooncake_jax.transfer.checksum import LOW_WORD, fill_with_checksum, split_digest
 from mooncake_jax.transfer.stream_copy import streaming_copy, writable_address
 
@@ -73,6 +75,15 @@ Python around it another few; on the AMD EPYC measured a 384 KiB record read and
 four at a time 0.090 and sixteen 0.090 (the hash from L3 no dearer than from L2; a raw read of the same records
 0.076 one by one, 0.071 sixteen at a time: docs/benchmarks/pool.md, nineteenth pass). Four, not the batch's
 sixteen: the helper thread takes runs in turn with the caller, so a batch is cut into several."""
+HELPED_RUN_BYTES = 3 << 18
+"""``RUN_BYTES`` on the two-thread way: two 16-token records of the ``small`` preset, so a batch of sixteen is eight
+runs for the two threads to take in turn, not four: with four, a thread late to take its second run leaves the
+other waiting up to a whole run at the end. On the AMD EPYC with the measuring process given the CPU (its
+autogroup at nice -15 beside other sessions at load 6.4-6.9, five rounds, three runs: the nearest to a quiet
+machine to be had) a 16-token batch read 7.8-10.1 GB/s (median) in runs of four, 10.7-11.4 in runs of two, 9.2 in
+runs of three and 9.5 a record at a time, against 9.2-9.3 on one thread and a raw read of 13.8-14.1
+(docs/benchmarks/pool.md, twentieth pass). One thread alone keeps ``RUN_BYTES`` (runs of two cost it 2-3% more
+CPU)."""
 RUN_RECORDS = 64
 """At most this many records in one run (a ``preadv`` takes at most ``IOV_MAX``, 1024, buffers)."""
 PAGE_BYTES = 4096
@@ -144,25 +155,27 @@ def _bounce(offset: int, n: int) -> tuple[np.ndarray, int]:
     return buffer[shift : shift + n], at + shift
 
 
-def _read_bounced(fd: int, out: np.ndarray, at: int, offset: int,
-                  on_cold: Callable[[], None] | None) -> tuple[int, int] | None:
+def _read_bounced(fd: int, out: np.ndarray, at: int, offset: int, on_cold: Callable[[], None] | None,
+                  native: bool = False) -> tuple[int, int] | None:
     """``read_with_checksum`` for an ``out`` (starting at address ``at``) at a slow distance from its source
     (``aliased``): read into the bounce buffer (a record up to ``ONE_READ_BYTES`` at once, a larger one in
     ``READ_STEP_BYTES`` steps), hashed there from cache and copied on into ``out`` with streaming stores
     (``stream_copy.py``; ``memcpy`` where that copy is missing, at a fast distance too): an extra copy from cache
-    instead of a slow kernel copy."""
+    instead of a slow kernel copy. ``native``: a record read at once is hashed without the GIL
+    (``read_with_checksum``)."""
     n = out.size
     copy = streaming_copy()
+    hash_at = xxh3_nogil.hash_at if native else None
     if n <= ONE_READ_BYTES:
         bounce, bounce_at = _bounce(offset, n)
         if _pread(fd, bounce, offset, on_cold) != n:
             return None
-        digest = xxh3_128_intdigest(bounce)
+        digest = split_digest(xxh3_128_intdigest(bounce)) if hash_at is None else hash_at(bounce_at, n)
         if copy is None:
             out[:] = bounce
         else:
             copy(at, bounce_at, n)
-        return split_digest(digest)
+        return digest
     bounce, bounce_at = _bounce(offset, READ_STEP_BYTES)
     hasher = xxh3_128()
     for start in range(0, n, READ_STEP_BYTES):
@@ -177,32 +190,40 @@ def _read_bounced(fd: int, out: np.ndarray, at: int, offset: int,
     return split_digest(hasher.intdigest())
 
 
-def read_with_checksum(fd: int, out: np.ndarray, offset: int,
-                       on_cold: Callable[[], None] | None = None) -> tuple[int, int] | None:
+def read_with_checksum(fd: int, out: np.ndarray, offset: int, on_cold: Callable[[], None] | None = None,
+                       native: bool = False) -> tuple[int, int] | None:
     """Read ``out.size`` bytes of ``fd`` at ``offset`` into ``out`` (flat uint8) and return their XXH3-128 digest
     as ``(high, low)``; None when the file ends first (a shard file cut short). ``on_cold``: called when a part is
     not in the page cache, before it is read from the device. An ``out`` at a slow distance from the page cache
-    (``aliased``) is read through a bounce buffer."""
+    (``aliased``) is read through a bounce buffer. ``native``: a record read at once (up to ``ONE_READ_BYTES``) is
+    hashed without the GIL (``xxh3_nogil``, where it can be bound), so another thread can read or hash meanwhile:
+    the two-thread way of ``read_many``. A larger record, read in ``READ_STEP_BYTES`` steps, is hashed by the
+    package either way: with the GIL released its steps' hashes cost more than they gave (a 128-token batch on two
+    threads 0.185 against 0.163 CPU s/GB and 9.0-9.3 against 9.7-10.1 GB/s, two runs, twentieth pass)."""
     n = out.size
     at = writable_address(out) if n else 0  # (ctypes takes no empty buffer)
+    native = native and xxh3_nogil.hash_at is not None
     if aliased(at, offset):
-        return _read_bounced(fd, out, at, offset, on_cold)
+        return _read_bounced(fd, out, at, offset, on_cold, native)
     if n <= ONE_READ_BYTES:  # one read, hashed from cache (a 16-token block)
         if _pread(fd, out, offset, on_cold) != n:
             return None
-        return split_digest(xxh3_128_intdigest(out))
+        return split_digest(xxh3_128_intdigest(out)) if not native else xxh3_nogil.hash_at(at, n)
     return fill_with_checksum(out, lambda step, start: _pread(fd, step, offset + start, on_cold) == step.size,
                               READ_STEP_BYTES)
 
 
-def read_run(fd: int, outs: Sequence[np.ndarray], offset: int,
-             on_cold: Callable[[], None] | None = None) -> list[ReadResult]:
+def read_run(fd: int, outs: Sequence[np.ndarray], offset: int, on_cold: Callable[[], None] | None = None,
+             addresses: Sequence[int] | None = None) -> list[ReadResult]:
     """Read records lying end to end in ``fd`` from ``offset`` into ``outs`` (flat uint8, each up to
     ``ONE_READ_BYTES``, none at a slow distance from its source: ``aliased``) with one ``preadv``, then hash each
     (``RUN_BYTES``); the result of each as ``read_many`` gives it. With ``on_cold``, the ``preadv`` does not wait for
     the device: when the page cache did not hold the whole run, ``on_cold`` is called and the records that did not
     land whole are read one by one (``read_with_checksum``, waiting), as are all of them when the run's ``preadv``
-    fails (each then meets its own error) or the file ends inside it."""
+    fails (each then meets its own error) or the file ends inside it. ``addresses``: where each out starts; given,
+    the records are hashed without the GIL (``xxh3_nogil``, where it can be bound: the two-thread way of
+    ``read_many``)."""
+    hash_at = xxh3_nogil.hash_at if addresses is not None else None
     got = 0
     try:
         if on_cold is not None and _NOWAIT is not None:
@@ -216,37 +237,41 @@ def read_run(fd: int, outs: Sequence[np.ndarray], offset: int,
         got = 0
     results: list[ReadResult] = []
     start = 0
-    for out in outs:
+    for j, out in enumerate(outs):
         end = start + out.size
         if end <= got:
-            digest = xxh3_128_intdigest(out)
-            results.append((digest >> 64, digest & LOW_WORD))  # split_digest, written out
+            if hash_at is None:
+                digest = xxh3_128_intdigest(out)
+                results.append((digest >> 64, digest & LOW_WORD))  # split_digest, written out
+            else:
+                results.append(hash_at(addresses[j], out.size))
         else:
             if on_cold is not None:
                 on_cold()  # (once: it hands the wanted runs to the kernel and forgets them)
                 on_cold = None
             try:
-                results.append(read_with_checksum(fd, out, offset + start))
+                results.append(read_with_checksum(fd, out, offset + start, native=hash_at is not None))
             except OSError as err:
                 results.append(read_result(err))
         start = end
     return results
 
 
-def _runs(reads: Sequence[tuple[int, int, np.ndarray]],
-          addresses: Sequence[int] | None = None) -> list[tuple[int, int]]:
+def _runs(reads: Sequence[tuple[int, int, np.ndarray]], addresses: Sequence[int] | None = None,
+          most: int | None = None) -> list[tuple[int, int]]:
     """``read_many``'s reads cut into ``(first, count)`` runs: records lying end to end in one shard, in the order
     given, each up to ``ONE_READ_BYTES`` and none at a slow distance from its source (``aliased``, written out
-    here: this loop is a share of a 16-token get's Python), up to ``RUN_BYTES`` and ``RUN_RECORDS`` a run; any
-    other read is a run of its own. ``addresses``: where each ``out`` starts, when the caller knows (else looked up
-    here, about 0.7 us each)."""
+    here: this loop is a share of a 16-token get's Python), up to ``most`` bytes (``RUN_BYTES`` unless told) and
+    ``RUN_RECORDS`` a run; any other read is a run of its own. ``addresses``: where each ``out`` starts, when the
+    caller knows (else looked up here, about 0.7 us each)."""
+    most = RUN_BYTES if most is None else most
     runs: list[tuple[int, int]] = []
     end_shard, end_offset, run_bytes, count = -1, -1, 0, 0  # where the last run ends (-1: it takes no more)
     for i, (shard, offset, out) in enumerate(reads):
         n = out.size
         if 0 < n <= ONE_READ_BYTES and not 0 < ((writable_address(out) if addresses is None else addresses[i])
                                                  - offset) % PAGE_BYTES < ALIASED_BYTES:
-            if shard == end_shard and offset == end_offset and run_bytes + n <= RUN_BYTES and count < RUN_RECORDS:
+            if shard == end_shard and offset == end_offset and run_bytes + n <= most and count < RUN_RECORDS:
                 run_bytes += n
                 count += 1
             else:
@@ -307,8 +332,21 @@ class Pace:
             return faster != (self._batches % every == 0)
 
     def took(self, helped: bool, seconds: float, nbytes: int) -> None:
+        """A batch read ``helped`` or not took ``seconds`` for ``nbytes``. A try of the slower way that beats the
+        faster way's median says the machine changed (a core freed, or taken): the tried way's older figures are
+        forgotten, so it is taken in turn until it has half a window again, and then the medians decide. Without
+        it a way that once read slow (a far-slower helper, tried every ``far_explore_every`` batches) needed half
+        its window of tries to move its median: 320 batches, ten of the benchmark's 32-batch trials. Both quiet
+        runs of the seventeenth session read their first 16-token trial with the helper (10.0-10.5 GB/s, 1.5 cores)
+        and the other four alone (8.6-9.0 GB/s, one core): likely one slow spell, never forgotten."""
         with self._lock:
-            self._seconds_per_byte[helped].append(seconds / max(nbytes, 1))
+            rate = seconds / max(nbytes, 1)
+            mine, other = self._seconds_per_byte[helped], self._seconds_per_byte[not helped]
+            if min(len(mine), len(other)) >= self.window // 2:
+                theirs = statistics.median(other)
+                if rate < theirs < statistics.median(mine):
+                    mine.clear()
+            mine.append(rate)
 
 
 PACE = Pace()
@@ -326,6 +364,60 @@ def pace_for(record_bytes: int) -> Pace:
         return pace
 
 
+class Helper:
+    """One thread that runs a batch's ``work`` beside the caller when told, handed it through two bare locks: a
+    round trip (told, done, waited for) cost about 17 us of CPU against 41 us through a one-thread
+    ``ThreadPoolExecutor`` (``submit`` and ``wait``: a future, a queue and a condition each time), measured on the
+    AMD EPYC at load 3.5; per 16-token batch that is 0.004 CPU s/GB (twentieth pass). ``start`` hands it the work;
+    ``finish`` either takes the work back (``go`` acquired without waiting: the thread has not woken, and never
+    will for this batch, so a caller that did every run itself does not wait for a thread the machine has not
+    scheduled) or waits until it is done, then raises what it raised."""
+
+    def __init__(self) -> None:
+        self._go = threading.Lock()
+        self._go.acquire()
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._work: Callable[[], None] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="ssd-read", daemon=True)
+        self._thread.start()
+
+    def start(self, work: Callable[[], None]) -> None:
+        self._work = work
+        self._go.release()
+
+    def finish(self, raising: bool = True) -> None:
+        """Once ``start``'s work is not running and never will: taken back, or waited for; then what it raised is
+        raised (``raising``: not while the caller's own failure is on its way)."""
+        if self._go.acquire(blocking=False):
+            self._work = None  # never woken for it
+            return
+        self._done.acquire()
+        error, self._error = self._error, None
+        if error is not None and raising:
+            raise error
+
+    def _loop(self) -> None:
+        while True:
+            self._go.acquire()
+            work, self._work = self._work, None
+            if work is None:  # closed
+                self._done.release()
+                return
+            try:
+                work()
+            except BaseException as err:  # noqa: BLE001 - handed to the caller by finish
+                self._error = err
+            self._done.release()
+
+    def close(self) -> None:
+        self._work = None
+        self._go.release()
+        self._done.acquire()
+        self._thread.join()
+
+
 class ShardReader:
     """Descriptors of one store's shard files, opened for reading on first use (``path_of(shard)`` names them)."""
 
@@ -333,7 +425,7 @@ class ShardReader:
         self._path_of = path_of
         self._open: OrderedDict[int, int] = OrderedDict()  # shard -> descriptor, least recently read first
         self._wanted: list[tuple[int, int, int]] = []  # (shard, offset, length) runs a batch is about to read
-        self._helper: ThreadPoolExecutor | None = None  # reads a batch's records beside the caller (read_many)
+        self._helper: Helper | None = None  # reads a batch's records beside the caller (read_many)
         self._pace = pace
         self._advising = threading.Lock()  # both threads of a read_many may find the page cache cold at once
 
@@ -362,27 +454,31 @@ class ShardReader:
                   addresses: Sequence[int] | None = None) -> list[ReadResult]:
         """Read and hash each ``(shard, offset, out)`` chunk, on this thread and, when ``Pace`` finds it faster, a
         helper thread, each taking the next run (module docstring); the result of each, in order. Records lying
-        end to end in a shard, in the order given, are read a run at a time (``read_run``, ``RUN_BYTES``). Every
-        read has ended when this returns, so nothing writes into an ``out`` after it. ``addresses``: where each
-        ``out`` starts, when the caller knows (a batch's staging rows: one lookup for all). A batch spanning more shard
-        files than stay open is read on this thread alone (the descriptors are all opened first, here, so the
-        helper never touches the descriptor cache)."""
+        end to end in a shard, in the order given, are read a run at a time (``read_run``, ``RUN_BYTES``, or
+        ``HELPED_RUN_BYTES`` on two threads). Every read has ended when this returns, so nothing writes into an
+        ``out`` after it. ``addresses``: where each ``out`` starts, when the caller knows (a batch's staging rows:
+        one lookup for all). A batch spanning more shard files than stay open is read on this thread alone (the
+        descriptors are all opened first, here, so the helper never touches the descriptor cache)."""
         results: list[ReadResult] = [None] * len(reads)
-        runs = _runs(reads, addresses)
+        helped = len(reads) > 1 and self._pace.helped()
+        runs = _runs(reads, addresses, HELPED_RUN_BYTES if helped else RUN_BYTES)
+        helped = helped and len(runs) > 1  # (one run: nothing to share)
         on_cold = self._advise_wanted if self._wanted else None
+        native = helped and xxh3_nogil.hash_at is not None  # hashes without the GIL: both threads hash at once
 
         def read(first: int, count: int, fd: int) -> None:
             shard, offset, out = reads[first]
             if count == 1:
                 try:
-                    results[first] = read_with_checksum(fd, out, offset, on_cold)
+                    results[first] = read_with_checksum(fd, out, offset, on_cold, native)
                 except OSError as err:
                     results[first] = read_result(err)
             else:
-                results[first : first + count] = read_run(fd, [item[2] for item in reads[first : first + count]],
-                                                          offset, on_cold)
+                outs = [item[2] for item in reads[first : first + count]]
+                at = None if not native else addresses[first : first + count] if addresses is not None \
+                    else [writable_address(out) for out in outs]
+                results[first : first + count] = read_run(fd, outs, offset, on_cold, at)
 
-        helped = len(runs) > 1 and self._pace.helped()
         shards = {shard for shard, _, _ in reads} if helped else ()
         if not helped or len(shards) > MAX_OPEN_FILES:  # past it, opening one might close another in use
             started = time.perf_counter()
@@ -423,16 +519,14 @@ class ShardReader:
                     read(first, count, fd)
 
         if self._helper is None:
-            self._helper = ThreadPoolExecutor(1, thread_name_prefix="ssd-read")
-        helping = self._helper.submit(work)
+            self._helper = Helper()
+        self._helper.start(work)
         try:
             work()
-        finally:
-            started_helping = not helping.cancel()  # started: reading at most one run, or finding none left
-            if started_helping:
-                wait([helping])  # even when this thread failed: nothing may write into an out once this returns
-        if started_helping:
-            helping.result()  # the helper's own failure (a read's OSError is its result, not this)
+        except BaseException:
+            self._helper.finish(raising=False)  # even when this thread failed: nothing may write into an out once
+            raise  # this returns
+        self._helper.finish()  # the helper's own failure (a read's OSError is its result, not this)
         self._pace.took(True, time.perf_counter() - started, sum(out.size for _, _, out in reads))
         return results
 
@@ -484,7 +578,7 @@ class ShardReader:
 
     def close(self) -> None:
         if self._helper is not None:
-            self._helper.shutdown()
+            self._helper.close()
             self._helper = None
         while self._open:
             os.close(self._open.popitem()[1])
