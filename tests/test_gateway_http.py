@@ -313,3 +313,30 @@ def test_answers_on_a_kept_alive_connection_are_not_held_by_nagle(gateway, backe
     finally:
         conn.close()
     assert statistics.median(latencies) < 0.02, latencies
+
+
+def test_a_stream_whose_client_left_before_its_first_chunk_still_ends_its_requests():
+    """The body's generator never starts (the first write fails), so only the response can unregister the request
+    and cancel its generation."""
+    import asyncio
+
+    from starlette.requests import ClientDisconnect
+
+    from mooncake_jax.gateway.http_server import _StreamOf
+
+    started, ended = [], []
+
+    async def body():
+        started.append(1)
+        yield b"data: {}\n\n"
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("the client is gone")
+
+    response = _StreamOf(body(), lambda: ended.append(1))
+    with pytest.raises(ClientDisconnect):
+        asyncio.run(response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send))
+    assert started == [] and ended == [1]

@@ -39,6 +39,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import uvicorn
@@ -293,20 +294,25 @@ class _Gateway:
         runs = [_Run(asyncio.Queue(), threading.Event()) for _ in parsed.choices]
         with self.lock:
             self.active.update((run.cancelled, run.queue) for run in runs)
-        for run, params in zip(runs, parsed.choices):
-            self.pool.submit(self._pump, loop, run.queue, lambda params=params: params, arrival, run.cancelled)
         watch = asyncio.create_task(_watch_disconnect(request, [run.cancelled for run in runs]))
         handed_over = False
         try:
+            for run, params in zip(runs, parsed.choices):
+                try:
+                    self.pool.submit(self._pump, loop, run.queue, lambda params=params: params, arrival,
+                                     run.cancelled)
+                except RuntimeError:  # the pool has shut down: the server is stopping
+                    raise Unavailable(_SHUTTING_DOWN) from None
             starts = [await self._next(run.queue, run.cancelled) for run in runs]
             firsts = [await self._next(run.queue, run.cancelled) for run in runs]
             request_id, created = starts[0].request_id, int(time.time())
             if parsed.stream:
                 watch.cancel()
-                handed_over = True  # the stream's generator unregisters the requests
-                return StreamingResponse(self._stream(request_id, parsed, runs, firsts, created, chat),
-                                         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                  REQUEST_ID_HEADER: given_id or request_id})
+                handed_over = True  # the response unregisters the requests when it ends
+                return _StreamOf(self._stream(request_id, parsed, runs, firsts, created, chat),
+                                 lambda: [self._done(run.cancelled) for run in runs],
+                                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                          REQUEST_ID_HEADER: given_id or request_id})
             choices, summaries = [], []
             for i, (run, event) in enumerate(zip(runs, firsts)):
                 events = []
@@ -468,8 +474,6 @@ class _Gateway:
         finally:
             for task in tasks:
                 task.cancel()
-            for run in runs:
-                self._done(run.cancelled)  # also when the client went away (the generator is closed)
         yield _DONE
 
     def _choice_events(self, runs: list, firsts: list):
@@ -503,6 +507,21 @@ class _Gateway:
 
         return next_merged, [asyncio.create_task(forward(i, run, first))
                              for i, (run, first) in enumerate(zip(runs, firsts))]
+
+
+class _StreamOf(StreamingResponse):
+    """A streamed answer that calls ``on_end`` however it ends: finished, failed, or its client gone, also before
+    the body's first chunk (a body generator that never started never runs its own ``finally``)."""
+
+    def __init__(self, body, on_end: Callable[[], object], **kwargs):
+        super().__init__(body, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
 
 
 @dataclasses.dataclass
