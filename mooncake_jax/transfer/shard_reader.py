@@ -24,9 +24,9 @@ pass).
 
 A batch of several runs is read on two threads at once (``read_many``): the caller and one helper thread
 (``Helper``) each take the next run not yet taken, read and hash it. ``preadv`` releases the GIL, and so does the
-hash on this way: the ``xxhash`` package's one-shot call holds it (two threads hashing took twice one's wall), so this
-way calls the library's XXH3-128 through ``ctypes`` (``xxh3_nogil``; the package's call where it cannot be bound), and
-with a core free a batch costs about half its copy-and-hash time in wall (a raw read of the same bytes is the copy
+hash: this way calls the library's XXH3-128 through ``ctypes`` (``xxh3_nogil``, which says why and what is not known
+about it; the package's call, which releases the GIL itself over 64 KiB, where it cannot be bound), and with a core
+free a batch costs about half its copy-and-hash time in wall (a raw read of the same bytes is the copy
 alone, one thread). Taking runs in turn, rather than half each, keeps the batch going at the caller's pace when the
 helper is late to be scheduled on a loaded machine, and the caller waits at the end for at most the one run the helper
 is reading. A helper only pays with a core free for it: with both threads on one busy core (load 12-13 on this
@@ -158,7 +158,8 @@ def _bounce(offset: int, n: int) -> tuple[np.ndarray, int]:
 
 def _digest(buf: np.ndarray, at: int, native: bool) -> Digest:
     """``buf``'s XXH3-128 digest as ``(high, low)``: ``native``, without the GIL (``xxh3_nogil.hash_at``, which the
-    caller has checked is bound; ``at``: where ``buf`` starts), else by the package, with the GIL held."""
+    caller has checked is bound; ``at``: where ``buf`` starts), else by the package (which holds the GIL for 64
+    KiB and under)."""
     if native:
         return xxh3_nogil.hash_at(at, buf.size)
     digest = xxh3_128_intdigest(buf)
@@ -207,7 +208,7 @@ def read_with_checksum(fd: int, out: np.ndarray, offset: int, on_cold: Callable[
     (``aliased``) is read through a bounce buffer. ``native``: a record read at once (up to ``ONE_READ_BYTES``) is
     hashed without the GIL (``xxh3_nogil``, where it can be bound), so another thread can read or hash meanwhile:
     the two-thread way of ``read_many``. A larger record, read in ``READ_STEP_BYTES`` steps, is hashed by the
-    package's ``xxh3_128().update`` either way, which releases the GIL itself for steps of 64 KiB or more
+    package's ``xxh3_128().update`` either way, which releases the GIL itself for steps over 64 KiB
     (``xxh3_nogil``): its steps hashed through the ``ctypes`` binding's streaming calls instead cost more than they
     gave (a 128-token batch on two threads 0.185 against 0.163 CPU s/GB and 9.0-9.3 against 9.7-10.1 GB/s, two runs,
     twentieth pass: both ways without the GIL, the binding's dearer per call)."""
