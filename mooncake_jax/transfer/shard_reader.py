@@ -301,7 +301,9 @@ class Pace:
     """Which way of reading a batch has been faster lately: with the helper thread (True) or on the caller's thread
     alone (False), by the median seconds per byte of each way's last ``window`` batches; until each way has
     ``window // 2`` of them the ways take turns, and afterwards the slower way is tried every ``explore_every``
-    batches, so a change of load (a core freed or taken) is seen within a few dozen batches. One per process and
+    batches, so a change of load (a core freed or taken) is seen within a few dozen batches; a batch is counted
+    only where it could be shared, and then always recorded (``read_many``: its tries are not spent on batches it
+    never hears of). One per process and
     record size (``pace_for``), shared by every store of that size: whether a core is free for the helper is the
     machine's state, not a store's, and a store opened for a few batches finds it learnt; but seconds per byte
     differ with the record size (a 3 MiB record is read by 1 MiB ``preadv``s, a 384 KiB one in one, with the
