@@ -164,3 +164,18 @@ def test_a_reader_dropped_without_close_ends_its_helper_thread(shards):
     gc.collect()
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_a_batch_under_one_helped_run_in_all_is_read_alone_unasked_even_in_several_runs(shards, run_sizes):
+    """Two 384 KiB records apart in the file: two runs, 768 KiB in all, too small to share: no question, no
+    figure, read alone."""
+    path_of, data = shards
+    pace = Asked(True)
+    reader = ShardReader(path_of, pace)
+    try:
+        reads, addresses = batch([(0, 1), (0, 5)])
+        check(reader.read_many(reads, addresses), reads, data)
+        assert reader._helper is None
+    finally:
+        reader.close()
+    assert pace.asked == 0 and pace.told == [] and run_sizes == []

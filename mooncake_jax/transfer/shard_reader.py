@@ -514,23 +514,25 @@ class ShardReader:
         one would hash other memory, or fault: their count is checked, and each run's first address against its
         ``out`` (``ValueError``; a lookup per run, about 0.7 us).
 
-        Only a batch that is more than one run at ``HELPED_RUN_BYTES`` could be shared, so only such a batch asks
-        ``Pace`` which way to go and records the time it took, under the way it went (read alone, it is cut again
-        at ``RUN_BYTES``): every answer ``Pace`` gives is followed by a figure, so its tries of the slower way are
-        not spent on batches that record nothing (a 2-record 16-token batch is one run either way), and a batch
-        one run alone is recorded whichever way it went. A batch spanning more shard files than stay open is read
+        Only a batch of several records over ``HELPED_RUN_BYTES`` in all is sure to be more than one run on the
+        two-thread way, so only such a batch asks ``Pace`` which way to go, and it records the time it took under
+        the way it went, cut at that way's run size: every answer ``Pace`` gives is followed by a figure, so its
+        tries of the slower way are not spent on batches that record nothing (a 2-record 16-token batch, 768 KiB,
+        is one run either way), and a batch that is one run alone (3-4 such records) is recorded whichever way it
+        went. The total decides, not a first cut at ``HELPED_RUN_BYTES`` (a second cut, about 4 us, cost the
+        one-thread way of a 16-token batch 1-2% of its CPU): a batch of several runs under it (records apart in the
+        file) is read alone unasked, as too small to share. A batch spanning more shard files than stay open is read
         on this thread alone and recorded under neither way (the descriptors of the two-thread way are all opened
         first, here, so the helper never touches the descriptor cache, and opening more than stay open might
         close one in use); it does not ask ``Pace``."""
         results: list[ReadResult] = [None] * len(reads)
         if addresses is not None and len(addresses) != len(reads):
             raise ValueError(f"{len(addresses)} addresses for {len(reads)} reads")
-        runs = _runs(reads, addresses, HELPED_RUN_BYTES) if len(reads) > 1 else [(0, len(reads))] if reads else []
-        paced = len(runs) > 1 and (len(reads) <= MAX_OPEN_FILES or
-                                   len({shard for shard, _, _ in reads}) <= MAX_OPEN_FILES)
+        nbytes = sum(out.size for _, _, out in reads) if len(reads) > 1 else 0
+        paced = nbytes > HELPED_RUN_BYTES and (len(reads) <= MAX_OPEN_FILES or
+                                               len({shard for shard, _, _ in reads}) <= MAX_OPEN_FILES)
         helped = paced and self._pace.helped()
-        if not helped and len(runs) > 1:
-            runs = _runs(reads, addresses, RUN_BYTES)
+        runs = _runs(reads, addresses, HELPED_RUN_BYTES if helped else RUN_BYTES)
         on_cold = self._advise_wanted if self._wanted else None
         native = helped and xxh3_nogil.hash_at is not None  # hashes without the GIL: both threads hash at once
 
@@ -566,7 +568,7 @@ class ShardReader:
                         continue
                 read(first, count, fd)
             if paced:
-                self._pace.took(False, time.perf_counter() - started, sum(out.size for _, _, out in reads))
+                self._pace.took(False, time.perf_counter() - started, nbytes)
             return results
         shards = {shard for shard, _, _ in reads}
         started = time.perf_counter()
@@ -601,7 +603,7 @@ class ShardReader:
             self._helper.finish(raising=False)  # even when this thread failed: nothing may write into an out once
             raise  # this returns
         self._helper.finish()  # the helper's own failure (a read's OSError is its result, not this)
-        self._pace.took(True, time.perf_counter() - started, sum(out.size for _, _, out in reads))
+        self._pace.took(True, time.perf_counter() - started, nbytes)
         return results
 
     def read_exact(self, shard: int, offset: int, out: np.ndarray) -> bool:
