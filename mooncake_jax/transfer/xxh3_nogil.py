@@ -6,7 +6,7 @@ get read on two threads (``shard_reader.read_many``) would have its hashes taken
 ``ctypes.CDLL`` releases the GIL for its duration, whatever the size. In fact the installed package (xxhash 4.1,
 its ``_xxhash.c``) releases the GIL in both ``xxh3_128_intdigest`` and ``xxh3_128().update`` for buffers over 64
 KiB (``XXHASH_GIL_MINSIZE``), and holds it at 64 KiB and under: beside a 256 MiB ``xxh3_128_intdigest`` on another
-thread the caller ran about 550 loop iterations a millisecond, beside a GIL-holding C call about 17 (review of the
+thread the caller ran 550-710 loop iterations a millisecond, beside a GIL-holding C call 7-17 (review of the
 twentieth pass). So for the 384 KiB records the binding's gain in that pass's pool get (10.7-11.1 GB/s against
 9.1-9.4 with the package's call, boosted, 25 rounds) is not the GIL's release, and what it is was not found; at
 load 4.7 with no core free the package's call read as fast (6.84 against 6.62 GB/s, 0.099 against 0.104 CPU s/GB,
