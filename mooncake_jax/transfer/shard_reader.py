@@ -425,8 +425,8 @@ class Helper:
     ``RuntimeError``; the handshake has one slot). A ``ShardReader`` is used by one thread at a time (its store's
     owner serialises: ``BlockPool._lock``). The thread is given only the locks and the slot, never the ``Helper``,
     and a finalizer stops it: a ``Helper`` (or its reader) dropped without ``close`` does not leave a thread
-    blocked for the process's life, as ``ThreadPoolExecutor``'s worker, which exits once its executor is
-    collected, did not."""
+    blocked for the process's life (the ``ThreadPoolExecutor`` it replaced did not either: its worker exits once
+    the executor is collected)."""
 
     def __init__(self) -> None:
         self._go = threading.Lock()
@@ -512,7 +512,7 @@ class ShardReader:
         all), one per read: ``addresses[i]`` must be the address of ``reads[i]``'s ``out``'s first byte. On the
         two-thread way they reach C as pointers (``xxh3_nogil.hash_at`` reads ``out.size`` bytes there), so a wrong
         one would hash other memory, or fault: their count is checked, and each run's first address against its
-        ``out`` (``ValueError``; a lookup per run, about 0.7 us).
+        ``out`` (``ValueError``; a lookup per run, about 0.5 us).
 
         Only a batch of several records over ``HELPED_RUN_BYTES`` in all is sure to be more than one run on the
         two-thread way, so only such a batch asks ``Pace`` which way to go, and it records the time it took under
@@ -520,7 +520,7 @@ class ShardReader:
         tries of the slower way are not spent on batches that record nothing (a 2-record 16-token batch, 768 KiB,
         is one run either way), and a batch that is one run alone (3-4 such records) is recorded whichever way it
         went. The total decides, not a first cut at ``HELPED_RUN_BYTES`` (a second cut, about 4 us, cost the
-        one-thread way of a 16-token batch 1-2% of its CPU): a batch of several runs under it (records apart in the
+        one-thread way of a 16-token batch about 1% of its CPU): a batch of several runs under it (records apart in the
         file) is read alone unasked, as too small to share. A batch spanning more shard files than stay open is read
         on this thread alone and recorded under neither way (the descriptors of the two-thread way are all opened
         first, here, so the helper never touches the descriptor cache, and opening more than stay open might
