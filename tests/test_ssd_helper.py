@@ -2,8 +2,9 @@
 instead of a ``ThreadPoolExecutor``). Once ``finish`` returns the work is not running and never will (a batch's
 outs may be reused at once): taken back if the thread had not woken, else waited for; the helper's failure is raised
 by ``finish``, not when the caller's own failure is on its way; the thread serves batch after batch and ends on
-``close``."""
+``close``, or when its ``Helper`` is dropped unclosed; one caller at a time (review of the twentieth pass)."""
 
+import gc
 import threading
 import time
 
@@ -13,27 +14,32 @@ from mooncake_jax.transfer.shard_reader import Helper
 
 
 def test_after_finish_the_work_has_run_once_or_never_and_runs_no_more():
+    """Both ways ``finish`` can go are taken: some batches wait until the thread has started their work (waited
+    for), the rest finish at once, where the thread, still to wake, mostly loses the race (taken back)."""
     helper = Helper()
     ran_after = []
-    taken_back = 0
+    taken_back = waited_for = 0
     for batch in range(300):
         runs = []
-        finished = threading.Event()
+        finished, started = threading.Event(), threading.Event()
 
-        def work(runs=runs, finished=finished):
+        def work(runs=runs, finished=finished, started=started):
             runs.append(1)
+            started.set()
             if finished.is_set():
                 ran_after.append(batch)
 
         helper.start(work)
         if batch % 3 == 0:
-            time.sleep(0.0002)  # some batches give the thread time to wake
+            assert started.wait(5)  # the thread woke and took it: finish must wait for it
         helper.finish()
         finished.set()
         assert len(runs) <= 1
         taken_back += not runs
+        waited_for += bool(runs)
     time.sleep(0.01)
     assert not ran_after  # no work ran once its finish had returned
+    assert waited_for >= 100 and taken_back >= 1  # both paths of finish ran
     helper.close()
     assert not helper._thread.is_alive()
 
@@ -78,3 +84,29 @@ def test_while_the_callers_failure_is_on_its_way_finish_waits_and_raises_nothing
     helper.finish(raising=False)
     assert finished == [1]  # waited for: nothing writes into an out once read_many returns
     helper.close()
+
+
+def test_one_caller_at_a_time_a_second_start_before_finish_is_refused():
+    helper = Helper()
+    done = []
+    helper.start(lambda: done.append(1))
+    with pytest.raises(RuntimeError, match="one caller at a time"):
+        helper.start(lambda: done.append(2))
+    helper.finish()
+    assert 2 not in done
+    helper.start(lambda: done.append(3))  # after finish the next batch is taken
+    helper.finish()
+    helper.close()
+    helper.close()  # (once: a second close does nothing)
+    assert not helper._thread.is_alive()
+
+
+def test_a_helper_dropped_without_close_ends_its_thread():
+    helper = Helper()
+    helper.start(lambda: None)
+    helper.finish()
+    thread = helper._thread
+    del helper
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()

@@ -24,9 +24,9 @@ pass).
 
 A batch of several runs is read on two threads at once (``read_many``): the caller and one helper thread
 (``Helper``) each take the next run not yet taken, read and hash it. ``preadv`` releases the GIL, and so does the
-hash on this way: the ``xxhash`` package's own call holds it (two threads hashing took twice one's wall), so this way
-calls the library's XXH3-128 through ``ctypes`` (``xxh3_nogil``; the package's call where it cannot be bound), and
-with a core free a batch costs about half its copy-and-hash time in wall (a raw read of the same bytes is the copy
+hash: this way calls the library's XXH3-128 through ``ctypes`` (``xxh3_nogil``, which says why and what is not known
+about it; the package's call, which releases the GIL itself over 64 KiB, where it cannot be bound), and with a core
+free a batch costs about half its copy-and-hash time in wall (a raw read of the same bytes is the copy
 alone, one thread). Taking runs in turn, rather than half each, keeps the batch going at the caller's pace when the
 helper is late to be scheduled on a loaded machine, and the caller waits at the end for at most the one run the helper
 is reading. A helper only pays with a core free for it: with both threads on one busy core (load 12-13 on this
@@ -46,6 +46,7 @@ import os
 import statistics
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -155,6 +156,16 @@ def _bounce(offset: int, n: int) -> tuple[np.ndarray, int]:
     return buffer[shift : shift + n], at + shift
 
 
+def _digest(buf: np.ndarray, at: int, native: bool) -> Digest:
+    """``buf``'s XXH3-128 digest as ``(high, low)``: ``native``, without the GIL (``xxh3_nogil.hash_at``, which the
+    caller has checked is bound; ``at``: where ``buf`` starts), else by the package (which holds the GIL for 64
+    KiB and under)."""
+    if native:
+        return xxh3_nogil.hash_at(at, buf.size)
+    digest = xxh3_128_intdigest(buf)
+    return digest >> 64, digest & LOW_WORD  # split_digest, written out: once per record of a get
+
+
 def _read_bounced(fd: int, out: np.ndarray, at: int, offset: int, on_cold: Callable[[], None] | None,
                   native: bool = False) -> tuple[int, int] | None:
     """``read_with_checksum`` for an ``out`` (starting at address ``at``) at a slow distance from its source
@@ -165,12 +176,11 @@ def _read_bounced(fd: int, out: np.ndarray, at: int, offset: int, on_cold: Calla
     (``read_with_checksum``)."""
     n = out.size
     copy = streaming_copy()
-    hash_at = xxh3_nogil.hash_at if native else None
     if n <= ONE_READ_BYTES:
         bounce, bounce_at = _bounce(offset, n)
         if _pread(fd, bounce, offset, on_cold) != n:
             return None
-        digest = split_digest(xxh3_128_intdigest(bounce)) if hash_at is None else hash_at(bounce_at, n)
+        digest = _digest(bounce, bounce_at, native)
         if copy is None:
             out[:] = bounce
         else:
@@ -198,8 +208,10 @@ def read_with_checksum(fd: int, out: np.ndarray, offset: int, on_cold: Callable[
     (``aliased``) is read through a bounce buffer. ``native``: a record read at once (up to ``ONE_READ_BYTES``) is
     hashed without the GIL (``xxh3_nogil``, where it can be bound), so another thread can read or hash meanwhile:
     the two-thread way of ``read_many``. A larger record, read in ``READ_STEP_BYTES`` steps, is hashed by the
-    package either way: with the GIL released its steps' hashes cost more than they gave (a 128-token batch on two
-    threads 0.185 against 0.163 CPU s/GB and 9.0-9.3 against 9.7-10.1 GB/s, two runs, twentieth pass)."""
+    package's ``xxh3_128().update`` either way, which releases the GIL itself for steps over 64 KiB
+    (``xxh3_nogil``): its steps hashed through the ``ctypes`` binding's streaming calls instead cost more than they
+    gave (a 128-token batch on two threads 0.185 against 0.163 CPU s/GB and 9.0-9.3 against 9.7-10.1 GB/s, two runs,
+    twentieth pass: both ways without the GIL, the binding's dearer per call)."""
     n = out.size
     at = writable_address(out) if n else 0  # (ctypes takes no empty buffer)
     native = native and xxh3_nogil.hash_at is not None
@@ -208,7 +220,7 @@ def read_with_checksum(fd: int, out: np.ndarray, offset: int, on_cold: Callable[
     if n <= ONE_READ_BYTES:  # one read, hashed from cache (a 16-token block)
         if _pread(fd, out, offset, on_cold) != n:
             return None
-        return split_digest(xxh3_128_intdigest(out)) if not native else xxh3_nogil.hash_at(at, n)
+        return _digest(out, at, native)
     return fill_with_checksum(out, lambda step, start: _pread(fd, step, offset + start, on_cold) == step.size,
                               READ_STEP_BYTES)
 
@@ -223,7 +235,7 @@ def read_run(fd: int, outs: Sequence[np.ndarray], offset: int, on_cold: Callable
     fails (each then meets its own error) or the file ends inside it. ``addresses``: where each out starts; given,
     the records are hashed without the GIL (``xxh3_nogil``, where it can be bound: the two-thread way of
     ``read_many``)."""
-    hash_at = xxh3_nogil.hash_at if addresses is not None else None
+    native = addresses is not None and xxh3_nogil.hash_at is not None
     got = 0
     try:
         if on_cold is not None and _NOWAIT is not None:
@@ -240,17 +252,13 @@ def read_run(fd: int, outs: Sequence[np.ndarray], offset: int, on_cold: Callable
     for j, out in enumerate(outs):
         end = start + out.size
         if end <= got:
-            if hash_at is None:
-                digest = xxh3_128_intdigest(out)
-                results.append((digest >> 64, digest & LOW_WORD))  # split_digest, written out
-            else:
-                results.append(hash_at(addresses[j], out.size))
+            results.append(_digest(out, addresses[j] if native else 0, native))
         else:
             if on_cold is not None:
                 on_cold()  # (once: it hands the wanted runs to the kernel and forgets them)
                 on_cold = None
             try:
-                results.append(read_with_checksum(fd, out, offset + start, native=hash_at is not None))
+                results.append(read_with_checksum(fd, out, offset + start, native=native))
             except OSError as err:
                 results.append(read_result(err))
         start = end
@@ -293,7 +301,9 @@ class Pace:
     """Which way of reading a batch has been faster lately: with the helper thread (True) or on the caller's thread
     alone (False), by the median seconds per byte of each way's last ``window`` batches; until each way has
     ``window // 2`` of them the ways take turns, and afterwards the slower way is tried every ``explore_every``
-    batches, so a change of load (a core freed or taken) is seen within a few dozen batches. One per process and
+    batches, so a change of load (a core freed or taken) is seen within a few dozen batches; a batch is counted
+    only where it could be shared, and then always recorded (``read_many``: its tries are not spent on batches it
+    never hears of). One per process and
     record size (``pace_for``), shared by every store of that size: whether a core is free for the helper is the
     machine's state, not a store's, and a store opened for a few batches finds it learnt; but seconds per byte
     differ with the record size (a 3 MiB record is read by 1 MiB ``preadv``s, a 384 KiB one in one, with the
@@ -364,6 +374,44 @@ def pace_for(record_bytes: int) -> Pace:
         return pace
 
 
+class _Slot:
+    """What ``Helper`` and its thread share besides the two locks: the work handed over and what it raised."""
+
+    __slots__ = ("work", "error")
+
+    def __init__(self) -> None:
+        self.work: Callable[[], None] | None = None
+        self.error: BaseException | None = None
+
+
+def _serve(go: threading.Lock, done: threading.Lock, slot: _Slot) -> None:
+    """The helper thread: runs each work handed over in ``slot`` when ``go`` is released, releasing ``done`` after;
+    ends when released with no work. It holds no reference to its ``Helper`` (nor, between batches, to a batch's
+    work, whose closures hold the reader), so a reader dropped without ``close`` is collected and its finalizer
+    ends the thread."""
+    while True:
+        go.acquire()
+        work, slot.work = slot.work, None
+        if work is None:  # closed
+            done.release()
+            return
+        try:
+            work()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller by finish
+            slot.error = err
+        work = None  # (a batch's closures hold its reader: not kept while idle)
+        done.release()
+
+
+def _stop(go: threading.Lock, done: threading.Lock, slot: _Slot, thread: threading.Thread) -> None:
+    """End the helper thread (``Helper.close``, or its finalizer when a ``Helper`` is dropped unclosed)."""
+    slot.work = None
+    go.release()
+    done.acquire()
+    if thread is not threading.current_thread():  # (a finalizer may run on any thread, the helper's too)
+        thread.join()
+
+
 class Helper:
     """One thread that runs a batch's ``work`` beside the caller when told, handed it through two bare locks: a
     round trip (told, done, waited for) cost about 17 us of CPU against 41 us through a one-thread
@@ -371,55 +419,57 @@ class Helper:
     AMD EPYC at load 3.5; per 16-token batch that is 0.004 CPU s/GB (twentieth pass). ``start`` hands it the work;
     ``finish`` either takes the work back (``go`` acquired without waiting: the thread has not woken, and never
     will for this batch, so a caller that did every run itself does not wait for a thread the machine has not
-    scheduled) or waits until it is done, then raises what it raised."""
+    scheduled) or waits until it is done, then raises what it raised.
+
+    One caller at a time: ``start`` to ``finish`` holds ``_caller`` (a second ``start`` before ``finish`` raises
+    ``RuntimeError``; the handshake has one slot). A ``ShardReader`` is used by one thread at a time (its store's
+    owner serialises: ``BlockPool._lock``). The thread is given only the locks and the slot, never the ``Helper``,
+    and a finalizer stops it: a ``Helper`` (or its reader) dropped without ``close`` does not leave a thread
+    blocked for the process's life (the ``ThreadPoolExecutor`` it replaced did not either: its worker exits once
+    the executor is collected)."""
 
     def __init__(self) -> None:
         self._go = threading.Lock()
         self._go.acquire()
         self._done = threading.Lock()
         self._done.acquire()
-        self._work: Callable[[], None] | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="ssd-read", daemon=True)
+        self._caller = threading.Lock()  # held from start to finish
+        self._slot = _Slot()
+        self._thread = threading.Thread(target=_serve, args=(self._go, self._done, self._slot), name="ssd-read",
+                                        daemon=True)
         self._thread.start()
+        self._stop = weakref.finalize(self, _stop, self._go, self._done, self._slot, self._thread)
 
     def start(self, work: Callable[[], None]) -> None:
-        self._work = work
+        if not self._caller.acquire(blocking=False):
+            raise RuntimeError("Helper serves one caller at a time: start again before finish")
+        self._slot.work = work
         self._go.release()
 
     def finish(self, raising: bool = True) -> None:
         """Once ``start``'s work is not running and never will: taken back, or waited for; then what it raised is
         raised (``raising``: not while the caller's own failure is on its way)."""
+        slot = self._slot
         if self._go.acquire(blocking=False):
-            self._work = None  # never woken for it
+            slot.work = None  # never woken for it
+            self._caller.release()
             return
         self._done.acquire()
-        error, self._error = self._error, None
+        error, slot.error = slot.error, None
+        self._caller.release()
         if error is not None and raising:
             raise error
 
-    def _loop(self) -> None:
-        while True:
-            self._go.acquire()
-            work, self._work = self._work, None
-            if work is None:  # closed
-                self._done.release()
-                return
-            try:
-                work()
-            except BaseException as err:  # noqa: BLE001 - handed to the caller by finish
-                self._error = err
-            self._done.release()
-
     def close(self) -> None:
-        self._work = None
-        self._go.release()
-        self._done.acquire()
-        self._thread.join()
+        """End the thread (once; later calls do nothing)."""
+        with self._caller:  # (not in a batch)
+            self._stop()
 
 
 class ShardReader:
-    """Descriptors of one store's shard files, opened for reading on first use (``path_of(shard)`` names them)."""
+    """Descriptors of one store's shard files, opened for reading on first use (``path_of(shard)`` names them).
+    Used by one thread at a time (its descriptor cache and ``Helper`` are unguarded; the store's owner serialises:
+    ``BlockPool._lock``)."""
 
     def __init__(self, path_of: Callable[[int], Path], pace: Pace = PACE) -> None:
         self._path_of = path_of
@@ -456,13 +506,33 @@ class ShardReader:
         helper thread, each taking the next run (module docstring); the result of each, in order. Records lying
         end to end in a shard, in the order given, are read a run at a time (``read_run``, ``RUN_BYTES``, or
         ``HELPED_RUN_BYTES`` on two threads). Every read has ended when this returns, so nothing writes into an
-        ``out`` after it. ``addresses``: where each ``out`` starts, when the caller knows (a batch's staging rows:
-        one lookup for all). A batch spanning more shard files than stay open is read on this thread alone (the
-        descriptors are all opened first, here, so the helper never touches the descriptor cache)."""
+        ``out`` after it. One caller at a time (``Helper``).
+
+        ``addresses``: where each ``out`` starts, when the caller knows (a batch's staging rows: one lookup for
+        all), one per read: ``addresses[i]`` must be the address of ``reads[i]``'s ``out``'s first byte. On the
+        two-thread way they reach C as pointers (``xxh3_nogil.hash_at`` reads ``out.size`` bytes there), so a wrong
+        one would hash other memory, or fault: their count is checked, and each run's first address against its
+        ``out`` (``ValueError``; a lookup per run, about 0.5 us).
+
+        Only a batch of several records over ``HELPED_RUN_BYTES`` in all is sure to be more than one run on the
+        two-thread way, so only such a batch asks ``Pace`` which way to go, and it records the time it took under
+        the way it went, cut at that way's run size: every answer ``Pace`` gives is followed by a figure, so its
+        tries of the slower way are not spent on batches that record nothing (a 2-record 16-token batch, 768 KiB,
+        is one run either way), and a batch that is one run alone (3-4 such records) is recorded whichever way it
+        went. The total decides, not a first cut at ``HELPED_RUN_BYTES`` (a second cut, about 4 us, cost the
+        one-thread way of a 16-token batch about 1% of its CPU): a batch of several runs under it (records apart in the
+        file) is read alone unasked, as too small to share. A batch spanning more shard files than stay open is read
+        on this thread alone and recorded under neither way (the descriptors of the two-thread way are all opened
+        first, here, so the helper never touches the descriptor cache, and opening more than stay open might
+        close one in use); it does not ask ``Pace``."""
         results: list[ReadResult] = [None] * len(reads)
-        helped = len(reads) > 1 and self._pace.helped()
+        if addresses is not None and len(addresses) != len(reads):
+            raise ValueError(f"{len(addresses)} addresses for {len(reads)} reads")
+        nbytes = sum(out.size for _, _, out in reads) if len(reads) > 1 else 0
+        paced = nbytes > HELPED_RUN_BYTES and (len(reads) <= MAX_OPEN_FILES or
+                                               len({shard for shard, _, _ in reads}) <= MAX_OPEN_FILES)
+        helped = paced and self._pace.helped()
         runs = _runs(reads, addresses, HELPED_RUN_BYTES if helped else RUN_BYTES)
-        helped = helped and len(runs) > 1  # (one run: nothing to share)
         on_cold = self._advise_wanted if self._wanted else None
         native = helped and xxh3_nogil.hash_at is not None  # hashes without the GIL: both threads hash at once
 
@@ -475,12 +545,17 @@ class ShardReader:
                     results[first] = read_result(err)
             else:
                 outs = [item[2] for item in reads[first : first + count]]
-                at = None if not native else addresses[first : first + count] if addresses is not None \
-                    else [writable_address(out) for out in outs]
+                if not native:
+                    at = None
+                elif addresses is None:
+                    at = [writable_address(out) for out in outs]
+                else:
+                    at = addresses[first : first + count]
+                    if at[0] != writable_address(out):
+                        raise ValueError(f"address {at[0]:#x} given for a read whose out starts elsewhere")
                 results[first : first + count] = read_run(fd, outs, offset, on_cold, at)
 
-        shards = {shard for shard, _, _ in reads} if helped else ()
-        if not helped or len(shards) > MAX_OPEN_FILES:  # past it, opening one might close another in use
+        if not helped:
             started = time.perf_counter()
             last_shard, fd = -1, -1
             for first, count in runs:
@@ -492,9 +567,10 @@ class ShardReader:
                         results[first : first + count] = [read_result(err)] * count
                         continue
                 read(first, count, fd)
-            if len(runs) > 1:
-                self._pace.took(False, time.perf_counter() - started, sum(out.size for _, _, out in reads))
+            if paced:
+                self._pace.took(False, time.perf_counter() - started, nbytes)
             return results
+        shards = {shard for shard, _, _ in reads}
         started = time.perf_counter()
         fds: dict[int, int | OSError] = {}
         for shard in shards:
@@ -527,7 +603,7 @@ class ShardReader:
             self._helper.finish(raising=False)  # even when this thread failed: nothing may write into an out once
             raise  # this returns
         self._helper.finish()  # the helper's own failure (a read's OSError is its result, not this)
-        self._pace.took(True, time.perf_counter() - started, sum(out.size for _, _, out in reads))
+        self._pace.took(True, time.perf_counter() - started, nbytes)
         return results
 
     def read_exact(self, shard: int, offset: int, out: np.ndarray) -> bool:
