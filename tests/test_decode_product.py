@@ -12,7 +12,7 @@ from flax import nnx
 from mooncake_jax.model.attention import PagedBatch
 from mooncake_jax.model.config import PRESETS
 from mooncake_jax.model.kv_cache import allocate_kv
-from mooncake_jax.model.llama import Stage, decode_product, init_model
+from mooncake_jax.model.llama import STREAMED_ROWS_MAX, Stage, decode_product, init_model
 from reference_model import reference_for
 
 B = 5  # decode rows: a size no weight dimension of ``tiny`` has, so a [B, K] operand is the activations
@@ -25,6 +25,9 @@ def test_decode_product_is_x_times_w_transposed():
     y = jax.jit(decode_product)(x, w)
     assert y.shape == (3, 1, 40) and y.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-5, atol=1e-5)
+    many = rng.standard_normal((STREAMED_ROWS_MAX + 8, 48)).astype(np.float32)  # the plain form's rows
+    np.testing.assert_allclose(np.asarray(jax.jit(decode_product)(many, w)), many.astype(np.float64) @ w.T,
+                               rtol=1e-5, atol=1e-5)
     low = jax.jit(decode_product, static_argnums=2)(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), jnp.float32)
     assert low.dtype == jnp.float32
 

@@ -42,6 +42,12 @@ both: canonical for prefill, this for decode (``ModelConfig.decode_weights``; do
 pass). The model, its checkpoints, HF import and scanned stages keep the canonical layout only."""
 
 
+STREAMED_ROWS_MAX = 32
+"""Most rows (tokens of a decode step) for which ``decode_product`` streams the weight as the left-hand operand:
+whole decode steps on the EPYC took 0.66x the CPU time at batch 8 and 0.84-0.86x at 32, but 1.02x at 64 (dense
+products alone: 0.75x at 32 rows, 0.96-0.98x at 48-64), where the plain form's packing is amortised."""
+
+
 def decode_product(x, w, out_dtype=None):
     """``x`` [..., K] times an output-major weight ``w`` [N, K] (the decode copy): [..., N], computed as
     ``w @ x.T`` then transposed back.
@@ -53,10 +59,12 @@ def decode_product(x, w, out_dtype=None):
     which the kernel streams in place, and only the few activation rows are packed: 0.72-0.78x the CPU time of the
     plain form for every decode shape of ``small`` at M = 32 (docs/benchmarks/engine.md, twentieth pass). The
     ``optimization_barrier`` keeps XLA's algebraic simplifier from folding the transpose back into the dot (which
-    would restore the plain form); the transpose back is a copy of the [N, M] result only. ``out_dtype``: the
-    product's result type (default ``x``'s)."""
-    lead = x.shape[:-1]
-    y = jnp.einsum("nk,mk->nm", w, x.reshape(-1, x.shape[-1]), preferred_element_type=out_dtype or x.dtype)
+    would restore the plain form); the transpose back is a copy of the [N, M] result only. More than
+    ``STREAMED_ROWS_MAX`` rows take the plain form. ``out_dtype``: the product's result type (default ``x``'s)."""
+    lead, dtype = x.shape[:-1], out_dtype or x.dtype
+    if math.prod(lead) > STREAMED_ROWS_MAX:
+        return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=dtype)
+    y = jnp.einsum("nk,mk->nm", w, x.reshape(-1, x.shape[-1]), preferred_element_type=dtype)
     return jax.lax.optimization_barrier(y).T.reshape(lead + (w.shape[0],))
 
 
