@@ -22,7 +22,9 @@ from common import decode_ab_parser, interleaved, machine_info, prefilled_engine
 
 def plain_product(x, w, out_dtype=None):
     """``x @ w.T`` as written before the twentieth pass: YNNPACK packs (transposes) all of ``w`` every call."""
-    return __import__("jax").numpy.einsum("...k,nk->...n", x, w, preferred_element_type=out_dtype or x.dtype)
+    import jax.numpy as jnp
+
+    return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=out_dtype or x.dtype)
 
 
 def main() -> None:
