@@ -41,6 +41,33 @@ the 2048-token prefill of a stage holding only [out, in] copies ran 17-20% slowe
 both: canonical for prefill, this for decode (``ModelConfig.decode_weights``; docs/benchmarks/engine.md, eleventh
 pass). The model, its checkpoints, HF import and scanned stages keep the canonical layout only."""
 
+
+STREAMED_ROWS_MAX = 32
+"""Most rows (tokens of a decode step) for which ``decode_product`` streams the weight as the left-hand operand:
+whole decode steps on the EPYC took 0.66x the CPU time at batch 8 and 0.84-0.86x at 32, but 1.02x at 64 (dense
+products alone: 0.75x at 32 rows, 0.96-0.98x at 48-64), where the plain form's packing is amortised."""
+
+
+def decode_product(x, w, out_dtype=None):
+    """``x`` [..., K] times an output-major weight ``w`` [N, K] (the decode copy): [..., N], computed as
+    ``w @ x.T`` then transposed back.
+
+    XLA:CPU hands a dot to YNNPACK as it is written, and YNNPACK packs the right-hand operand into its kernel's
+    tiles on every call: written ``x @ w.T`` (the plain form) that operand is the whole weight, transposed into
+    tiles at each step, a read and write of every weight that a decode batch of 32 rows cannot amortise (a third
+    of the LM head's time in ``ynn::transpose_x32_avx2``). Written ``w @ x.T`` the weight is the left-hand operand,
+    which the kernel streams in place, and only the few activation rows are packed: 0.72-0.78x the CPU time of the
+    plain form for every decode shape of ``small`` at M = 32 (docs/benchmarks/engine.md, twentieth pass). The
+    ``optimization_barrier`` keeps XLA's algebraic simplifier from folding the transpose back into the dot (which
+    would restore the plain form); the transpose back is a copy of the [N, M] result only. More than
+    ``STREAMED_ROWS_MAX`` rows take the plain form. ``out_dtype``: the product's result type (default ``x``'s)."""
+    lead, dtype = x.shape[:-1], out_dtype or x.dtype
+    if math.prod(lead) > STREAMED_ROWS_MAX:
+        return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=dtype)
+    y = jnp.einsum("nk,mk->nm", w, x.reshape(-1, x.shape[-1]), preferred_element_type=dtype)
+    return jax.lax.optimization_barrier(y).T.reshape(lead + (w.shape[0],))
+
+
 KVPages = tuple[jax.Array, jax.Array]
 """A stage's (K pages, V pages), each [kv_heads, n_layers * num_pages, block_size, head_dim] (a single layer's
 view inside the scan is the same arrays with the page table offset to its rows)."""
@@ -113,7 +140,7 @@ class Attention(nnx.Module):
         out = out.reshape(b, t, self.n_kv_heads * self.q_per_kv, self.head_dim).astype(x.dtype)
         if self.output_major:  # one [d, h * hd] matrix (a free reshape), so XLA sees a plain 2-D product
             wo = self.wo[...]
-            y = jnp.einsum("btn,dn->btd", out.reshape(b, t, -1), wo.reshape(wo.shape[0], -1))
+            y = decode_product(out.reshape(b, t, -1), wo.reshape(wo.shape[0], -1))
         else:
             y = jnp.einsum("bthk,hkd->btd", out, self.wo[...])
         return y, (k_pages, v_pages)
@@ -124,7 +151,7 @@ class Attention(nnx.Module):
         if not self.output_major:
             return jnp.einsum("btd,dhk->bthk", x, w)
         h, hd, d = w.shape
-        return jnp.einsum("btd,nd->btn", x, w.reshape(h * hd, d)).reshape(x.shape[:2] + (h, hd))
+        return decode_product(x, w.reshape(h * hd, d)).reshape(x.shape[:2] + (h, hd))
 
 
 class MLP(nnx.Module):
@@ -140,10 +167,12 @@ class MLP(nnx.Module):
         self.output_major = output_major
 
     def __call__(self, x):
-        up_proj, down_proj = ("btd,fd->btf", "btf,df->btd") if self.output_major else ("btd,df->btf", "btf,fd->btd")
-        gate = jnp.einsum(up_proj, x, self.w_gate[...])
-        up = jnp.einsum(up_proj, x, self.w_up[...])
-        return jnp.einsum(down_proj, jax.nn.silu(gate) * up, self.w_down[...])
+        if self.output_major:
+            gate, up = decode_product(x, self.w_gate[...]), decode_product(x, self.w_up[...])
+            return decode_product(jax.nn.silu(gate) * up, self.w_down[...])
+        gate = jnp.einsum("btd,df->btf", x, self.w_gate[...])
+        up = jnp.einsum("btd,df->btf", x, self.w_up[...])
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.w_down[...])
 
 
 class DecoderLayer(nnx.Module):
@@ -303,7 +332,7 @@ class Stage(nnx.Module):
         """Logits (float32) of hidden states ``x`` [..., d] (``decode``: through the decode copy, if any)."""
         x = self.final_norm(x)
         if decode and self.decode_lm_head is not None:
-            return jnp.einsum("...d,vd->...v", x, self.decode_lm_head[...], preferred_element_type=jnp.float32)
+            return decode_product(x, self.decode_lm_head[...], jnp.float32)
         if self.lm_head is None:
             return jnp.einsum("...d,vd->...v", x, self.embedding[...], preferred_element_type=jnp.float32)
         return jnp.einsum("...d,dv->...v", x, self.lm_head[...], preferred_element_type=jnp.float32)
