@@ -145,6 +145,24 @@ def prefilled_engine(model: str, batch: int, context: int, max_new_tokens: int, 
     return llm, prefilled_sequences(eng, prompts, max_new_tokens), prompts
 
 
+def swapped_decode_steps(args, module, attr: str, variants: dict) -> dict:
+    """For the decode A/B scripts: one engine per variant (``name -> value``), each built and its decode program
+    compiled while ``module.attr`` is that value (restored after), all prefilled with the same prompts; returns
+    ``name -> (one decode step of that engine's batch, its first step's tokens)``."""
+    import functools
+
+    prompts, saved, steps = None, getattr(module, attr), {}
+    for extra, (name, value) in enumerate(variants.items()):
+        setattr(module, attr, value)
+        try:
+            llm, seqs, prompts = prefilled_engine(args.model, args.batch, args.context, args.steps + 4, prompts, extra)
+            first = llm.engine.decode(seqs)  # compiles this engine's decode program with this variant
+        finally:
+            setattr(module, attr, saved)
+        steps[name] = (functools.partial(llm.engine.decode, seqs), first)
+    return steps
+
+
 def prefilled_sequences(engine, prompts: list, max_new_tokens: int) -> list:
     """A sequence per prompt, admitted with no prefix-cache hit and prefilled, ready to decode ``max_new_tokens``
     (end of sequence ignored): the batch a decode measurement steps."""

@@ -12,12 +12,11 @@ time (median) per step (``common.interleaved``), ``plain`` first.
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import decode_ab_parser, interleaved, machine_info, prefilled_engine, write_json  # noqa: E402
+from common import decode_ab_parser, interleaved, machine_info, swapped_decode_steps, write_json  # noqa: E402
 
 
 def plain_product(x, w, out_dtype=None):
@@ -33,21 +32,10 @@ def main() -> None:
 
     from mooncake_jax.model import llama
 
-    b, ctx = args.batch, args.context
-    prompts = None  # the same for both engines, drawn from the model's vocabulary
-    ours = llama.decode_product
-    steps = {}
-    for extra, (name, product) in enumerate((("plain", plain_product), ("tree", ours))):
-        llama.decode_product = product
-        try:
-            llm, seqs, prompts = prefilled_engine(args.model, b, ctx, args.steps + 4, prompts, extra)
-            eng = llm.engine
-            first = eng.decode(seqs)  # compiles this engine's decode program with this product
-        finally:
-            llama.decode_product = ours
-        steps[name] = (functools.partial(eng.decode, seqs), first)
+    steps = swapped_decode_steps(args, llama, "decode_product", {"plain": plain_product, "tree": llama.decode_product})
     if steps["plain"][1] != steps["tree"][1]:
         raise SystemExit("the two forms sampled different first tokens")
+    b, ctx = args.batch, args.context
     res = dict(machine_info(), model=args.model, batch=b, context=ctx, steps=args.steps,
                **interleaved({name: run for name, (run, _) in steps.items()}, args.steps))
     write_json(res, args.json)

@@ -12,13 +12,12 @@ Reports wall (min, p25, median) and process CPU time (median) per step (``common
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import decode_ab_parser, interleaved, machine_info, prefilled_engine, write_json  # noqa: E402
+from common import decode_ab_parser, interleaved, machine_info, swapped_decode_steps, write_json  # noqa: E402
 
 
 def load_decode(path: Path):
@@ -41,21 +40,11 @@ def main() -> None:
 
     from mooncake_jax.model import attention
 
-    b, ctx = args.batch, args.context
-    prompts = None  # the same for both engines, drawn from the model's vocabulary
-    ours = attention._decode_xla
-    steps = {}
-    for extra, (name, decode) in enumerate((("base", load_decode(args.base)), ("tree", ours))):
-        attention._decode_xla = decode
-        try:
-            llm, seqs, prompts = prefilled_engine(args.model, b, ctx, args.steps + 4, prompts, extra)
-            eng = llm.engine
-            first = eng.decode(seqs)  # compiles this engine's decode program with this attention
-        finally:
-            attention._decode_xla = ours
-        steps[name] = (functools.partial(eng.decode, seqs), first)
+    steps = swapped_decode_steps(args, attention, "_decode_xla",
+                                 {"base": load_decode(args.base), "tree": attention._decode_xla})
     if steps["base"][1] != steps["tree"][1]:
         raise SystemExit("the two attentions sampled different first tokens")
+    b, ctx = args.batch, args.context
     res = dict(machine_info(), model=args.model, batch=b, context=ctx, steps=args.steps, base=str(args.base),
                **interleaved({name: run for name, (run, _) in steps.items()}, args.steps))
     write_json(res, args.json)

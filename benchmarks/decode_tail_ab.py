@@ -10,12 +10,11 @@ count of its own, so the two do not share one compiled program). Reports wall (m
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import decode_ab_parser, interleaved, machine_info, prefilled_engine, write_json  # noqa: E402
+from common import decode_ab_parser, interleaved, machine_info, swapped_decode_steps, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -24,22 +23,10 @@ def main() -> None:
 
     from mooncake_jax.model import attention
 
-    b, ctx = args.batch, args.context
-    prompts = None  # the same for both engines, drawn from the model's vocabulary
-    default = attention.DECODE_TAIL_PAGES
-    engines, batches = {}, {}
-    for extra, (name, tail) in enumerate((("no_tail", 0), ("tail", default))):
-        attention.DECODE_TAIL_PAGES = tail
-        try:
-            llm, seqs, prompts = prefilled_engine(args.model, b, ctx, args.steps + 4, prompts, extra)
-            eng = llm.engine
-            eng.decode(seqs)  # compiles this engine's decode program with this tail
-        finally:
-            attention.DECODE_TAIL_PAGES = default
-        engines[name], batches[name] = eng, seqs
-    res = dict(machine_info(), model=args.model, batch=b, context=ctx, steps=args.steps,
-               **interleaved({name: functools.partial(eng.decode, batches[name]) for name, eng in engines.items()},
-                             args.steps))
+    steps = swapped_decode_steps(args, attention, "DECODE_TAIL_PAGES",
+                                 {"no_tail": 0, "tail": attention.DECODE_TAIL_PAGES})
+    res = dict(machine_info(), model=args.model, batch=args.batch, context=args.context, steps=args.steps,
+               **interleaved({name: run for name, (run, _) in steps.items()}, args.steps))
     res["wall_median_ratio"] = res["tail_wall_median_ratio"]
     res["wall_min_ratio"] = res["tail_wall_min_ratio"]
     res["cpu_median_ratio"] = res["tail_cpu_ratio"]
