@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 
 from .config import ModelConfig
@@ -33,19 +32,12 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
 
 
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq) -> jnp.ndarray:
-    """Rotate ``x`` [..., T, heads, head_dim] by ``positions`` [..., T].
-
-    Each head's dimensions are viewed as [2, head_dim / 2] (the two halves) and rotated as ``x * cos + rev(x) *
-    [-sin, sin]``, ``rev`` swapping the halves: one elementwise pass of index arithmetic. Written as the halves'
-    ``concatenate``, XLA:CPU's fused loop picked the operand per element (a branch per element, not vectorised): the
-    prefill's RoPE took a quarter more CPU time that way (docs/benchmarks/engine.md, AMD EPYC prefill, twentieth
-    pass).
-    """
+    """Rotate ``x`` [..., T, heads, head_dim] by ``positions`` [..., T]."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [..., T, hd/2]
-    cos = jnp.cos(angles)[..., None, None, :]  # [..., T, 1, 1, hd/2]: every head, both halves
-    sin = jnp.sin(angles)
-    sin = jnp.stack([-sin, sin], axis=-2)[..., None, :, :]  # [..., T, 1, 2, hd/2]
+    cos = jnp.cos(angles)[..., None, :]
+    sin = jnp.sin(angles)[..., None, :]
+    xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
-    xp = x.astype(jnp.float32).reshape(x.shape[:-1] + (2, half))  # [..., T, heads, 2, hd/2]
-    out = xp * cos + lax.rev(xp, (xp.ndim - 2,)) * sin
-    return out.reshape(x.shape).astype(x.dtype)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
