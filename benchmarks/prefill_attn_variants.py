@@ -243,7 +243,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--variants", default="library,nomax")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--engine-allocator", action="store_true",
+                   help="import mooncake_jax.model.engine first, so its allocator settings hold for XLA's threads")
     args = p.parse_args()
+    if args.engine_allocator:
+        import mooncake_jax.model.engine  # noqa: F401  (before JAX starts its threads: model/host_memory.py)
     import jax
     import jax.numpy as jnp
     import torch
@@ -255,7 +259,7 @@ def main() -> None:
     ks = jnp.asarray(rng.standard_normal((n_layers, 1, t, KV, HD)), jnp.float32)
     vs = jnp.asarray(rng.standard_normal((n_layers, 1, t, KV, HD)), jnp.float32)
     res = dict(machine_info(), tokens=t, layers=n_layers, torch_threads=torch.get_num_threads(),
-               load_start=load_average())
+               engine_allocator=args.engine_allocator, load_start=load_average())
     table = variants()
     runs, ref = {}, None
     for name in args.variants.split(","):
