@@ -108,6 +108,26 @@ def variants():
             heads.append(jnp.concatenate(outs, axis=0))
         return jnp.stack(heads, axis=1)[None]
 
+    def head_major(q, k, v, qb=128, lo_min=512):
+        """The library's per-(head, block) 2-D products and masking, on queries, keys and values transposed once
+        to head-major ([K, T*G, D], [K, T, D]): every block's operands are contiguous row ranges, where slicing a
+        head out of [T, K, D] copied each block's keys and values (a strided slice) before its products."""
+        t, hk, g, d, qh, kh, vh = by_heads(q, k, v)
+        one = k[0, 0, 0, 0] * 0 + 1  # a runtime 1 (finite inputs): dividing by it is "expensive"
+        kh, vh = kh / one, vh / one  # so XLA materialises each transpose once instead of fusing it into every slice
+        heads = []
+        for j in range(hk):
+            outs = []
+            for start, end, q_blk, rows, lo in query_blocks(qh[j:j + 1], t, g, qb, lo_min):
+                q_blk = q_blk[0]
+                s = jnp.where(rows[:, None] >= jnp.arange(lo, end)[None, :], dot(q_blk, kh[j, lo:end].T), at.MASKED)
+                p = at._first(s, vh[j, lo:end], dot)
+                if lo:
+                    p = at._update(p, dot(q_blk, kh[j, :lo].T), vh[j, :lo], dot)
+                outs.append((p.acc / p.l).reshape(end - start, g, d))
+            heads.append(jnp.concatenate(outs, axis=0))
+        return jnp.stack(heads, axis=1)[None]
+
     def heads_batched(q, k, v, qb=128, lo_min=512, shift=None, ones=False):
         """As ``tiled`` (one tile), but every product and softmax pass takes the KV heads at once (a batch axis):
         a quarter of the ops."""
@@ -184,6 +204,7 @@ def variants():
 
     return {
         "library": library,
+        "hm": head_major,
         "keys_left": keys_left,
         "one_max": one_max,
         "hb": heads_batched,
@@ -222,7 +243,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--variants", default="library,nomax")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--engine-allocator", action="store_true",
+                   help="import mooncake_jax.model.engine first, so its allocator settings hold for XLA's threads")
     args = p.parse_args()
+    if args.engine_allocator:
+        import mooncake_jax.model.engine  # noqa: F401  (before JAX starts its threads: model/host_memory.py)
     import jax
     import jax.numpy as jnp
     import torch
@@ -234,7 +259,7 @@ def main() -> None:
     ks = jnp.asarray(rng.standard_normal((n_layers, 1, t, KV, HD)), jnp.float32)
     vs = jnp.asarray(rng.standard_normal((n_layers, 1, t, KV, HD)), jnp.float32)
     res = dict(machine_info(), tokens=t, layers=n_layers, torch_threads=torch.get_num_threads(),
-               load_start=load_average())
+               engine_allocator=args.engine_allocator, load_start=load_average())
     table = variants()
     runs, ref = {}, None
     for name in args.variants.split(","):

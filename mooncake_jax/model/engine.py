@@ -33,6 +33,10 @@ from ..sharding.layout import SingleDevice
 from ..sharding.pipeline import LayerPages, PipelineRunner, StepInputs
 from .layer_hooks import LayerHooks
 
+# At import, before JAX starts the CPU backend's threads: the one-arena part of the setting holds only for threads
+# that make their malloc arena afterwards (host_memory.py). ``Engine`` applies it again (a no-op once applied).
+keep_large_blocks_on_heap()
+
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 _sample_rows = jax.jit(sample_out, static_argnames=("mode",))  # the first token of an every-position prefill
 _prompt_rows = jax.jit(prompt_logprobs)
