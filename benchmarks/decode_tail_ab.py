@@ -25,6 +25,8 @@ def main() -> None:
 
     steps = swapped_decode_steps(args, attention, "DECODE_TAIL_PAGES",
                                  {"no_tail": 0, "tail": attention.DECODE_TAIL_PAGES})
+    if steps["no_tail"][1] != steps["tail"][1]:
+        raise SystemExit("the two forms sampled different first tokens")
     res = dict(machine_info(), model=args.model, batch=args.batch, context=args.context, steps=args.steps,
                **interleaved({name: run for name, (run, _) in steps.items()}, args.steps))
     res["wall_median_ratio"] = res["tail_wall_median_ratio"]

@@ -308,11 +308,12 @@ class _Gateway:
             request_id, created = starts[0].request_id, int(time.time())
             if parsed.stream:
                 watch.cancel()
+                response = _StreamOf(self._stream(request_id, parsed, runs, firsts, created, chat),
+                                     lambda: [self._done(run.cancelled) for run in runs],
+                                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                              REQUEST_ID_HEADER: given_id or request_id})
                 handed_over = True  # the response unregisters the requests when it ends
-                return _StreamOf(self._stream(request_id, parsed, runs, firsts, created, chat),
-                                 lambda: [self._done(run.cancelled) for run in runs],
-                                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                          REQUEST_ID_HEADER: given_id or request_id})
+                return response
             choices, summaries = [], []
             for i, (run, event) in enumerate(zip(runs, firsts)):
                 events = []

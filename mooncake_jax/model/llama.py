@@ -44,7 +44,7 @@ pass). The model, its checkpoints, HF import and scanned stages keep the canonic
 
 STREAMED_ROWS_MAX = 32
 """Most rows (tokens of a decode step) for which ``decode_product`` streams the weight as the left-hand operand:
-whole decode steps on the EPYC took 0.66x the CPU time at batch 8 and 0.84-0.86x at 32, but 1.02x at 64 (dense
+whole decode steps on the EPYC took 0.66x the CPU time at batch 8 and 0.82-0.86x at 32, but 1.02x at 64 (dense
 products alone: 0.75x at 32 rows, 0.96-0.98x at 48-64), where the plain form's packing is amortised."""
 
 
@@ -56,13 +56,14 @@ def decode_product(x, w, out_dtype=None):
     tiles on every call: written ``x @ w.T`` (the plain form) that operand is the whole weight, transposed into
     tiles at each step, a read and write of every weight that a decode batch of 32 rows cannot amortise (a third
     of the LM head's time in ``ynn::transpose_x32_avx2``). Written ``w @ x.T`` the weight is the left-hand operand,
-    which the kernel streams in place, and only the few activation rows are packed: 0.72-0.78x the CPU time of the
-    plain form for every decode shape of ``small`` at M = 32 (docs/benchmarks/engine.md, twentieth pass). The
+    which the kernel streams in place, and only the few activation rows are packed: 0.70-0.90x the CPU time of the
+    plain form for the decode shapes of ``small`` at M = 32 (docs/benchmarks/engine.md, twentieth pass). The
     ``optimization_barrier`` keeps XLA's algebraic simplifier from folding the transpose back into the dot (which
     would restore the plain form); the transpose back is a copy of the [N, M] result only. More than
-    ``STREAMED_ROWS_MAX`` rows take the plain form. ``out_dtype``: the product's result type (default ``x``'s)."""
+    ``STREAMED_ROWS_MAX`` rows, and backends other than XLA:CPU (whose matmul libraries were not measured so),
+    take the plain form. ``out_dtype``: the product's result type (default ``x``'s)."""
     lead, dtype = x.shape[:-1], out_dtype or x.dtype
-    if math.prod(lead) > STREAMED_ROWS_MAX:
+    if math.prod(lead) > STREAMED_ROWS_MAX or jax.default_backend() != "cpu":
         return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=dtype)
     y = jnp.einsum("nk,mk->nm", w, x.reshape(-1, x.shape[-1]), preferred_element_type=dtype)
     return jax.lax.optimization_barrier(y).T.reshape(lead + (w.shape[0],))
@@ -333,7 +334,9 @@ class Stage(nnx.Module):
         x = self.final_norm(x)
         if decode and self.decode_lm_head is not None:
             return decode_product(x, self.decode_lm_head[...], jnp.float32)
-        if self.lm_head is None:
+        if self.lm_head is None:  # tied: the embedding [V, d] is output-major already
+            if decode:
+                return decode_product(x, self.embedding[...], jnp.float32)
             return jnp.einsum("...d,vd->...v", x, self.embedding[...], preferred_element_type=jnp.float32)
         return jnp.einsum("...d,dv->...v", x, self.lm_head[...], preferred_element_type=jnp.float32)
 
