@@ -76,3 +76,25 @@ def ref(llm):
     from reference_model import reference_for
 
     return reference_for(llm.model)
+
+
+@pytest.fixture
+def random_file(tmp_path):
+    """``open(nbytes, seed)``: a file of ``nbytes`` random bytes, its read-only descriptor and the bytes (closed at
+    the test's end); the SSD read tests' shard."""
+    import os
+
+    import numpy as np
+
+    fds = []
+
+    def open_file(nbytes: int, seed: int):
+        data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+        path = tmp_path / f"shard{len(fds)}"
+        path.write_bytes(data.tobytes())
+        fds.append(os.open(path, os.O_RDONLY))
+        return fds[-1], data
+
+    yield open_file
+    for fd in fds:
+        os.close(fd)

@@ -56,13 +56,8 @@ def test_the_calls_release_the_gil():
 
 
 @pytest.fixture
-def data_file(tmp_path):
-    data = np.random.default_rng(13).integers(0, 256, 3 * ONE_READ_BYTES + 5000, dtype=np.uint8)
-    path = tmp_path / "shard"
-    path.write_bytes(data.tobytes())
-    fd = os.open(path, os.O_RDONLY)
-    yield fd, data
-    os.close(fd)
+def data_file(random_file):
+    return random_file(3 * ONE_READ_BYTES + 5000, 13)
 
 
 @needs_exports

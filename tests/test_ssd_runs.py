@@ -20,13 +20,8 @@ SPEC = BlockSpec((2, 2, 16, 2, 64), np.float32)  # 32 KiB blocks: 48 to a run
 
 
 @pytest.fixture
-def data_file(tmp_path):
-    data = np.random.default_rng(7).integers(0, 256, 10 * PAGE_BYTES + 300, dtype=np.uint8)
-    path = tmp_path / "shard"
-    path.write_bytes(data.tobytes())
-    fd = os.open(path, os.O_RDONLY)
-    yield fd, data
-    os.close(fd)
+def data_file(random_file):
+    return random_file(10 * PAGE_BYTES + 300, 7)
 
 
 def outs_for(sizes: list[int]) -> list[np.ndarray]:
