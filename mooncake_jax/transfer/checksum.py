@@ -18,6 +18,8 @@ import xxhash
 from mooncake_jax.transfer.stream_copy import address, streaming_copy
 
 LOW_WORD = (1 << 64) - 1
+Digest = tuple[int, int]
+"""``(high, low)`` 64-bit words of a 128-bit XXH3 digest, what the frame header stores (``split_digest``)."""
 
 
 def split_digest(digest: int) -> tuple[int, int]:

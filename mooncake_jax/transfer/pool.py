@@ -35,7 +35,7 @@ from mooncake_jax.transfer.shard_reader import PAGE_BYTES
 from mooncake_jax.transfer.slots import joined, message_of
 from mooncake_jax.transfer.spec import BlockSpec
 from mooncake_jax.transfer.stream_copy import writable_address
-from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_tier
+from mooncake_jax.transfer.tiers import Tier, TierWriteError, file_tier, memory_tier, picked
 
 log = logging.getLogger(__name__)
 
@@ -300,11 +300,7 @@ class BlockPool:
                 if level:
                     upper = self._tiers[level - 1]
                     below = [i for i in below if keys[i] not in upper]
-                if len(below) == len(keys):  # (the common case, a batch no faster tier holds any of: no copies)
-                    tier.prefetch(keys, flats, addresses)
-                else:
-                    tier.prefetch([keys[i] for i in below], [flats[i] for i in below],
-                                  None if addresses is None else [addresses[i] for i in below])
+                tier.prefetch(picked(keys, below), picked(flats, below), picked(addresses, below))
             # the fastest tier's batch-checked hits (an SSD-only pool's), taken in one call rather than the per-record
             # path's five a block (about 2 us a 16-token record beside a read and hash of 35, docs/benchmarks/pool.md,
             # nineteenth pass); only the fastest tier's: its hits are served with no promotion, so taking them before

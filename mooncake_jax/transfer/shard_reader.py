@@ -55,7 +55,7 @@ import numpy as np
 from xxhash import xxh3_128, xxh3_128_intdigest
 
 from mooncake_jax.transfer import xxh3_nogil
-from mooncake_jax.transfer.checksum import LOW_WORD, fill_with_checksum, split_digest
+from mooncake_jax.transfer.checksum import LOW_WORD, Digest, fill_with_checksum, split_digest
 from mooncake_jax.transfer.stream_copy import streaming_copy, writable_address
 
 READ_STEP_BYTES = 256 << 10
@@ -105,7 +105,6 @@ MAX_OPEN_FILES = 32
 UNAVAILABLE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
 """Errors that say nothing about the record (the process is out of descriptors or memory, a call interrupted):
 raised to the caller, a miss this time, never taken for a damaged record."""
-Digest = tuple[int, int]
 ReadResult = Digest | OSError | None
 """A record read by ``read_many``: its digest; None when missing, unreadable or cut short; an ``UNAVAILABLE``
 error, for the caller to raise where it would have been raised."""
@@ -236,17 +235,11 @@ def read_run(fd: int, outs: Sequence[np.ndarray], offset: int, on_cold: Callable
     the records are hashed without the GIL (``xxh3_nogil``, where it can be bound: the two-thread way of
     ``read_many``)."""
     native = addresses is not None and xxh3_nogil.hash_at is not None
-    got = 0
+    nowait = on_cold is not None and _NOWAIT is not None
     try:
-        if on_cold is not None and _NOWAIT is not None:
-            try:
-                got = os.preadv(fd, outs, offset, _NOWAIT)
-            except OSError:  # EAGAIN: nothing cached at offset; EOPNOTSUPP: a filesystem without it
-                got = 0
-        else:
-            got = os.preadv(fd, outs, offset)
-    except OSError:
-        got = 0
+        got = os.preadv(fd, outs, offset, _NOWAIT if nowait else 0)
+    except OSError:  # EAGAIN: nothing cached at offset; EOPNOTSUPP: no RWF_NOWAIT here; or a real error, which
+        got = 0  # each record then meets in its own read below
     results: list[ReadResult] = []
     start = 0
     for j, out in enumerate(outs):

@@ -149,7 +149,7 @@ def message_of(record: bytes | memoryview) -> bytes | None:
 
 def _address(buffer: bytes | memoryview) -> int:
     """Where ``buffer``'s first byte lies in memory."""
-    return np.frombuffer(buffer, np.uint8).__array_interface__["data"][0]
+    return address(np.frombuffer(buffer, np.uint8))
 
 
 def joined(records: Sequence[bytes | memoryview], separator: bytes) -> bytes:

@@ -119,10 +119,7 @@ class Tier:
         into ``outs`` (flat uint8, one per key), where ``read_into`` will be asked to copy them (``addresses``:
         where each out starts, if the caller knows; for a store that reads ahead, the SSD's)."""
         held = [i for i, key in enumerate(keys) if key in self._present]
-        if len(held) < len(keys):
-            keys, outs = [keys[i] for i in held], [outs[i] for i in held]
-            addresses = None if addresses is None else [addresses[i] for i in held]
-        self.store.prefetch(keys, outs, addresses)
+        self.store.prefetch(picked(keys, held), picked(outs, held), picked(addresses, held))
 
     def write_block(self, key: BlockKey, data: np.ndarray) -> None:
         """Start storing the block whose bytes are ``data`` (flat uint8) under a key not yet in the tier."""
@@ -175,6 +172,14 @@ class Tier:
 
     def close(self) -> None:
         self.store.close()
+
+
+def picked(items: Sequence | None, indices: list[int]) -> Sequence | None:
+    """``items`` at ``indices`` (increasing, each once): ``items`` itself when that is all of them (a batch read's
+    usual case, no copy), None for None."""
+    if items is None or len(indices) == len(items):
+        return items
+    return [items[i] for i in indices]
 
 
 def memory_tier(spec: BlockSpec, capacity_blocks: int | None, policy: EvictionPolicy) -> Tier:

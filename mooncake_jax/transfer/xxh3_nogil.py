@@ -35,8 +35,8 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-Digest = tuple[int, int]
-"""``(high, low)`` 64-bit words of a 128-bit digest, what the frame header stores (``checksum.split_digest``)."""
+from mooncake_jax.transfer.checksum import Digest
+from mooncake_jax.transfer.stream_copy import address
 
 
 class _Hash128(ctypes.Structure):
@@ -68,7 +68,7 @@ def _bind() -> _Library | None:
         log.info("XXH3-128 without the GIL unavailable (%s); hashing with the GIL held", err)
         return None
     sample = np.frombuffer(bytes(range(256)) * 5 + b"tail", np.uint8)  # over XXH3's 240-byte short path
-    got = library.oneshot(sample.__array_interface__["data"][0], sample.size)
+    got = library.oneshot(address(sample), sample.size)
     if (got.high64 << 64 | got.low64) != xxhash.xxh3_128_intdigest(sample):
         log.warning("XXH3-128 without the GIL unavailable (the exported XXH3-128 disagrees with xxhash.xxh3_128); "
                     "hashing with the GIL held")
