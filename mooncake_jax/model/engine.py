@@ -34,7 +34,7 @@ from ..sharding.pipeline import LayerPages, PipelineRunner, StepInputs
 from .layer_hooks import LayerHooks
 
 # At import, before JAX starts the CPU backend's threads: the one-arena part of the setting holds only for threads
-# that make their malloc arena afterwards (host_memory.py). ``Engine`` applies it again (a no-op once applied).
+# that make their malloc arena afterwards (host_memory.py); every ``Engine`` is built after it.
 keep_large_blocks_on_heap()
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -83,8 +83,6 @@ class Engine:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if jax.default_backend() == "cpu":
-            keep_large_blocks_on_heap()
         self.cfg = cfg
         self.block_size = cfg.block_size
         self.max_batch = max_batch
