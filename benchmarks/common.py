@@ -43,18 +43,21 @@ def load_average() -> str:
 
 
 def interleaved(variants: dict[str, Callable[[], object]], rounds: int, calls: int = 1,
-                base: str | None = None) -> dict:
+                base: str | None = None, pause_s: float = 0.0) -> dict:
     """Time each of ``variants`` (name -> a call that finishes its work) ``calls`` times per round, the variants in
     turn, for ``rounds`` rounds: on a shared machine a figure taken by one process moves +-10% from run to run, and
     interleaving leaves every variant the same disturbances. Per variant: wall min / p25 / median and process CPU
     time (all threads) median, in ms; per variant but ``base`` (default the first): its CPU median, wall min and
     wall median over ``base``'s (``{name}_cpu_ratio``, ``{name}_wall_min_ratio``, ``{name}_wall_median_ratio``);
-    the load average before and after."""
+    the load average before and after. ``pause_s``: a sleep before each call (a long call's variants then start
+    alike, not one straight after another's burst)."""
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     res: dict = {"load_start": load_average()}
     for _ in range(rounds):
         for name, run in variants.items():
             for _ in range(calls):
+                if pause_s:
+                    time.sleep(pause_s)
                 t, c = time.perf_counter(), time.process_time()
                 run()
                 times[name].append((time.perf_counter() - t, time.process_time() - c))

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, load_average, machine_info, write_json  # noqa: E402
+from common import arg_parser, interleaved, load_average, machine_info, write_json  # noqa: E402
 
 KV, G, HD = 4, 3, 64
 
@@ -296,21 +296,9 @@ def main() -> None:
         out = torch_sdpa().transpose(1, 2).reshape(ref.shape).numpy()
         res["torch_sdpa_max_abs_diff"] = float(np.abs(out - ref).max())
         runs["torch_sdpa"] = torch_sdpa
-    times = {n: [] for n in runs}
-    for _ in range(args.rounds):
-        for n, run in runs.items():
-            time.sleep(0.2)
-            w, c = time.perf_counter(), time.process_time()
-            run()
-            times[n].append((time.perf_counter() - w, time.process_time() - c))
-    res["load_end"] = load_average()
-    first = next(iter(runs))
-    for n, ts in times.items():
-        res[f"{n}_wall_min_ms"] = round(min(w for w, _ in ts) * 1e3, 1)
-        res[f"{n}_wall_median_ms"] = round(float(np.median([w for w, _ in ts])) * 1e3, 1)
-        res[f"{n}_cpu_median_ms"] = round(float(np.median([c for _, c in ts])) * 1e3, 1)
-        res[f"{n}_cpu_ratio"] = round(res[f"{n}_cpu_median_ms"] / res[f"{first}_cpu_median_ms"], 3)
-        res[f"{n}_wall_min_ratio"] = round(res[f"{n}_wall_min_ms"] / res[f"{first}_wall_min_ms"], 3)
+    timed = interleaved(runs, args.rounds, pause_s=0.2)
+    del timed["load_start"]  # (res's, taken before the set-up)
+    res.update(timed)
     write_json(res, args.json)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, load_average, machine_info, write_json  # noqa: E402
+from common import arg_parser, interleaved, load_average, machine_info, write_json  # noqa: E402
 
 D, H, KV, HD, F, L = 768, 12, 4, 64, 2048, 12
 
@@ -165,18 +165,9 @@ def main() -> None:
         t0 = time.perf_counter()
         run()
         res[f"{name}_first_s"] = round(time.perf_counter() - t0, 2)
-    times = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, run in variants.items():
-            time.sleep(0.2)
-            w, c = time.perf_counter(), time.process_time()
-            run()
-            times[name].append((time.perf_counter() - w, time.process_time() - c))
-    res["load_end"] = load_average()
-    for name, ts in times.items():
-        res[f"{name}_wall_min_ms"] = round(min(w for w, _ in ts) * 1e3, 1)
-        res[f"{name}_wall_median_ms"] = round(float(np.median([w for w, _ in ts])) * 1e3, 1)
-        res[f"{name}_cpu_median_ms"] = round(float(np.median([c for _, c in ts])) * 1e3, 1)
+    timed = interleaved(variants, args.rounds, pause_s=0.2)
+    del timed["load_start"]  # (res's, taken before the set-up)
+    res.update(timed)
     for part in parts:
         if f"{part}_ours_wall_min_ms" in res:
             for fig in ("wall_min", "wall_median", "cpu_median"):
