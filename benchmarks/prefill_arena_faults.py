@@ -1,6 +1,6 @@
 """Page faults and kernel time of the library's prefill attention (``--layers`` layers chained, ``--tokens`` tokens,
-``small`` shape) in two fresh processes: "plain" (JAX first) and "engine" (``mooncake_jax.model.engine`` imported
-before JAX starts its threads, so its allocator settings, one malloc arena included, hold for XLA's threads).
+``small`` shape) in two fresh processes: "plain" (JAX first) and "engine" (a prefill instance's allocator settings,
+``host_memory.share_one_arena``, applied before JAX starts its threads, so that they hold for XLA's threads).
 
 XLA:CPU takes a call's temporaries as one block on the thread that runs it; in a thread's own arena (heaps of at most
 64 MiB) a larger block is mapped afresh and unmapped each call (``model/host_memory.py``). Each process reports
@@ -24,7 +24,8 @@ import json, resource, sys, time
 mode, tokens, layers, calls = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 sys.path.insert(0, sys.argv[5])
 if mode == "engine":
-    import mooncake_jax.model.engine  # noqa: F401
+    from mooncake_jax.model.host_memory import share_one_arena
+    share_one_arena()  # as a prefill instance does (instance/main.py), before JAX starts its threads
 import numpy as np, jax, jax.numpy as jnp
 from prefill_attn_variants import variants, KV, G, HD
 att = variants()["library"]

@@ -1,7 +1,9 @@
-"""The engine's allocator settings (``model/host_memory.py``) hold for XLA:CPU's own threads: a program whose
-temporaries exceed glibc's 64 MiB per-thread heaps reuses its pages from one call to the next instead of having them
-mapped afresh (and faulted in) every call. Checked in a fresh process, as the setting must precede JAX's threads;
-the same program in a process without the setting is the control (it must fault, or the check proves nothing)."""
+"""A prefill instance's allocator settings (``model/host_memory.py``: one malloc arena, large blocks on the heap)
+hold for XLA:CPU's own threads: a program whose temporaries exceed glibc's 64 MiB per-thread heaps reuses its pages
+from one call to the next instead of having them mapped afresh (and faulted in) every call. Checked in a fresh
+process, as the setting must precede JAX's threads; the same program in a process without the setting is the control
+(it must fault, or the check proves nothing). The engine's import alone leaves each thread its own arena (a decode
+process's choice), so there the program faults as in the control."""
 
 import subprocess
 import sys
@@ -10,8 +12,9 @@ import pytest
 
 PROBE = r"""
 import resource, sys
-if sys.argv[1] == "engine":
-    import mooncake_jax.model.engine  # noqa: F401  (applies the settings at import)
+if sys.argv[1] == "prefill":
+    from mooncake_jax.instance.main import tune_allocator
+    tune_allocator("prefill")  # as a prefill instance does, before JAX starts its threads
 import jax, jax.numpy as jnp
 x = jnp.ones((5000, 64), jnp.float32)
 f = jax.jit(lambda x: (jnp.exp(x @ x.T) @ x).sum())  # a 100 MB temporary between two products
@@ -33,7 +36,19 @@ def faults_per_call(mode: str) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
-def test_large_xla_temporaries_are_reused_once_the_engine_is_imported():
-    plain, engine = faults_per_call("plain"), faults_per_call("engine")
+def test_large_xla_temporaries_are_reused_in_a_prefill_process_only():
+    plain, prefill = faults_per_call("plain"), faults_per_call("prefill")
     assert plain > 10_000  # 100 MB mapped afresh: ~24,000 pages each call
-    assert engine < 1_000
+    assert prefill < 1_000
+
+
+def test_only_prefill_instances_share_one_arena(monkeypatch):
+    from mooncake_jax.instance import main
+    from mooncake_jax.instance.conductor_link import DECODE, PREFILL
+
+    calls = []
+    monkeypatch.setattr(main.host_memory, "share_one_arena", lambda: calls.append(1))
+    main.tune_allocator(DECODE)
+    assert calls == []
+    main.tune_allocator(PREFILL)
+    assert calls == [1]

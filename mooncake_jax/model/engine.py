@@ -33,8 +33,8 @@ from ..sharding.layout import SingleDevice
 from ..sharding.pipeline import LayerPages, PipelineRunner, StepInputs
 from .layer_hooks import LayerHooks
 
-# At import, before JAX starts the CPU backend's threads: the one-arena part of the setting holds only for threads
-# that make their malloc arena afterwards (host_memory.py); every ``Engine`` is built after it.
+# At import: every ``Engine`` is built after it, so no step's temporaries are mapped afresh (host_memory.py). One
+# malloc arena for all threads is a prefill process's choice, not made here (``host_memory.share_one_arena``).
 keep_large_blocks_on_heap()
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
