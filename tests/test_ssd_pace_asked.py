@@ -26,14 +26,15 @@ class Asked:
     """A ``Pace`` that answers ``answer`` and writes down what it was asked and told."""
 
     def __init__(self, answer: bool) -> None:
-        self.answer, self.asked, self.told = answer, 0, []
+        self.answer, self.asked, self.told, self.warm = answer, 0, [], []
 
     def helped(self) -> bool:
         self.asked += 1
         return self.answer
 
-    def took(self, helped: bool, seconds: float, nbytes: int) -> None:
+    def took(self, helped: bool, seconds: float, nbytes: int, warm: bool = True) -> None:
         self.told.append((helped, nbytes))
+        self.warm.append(warm)
 
 
 @pytest.fixture

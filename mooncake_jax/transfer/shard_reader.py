@@ -319,12 +319,16 @@ class Pace:
     def __init__(self) -> None:
         self._seconds_per_byte: dict[bool, deque[float]] = {way: deque(maxlen=self.window) for way in (True, False)}
         self._batches = 0
+        self._again: bool | None = None  # the way of a cold batch (``took``), answered once more to be timed warm
         self._lock = threading.Lock()  # stores of several threads share it
 
     def helped(self) -> bool:
         """Whether the next batch should be read with the helper."""
         with self._lock:
             self._batches += 1
+            if self._again is not None:  # a cold batch's way once more, to time it warm
+                way, self._again = self._again, None
+                return way
             with_helper, alone = self._seconds_per_byte[True], self._seconds_per_byte[False]
             if min(len(with_helper), len(alone)) < self.window // 2:
                 return len(with_helper) <= len(alone)
@@ -334,8 +338,22 @@ class Pace:
                 else self.explore_every
             return faster != (self._batches % every == 0)
 
-    def took(self, helped: bool, seconds: float, nbytes: int) -> None:
-        """A batch read ``helped`` or not took ``seconds`` for ``nbytes``. A try of the slower way that beats the
+    def took(self, helped: bool, seconds: float, nbytes: int, warm: bool = True) -> None:
+        """A batch read ``helped`` or not took ``seconds`` for ``nbytes``. Not ``warm`` (its reader's first batch
+        to ask, or a batch with the helper after one without: ``ShardReader.read_many``), it is not recorded, and
+        the next batch goes the same way, to be timed warm: a try of the helper's way after a
+        streak of batches read alone woke a thread idle since its last try (made anew with each reader), and on
+        the AMD EPYC measured (a Firecracker VM, 2 vCPUs) such lone tries cost 110-460 us/MB where the batches of a
+        streak with the helper cost 72-90 and the batches alone 90-100 (the benchmark's 16-token get, a fresh pool
+        each trial, boosted, load 2.7: twenty-first pass, docs/benchmarks/pool.md). So a trial that began alone
+        stayed alone, the helper's lone tries never beating it, and the quiet runs of the eighteenth session read
+        three of their five 16-token trials alone at 8.3-8.7 GB/s beside trials with the helper at 10.4-11.1. A
+        reader's first batch is slow either way (its files opened, its thread made): 105-365 us/MB. The caller's
+        own thread is never idle, so a batch alone after batches with the helper is warm. The cost: each try of the
+        helper's way is two batches, not one (a cold batch with the helper after a try alone costs nothing: the
+        helper's way was to be taken anyway, only its figure is dropped).
+
+        A try of the slower way that beats the
         faster way's median says the machine changed (a core freed, or taken): the tried way's older figures are
         forgotten, so it is taken in turn until it has half a window again, and then the medians decide. Without
         it a way that once read slow (a far-slower helper, tried every ``far_explore_every`` batches) needed half
@@ -343,6 +361,9 @@ class Pace:
         runs of the seventeenth session read their first 16-token trial with the helper (10.0-10.5 GB/s, 1.5 cores)
         and the other four alone (8.6-9.0 GB/s, one core): likely one slow spell, never forgotten."""
         with self._lock:
+            if not warm:
+                self._again = helped
+                return
             rate = seconds / max(nbytes, 1)
             mine, other = self._seconds_per_byte[helped], self._seconds_per_byte[not helped]
             if min(len(mine), len(other)) >= self.window // 2:
@@ -470,6 +491,7 @@ class ShardReader:
         self._wanted: list[tuple[int, int, int]] = []  # (shard, offset, length) runs a batch is about to read
         self._helper: Helper | None = None  # reads a batch's records beside the caller (read_many)
         self._pace = pace
+        self._last_way: bool | None = None  # the way of this reader's last batch that asked its Pace
         self._advising = threading.Lock()  # both threads of a read_many may find the page cache cold at once
 
     def _fd(self, shard: int) -> int:
@@ -509,7 +531,8 @@ class ShardReader:
 
         Only a batch of several records over ``HELPED_RUN_BYTES`` in all is sure to be more than one run on the
         two-thread way, so only such a batch asks ``Pace`` which way to go, and it records the time it took under
-        the way it went, cut at that way's run size: every answer ``Pace`` gives is followed by a figure, so its
+        the way it went (told whether it was warm: not this reader's first batch to ask, nor a batch with the helper
+        after one without; ``Pace.took``), cut at that way's run size: every answer ``Pace`` gives is followed by a figure, so its
         tries of the slower way are not spent on batches that record nothing (a 2-record 16-token batch, 768 KiB,
         is one run either way), and a batch that is one run alone (3-4 such records) is recorded whichever way it
         went. The total decides, not a first cut at ``HELPED_RUN_BYTES`` (a second cut, about 4 us, cost the
@@ -561,7 +584,8 @@ class ShardReader:
                         continue
                 read(first, count, fd)
             if paced:
-                self._pace.took(False, time.perf_counter() - started, nbytes)
+                self._pace.took(False, time.perf_counter() - started, nbytes, self._last_way is not None)
+                self._last_way = False
             return results
         shards = {shard for shard, _, _ in reads}
         started = time.perf_counter()
@@ -596,7 +620,8 @@ class ShardReader:
             self._helper.finish(raising=False)  # even when this thread failed: nothing may write into an out once
             raise  # this returns
         self._helper.finish()  # the helper's own failure (a read's OSError is its result, not this)
-        self._pace.took(True, time.perf_counter() - started, nbytes)
+        self._pace.took(True, time.perf_counter() - started, nbytes, self._last_way is True)
+        self._last_way = True
         return results
 
     def read_exact(self, shard: int, offset: int, out: np.ndarray) -> bool:
