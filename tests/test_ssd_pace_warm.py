@@ -161,3 +161,46 @@ def test_the_real_pace_through_a_reader_asks_again_after_a_cold_batch(tmp_path, 
     assert ways[0] == ways[1]
     assert len(pace._seconds_per_byte[ways[0]]) == 1 and len(pace._seconds_per_byte[not ways[0]]) == 0
     assert shard_reader.HELPED_RUN_BYTES < 8 * RECORD
+
+
+def test_a_closed_readers_helper_thread_serves_the_next_reader(tmp_path, monkeypatch):
+    """A pool opened for a few batches does not start a thread each time: a closed reader's ``Helper`` is kept idle
+    (up to ``SPARE_HELPERS``) and the next reader's two-thread batches run on its thread, reading the same bytes;
+    past ``SPARE_HELPERS`` a closed reader's thread ends."""
+    data = np.random.default_rng(9).integers(0, 256, 8 * RECORD, dtype=np.uint8)
+    (tmp_path / "s0").write_bytes(data.tobytes())
+    monkeypatch.setattr(shard_reader, "_spares", [])
+
+    class Always:
+        def helped(self) -> bool:
+            return True
+
+        def took(self, helped, seconds, nbytes, warm=True) -> None:
+            pass
+
+    def used_reader() -> ShardReader:
+        reader = ShardReader(lambda shard: tmp_path / f"s{shard}", Always())
+        staging = page_aligned_empty((8, RECORD), np.uint8)
+        reads = [(0, j * RECORD, staging[j]) for j in range(8)]
+        got = reader.read_many(reads, [address(row) for row in staging])
+        assert all(g is not None for g in got) and staging.tobytes() == data.tobytes()
+        return reader
+
+    first = used_reader()
+    thread = first._helper._thread
+    first.close()
+    assert thread.is_alive() and shard_reader._spares[0]._thread is thread
+    second = used_reader()
+    assert second._helper._thread is thread and shard_reader._spares == []
+    readers = [used_reader() for _ in range(shard_reader.SPARE_HELPERS + 1)]
+    threads = [reader._helper._thread for reader in readers]
+    second.close()
+    for reader in readers:
+        reader.close()
+    assert len(shard_reader._spares) == shard_reader.SPARE_HELPERS
+    ended = [t for t in threads + [thread] if t not in [h._thread for h in shard_reader._spares]]
+    for t in ended:
+        t.join(5)
+    assert len(ended) == 2 and not any(t.is_alive() for t in ended)
+    for helper in shard_reader._spares:
+        helper.close()

@@ -480,6 +480,32 @@ class Helper:
             self._stop()
 
 
+SPARE_HELPERS = 2
+"""``Helper``s of closed readers kept, their threads idle, for the next readers to take (``spare_helper``): a pool
+opened for a few batches (the benchmark opens one a trial) does not start a thread each time (180-300 us on the
+AMD EPYC measured, and the new thread's first batch is the slowest: twenty-first pass, docs/benchmarks/pool.md).
+A reader dropped without ``close`` still ends its thread (``Helper``'s finalizer)."""
+_spares: list[Helper] = []
+_spares_lock = threading.Lock()
+
+
+def spare_helper() -> Helper:
+    """A closed reader's idle ``Helper``, or a new one."""
+    with _spares_lock:
+        if _spares:
+            return _spares.pop()
+    return Helper()
+
+
+def _park(helper: Helper) -> None:
+    """Keep a closed reader's ``helper`` for the next reader, or end its thread when ``SPARE_HELPERS`` are kept."""
+    with _spares_lock:
+        if len(_spares) < SPARE_HELPERS:
+            _spares.append(helper)
+            return
+    helper.close()
+
+
 class ShardReader:
     """Descriptors of one store's shard files, opened for reading on first use (``path_of(shard)`` names them).
     Used by one thread at a time (its descriptor cache and ``Helper`` are unguarded; the store's owner serialises:
@@ -612,7 +638,7 @@ class ShardReader:
                     read(first, count, fd)
 
         if self._helper is None:
-            self._helper = Helper()
+            self._helper = spare_helper()
         self._helper.start(work)
         try:
             work()
@@ -672,7 +698,7 @@ class ShardReader:
 
     def close(self) -> None:
         if self._helper is not None:
-            self._helper.close()
+            _park(self._helper)  # (idle: a batch ends before read_many returns)
             self._helper = None
         while self._open:
             os.close(self._open.popitem()[1])
