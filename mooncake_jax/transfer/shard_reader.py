@@ -33,7 +33,8 @@ is reading. A helper only pays with a core free for it: with both threads on one
 2-core machine) a 16-token batch took 1.27 ms with it against 0.86 ms without (the GIL handed back and forth at every
 read and hash). So each batch goes the way that has read faster lately (``Pace``: the median seconds per byte of
 each way's last batches, the other way tried every ``Pace.explore_every`` batches, or ``Pace.far_explore_every``
-when it is far slower).
+when it is far slower; each way timed warm, a try of the helper two batches: ``Pace.took``). A closed reader's
+helper is kept for the next reader (``spare_helper``).
 
 Open files are kept in a small LRU (``MAX_OPEN_FILES``): a tier of many shards does not run out of descriptors, and
 a deleted shard's descriptor is closed with it (``forget``) so its space is freed at once.
