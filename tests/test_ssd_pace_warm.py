@@ -204,3 +204,22 @@ def test_a_closed_readers_helper_thread_serves_the_next_reader(tmp_path, monkeyp
     assert len(ended) == 2 and not any(t.is_alive() for t in ended)
     for helper in shard_reader._spares:
         helper.close()
+
+
+def test_a_forked_child_keeps_no_spare_helper(monkeypatch):
+    """A forked child has none of its parent's threads: the parent's spare helpers are dropped there (a reader in
+    the child makes its own), and kept in the parent."""
+    import os
+
+    import pytest
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    monkeypatch.setattr(shard_reader, "_spares", shard_reader._spares)  # (restored as it was)
+    helper = shard_reader.spare_helper()
+    shard_reader._park(helper)
+    assert helper in shard_reader._spares
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if not shard_reader._spares else 1)
+    assert os.waitpid(pid, 0)[1] == 0 and helper in shard_reader._spares

@@ -488,6 +488,8 @@ AMD EPYC measured, and the new thread's first batch is the slowest: twenty-first
 A reader dropped without ``close`` still ends its thread (``Helper``'s finalizer)."""
 _spares: list[Helper] = []
 _spares_lock = threading.Lock()
+if hasattr(os, "register_at_fork"):  # a forked child has none of the parent's threads: its spares serve no one
+    os.register_at_fork(after_in_child=_spares.clear)
 
 
 def spare_helper() -> Helper:
