@@ -341,18 +341,18 @@ class Pace:
 
     def took(self, helped: bool, seconds: float, nbytes: int, warm: bool = True) -> None:
         """A batch read ``helped`` or not took ``seconds`` for ``nbytes``. Not ``warm`` (its reader's first batch
-        to ask, or a batch with the helper after one without: ``ShardReader.read_many``), it is not recorded, and
-        the next batch goes the same way, to be timed warm: a try of the helper's way after a
-        streak of batches read alone woke a thread idle since its last try (made anew with each reader), and on
-        the AMD EPYC measured (a Firecracker VM, 2 vCPUs) such lone tries cost 110-460 us/MB where the batches of a
-        streak with the helper cost 72-90 and the batches alone 90-100 (the benchmark's 16-token get, a fresh pool
-        each trial, boosted, load 2.7: twenty-first pass, docs/benchmarks/pool.md). So a trial that began alone
-        stayed alone, the helper's lone tries never beating it, and the quiet runs of the eighteenth session read
-        three of their five 16-token trials alone at 8.3-8.7 GB/s beside trials with the helper at 10.4-11.1. A
-        reader's first batch is slow either way (its files opened, its thread made): 105-365 us/MB. The caller's
-        own thread is never idle, so a batch alone after batches with the helper is warm. The cost: each try of the
-        helper's way is two batches, not one (a cold batch with the helper after a try alone costs nothing: the
-        helper's way was to be taken anyway, only its figure is dropped).
+        to ask, or a batch with the helper after one without: ``ShardReader.read_many``), it is not recorded, and the
+        next batch goes the same way, to be timed warm: a try of the helper's way after a streak of batches read alone
+        woke a thread idle since its last try (or, before ``spare_helper``, made anew with each reader), and on the AMD
+        EPYC measured (a Firecracker VM, 2 vCPUs) such lone tries cost 101-456 us/MB where the batches of a streak with
+        the helper cost 72-90 and the batches alone 90-100 (the benchmark's 16-token get, a fresh pool each trial,
+        boosted, load 2.7: twenty-first pass, docs/benchmarks/pool.md). So a trial that began alone stayed alone, the
+        helper's lone tries never beating it, and the quiet runs of the eighteenth session read three of their five
+        16-token trials alone at 8.3-8.7 GB/s beside trials with the helper at 10.4-11.1. The benchmark's first batch of
+        a pool is slow either way (105-365 us/MB: pages just written read for the first time, and the thread made). The caller's own thread is never idle, so a batch
+        alone after batches with the helper is warm. The cost: each try of the helper's way is two batches, not one (a
+        cold batch with the helper after a try alone costs nothing: the helper's way was to be taken anyway, only its
+        figure is dropped).
 
         A try of the slower way that beats the
         faster way's median says the machine changed (a core freed, or taken): the tried way's older figures are
@@ -561,15 +561,15 @@ class ShardReader:
         Only a batch of several records over ``HELPED_RUN_BYTES`` in all is sure to be more than one run on the
         two-thread way, so only such a batch asks ``Pace`` which way to go, and it records the time it took under
         the way it went (told whether it was warm: not this reader's first batch to ask, nor a batch with the helper
-        after one without; ``Pace.took``), cut at that way's run size: every answer ``Pace`` gives is followed by a figure, so its
-        tries of the slower way are not spent on batches that record nothing (a 2-record 16-token batch, 768 KiB,
-        is one run either way), and a batch that is one run alone (3-4 such records) is recorded whichever way it
-        went. The total decides, not a first cut at ``HELPED_RUN_BYTES`` (a second cut, about 4 us, cost the
+        after one without; ``Pace.took``), cut at that way's run size: every answer ``Pace`` gives is followed by a
+        figure, so its tries of the slower way are not spent on batches that record nothing (a 2-record 16-token batch,
+        768 KiB, is one run either way), and a batch that is one run alone (3-4 such records) is recorded whichever way
+        it went. The total decides, not a first cut at ``HELPED_RUN_BYTES`` (a second cut, about 4 us, cost the
         one-thread way of a 16-token batch about 1% of its CPU): a batch of several runs under it (records apart in the
-        file) is read alone unasked, as too small to share. A batch spanning more shard files than stay open is read
-        on this thread alone and recorded under neither way (the descriptors of the two-thread way are all opened
-        first, here, so the helper never touches the descriptor cache, and opening more than stay open might
-        close one in use); it does not ask ``Pace``."""
+        file) is read alone unasked, as too small to share. A batch spanning more shard files than stay open is read on
+        this thread alone and recorded under neither way (the descriptors of the two-thread way are all opened first,
+        here, so the helper never touches the descriptor cache, and opening more than stay open might close one in use);
+        it does not ask ``Pace``."""
         results: list[ReadResult] = [None] * len(reads)
         if addresses is not None and len(addresses) != len(reads):
             raise ValueError(f"{len(addresses)} addresses for {len(reads)} reads")
