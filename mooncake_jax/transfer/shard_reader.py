@@ -349,10 +349,10 @@ class Pace:
         boosted, load 2.7: twenty-first pass, docs/benchmarks/pool.md). So a trial that began alone stayed alone, the
         helper's lone tries never beating it, and the quiet runs of the eighteenth session read three of their five
         16-token trials alone at 8.3-8.7 GB/s beside trials with the helper at 10.4-11.1. The benchmark's first batch of
-        a pool is slow either way (105-365 us/MB: pages just written read for the first time, and the thread made). The caller's own thread is never idle, so a batch
-        alone after batches with the helper is warm. The cost: each try of the helper's way is two batches, not one (a
-        cold batch with the helper after a try alone costs nothing: the helper's way was to be taken anyway, only its
-        figure is dropped).
+        a pool is slow either way (105-365 us/MB: pages just written read for the first time, and the thread made).
+        The caller's own thread is never idle, so a batch alone after batches with the helper is warm. The cost: each
+        try of the helper's way is two batches, not one (a cold batch with the helper after a try alone costs nothing:
+        the helper's way was to be taken anyway, only its figure is dropped).
 
         A try of the slower way that beats the
         faster way's median says the machine changed (a core freed, or taken): the tried way's older figures are
