@@ -1,10 +1,10 @@
 """``Pace`` times each way warm (twenty-first pass, issue 15): a batch that is its reader's first paced one, or a batch
 with the helper after one without, is told to ``Pace`` as cold; it is not recorded and the reader's next paced batch
-goes the same way, unasked, to be timed warm. In the benchmark's fresh-pool 16-token get a lone try of the helper (its thread
-idle since its last try, or made anew) cost 110-460 us/MB where the helper's batches in a streak cost 72-90 and the
-batches alone 90-100, so a trial that began alone stayed alone. Hand-worked cases with fake clocks: the quiet machine
-(the helper faster once warm, slow when cold) now goes to the helper and stays; the loaded machine (the helper slower
-even warm) stays alone and tries the helper as seldom as before but in pairs."""
+goes the same way, unasked, to be timed warm. In the benchmark's fresh-pool 16-token get a lone try of the helper
+(its thread idle since its last try, or made anew) cost 110-460 us/MB where the helper's batches in a streak cost
+72-90 and the batches alone 90-100, so a trial that began alone stayed alone. Hand-worked cases with fake clocks: the
+quiet machine (the helper faster once warm, slow when cold) now goes to the helper and stays; the loaded machine (the
+helper slower even warm) stays alone and tries the helper as seldom as before but in pairs."""
 
 import numpy as np
 

@@ -525,12 +525,13 @@ class ShardReader:
         the way it went (told whether it was warm, a cold batch's way taken once more unasked: ``_took``), cut at
         that way's run size: every answer ``Pace`` gives is followed by a figure, so its tries of the slower way are
         not spent on batches that record nothing (a 2-record 16-token batch, 768 KiB, is one run either way), and a
-        batch that is one run alone (3-4 such records) is recorded whichever way it went. The total decides, not a first cut at ``HELPED_RUN_BYTES`` (a second cut, about 4 us, cost the
-        one-thread way of a 16-token batch about 1% of its CPU): a batch of several runs under it (records apart in the
-        file) is read alone unasked, as too small to share. A batch spanning more shard files than stay open is read on
-        this thread alone and recorded under neither way (the descriptors of the two-thread way are all opened first,
-        here, so the helper never touches the descriptor cache, and opening more than stay open might close one in use);
-        it does not ask ``Pace``."""
+        batch that is one run alone (3-4 such records) is recorded whichever way it went. The total decides, not a
+        first cut at ``HELPED_RUN_BYTES`` (a second cut, about 4 us, cost the one-thread way of a 16-token batch
+        about 1% of its CPU): a batch of several runs under it (records apart in the file) is read alone unasked, as
+        too small to share. A batch spanning more shard files than stay open is read on this thread alone and
+        recorded under neither way (the descriptors of the two-thread way are all opened first, here, so the helper
+        never touches the descriptor cache, and opening more than stay open might close one in use); it does not ask
+        ``Pace``."""
         results: list[ReadResult] = [None] * len(reads)
         if addresses is not None and len(addresses) != len(reads):
             raise ValueError(f"{len(addresses)} addresses for {len(reads)} reads")
