@@ -26,14 +26,15 @@ class Asked:
     """A ``Pace`` that answers ``answer`` and writes down what it was asked and told."""
 
     def __init__(self, answer: bool) -> None:
-        self.answer, self.asked, self.told = answer, 0, []
+        self.answer, self.asked, self.told, self.warm = answer, 0, [], []
 
     def helped(self) -> bool:
         self.asked += 1
         return self.answer
 
-    def took(self, helped: bool, seconds: float, nbytes: int) -> None:
+    def took(self, helped: bool, seconds: float, nbytes: int, warm: bool = True) -> None:
         self.told.append((helped, nbytes))
+        self.warm.append(warm)
 
 
 @pytest.fixture
@@ -89,6 +90,7 @@ def test_a_batch_asks_pace_only_when_it_could_be_shared_and_then_always_records(
     could_help = records > 2  # two 384 KiB records are one helped run
     assert pace.asked == could_help
     assert pace.told == ([(answer, records * RECORD)] if could_help else [])
+    assert pace.warm == ([False] if could_help else [])  # a reader's first paced batch is cold
     per_run = 2 if answer and could_help else 4
     full, rest = divmod(records, per_run)
     assert run_sizes == [per_run] * full + ([rest] if rest > 1 else [])  # alone: cut again at RUN_BYTES
@@ -96,7 +98,9 @@ def test_a_batch_asks_pace_only_when_it_could_be_shared_and_then_always_records(
 
 def test_alternating_small_and_large_batches_record_every_answer(shards):
     """The finding's pattern: 2-record batches between 16-record ones. Every ``helped`` is followed by one
-    ``took`` of the way answered, so the real ``Pace``'s schedule of tries is driven by batches it hears of."""
+    ``took`` of the way answered, so the real ``Pace``'s schedule of tries is driven by batches it hears of; a
+    cold batch (the reader's first, or with the helper after one alone) is followed by one more of its way, unasked
+    (twenty-first pass)."""
     path_of, data = shards
     answers = iter([True, False] * 20)
     pace = Asked(True)
@@ -110,8 +114,10 @@ def test_alternating_small_and_large_batches_record_every_answer(shards):
             check(reader.read_many(large, addresses), large, data)
     finally:
         reader.close()
-    assert pace.asked == 10
-    assert pace.told == [(way, 16 * RECORD) for way in [True, False] * 5]
+    ways = [True, True, False, True, True, False, True, True, False, True]  # asked: T, F, T, F, T, F, T
+    assert pace.asked == 7
+    assert pace.told == [(way, 16 * RECORD) for way in ways]
+    assert pace.warm == [False, True, True, False, True, True, False, True, True, False]
 
 
 @pytest.mark.parametrize("answer", [True, False])

@@ -140,6 +140,7 @@ def test_a_batch_get_reads_a_run_with_one_call_and_serves_every_block(tmp_path, 
             monkeypatch.setattr(shard_reader, "HELPED_RUN_BYTES", helped_run_bytes)  # the two-thread way's runs
             for helped in (False, True):
                 monkeypatch.setattr(shard_reader.Pace, "helped", lambda self, helped=helped: helped)
+                pool._tiers[0].store._reader._repeat = None  # the way forced: no repeat of a cold batch
                 calls.clear()
                 staging = page_aligned_empty((len(keys), *SPEC.shape), SPEC.dtype)
                 got = pool.get_many(keys, staging)

@@ -33,7 +33,7 @@ is reading. A helper only pays with a core free for it: with both threads on one
 2-core machine) a 16-token batch took 1.27 ms with it against 0.86 ms without (the GIL handed back and forth at every
 read and hash). So each batch goes the way that has read faster lately (``Pace``: the median seconds per byte of
 each way's last batches, the other way tried every ``Pace.explore_every`` batches, or ``Pace.far_explore_every``
-when it is far slower).
+when it is far slower; each way timed warm, a try of the helper two batches: ``ShardReader.read_many``).
 
 Open files are kept in a small LRU (``MAX_OPEN_FILES``): a tier of many shards does not run out of descriptors, and
 a deleted shard's descriptor is closed with it (``forget``) so its space is freed at once.
@@ -334,15 +334,22 @@ class Pace:
                 else self.explore_every
             return faster != (self._batches % every == 0)
 
-    def took(self, helped: bool, seconds: float, nbytes: int) -> None:
-        """A batch read ``helped`` or not took ``seconds`` for ``nbytes``. A try of the slower way that beats the
-        faster way's median says the machine changed (a core freed, or taken): the tried way's older figures are
-        forgotten, so it is taken in turn until it has half a window again, and then the medians decide. Without
-        it a way that once read slow (a far-slower helper, tried every ``far_explore_every`` batches) needed half
-        its window of tries to move its median: 320 batches, ten of the benchmark's 32-batch trials. Both quiet
-        runs of the seventeenth session read their first 16-token trial with the helper (10.0-10.5 GB/s, 1.5 cores)
-        and the other four alone (8.6-9.0 GB/s, one core): likely one slow spell, never forgotten."""
+    def took(self, helped: bool, seconds: float, nbytes: int, warm: bool = True) -> None:
+        """A batch read ``helped`` or not took ``seconds`` for ``nbytes``; a batch not ``warm`` is dropped (its
+        reader reads the next batch the same way, to be timed warm: ``ShardReader.read_many``). A cold try of the
+        helper cost 101-456 us/MB against 72-90 in a streak, so a trial that began alone stayed alone (twenty-first
+        pass, docs/benchmarks/pool.md).
+
+        A try of the slower way that beats the faster way's median says the machine changed (a core freed, or
+        taken): the tried way's older figures are forgotten, so it is taken in turn until it has half a window again,
+        and then the medians decide. Without it a way that once read slow (a far-slower helper, tried every
+        ``far_explore_every`` batches) needed half its window of tries to move its median: 320 batches, ten of the
+        benchmark's 32-batch trials. Both quiet runs of the seventeenth session read their first 16-token trial with
+        the helper (10.0-10.5 GB/s, 1.5 cores) and the other four alone (8.6-9.0 GB/s, one core): likely one slow
+        spell, never forgotten."""
         with self._lock:
+            if not warm:
+                return
             rate = seconds / max(nbytes, 1)
             mine, other = self._seconds_per_byte[helped], self._seconds_per_byte[not helped]
             if min(len(mine), len(other)) >= self.window // 2:
@@ -396,8 +403,12 @@ def _serve(go: threading.Lock, done: threading.Lock, slot: _Slot) -> None:
         done.release()
 
 
-def _stop(go: threading.Lock, done: threading.Lock, slot: _Slot, thread: threading.Thread) -> None:
-    """End the helper thread (``Helper.close``, or its finalizer when a ``Helper`` is dropped unclosed)."""
+def _stop(go: threading.Lock, done: threading.Lock, slot: _Slot, thread: threading.Thread, pid: int) -> None:
+    """End the helper thread (``Helper.close``, or its finalizer when a ``Helper`` is dropped unclosed). In a
+    process other than ``pid``, the one that started the thread (a forked child), there is no thread to end and
+    none would release ``done``: it returns at once rather than hang the child."""
+    if os.getpid() != pid:
+        return
     slot.work = None
     go.release()
     done.acquire()
@@ -431,7 +442,7 @@ class Helper:
         self._thread = threading.Thread(target=_serve, args=(self._go, self._done, self._slot), name="ssd-read",
                                         daemon=True)
         self._thread.start()
-        self._stop = weakref.finalize(self, _stop, self._go, self._done, self._slot, self._thread)
+        self._stop = weakref.finalize(self, _stop, self._go, self._done, self._slot, self._thread, os.getpid())
 
     def start(self, work: Callable[[], None]) -> None:
         if not self._caller.acquire(blocking=False):
@@ -470,6 +481,8 @@ class ShardReader:
         self._wanted: list[tuple[int, int, int]] = []  # (shard, offset, length) runs a batch is about to read
         self._helper: Helper | None = None  # reads a batch's records beside the caller (read_many)
         self._pace = pace
+        self._last_way: bool | None = None  # the way of this reader's last paced batch
+        self._repeat: bool | None = None  # the way of a cold paced batch, taken once more to be timed warm
         self._advising = threading.Lock()  # both threads of a read_many may find the page cache cold at once
 
     def _fd(self, shard: int) -> int:
@@ -509,22 +522,26 @@ class ShardReader:
 
         Only a batch of several records over ``HELPED_RUN_BYTES`` in all is sure to be more than one run on the
         two-thread way, so only such a batch asks ``Pace`` which way to go, and it records the time it took under
-        the way it went, cut at that way's run size: every answer ``Pace`` gives is followed by a figure, so its
-        tries of the slower way are not spent on batches that record nothing (a 2-record 16-token batch, 768 KiB,
-        is one run either way), and a batch that is one run alone (3-4 such records) is recorded whichever way it
-        went. The total decides, not a first cut at ``HELPED_RUN_BYTES`` (a second cut, about 4 us, cost the
-        one-thread way of a 16-token batch about 1% of its CPU): a batch of several runs under it (records apart in the
-        file) is read alone unasked, as too small to share. A batch spanning more shard files than stay open is read
-        on this thread alone and recorded under neither way (the descriptors of the two-thread way are all opened
-        first, here, so the helper never touches the descriptor cache, and opening more than stay open might
-        close one in use); it does not ask ``Pace``."""
+        the way it went (told whether it was warm, a cold batch's way taken once more unasked: ``_took``), cut at
+        that way's run size: every answer ``Pace`` gives is followed by a figure, so its tries of the slower way are
+        not spent on batches that record nothing (a 2-record 16-token batch, 768 KiB, is one run either way), and a
+        batch that is one run alone (3-4 such records) is recorded whichever way it went. The total decides, not a
+        first cut at ``HELPED_RUN_BYTES`` (a second cut, about 4 us, cost the one-thread way of a 16-token batch
+        about 1% of its CPU): a batch of several runs under it (records apart in the file) is read alone unasked, as
+        too small to share. A batch spanning more shard files than stay open is read on this thread alone and
+        recorded under neither way (the descriptors of the two-thread way are all opened first, here, so the helper
+        never touches the descriptor cache, and opening more than stay open might close one in use); it does not ask
+        ``Pace``."""
         results: list[ReadResult] = [None] * len(reads)
         if addresses is not None and len(addresses) != len(reads):
             raise ValueError(f"{len(addresses)} addresses for {len(reads)} reads")
         nbytes = sum(out.size for _, _, out in reads) if len(reads) > 1 else 0
         paced = nbytes > HELPED_RUN_BYTES and (len(reads) <= MAX_OPEN_FILES or
                                                len({shard for shard, _, _ in reads}) <= MAX_OPEN_FILES)
-        helped = paced and self._pace.helped()
+        if paced and self._repeat is not None:  # a cold batch's way once more (not asked: Pace counts its asks)
+            helped, self._repeat = self._repeat, None
+        else:
+            helped = paced and self._pace.helped()
         runs = _runs(reads, addresses, HELPED_RUN_BYTES if helped else RUN_BYTES)
         on_cold = self._advise_wanted if self._wanted else None
         native = helped and xxh3_nogil.hash_at is not None  # hashes without the GIL: both threads hash at once
@@ -561,7 +578,7 @@ class ShardReader:
                         continue
                 read(first, count, fd)
             if paced:
-                self._pace.took(False, time.perf_counter() - started, nbytes)
+                self._took(False, time.perf_counter() - started, nbytes)
             return results
         shards = {shard for shard, _, _ in reads}
         started = time.perf_counter()
@@ -596,8 +613,21 @@ class ShardReader:
             self._helper.finish(raising=False)  # even when this thread failed: nothing may write into an out once
             raise  # this returns
         self._helper.finish()  # the helper's own failure (a read's OSError is its result, not this)
-        self._pace.took(True, time.perf_counter() - started, nbytes)
+        self._took(True, time.perf_counter() - started, nbytes)
         return results
+
+    def _took(self, helped: bool, seconds: float, nbytes: int) -> None:
+        """Tell ``Pace`` of a paced batch, and whether it was warm: not this reader's first paced batch, nor a batch
+        with the helper after one without (its thread idle since its last try, or just made). Warm is judged by the
+        order of this reader's batches, not by how long the thread was idle: a batch with the helper after a long
+        pause (the next request's get) counts as warm. A cold batch is dropped and the next paced batch goes the same
+        way, unasked; the repeat is the reader's, not ``Pace``'s, so one reader's cold batch does not decide the way
+        of another reader of the same record size."""
+        warm = self._last_way is True if helped else self._last_way is not None
+        self._pace.took(helped, seconds, nbytes, warm)
+        if not warm:
+            self._repeat = helped
+        self._last_way = helped
 
     def read_exact(self, shard: int, offset: int, out: np.ndarray) -> bool:
         """Read a chunk of ``shard`` at ``offset`` into ``out`` unhashed (the caller verifies it); False when the
