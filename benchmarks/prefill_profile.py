@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import arg_parser, machine_info, trace_events, write_json  # noqa: E402
 
 
-def capture_prefill(eng, prompt):
+def capture_prefill(eng, prompt, seen: dict | None = None):
     """(the stage, the lowered ``forward_step``, its placed arguments but params and kv) of the step the engine runs
-    for ``prompt``'s prefill (its last chunk's, if several)."""
+    for ``prompt``'s prefill (its last chunk's, if several); ``seen`` (if given) receives the step's ``mode``."""
     from mooncake_jax.model.sequence import SamplingParams
     from mooncake_jax.model.steps import forward_step
 
@@ -48,6 +48,8 @@ def capture_prefill(eng, prompt):
     finally:
         stage.__class__.__call__ = real
     lowered = forward_step.lower(stage.graphdef, stage.params, stage.kv, *captured["args"], mode=captured["mode"])
+    if seen is not None:
+        seen["mode"] = captured["mode"]
     return stage, lowered, captured["args"]
 
 

@@ -47,3 +47,50 @@ def test_apply_rope_with_llama3_scaling_and_bfloat16_input():
     assert got.dtype == jnp.bfloat16
     want = reference(np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)), positions, inv)
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=1e-2, atol=1e-2)
+
+
+def _rope_layers(x, ws, positions, inv):
+    """q and k of a few 'layers' rotated with the same positions, as the model does per layer."""
+    out = 0.0
+    for w in ws:
+        y = (x @ w).reshape(x.shape[0], x.shape[1], -1, 16)
+        out = out + apply_rope(y, positions, inv).sum() + apply_rope(y[..., :2, :], positions, inv).sum()
+    return out
+
+
+def test_long_steps_compute_the_cos_sin_table_once():
+    """From MATERIALISED_TABLE_MIN_TOKENS positions on the table is materialised once for every rotation of the
+    program (one cosine and one sine in the optimized HLO); XLA:CPU otherwise fuses cos/sin into each rotation and
+    evaluates them per head and element. Short steps keep the fused form."""
+    import re
+
+    import jax
+
+    from mooncake_jax.model.rope import MATERIALISED_TABLE_MIN_TOKENS
+
+    inv = tuple((1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16)).tolist())
+    rng = np.random.default_rng(2)
+    ws = [jnp.asarray(rng.standard_normal((32, 64)), jnp.float32) for _ in range(3)]
+
+    def transcendental_ops(t):
+        x = jnp.asarray(rng.standard_normal((1, t, 32)), jnp.float32)
+        positions = jnp.arange(t, dtype=jnp.int32)[None]
+        text = jax.jit(_rope_layers, static_argnums=3).lower(x, ws, positions, inv).compile().as_text()
+        return len(re.findall(r" cosine\(", text)), len(re.findall(r" sine\(", text))
+
+    assert transcendental_ops(MATERIALISED_TABLE_MIN_TOKENS) == (1, 1)
+    assert transcendental_ops(MATERIALISED_TABLE_MIN_TOKENS // 2)[0] > 1  # the fused form: once per rotation
+
+
+@pytest.mark.parametrize("offset", [0, 3000])
+def test_materialised_table_matches_the_float64_reference(offset):
+    from mooncake_jax.model.rope import MATERIALISED_TABLE_MIN_TOKENS
+
+    rng = np.random.default_rng(3)
+    t, hd = MATERIALISED_TABLE_MIN_TOKENS + 45, 64
+    x = rng.standard_normal((1, t, 3, hd)).astype(np.float32)
+    positions = offset + np.arange(t)[None, :]
+    inv = 1.0 / 10000.0 ** (np.arange(0, hd, 2) / hd)
+    got = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(positions, jnp.int32), tuple(inv.tolist())))
+    tol = 1e-5 + 4e-8 * (offset + t)
+    np.testing.assert_allclose(got, reference(x, positions, inv), rtol=0, atol=tol * math.sqrt(hd))
