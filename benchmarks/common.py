@@ -76,6 +76,28 @@ def interleaved(variants: dict[str, Callable[[], object]], rounds: int, calls: i
     return res
 
 
+def interleaved_programs(stage, compiled: dict, call_args, rounds: int, pause_s: float = 0.0) -> dict:
+    """``interleaved`` over compiled forms (name -> compiled program) of one pipeline stage's ``forward_step``
+    called with ``call_args`` (its KV donated from one call to the next, so the stage's own copy is dropped first),
+    after one warm-up call of each whose output is compared with the first's (``{name}_logits_max_abs_diff``)."""
+    state = {"kv": stage.kv}
+    stage.kv = None  # donated by every call: the engine's copy is not used again
+
+    def runner(name):
+        def run():
+            _, out, state["kv"] = compiled[name](stage.params, state["kv"], *call_args)
+            return np.asarray(out)
+        return run
+
+    res, ref = {}, None
+    for name in compiled:
+        out = runner(name)()
+        ref = out if ref is None else ref
+        res[f"{name}_logits_max_abs_diff"] = float(np.abs(out - ref).max())
+    res.update(interleaved({name: runner(name) for name in compiled}, rounds, pause_s=pause_s))
+    return res
+
+
 def matmul_peak_gflops(n: int = 2048, dtype="float32", repeats: int = 10) -> float:
     """Measured dense matmul rate of the default JAX device (GFLOP/s), square n x n x n."""
     import jax

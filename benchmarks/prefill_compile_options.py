@@ -3,7 +3,7 @@
 Captures the exact step the engine runs for an N-token prefill (``forward_step`` and its placed inputs), lowers it
 once and compiles it once per variant (``lowered.compile(compiler_options=...)``: the options touch that program
 only, never the process), checks every variant's logits against the default's, then times the variants in turn
-(``common.interleaved``: wall min / median and process CPU time, all threads). Options that XLA does not know fail
+(``common.interleaved_programs``: wall min / median and process CPU time, all threads). Options that XLA does not know fail
 at compile and are reported, not timed.
 
     python benchmarks/prefill_compile_options.py --variants default,ynn_off,ynn_dot --rounds 5 --json out.json
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, interleaved, load_average, machine_info, write_json  # noqa: E402
+from common import arg_parser, interleaved_programs, load_average, machine_info, write_json  # noqa: E402
 from prefill_profile import capture_prefill  # noqa: E402
 
 VARIANTS = {
@@ -71,21 +71,7 @@ def main() -> None:
             continue
         res[f"{name}_compile_s"] = round(time.perf_counter() - t, 1)
         print(name, "compiled in", res[f"{name}_compile_s"], "s", flush=True)
-    state = {"kv": stage.kv}
-    stage.kv = None  # donated by every call: the engine's copy is not used again
-
-    def runner(name):
-        def run():
-            _, out, state["kv"] = compiled[name](stage.params, state["kv"], *call_args)
-            return np.asarray(out)
-        return run
-
-    ref = None
-    for name in compiled:  # first call of each (warm-up) and its logits against the default's
-        out = runner(name)()
-        ref = out if ref is None else ref
-        res[f"{name}_logits_max_abs_diff"] = float(np.abs(out - ref).max())
-    res.update(interleaved({name: runner(name) for name in compiled}, args.rounds))
+    res.update(interleaved_programs(stage, compiled, call_args, args.rounds))
     res["load_end_all"] = load_average()
     write_json(res, args.json)
 

@@ -5,7 +5,7 @@ before), compiled from the same captured step in one process and timed alternate
 Captures the step the engine runs for an N-token prefill (``prefill_profile.capture_prefill``), then lowers and
 compiles ``forward_step`` once per form (the threshold switched in between, JAX's trace caches cleared), checks
 the logits of both, counts the cosine ops of each optimized program, and times the two in turn
-(``common.interleaved``, a 0.2 s pause before each call: wall min / median and process CPU time, all threads).
+(``common.interleaved_programs``, a 0.2 s pause before each call: wall min / median and process CPU time, all threads).
 
     python benchmarks/prefill_rope_ab.py --tokens 2048 --rounds 9 --json out.json
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, interleaved, load_average, machine_info, write_json  # noqa: E402
+from common import arg_parser, interleaved_programs, load_average, machine_info, write_json  # noqa: E402
 from prefill_profile import capture_prefill  # noqa: E402
 
 
@@ -55,21 +55,7 @@ def main() -> None:
         res[f"{name}_cosine_ops"] = len(re.findall(r" cosine\(", compiled[name].as_text()))
         print(name, res[f"{name}_compile_s"], "s,", res[f"{name}_cosine_ops"], "cosine ops", flush=True)
     rope.MATERIALISED_TABLE_MIN_TOKENS = library_min
-    state = {"kv": stage.kv}
-    stage.kv = None  # donated by every call: the engine's copy is not used again
-
-    def runner(name):
-        def run():
-            _, out, state["kv"] = compiled[name](stage.params, state["kv"], *call_args)
-            return np.asarray(out)
-        return run
-
-    ref = None
-    for name in compiled:
-        out = runner(name)()
-        ref = out if ref is None else ref
-        res[f"{name}_logits_max_abs_diff"] = float(np.abs(out - ref).max())
-    res.update(interleaved({name: runner(name) for name in compiled}, args.rounds, pause_s=0.2))
+    res.update(interleaved_programs(stage, compiled, call_args, args.rounds, pause_s=0.2))
     write_json(res, args.json)
 
 

@@ -174,6 +174,18 @@ def test_float16_kv_of_a_float32_model_equals_the_float_stored_one_bit_for_bit(f
     check_equal(run(stored), run(reference), jnp.dtype(jnp.float16))
 
 
+def plain_prefill(engine: Engine, prompt):
+    """(last logits, KV blocks, output tokens) of ``prompt`` prefilled the plain way, then decoded to 4 tokens."""
+    seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.admit(seq, cached_pages=[])
+    logits = engine.prefill(seq)
+    blocks = engine.read_blocks(seq.pages)
+    while not seq.finished:
+        engine.decode([seq])
+    engine.release(seq)
+    return logits, blocks, list(seq.output)
+
+
 def layerwise(engine: Engine, prompt):
     seq = engine.new_sequence(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
     logits, blocks = LayerwisePrefill(engine, LAYERWISE).prefill(seq, None)
@@ -189,15 +201,8 @@ def test_layerwise_bfloat16_prefill_equals_the_float_stored_one_and_plain(engine
     got, want = (layerwise(engine, prompt) for engine in engines)
     assert bits(got[0]) == bits(want[0]) and bits(got[1]) == bits(want[1]) and got[2] == want[2]
     assert got[1].dtype == jnp.dtype(jnp.bfloat16)
-    plain = engines[0]  # the same prompt in one program per chunk
-    seq = plain.new_sequence(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
-    plain.admit(seq, cached_pages=[])
-    logits = plain.prefill(seq)
-    blocks = plain.read_blocks(seq.pages)
-    while not seq.finished:
-        plain.decode([seq])
-    plain.release(seq)
-    assert seq.output == got[2]
+    logits, blocks, output = plain_prefill(engines[0], prompt)  # the same prompt in one program per chunk
+    assert output == got[2]
     np.testing.assert_allclose(np.asarray(got[0], np.float32), logits, rtol=0, atol=2e-2 * np.abs(logits).max())
     np.testing.assert_allclose(got[1].astype(np.float32), blocks.astype(np.float32), rtol=2e-2, atol=2e-2)
 

@@ -14,9 +14,8 @@ import jax.numpy as jnp
 from mooncake_jax.llm import build_model
 from mooncake_jax.model.engine import Engine
 from mooncake_jax.model.rope import MATERIALISED_TABLE_MIN_TOKENS
-from mooncake_jax.model.sequence import SamplingParams
 
-from test_kv_storage import bits, float_storage, layerwise
+from test_kv_storage import bits, float_storage, layerwise, plain_prefill
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +33,8 @@ def test_long_layerwise_prefill_equals_the_float_stored_one_and_plain(long_engin
     prompt = [5 + (i * 7) % 490 for i in range(t)]
     got, want = (layerwise(engine, prompt) for engine in long_engines)
     assert bits(got[0]) == bits(want[0]) and bits(got[1]) == bits(want[1]) and got[2] == want[2]
-    plain = long_engines[0]
-    seq = plain.new_sequence(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
-    plain.admit(seq, cached_pages=[])
-    logits = plain.prefill(seq)
-    blocks = plain.read_blocks(seq.pages)
-    while not seq.finished:
-        plain.decode([seq])
-    plain.release(seq)
-    assert seq.output == got[2]
+    logits, blocks, output = plain_prefill(long_engines[0], prompt)
+    assert output == got[2]
     np.testing.assert_allclose(np.asarray(got[0], np.float32), logits, rtol=0, atol=2e-2 * np.abs(logits).max())
     # bfloat16 KV of two differently fused programs over 168 tokens: main's tree too has two of 45,056 elements
     # 0.024-0.028 apart (both forms of the table give the same); a wrong rotation would be off by order 1.
