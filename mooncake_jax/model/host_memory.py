@@ -13,11 +13,12 @@ are at most 64 MiB, so a larger block is mapped afresh and unmapped on free what
 2,048-token prefill of the ``small`` preset (a 140 MB block) faulted 33,000-35,000 pages and spent ~90 ms in the
 kernel per call, none with one arena (docs/benchmarks/engine.md, AMD EPYC prefill, twentieth pass). It is not the
 default: every thread then takes the one arena's lock, and its bins hold every thread's blocks, so a step's small
-allocations cost more (AMD EPYC, 2 cores, same-process-kind A/B: the ``tiny`` decode step 0.83-1.01 ms against
-0.65-0.69 at its fastest, 1.45-2.1 against 0.94-1.46 ms of CPU; the ``small`` batch-1 step 15.7-16.2 against
-14.2-14.7 ms; docs/benchmarks/demo.md, nineteenth session). A decode step's temporaries (a few MiB) fit a thread's
-own heap, so a decode process gains nothing for that cost. Prefill instances share one arena
-(``instance/main.py``); the pool's processes keep freed buffers their own way (``transfer/host_memory.py``).
+allocations cost more (AMD EPYC, 2 cores, ``benchmarks/decode_arena_ab.py``, fresh processes alternated: the
+``tiny`` batch-1 decode step 0.89-1.11 ms against 0.68-0.79 at its fastest and 1.77x the CPU, the ``small`` one
+15.4-15.7 against 14.5-15.1 ms; docs/benchmarks/demo.md, "TBT tail, nineteenth session"). A decode step's
+temporaries (a few MiB) fit a thread's own heap, so a decode process gains nothing for that cost. Prefill instances
+share one arena (``instance/main.py``); a process that does both (``mj.LLM``) keeps an arena per thread; the pool's
+processes keep freed buffers their own way (``transfer/host_memory.py``).
 """
 
 from __future__ import annotations
