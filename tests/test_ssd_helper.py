@@ -132,6 +132,7 @@ class Always:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the child only drops a reader and exits at once
 @pytest.mark.parametrize("how", ["close", "drop"])
 def test_a_forked_child_that_closes_or_drops_an_inherited_reader_does_not_hang(tmp_path, how):
     """The child has none of the parent's threads: stopping the inherited helper there (``close``, or the finalizer
