@@ -113,7 +113,7 @@ def memcpy_gbps(nbytes: int = 512 * 1024 * 1024, repeats: int = 5) -> float:
     """Host memcpy bandwidth (GB/s of bytes copied) with numpy on one large buffer.
 
     Both buffers start at a page boundary: where glibc serves large blocks from its heap (the engine's allocator
-    settings, ``model/host_memory.py``, applied when ``model.engine`` is imported) two arrays may lie a few bytes
+    settings, ``model/host_memory.py``, applied when an ``Engine`` is built on CPU) two arrays may lie a few bytes
     apart modulo a page, and the copy's loads then alias its stores (4.7 against 18.4 GB/s measured on the AMD
     EPYC), a cost of that placement, not the limit this stands for."""
     from mooncake_jax.transfer.pool import page_aligned_empty

@@ -37,7 +37,9 @@ def main() -> None:
     p.add_argument("--pages", type=int, default=1400, help="pages in the cache (its size: pages x 16 KiB)")
     args = p.parse_args()
 
-    import mooncake_jax.model.engine  # noqa: F401  the engine's allocator settings, applied at import
+    from mooncake_jax.model.host_memory import keep_large_blocks_on_heap
+
+    keep_large_blocks_on_heap()  # the engine's allocator settings on CPU (a decode process's: an arena per thread)
     import jax
     import jax.numpy as jnp
 

@@ -244,10 +244,13 @@ def main() -> None:
     p.add_argument("--variants", default="library,nomax")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--engine-allocator", action="store_true",
-                   help="import mooncake_jax.model.engine first, so its allocator settings hold for XLA's threads")
+                   help="a prefill instance's allocator settings first (host_memory.share_one_arena), so that they "
+                        "hold for XLA's threads")
     args = p.parse_args()
     if args.engine_allocator:
-        import mooncake_jax.model.engine  # noqa: F401  (before JAX starts its threads: model/host_memory.py)
+        from mooncake_jax.model.host_memory import share_one_arena
+
+        share_one_arena()  # before JAX starts its threads (model/host_memory.py)
     import jax
     import jax.numpy as jnp
     import torch

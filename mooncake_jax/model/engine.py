@@ -33,10 +33,6 @@ from ..sharding.layout import SingleDevice
 from ..sharding.pipeline import LayerPages, PipelineRunner, StepInputs
 from .layer_hooks import LayerHooks
 
-# At import: every ``Engine`` is built after it, so no step's temporaries are mapped afresh (host_memory.py). One
-# malloc arena for all threads is a prefill process's choice, not made here (``host_memory.share_one_arena``).
-keep_large_blocks_on_heap()
-
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 _sample_rows = jax.jit(sample_out, static_argnames=("mode",))  # the first token of an every-position prefill
 _prompt_rows = jax.jit(prompt_logprobs)
@@ -83,6 +79,8 @@ class Engine:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if jax.default_backend() == "cpu":  # steps' temporaries reused, not mapped afresh (host_memory.py); one
+            keep_large_blocks_on_heap()  # malloc arena for all threads is a prefill process's choice, made before JAX
         self.cfg = cfg
         self.block_size = cfg.block_size
         self.max_batch = max_batch
