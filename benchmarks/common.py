@@ -98,6 +98,24 @@ def interleaved_programs(stage, compiled: dict, call_args, rounds: int, pause_s:
     return res
 
 
+def alternated_processes(child: str, modes: tuple[str, ...], rounds: int, argv: list[str]) -> dict:
+    """Run the script ``child`` (``python -c``) once per mode, the modes in turn, for ``rounds`` rounds, each in a
+    fresh process (settings that must precede JAX's threads, such as the malloc arena, cannot be undone in one):
+    ``sys.argv[1]`` is the mode, then ``argv``, then this folder (so that the child can import ``common``). Its last
+    line of output is JSON, kept as ``{mode}_{round}``; the load average after, as ``load_end``. A child that fails
+    ends the benchmark with its error."""
+    res = {}
+    for r in range(rounds):
+        for mode in modes:
+            out = subprocess.run([sys.executable, "-c", child, mode, *argv, str(Path(__file__).parent)],
+                                 capture_output=True, text=True)
+            if out.returncode:
+                sys.exit(out.stderr[-3000:])
+            res[f"{mode}_{r}"] = json.loads(out.stdout.strip().splitlines()[-1])
+    res["load_end"] = load_average()
+    return res
+
+
 def matmul_peak_gflops(n: int = 2048, dtype="float32", repeats: int = 10) -> float:
     """Measured dense matmul rate of the default JAX device (GFLOP/s), square n x n x n."""
     import jax

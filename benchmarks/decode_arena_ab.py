@@ -9,13 +9,11 @@ wall min / median and process CPU per step (all threads), ms.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, load_average, machine_info, write_json  # noqa: E402
+from common import alternated_processes, arg_parser, load_average, machine_info, write_json  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
@@ -50,14 +48,8 @@ def main() -> None:
     args = p.parse_args()
     res = dict(machine_info(), model=args.model, batch=args.batch, context=args.context, steps=args.steps,
                load_start=load_average())
-    for r in range(args.rounds):
-        for mode in ("heap", "one_arena"):
-            out = subprocess.run([sys.executable, "-c", CHILD, mode, args.model, str(args.batch), str(args.context),
-                                  str(args.steps), str(Path(__file__).parent)], capture_output=True, text=True)
-            if out.returncode:
-                sys.exit(out.stderr[-3000:])
-            res[f"{mode}_{r}"] = json.loads(out.stdout.strip().splitlines()[-1])
-    res["load_end"] = load_average()
+    res.update(alternated_processes(CHILD, ("heap", "one_arena"), args.rounds,
+                                    [args.model, str(args.batch), str(args.context), str(args.steps)]))
     for figure in ("wall_min_ms", "cpu_ms_per_step"):
         best = {mode: min(res[f"{mode}_{r}"][figure] for r in range(args.rounds)) for mode in ("heap", "one_arena")}
         res[f"one_arena_over_heap_{figure}"] = round(best["one_arena"] / best["heap"], 3)

@@ -11,13 +11,11 @@ per call: wall, process CPU, kernel time and minor faults (median of ``--calls``
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, load_average, machine_info, write_json  # noqa: E402
+from common import alternated_processes, arg_parser, load_average, machine_info, write_json  # noqa: E402
 
 CHILD = r"""
 import json, resource, sys, time
@@ -61,14 +59,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="plain/engine process pairs, alternated")
     args = p.parse_args()
     res = dict(machine_info(), tokens=args.tokens, layers=args.layers, calls=args.calls, load_start=load_average())
-    for r in range(args.rounds):
-        for mode in ("plain", "engine"):
-            out = subprocess.run([sys.executable, "-c", CHILD, mode, str(args.tokens), str(args.layers),
-                                  str(args.calls), str(Path(__file__).parent)], capture_output=True, text=True)
-            if out.returncode:
-                sys.exit(out.stderr[-3000:])
-            res[f"{mode}_{r}"] = json.loads(out.stdout.strip().splitlines()[-1])
-    res["load_end"] = load_average()
+    res.update(alternated_processes(CHILD, ("plain", "engine"), args.rounds,
+                                    [str(args.tokens), str(args.layers), str(args.calls)]))
     write_json(res, args.json)
 
 
