@@ -176,42 +176,71 @@ def _drain(items: Iterator) -> None:
 
 def _tokens(items, text: _Text | None, want_text: bool, times: list[float], cancelled: threading.Event,
             elapsed: Callable[[], float]):
-    """Yield token events (appending their times); return ``(Finished, stopped by a stop string)``. Without
-    ``want_text`` the text is only followed for stop strings, and the events carry none."""
+    """Yield token events (appending their times); return ``(Finished, stopped by a stop string)``."""
+    flow = TokenFlow(text, want_text, times, cancelled, elapsed)
+    for item in items:
+        if isinstance(item, Finished):
+            yield from flow.finish()
+            return item, flow.stopped
+        if isinstance(item, TokenOut):
+            yield from flow.add(item)
+    raise Unavailable("the backend's stream ended without a final message")
 
-    def out(event: TokenEvent) -> TokenEvent:
-        if not want_text:
+
+class TokenFlow:
+    """One request's generated tokens turned into token events, one token at a time: its times, its text and stop
+    strings. An object, not a loop over the backend's stream: tokens are handed to it one at a time, as they
+    arrive, so a second way for them to arrive (a decode instance's tokens sent straight to the gateway's event
+    loop, docs/benchmarks/demo.md, twentieth session) can feed the same state.
+
+    Without ``want_text`` the text is only followed for stop strings, and the events carry none. The one token
+    whose text is undecided (the start of a UTF-8 character or of a stop string) is held until the next one
+    decides it; every other token's event is returned by the ``add`` that brought it. After a stop string
+    (``stopped``) tokens are ignored and ``cancelled`` is set, so the backend ends the request."""
+
+    def __init__(self, text: _Text | None, want_text: bool, times: list[float], cancelled: threading.Event,
+                 elapsed: Callable[[], float]):
+        self._text, self._want_text, self._times = text, want_text, times
+        self._cancelled, self._elapsed = cancelled, elapsed
+        self._held: TokenEvent | None = None
+        self.stopped = False
+
+    def _out(self, event: TokenEvent) -> TokenEvent:
+        if not self._want_text:
             event.text = ""
         return event
 
-    held: TokenEvent | None = None
-    stopped = False
-    for item in items:
-        if isinstance(item, Finished):
-            if held is not None:
-                held.text += text.flush()
-                yield out(held)
-            return item, stopped
-        if not isinstance(item, TokenOut) or stopped:
-            continue  # after a stop string: drain until the backend confirms
-        times.append(elapsed())
+    def add(self, item: TokenOut) -> list[TokenEvent]:
+        """The events ``item`` releases: none, its own, or the held one's and perhaps its own."""
+        if self.stopped:
+            return []  # after a stop string: drain until the backend confirms
+        times = self._times
+        times.append(self._elapsed())
         event = TokenEvent(item.token, len(times) - 1, times[-1], logprob=item.logprob,
                            prompt_logprobs=item.prompt_logprobs)
-        if text is None:
-            yield event
-            continue
-        piece, stopped = text.add(item.token)
-        emit_now = stopped or not text.pending
-        if held is not None:  # its text is decided now; the newest token takes the text if it goes out too
+        if self._text is None:
+            return [event]
+        piece, self.stopped = self._text.add(item.token)
+        emit_now = self.stopped or not self._text.pending
+        out = []
+        if self._held is not None:  # its text is decided now; the newest token takes the text if it goes out too
             if not emit_now:
-                held.text, piece = held.text + piece, ""
-            yield out(held)
-            held = None
+                self._held.text, piece = self._held.text + piece, ""
+            out.append(self._out(self._held))
+            self._held = None
         event.text = piece
         if emit_now:
-            yield out(event)
+            out.append(self._out(event))
         else:
-            held = event
-        if stopped:
-            cancelled.set()
-    raise Unavailable("the backend's stream ended without a final message")
+            self._held = event
+        if self.stopped:
+            self._cancelled.set()
+        return out
+
+    def finish(self) -> list[TokenEvent]:
+        """At the end of the stream: the held token, with the rest of the text."""
+        if self._held is None:
+            return []
+        held, self._held = self._held, None
+        held.text += self._text.flush()
+        return [self._out(held)]
