@@ -5,6 +5,7 @@ status, never a hang or a leak."""
 import json
 import threading
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -318,3 +319,25 @@ def test_warmup_prompts_fit_the_context_and_a_failure_is_only_counted():
         return [1]
 
     assert warm_serving_path(generate, prompts) == 4  # 16, 64, 16 and 64 tokens complete; 192 and 196 refused
+
+
+def test_streamed_tokens_come_by_the_token_feed_and_equal_the_single_engine(cluster, llm):
+    """The served cluster's HTTP streams take each token from whichever of the decode stream and the decode
+    instance's datagrams brings it first (gateway/token_feed.py): the stream's tokens are still exactly the single
+    engine's greedy ones, in order, each once, and the gateway's feed did receive tokens."""
+    gw = cluster.gateway or cluster.serve_gateway(grpc_port=None, tokenizer="bytes")
+    assert gw.token_feed is not None
+    before = gw.token_feed.received
+    for prompt in prompts([19, 40], seed=23):
+        body = json.dumps({"prompt": prompt, "max_tokens": 12, "ignore_eos": True, "stream": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{gw.http_port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        ids = []
+        with urllib.request.urlopen(request, timeout=60) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if line.startswith("data:") and line != "data: [DONE]":
+                    for choice in json.loads(line[5:]).get("choices") or []:
+                        ids += choice.get("token_ids") or []
+        assert ids == llm.generate([prompt], max_new_tokens=12, ignore_eos=True)[0]
+    assert gw.token_feed.received > before

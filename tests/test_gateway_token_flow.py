@@ -9,7 +9,8 @@ from test_gateway_support import FakeBackend
 
 from mooncake_jax.gateway.backend import GenerateRequest, TokenOut
 from mooncake_jax.gateway.metrics import GatewayMetrics
-from mooncake_jax.gateway.stream import Summary, TokenFlow, _Text, run
+from mooncake_jax.gateway.stream import Summary, TokenFlow, TokenMerge, _Text, run
+from mooncake_jax.gateway.token_feed import FeedReceiver, FeedSender
 from mooncake_jax.gateway.tokenizer import BYTE_OFFSET, ByteTokenizer
 from mooncake_jax.gateway.validate import Prepared
 
@@ -68,3 +69,96 @@ def test_run_gives_the_events_the_flow_gives_token_by_token():
     by_hand = [e for i, t in enumerate(tokens) for e in f.add(TokenOut(t, i, 0.0))] + f.finish()
     assert [(e.token, e.index, e.text) for e in events[:-1]] == [(e.token, e.index, e.text) for e in by_hand]
     assert "".join(e.text for e in by_hand) == "héllo "
+
+
+# ---- two ways for the same tokens: the merge, run with a feed, the datagrams ------------------------------------
+
+def plain_events(tokens: list[int]) -> list[tuple]:
+    f, _, _ = flow()
+    events = [e for i, t in enumerate(tokens) for e in f.add(TokenOut(t, i, 0.0))] + f.finish()
+    return [(e.token, e.index, e.text) for e in events]
+
+
+def test_the_merge_takes_each_index_once_in_order_from_either_way():
+    tokens = byte_tokens("aé STOP")
+    f, _, _ = flow()
+    got = []
+    merge = TokenMerge(f, lambda e: got.append((e.token, e.index, e.text)))
+    outs = [TokenOut(t, i, 0.0) for i, t in enumerate(tokens)]
+    for i in (2, 1, 2, 0, 4, 3, 0, 6, 5, 9999):  # ahead of turn, copies, out of order, far ahead
+        merge.offer(outs[min(i, len(outs) - 1)] if i < 9999 else TokenOut(1, 9999, 0.0))
+    assert merge.add(outs[7]) == [] and merge.finish() == []
+    assert got == plain_events(tokens)[:len(got)] and [e[1] for e in got] == list(range(len(got)))
+    assert len(got) == 8  # "S", "T", "O", "P": the stop string's tokens still go out, without text
+
+
+class FeedBackend(FakeBackend):
+    """A backend that takes a token feed: with ``early``, each token reaches the feed's sink before the stream
+    yields it (the datagram won); without, the feed never brings anything (every datagram lost)."""
+
+    accepts_token_feed = True
+
+    def __init__(self, early: bool):
+        super().__init__()
+        self.early = early
+        self.feed = None
+
+    def generate(self, request, cancelled=None):
+        for item in super().generate(request, cancelled):
+            if self.early and isinstance(item, TokenOut) and self.feed.sinks.get(request.request_id):
+                self.feed.sinks[request.request_id](TokenOut(item.token, item.index, 0.0))
+            yield item
+
+
+class FakeFeed:
+    address = "127.0.0.1:9"
+
+    def __init__(self):
+        self.sinks = {}
+
+    def register(self, request_id, sink):
+        self.sinks[request_id] = sink
+
+    def unregister(self, request_id):
+        self.sinks.pop(request_id)
+
+
+def test_run_with_a_feed_emits_the_same_events_whichever_way_wins():
+    tokens = byte_tokens("héllo there")
+    for early in (False, True):
+        backend, feed, emitted = FeedBackend(early), FakeFeed(), []
+        backend.feed, backend.reply = feed, tokens
+        request = GenerateRequest(prompt=[5, 6, 7], max_tokens=len(tokens))
+        out = list(run(backend, Prepared(request, stop=(), text_prompt=True), ByteTokenizer(), arrival=0.0,
+                       cancelled=threading.Event(), metrics=GatewayMetrics(), api="http", want_text=True,
+                       feed=feed, emit=emitted.append))
+        assert len(out) == 1 and isinstance(out[0], Summary) and out[0].output_tokens == len(tokens)
+        assert [(e.token, e.index, e.text) for e in emitted] == plain_events(tokens)
+        assert request.token_feed == feed.address and feed.sinks == {}  # given to the backend; unregistered after
+
+
+def test_datagrams_reach_the_registered_request_and_nothing_else():
+    import asyncio
+
+    receiver = FeedReceiver("127.0.0.1")
+    loop = asyncio.new_event_loop()
+    got = []
+    try:
+        receiver.attach(loop)
+        receiver.register("abc", got.append)
+        FeedSender(receiver.address, "abc").send(1, 300)
+        FeedSender(receiver.address, "xyz").send(1, 301)  # no such request
+        sender = FeedSender(receiver.address, "abc")
+        sender._sock.sendto(b"garbage", sender._target)  # not a token: dropped
+        sender.send(2, 302)
+        deadline = loop.time() + 5
+        while len(got) < 2 and loop.time() < deadline:
+            loop.run_until_complete(asyncio.sleep(0.01))
+        assert [(t.index, t.token) for t in got] == [(1, 300), (2, 302)] and receiver.received == 2
+        receiver.unregister("abc")
+        FeedSender(receiver.address, "abc").send(3, 303)
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert len(got) == 2
+    finally:
+        receiver.close(loop)
+        loop.close()

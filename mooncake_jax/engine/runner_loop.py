@@ -36,12 +36,17 @@ class TokenStream:
 
     _DONE = object()
 
-    def __init__(self, timeout_s: float = 60.0):
+    def __init__(self, timeout_s: float = 60.0, feed=None):
         self._queue: queue.Queue = queue.Queue()
         self.finish_reason: str | None = None
         self.timeout_s = timeout_s
+        self._feed = feed  # a gateway/token_feed.FeedSender: each token also goes there, from the putting thread
+        self._count = 0
 
     def put(self, token: int) -> None:
+        if self._feed is not None:
+            self._count += 1  # the request's first token came from its prefill: this one's index is its count
+            self._feed.send(self._count, token)
         self._queue.put(token)
 
     def finish(self, reason: str) -> None:

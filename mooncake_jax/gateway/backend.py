@@ -47,6 +47,7 @@ class GenerateRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None: off; else top alternatives per generated token
     prompt_logprobs: int | None = None  # None: off; else logprobs of prompt tokens 1 .. n-1 (no prefix reuse)
+    token_feed: str = ""  # a gateway's token_feed.FeedReceiver address, for backends with accepts_token_feed
 
 
 Logprob = tuple[float, tuple[tuple[int, float], ...]]

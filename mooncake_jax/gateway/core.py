@@ -55,10 +55,10 @@ class GatewayCore:
             return f"the backend's health check failed: {e}"
 
     def generate(self, api: str, parse: Callable[[], Params], *, arrival: float, cancelled: threading.Event,
-                 always_text: bool) -> tuple[str, Iterator[stream.TokenEvent | stream.Summary]]:
+                 always_text: bool, feed=None, emit=None) -> tuple[str, Iterator[stream.TokenEvent | stream.Summary]]:
         """Validate (``parse`` raises ``InvalidRequest`` for the wire format's own problems) and return the
         request id and its event stream. Token events carry text when ``always_text`` or the prompt came as
-        text."""
+        text. ``feed`` and ``emit``: see ``stream.run``."""
         try:
             prepared = prepare(parse(), self.backend, self.tokenizer)
         except InvalidRequest:
@@ -66,7 +66,8 @@ class GatewayCore:
             raise
         return prepared.request.request_id, stream.run(self.backend, prepared, self.tokenizer, arrival=arrival,
                                                        cancelled=cancelled, metrics=self.metrics, api=api,
-                                                       want_text=always_text or prepared.text_prompt)
+                                                       want_text=always_text or prepared.text_prompt, feed=feed,
+                                                       emit=emit)
 
 
 def retry_hint_s(rejected: Rejected) -> float:

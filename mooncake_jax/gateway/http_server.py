@@ -57,6 +57,7 @@ from mooncake_jax.gateway.backend import DuplicateRequest, InvalidRequest, Rejec
 from mooncake_jax.gateway.core import GatewayCore, retry_hint_s
 from mooncake_jax.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mooncake_jax.gateway.stream import Summary
+from mooncake_jax.gateway.token_feed import FeedReceiver
 from mooncake_jax.proto.auth import bearer_ok
 from mooncake_jax.proto import tls
 
@@ -179,6 +180,7 @@ class _Gateway:
         self.body_timeout_s = body_timeout_s
         self.chat_template = chat_template
         self.draining: asyncio.Event | None = None  # set when stop's grace is over (made on the loop)
+        self.feed: FeedReceiver | None = None  # decode instances' tokens straight to this loop (token_feed.py)
         # the requests being served: each choice's cancelled event and the queue its pump fills
         self.active: dict[threading.Event, asyncio.Queue] = {}
         self.lock = threading.Lock()
@@ -423,7 +425,7 @@ class _Gateway:
 
         try:
             request_id, events = self.core.generate("http", parse, arrival=arrival, cancelled=cancelled,
-                                                    always_text=True)
+                                                    always_text=True, feed=self.feed, emit=put)
             put(_Started(request_id))
             for event in events:
                 put(event)
@@ -612,7 +614,7 @@ class HttpFrontEnd:
     def __init__(self, core: GatewayCore, host: str, port: int, *, auth_token: str | None,
                  idle_timeout_s: float = 60.0, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0,
                  max_connections: int = 4096, generation_threads: int = 256, chat_template=None,
-                 cors_origins: tuple[str, ...] = ()):
+                 cors_origins: tuple[str, ...] = (), token_feed: bool = False):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so (accepted ones inherit it)
         self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -626,6 +628,12 @@ class HttpFrontEnd:
         self.port = self._sock.getsockname()[1]
         self._pool = ThreadPoolExecutor(max_workers=generation_threads, thread_name_prefix="gw-http-gen")
         self._gateway = _Gateway(core, auth_token, self._pool, body_timeout_s, chat_template)
+        if token_feed:  # on this host's address: the decode instances send to it (off with TLS: see token_feed.py)
+            try:
+                self._gateway.feed = FeedReceiver(host if host not in ("0.0.0.0", "::", "") else "127.0.0.1")
+            except OSError:
+                self._sock.close()
+                raise
         app = self._gateway.app
         if cors_origins:  # browsers on these origins may call the API (preflights answered, headers exposed)
             app = CORSMiddleware(app, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
@@ -644,6 +652,8 @@ class HttpFrontEnd:
         async def serve() -> None:
             self._loop = asyncio.get_running_loop()
             self._gateway.draining = asyncio.Event()
+            if self._gateway.feed is not None:
+                self._gateway.feed.attach(self._loop)
             self._ready.set()
             await self._server.serve(sockets=[self._sock])
 
@@ -678,3 +688,5 @@ class HttpFrontEnd:
     def close(self) -> None:
         """Release the socket (of a server never started, or after ``stop``)."""
         self._sock.close()
+        if self._gateway.feed is not None:
+            self._gateway.feed.close()

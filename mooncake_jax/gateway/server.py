@@ -12,6 +12,7 @@ from mooncake_jax.gateway.core import GatewayCore, default_model_name
 from mooncake_jax.gateway.grpc_server import GrpcFrontEnd
 from mooncake_jax.gateway.http_server import HttpFrontEnd
 from mooncake_jax.gateway.metrics import GatewayMetrics
+from mooncake_jax.proto import tls
 from mooncake_jax.gateway.tokenizer import Tokenizer, tokenizer_for
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,10 @@ model folder's name, not its path).
     ``http_generation_threads`` generations run at once (more wait for a thread). ``drain_grace_s``: what
     ``stop()`` gives open requests to finish when not told otherwise. ``cors_origins``: browser origins allowed
     to call the HTTP API (none by default). A client's ``X-Request-Id`` header becomes the request's id and every
-    answer echoes the id; an id already in flight gets 409 / ALREADY_EXISTS.
+    answer echoes the id; an id already in flight gets 409 / ALREADY_EXISTS. ``token_feed``: HTTP streams of a
+    backend that takes it (``ClusterBackend``) get their tokens straight from the decode instances too, over UDP to
+    the HTTP server's event loop (``token_feed.py``); ignored with an ``auth_token`` or TLS, where a datagram's
+    request id would be no credential.
     """
 
     def __init__(self, backend: Backend, *, host: str = "127.0.0.1", grpc_port: int | None = 0,
@@ -44,7 +48,7 @@ model folder's name, not its path).
                  allow_unauthenticated: bool = False, grpc_workers: int = 128, http_idle_timeout_s: float = 60.0,
                  http_header_timeout_s: float = 10.0, http_body_timeout_s: float = 30.0,
                  http_max_connections: int = 4096, http_generation_threads: int = 256, drain_grace_s: float = 1.0,
-                 cors_origins: tuple[str, ...] = ()):
+                 cors_origins: tuple[str, ...] = (), token_feed: bool = False):
         check_exposure(host, auth_token, allow_unauthenticated)
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
             tokenizer = tokenizer_for(backend.model_name, backend.vocab_size,
@@ -65,11 +69,18 @@ model folder's name, not its path).
                                           idle_timeout_s=http_idle_timeout_s, header_timeout_s=http_header_timeout_s,
                                           body_timeout_s=http_body_timeout_s, max_connections=http_max_connections,
                                           generation_threads=http_generation_threads, chat_template=template,
-                                          cors_origins=tuple(cors_origins))
+                                          cors_origins=tuple(cors_origins),
+                                          token_feed=token_feed and auth_token is None and tls.files() is None
+                                          and getattr(backend, "accepts_token_feed", False))
         except BaseException:
             if self._grpc is not None:
                 self._grpc.stop(0).wait()
             raise
+
+    @property
+    def token_feed(self):
+        """The HTTP front end's ``token_feed.FeedReceiver``, or None where it is off."""
+        return self._http._gateway.feed if self._http is not None else None
 
     @property
     def grpc_port(self) -> int | None:

@@ -102,10 +102,16 @@ class _Text:
 
 def run(backend: Backend, prepared: Prepared, tokenizer: Tokenizer, *, arrival: float,
         cancelled: threading.Event, metrics: GatewayMetrics, api: str, want_text: bool,
-        clock: Callable[[], float] = time.monotonic) -> Iterator[TokenEvent | Summary]:
+        clock: Callable[[], float] = time.monotonic, feed=None,
+        emit: Callable[[TokenEvent], object] | None = None) -> Iterator[TokenEvent | Summary]:
     """Stream one request; token events carry text when ``want_text``. Raises what the backend raises
     (``Rejected``, ``Unavailable``, ``InvalidRequest``) after counting it. If the consumer stops early (the
-    client went away), ``cancelled`` is set so the backend frees the request's KV."""
+    client went away), ``cancelled`` is set so the backend frees the request's KV.
+
+    With a ``feed`` (``token_feed.FeedReceiver``) and ``emit``, the request's tokens may also come straight from
+    its decode instance: token events then go to ``emit`` (called in order, from whichever thread brought the
+    token: keep it short and thread-safe) and only the ``Summary`` is yielded. Requests with logprobs keep the
+    backend's stream alone."""
     request = prepared.request
     text = _Text(tokenizer, prepared.stop) if want_text or prepared.stop else None
     times: list[float] = []
@@ -128,8 +134,20 @@ def run(backend: Backend, prepared: Prepared, tokenizer: Tokenizer, *, arrival: 
         return clock() - arrival
 
     try:
-        items = iter(backend.generate(request, cancelled))
-        finished, stopped = yield from _tokens(items, text, want_text, times, cancelled, elapsed)
+        flow = TokenFlow(text, want_text, times, cancelled, elapsed)
+        merge = None
+        if (feed is not None and emit is not None and getattr(backend, "accepts_token_feed", False)
+                and request.logprobs is None and request.prompt_logprobs is None):
+            merge = TokenMerge(flow, emit)
+            request.token_feed = feed.address
+            feed.register(request.request_id, merge.offer)
+        try:
+            items = iter(backend.generate(request, cancelled))
+            finished = yield from _tokens(items, merge or flow)
+        finally:
+            if merge is not None:
+                feed.unregister(request.request_id)
+        stopped = flow.stopped
         total = clock() - arrival
         summary = Summary(FINISH_STOP if stopped else finished.reason, times[0] if times else total,
                           paper_tbt(times), total, len(request.prompt), len(times), finished.cached_tokens,
@@ -174,14 +192,13 @@ def _drain(items: Iterator) -> None:
     threading.Thread(target=drain, name="gw-drain", daemon=True).start()
 
 
-def _tokens(items, text: _Text | None, want_text: bool, times: list[float], cancelled: threading.Event,
-            elapsed: Callable[[], float]):
-    """Yield token events (appending their times); return ``(Finished, stopped by a stop string)``."""
-    flow = TokenFlow(text, want_text, times, cancelled, elapsed)
+def _tokens(items, flow):
+    """Feed the backend's tokens to ``flow`` (a ``TokenFlow``, or a ``TokenMerge`` that emits them itself),
+    yielding the events it returns; return the ``Finished``."""
     for item in items:
         if isinstance(item, Finished):
             yield from flow.finish()
-            return item, flow.stopped
+            return item
         if isinstance(item, TokenOut):
             yield from flow.add(item)
     raise Unavailable("the backend's stream ended without a final message")
@@ -244,3 +261,44 @@ class TokenFlow:
         held, self._held = self._held, None
         held.text += self._text.flush()
         return [self._out(held)]
+
+
+MAX_AHEAD = 4096
+"""Tokens a merge keeps that came before their turn: a datagram further ahead than this is dropped (the backend's
+stream brings it in its turn)."""
+
+
+class TokenMerge:
+    """One request's tokens from two ways at once (the backend's stream and a decode instance's token feed), into
+    one ``TokenFlow`` in index order, each once: whichever way brings the next index first has it processed; a token
+    ahead of its turn waits for the ones before it; a copy of one already processed is dropped. The events go to
+    ``emit`` inside the lock, so they reach it in order whichever thread brought them. ``add`` and ``finish`` return
+    nothing: the events are emitted."""
+
+    def __init__(self, flow: TokenFlow, emit: Callable[[TokenEvent], object]):
+        self._flow, self._emit = flow, emit
+        self._lock = threading.Lock()
+        self._next = 0
+        self._ahead: dict[int, TokenOut] = {}
+        self._done = False
+
+    def offer(self, item: TokenOut) -> None:
+        with self._lock:
+            if self._done or not self._next <= item.index < self._next + MAX_AHEAD:
+                return
+            self._ahead.setdefault(item.index, item)
+            while self._next in self._ahead:
+                for event in self._flow.add(self._ahead.pop(self._next)):
+                    self._emit(event)
+                self._next += 1
+
+    def add(self, item: TokenOut) -> list[TokenEvent]:
+        self.offer(item)
+        return []
+
+    def finish(self) -> list[TokenEvent]:
+        with self._lock:
+            self._done = True
+            for event in self._flow.finish():
+                self._emit(event)
+        return []

@@ -85,6 +85,10 @@ class _BeforeFirstToken(Exception):
 class ClusterBackend:
     """Routes requests through a running Conductor and its instances."""
 
+    accepts_token_feed = True
+    """A request's ``token_feed`` goes to its decode instance, which sends it each token as it is generated
+    (``gateway/token_feed.py``); the decode stream still brings them all."""
+
     def __init__(self, conductor_address: str, config: ModelConfig, model_name: str, timeout_s: float = 120.0,
                  auth_token: str | None = None):
         self.model_name = model_name
@@ -258,7 +262,7 @@ class ClusterBackend:
             request_id=request.request_id, prompt=request.prompt, sampling=sampling,
             first_token=prefill.first_token, kv_keys=prefill.kv_keys, kv_source=decision.prefill_address,
             first_logprob=prefill.first_logprob if params.logprobs is not None else None,
-            kv_layout=prefill.kv_layout),
+            kv_layout=prefill.kv_layout, token_feed=request.token_feed if params.logprobs is None else ""),
             timeout=self.timeout_s)
         watcher = _cancel_on(cancelled, stream)
         try:

@@ -169,11 +169,13 @@ class Cluster:
     def serve_gateway(self, *, host: str = "127.0.0.1", grpc_port: int | None = 0, http_port: int | None = 0,
                       auth_token: str | None = None, **options):
         """Start the client-facing gateway (gRPC and OpenAI HTTP) over this cluster; stopped by ``close``.
-        ``options`` go to ``GatewayServer`` (model_name, tokenizer, chat_template, HTTP limits)."""
+        ``options`` go to ``GatewayServer`` (model_name, tokenizer, chat_template, HTTP limits); its token feed is on
+        unless ``token_feed=False`` (the gateway turns it off itself with a token or TLS)."""
         from ..gateway import GatewayServer
 
         if self.gateway is not None:
             raise ValueError("this cluster already serves a gateway")
+        options.setdefault("token_feed", True)
         self.gateway = GatewayServer(self.backend, host=host, grpc_port=grpc_port, http_port=http_port,
                                      auth_token=auth_token or self.auth_token, **options).start()
         return self.gateway

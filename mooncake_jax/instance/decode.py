@@ -35,10 +35,24 @@ from ..model.kv_cache import OutOfPages
 from ..model.sequence import Sequence
 from ..engine.runner_loop import TokenStream, wait
 from ..engine.scheduler import BatchFull, QueueFull
+from ..gateway.token_feed import FeedSender
 from .rpc import (InstanceService, LateRejection, MissingKV, logprob_entry, logprob_message, messages,
                   sampling_params, status_of, validated)
 
 log = logging.getLogger(__name__)
+
+
+def _feed(request, seq: Sequence) -> FeedSender | None:
+    """Where this request's tokens also go as they are generated (``gateway/token_feed.py``), if anywhere: not for
+    requests with logprobs (the stream carries those), and not to an address that cannot be read (the stream
+    brings every token anyway)."""
+    if not request.token_feed or seq.params.logprobs is not None:
+        return None
+    try:
+        return FeedSender(request.token_feed, request.request_id)
+    except (ValueError, UnicodeEncodeError) as e:
+        log.warning("request %s: token feed %r not used: %s", request.request_id, request.token_feed, e)
+        return None
 
 
 class DecodeService(InstanceService):
@@ -62,7 +76,7 @@ class DecodeService(InstanceService):
         inst = self.instance
         try:
             seq, source_layout = validated(lambda: self._parse(request))
-            stream = TokenStream(timeout_s=inst.config.request_timeout_s)
+            stream = TokenStream(timeout_s=inst.config.request_timeout_s, feed=_feed(request, seq))
             self._start(seq, request, stream, source_layout)
         except Exception as e:
             code = status_of(e)
