@@ -9,6 +9,10 @@ told through the ``cancelled`` event and its remaining items are drained for the
 that ends any other early way (client gone, error) sets ``cancelled`` too, and its backend stream is read to its
 end on a background thread rather than closed, so the backend's own abort path (which frees the KV) runs.
 
+With a token feed (``token_feed.py``, HTTP streams over a cluster) a request's tokens may also come straight from
+its decode instance, on the HTTP server's event loop; a ``TokenMerge`` then takes each token once, in order, from
+whichever way brings it first, and hands the events to the caller's ``emit``.
+
 Times are measured at the gateway from the request's arrival there, so TTFT and TBT include what a client
 waits for (tokenization, scheduling, queueing, transfers).
 """
@@ -207,8 +211,8 @@ def _tokens(items, flow):
 class TokenFlow:
     """One request's generated tokens turned into token events, one token at a time: its times, its text and stop
     strings. An object, not a loop over the backend's stream: tokens are handed to it one at a time, as they
-    arrive, so a second way for them to arrive (a decode instance's tokens sent straight to the gateway's event
-    loop, docs/benchmarks/demo.md, twentieth session) can feed the same state.
+    arrive, so that a second way for them to arrive (a decode instance's token feed, ``token_feed.py``) feeds the
+    same state through a ``TokenMerge``.
 
     Without ``want_text`` the text is only followed for stop strings, and the events carry none. The one token
     whose text is undecided (the start of a UTF-8 character or of a stop string) is held until the next one
