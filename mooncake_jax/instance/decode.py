@@ -50,8 +50,8 @@ def _feed(request, seq: Sequence) -> FeedSender | None:
         return None
     try:
         return FeedSender(request.token_feed, request.request_id)
-    except (ValueError, UnicodeEncodeError) as e:
-        log.warning("request %s: token feed %r not used: %s", request.request_id, request.token_feed, e)
+    except ValueError as e:  # a client's own request id may hold spaces or other than ASCII
+        log.debug("request %s: token feed %r not used: %s", request.request_id, request.token_feed, e)
         return None
 
 
