@@ -93,10 +93,8 @@ def test_the_merge_takes_each_index_once_in_order_from_either_way():
 
 
 class FeedBackend(FakeBackend):
-    """A backend that takes a token feed: with ``early``, each token reaches the feed's sink before the stream
-    yields it (the datagram won); without, the feed never brings anything (every datagram lost)."""
-
-    accepts_token_feed = True
+    """A backend beside a token feed: with ``early``, each token reaches the feed's sink before the stream yields it
+    (the datagram won); without, the feed never brings anything (every datagram lost)."""
 
     def __init__(self, early: bool):
         super().__init__()

@@ -663,6 +663,11 @@ class HttpFrontEnd:
         finally:
             self._ready.set()
 
+    @property
+    def feed(self) -> FeedReceiver | None:
+        """The token feed this front end's streams take tokens from, or None where it is off."""
+        return self._gateway.feed
+
     def start(self) -> None:
         self._thread.start()
         self._ready.wait()

@@ -12,8 +12,8 @@ from mooncake_jax.gateway.core import GatewayCore, default_model_name
 from mooncake_jax.gateway.grpc_server import GrpcFrontEnd
 from mooncake_jax.gateway.http_server import HttpFrontEnd
 from mooncake_jax.gateway.metrics import GatewayMetrics
-from mooncake_jax.proto import tls
 from mooncake_jax.gateway.tokenizer import Tokenizer, tokenizer_for
+from mooncake_jax.proto import tls
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ model folder's name, not its path).
     @property
     def token_feed(self):
         """The HTTP front end's ``token_feed.FeedReceiver``, or None where it is off."""
-        return self._http._gateway.feed if self._http is not None else None
+        return self._http.feed if self._http is not None else None
 
     @property
     def grpc_port(self) -> int | None:

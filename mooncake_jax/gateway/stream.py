@@ -115,7 +115,8 @@ def run(backend: Backend, prepared: Prepared, tokenizer: Tokenizer, *, arrival: 
     With a ``feed`` (``token_feed.FeedReceiver``) and ``emit``, the request's tokens may also come straight from
     its decode instance: token events then go to ``emit`` (called in order, from whichever thread brought the
     token: keep it short and thread-safe) and only the ``Summary`` is yielded. Requests with logprobs keep the
-    backend's stream alone."""
+    backend's stream alone. Whether the backend takes a feed at all (``accepts_token_feed``) is the caller's to
+    know: ``GatewayServer`` makes one only then."""
     request = prepared.request
     text = _Text(tokenizer, prepared.stop) if want_text or prepared.stop else None
     times: list[float] = []
@@ -140,8 +141,7 @@ def run(backend: Backend, prepared: Prepared, tokenizer: Tokenizer, *, arrival: 
     try:
         flow = TokenFlow(text, want_text, times, cancelled, elapsed)
         merge = None
-        if (feed is not None and emit is not None and getattr(backend, "accepts_token_feed", False)
-                and request.logprobs is None and request.prompt_logprobs is None):
+        if feed is not None and emit is not None and request.logprobs is None and request.prompt_logprobs is None:
             merge = TokenMerge(flow, emit)
             request.token_feed = feed.address
             feed.register(request.request_id, merge.offer)
