@@ -155,11 +155,13 @@ def urllib_open(url):
     return urllib.request.urlopen(url, timeout=60)
 
 
-def call(prefill, prompt, decode, fetch_from="", fetch_keys=(), before_decode=None, kv_source=""):
-    """Drive one request by hand: Prefill on ``prefill`` (with an optional transfer plan), Decode on ``decode``."""
+def call(prefill, prompt, decode, fetch_from="", fetch_keys=(), before_decode=None, kv_source="", token_feed="",
+         max_new_tokens=5, events=None, ignore_eos=False):
+    """Drive one request by hand: Prefill on ``prefill`` (with an optional transfer plan), Decode on ``decode``
+    (its stream's events appended to ``events``, if given)."""
     from mooncake_jax.instance.backend import instance_services
 
-    sampling = sampling_message(SamplingParams(max_new_tokens=5))
+    sampling = sampling_message(SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos))
     with grpc.insecure_channel(prefill.address) as ch:
         reply = instance_services.InstanceStub(ch).Prefill(messages.PrefillRequest(
             request_id=f"manual-{time.monotonic_ns()}", prompt=prompt, sampling=sampling, fetch_from=fetch_from,
@@ -167,11 +169,57 @@ def call(prefill, prompt, decode, fetch_from="", fetch_keys=(), before_decode=No
     if before_decode is not None:
         before_decode(reply)
     with grpc.insecure_channel(decode.address) as ch:
-        events = list(instance_services.InstanceStub(ch).Decode(messages.DecodeRequest(
+        got = list(instance_services.InstanceStub(ch).Decode(messages.DecodeRequest(
             request_id="manual", prompt=prompt, sampling=sampling, first_token=reply.first_token,
-            kv_keys=reply.kv_keys, kv_source=kv_source), timeout=60))
+            kv_keys=reply.kv_keys, kv_source=kv_source, token_feed=token_feed), timeout=60))
     assert list(reply.kv_keys) == request_keys(type("S", (), {"prompt": prompt})(), 16)
-    return reply, [reply.first_token] + [e.token.token for e in events if e.HasField("token")]
+    if events is not None:
+        events += got
+    tokens = [reply.first_token]
+    for e in got:
+        tokens += [e.token.token] if e.HasField("token") else list(e.tokens.tokens)
+    return reply, tokens
+
+
+def test_with_a_token_feed_the_decode_stream_carries_the_tokens_in_batches_and_the_feed_each(cluster, llm):
+    """A Decode call with a token feed (gateway/token_feed.py) sends each generated token as one datagram, index 1
+    onward, and its stream brings them all again in ``Tokens`` batches (each batch's index its first token's), none
+    as single ``Token`` messages: both equal the single engine's greedy tokens."""
+    import socket
+
+    from mooncake_jax.gateway.token_feed import decode as read_datagram
+
+    p, d = cluster.instances["prefill-0"], cluster.instances["decode-0"]
+    prompt = prompts([30], seed=29)[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as feed:
+        feed.bind(("127.0.0.1", 0))
+        feed.settimeout(10)
+        events = []
+        _, tokens = call(p, prompt, d, token_feed=f"127.0.0.1:{feed.getsockname()[1]}", max_new_tokens=12,
+                         events=events, ignore_eos=True)
+        fed = [read_datagram(feed.recv(512)) for _ in range(len(tokens) - 1)]
+    assert tokens == llm.generate([prompt], max_new_tokens=12, ignore_eos=True)[0] and len(tokens) == 12
+    assert fed == [("manual", i, t) for i, t in enumerate(tokens[1:], start=1)]
+    batches = [e.tokens for e in events if e.HasField("tokens")]
+    assert not any(e.HasField("token") for e in events) and batches
+    assert [b.index for b in batches] == list(np.cumsum([1] + [len(b.tokens) for b in batches[:-1]]))
+
+
+def test_tokens_whose_datagrams_are_lost_still_come_by_the_backend_stream(cluster, llm):
+    """A token feed that nobody reads (every datagram lost): the cluster backend still yields each token once, in
+    index order, from the decode stream's batches, equal to the single engine's."""
+    import socket
+
+    from mooncake_jax.gateway.backend import GenerateRequest
+
+    prompt = prompts([26], seed=31)[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as unread:
+        unread.bind(("127.0.0.1", 0))
+        items = list(cluster.backend.generate(GenerateRequest(
+            prompt=prompt, max_tokens=10, ignore_eos=True, token_feed=f"127.0.0.1:{unread.getsockname()[1]}")))
+    outs = [i for i in items if isinstance(i, TokenOut)]
+    assert [o.index for o in outs] == list(range(10)) and isinstance(items[-1], Finished)
+    assert [o.token for o in outs] == llm.generate([prompt], max_new_tokens=10, ignore_eos=True)[0]
 
 
 def test_decode_fetches_kv_evicted_from_its_pool_since_the_push(cluster, llm):

@@ -4,6 +4,7 @@ bytes of a multi-byte character and a stop string, and the same events as ``stre
 from __future__ import annotations
 
 import threading
+import time
 
 from test_gateway_support import FakeBackend
 
@@ -160,3 +161,56 @@ def test_datagrams_reach_the_registered_request_and_nothing_else():
     finally:
         receiver.close(loop)
         loop.close()
+
+
+class RecordingSender:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, index, token):
+        self.sent.append((index, token))
+
+
+def test_a_fed_token_stream_sends_each_token_as_put_and_is_read_in_batches():
+    """``TokenStream`` with a feed: each token goes to the sender at once (index 1 onward), and the reader gets every
+    token once, in order, in batches that say their first index; an error on the loop side ends them."""
+    import pytest
+
+    from mooncake_jax.engine.runner_loop import TokenStream
+
+    sender = RecordingSender()
+    stream = TokenStream(timeout_s=5.0, feed=sender)
+    tokens = list(range(300, 320))
+
+    def loop_side():
+        for t in tokens:
+            stream.put(t)
+            time.sleep(0.002)
+        stream.finish("length")
+
+    thread = threading.Thread(target=loop_side)
+    thread.start()
+    batches = list(stream.batches(0.01))
+    thread.join()
+    assert stream.feeds and sender.sent == list(enumerate(tokens, start=1)) and stream.finish_reason == "length"
+    assert [t for _, b in batches for t in b] == tokens
+    assert [i for i, _ in batches] == [1 + sum(len(b) for _, b in batches[:k]) for k in range(len(batches))]
+
+    ended = TokenStream(feed=sender)  # all put before the reader looks: one batch, at once, however long the interval
+    for t in tokens[:3]:
+        ended.put(t)
+    ended.finish("stop")
+    assert list(ended.batches(60.0)) == [(1, tokens[:3])]
+
+    failed = TokenStream(feed=sender)
+    failed.put(7)
+    failed.fail(RuntimeError("engine died"))
+    read = []
+    with pytest.raises(RuntimeError, match="engine died"):
+        for batch in failed.batches(60.0):
+            read.append(batch)
+    assert read == [(1, [7])]
+
+    silent = TokenStream(timeout_s=0.05, feed=sender)  # nothing comes: the reader does not hang
+    with pytest.raises(TimeoutError):
+        list(silent.batches(0.01))

@@ -32,6 +32,10 @@ class TokenStream:
 
     Iterating yields token ids and ends when the sequence finishes (``finish_reason`` is then set); an error on the
     loop side is raised in the reader. ``timeout_s`` bounds the wait for each token, so a reader never hangs.
+
+    With a ``feed`` (a ``gateway/token_feed.FeedSender``) each token is sent there by the putting thread, and the
+    reader takes them in batches instead (``batches``): a token then wakes no thread but the gateway's, which is
+    what the feed is for (``token_feed.py``).
     """
 
     _DONE = object()
@@ -40,21 +44,29 @@ class TokenStream:
         self._queue: queue.Queue = queue.Queue()
         self.finish_reason: str | None = None
         self.timeout_s = timeout_s
-        self._feed = feed  # a gateway/token_feed.FeedSender: each token also goes there, from the putting thread
-        self._count = 0
+        self._feed = feed
+        self._fed: list[int] = []  # with a feed: every token put, read by ``batches``
+        self._ended = threading.Event()  # with a feed: finished or failed
+
+    @property
+    def feeds(self) -> bool:
+        return self._feed is not None
 
     def put(self, token: int) -> None:
-        if self._feed is not None:
-            self._count += 1  # the request's first token came from its prefill: this one's index is its count
-            self._feed.send(self._count, token)
-        self._queue.put(token)
+        if self._feed is None:
+            self._queue.put(token)
+            return
+        self._fed.append(token)
+        self._feed.send(len(self._fed), token)  # the request's first token came from its prefill: index = count
 
     def finish(self, reason: str) -> None:
         self.finish_reason = reason
         self._queue.put(self._DONE)
+        self._ended.set()
 
     def fail(self, error: BaseException) -> None:
         self._queue.put(error)
+        self._ended.set()
 
     def __iter__(self):
         while True:
@@ -67,6 +79,24 @@ class TokenStream:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+    def batches(self, interval_s: float):
+        """With a feed: ``(index of the first, tokens)`` for the tokens put since the last batch, at most one batch
+        each ``interval_s`` (none while nothing was put), the last as the sequence ends; ends like iterating."""
+        sent, progress = 0, time.monotonic()
+        while True:
+            ended = self._ended.wait(interval_s)
+            count = len(self._fed)  # after the wait: once ended, every put is in
+            if count > sent:
+                yield sent + 1, self._fed[sent:count]
+                sent, progress = count, time.monotonic()
+            if ended:
+                item = self._queue.get_nowait()
+                if isinstance(item, BaseException):
+                    raise item
+                return
+            if time.monotonic() - progress > self.timeout_s:
+                raise TimeoutError(f"no token for {self.timeout_s} s")
 
 
 class RunnerLoop:

@@ -87,7 +87,8 @@ class ClusterBackend:
 
     accepts_token_feed = True
     """A request's ``token_feed`` goes to its decode instance, which sends it each token as it is generated
-    (``gateway/token_feed.py``); the decode stream still brings them all."""
+    (``gateway/token_feed.py``); the decode stream still brings them all, in batches (so the ``tbt_s`` of such a
+    request's ``Finished`` is the batches', not the tokens': the gateway measures its own)."""
 
     def __init__(self, conductor_address: str, config: ModelConfig, model_name: str, timeout_s: float = 120.0,
                  auth_token: str | None = None):
@@ -289,6 +290,12 @@ class ClusterBackend:
                         count += 1
                         yield TokenOut(event.token.token, event.token.index, now,
                                        logprob_entry(event.token.logprob) if params.logprobs is not None else None)
+                    elif event.HasField("tokens"):  # with a token feed: a batch (the feed brought each already)
+                        now = time.perf_counter() - t0
+                        for index, token in enumerate(event.tokens.tokens, start=event.tokens.index):
+                            times.append(now)
+                            count += 1
+                            yield TokenOut(token, index, now)
                     elif event.HasField("done"):
                         reason = event.done.reason
             except grpc.RpcError as e:

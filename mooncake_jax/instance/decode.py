@@ -2,7 +2,8 @@
 tokens from the continuous batch.
 
 ``Decode`` first sends ``accepted`` (or fails with RESOURCE_EXHAUSTED: a *late* rejection, the prefill work wasted)
-and then one message per generated token. On arrival:
+and then one message per generated token (with a gateway's token feed, which brings each token on its own: the tokens
+in batches, ``FEED_BATCH_INTERVAL_S`` apart). On arrival:
 
 1. on a transfer thread (never the engine's): the request's blocks that the engine does not cache are read from
    this instance's pool (DRAM / SSD) into host buffers; blocks evicted from the pool since the prefill instance
@@ -42,8 +43,15 @@ from .rpc import (InstanceService, LateRejection, MissingKV, logprob_entry, logp
 log = logging.getLogger(__name__)
 
 
+FEED_BATCH_INTERVAL_S = 0.05
+"""With a token feed, how often a Decode stream sends the tokens generated since its last message: the feed brings
+each one to the gateway at once, so the stream is only its fallback (a datagram lost, or an address the instance
+cannot reach); one message per token would cost a wake-up of this process's gRPC threads and of the gateway's
+stream reader for each, the waits the feed exists to avoid."""
+
+
 def _feed(request, seq: Sequence) -> FeedSender | None:
-    """Where this request's tokens also go as they are generated (``gateway/token_feed.py``), if anywhere: not for
+    """Where this request's tokens go as they are generated (``gateway/token_feed.py``), if anywhere: not for
     requests with logprobs (the stream carries those), and not to an address that cannot be read (the stream
     brings every token anyway)."""
     if not request.token_feed or seq.params.logprobs is not None:
@@ -95,11 +103,16 @@ class DecodeService(InstanceService):
         context.add_callback(lambda: inst.loop.cancel(seq) if not seq.finished else None)
         try:
             yield messages.DecodeEvent(accepted=messages.DecodeEvent.Accepted())
-            for index, token in enumerate(stream, start=1):
-                self._count(decode_tokens=1)
-                logprob = logprob_message(seq.logprobs[index]) if seq.params.logprobs is not None else None
-                yield messages.DecodeEvent(token=messages.DecodeEvent.Token(token=token, index=index,
-                                                                            logprob=logprob))
+            if stream.feeds:  # each token went to the gateway's feed as it was put: here only in batches
+                for index, tokens in stream.batches(FEED_BATCH_INTERVAL_S):
+                    self._count(decode_tokens=len(tokens))
+                    yield messages.DecodeEvent(tokens=messages.DecodeEvent.Tokens(index=index, tokens=tokens))
+            else:
+                for index, token in enumerate(stream, start=1):
+                    self._count(decode_tokens=1)
+                    logprob = logprob_message(seq.logprobs[index]) if seq.params.logprobs is not None else None
+                    yield messages.DecodeEvent(token=messages.DecodeEvent.Token(token=token, index=index,
+                                                                                logprob=logprob))
             if stream.finish_reason == "abort":
                 self._count(decode_aborted=1)
             yield messages.DecodeEvent(done=messages.DecodeEvent.Done(reason=stream.finish_reason or "abort"))
