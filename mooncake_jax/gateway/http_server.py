@@ -98,6 +98,14 @@ def _error_response(status: int, message: str, headers: dict[str, str] | None = 
     return JSONResponse(oai.error(status, message, **extra), status_code=status, headers=headers)
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running on this thread, or None."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def _sse(body) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
@@ -419,7 +427,10 @@ class _Gateway:
 
         def put(item) -> None:
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                if _running_loop() is loop:  # a token feed's event, on the loop itself: no wake-up to write
+                    loop.call_soon(queue.put_nowait, item)  # the same ready queue: the order of events is kept
+                else:
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
             except RuntimeError:  # the loop has closed (server stopped): nobody is listening
                 cancelled.set()
 

@@ -145,6 +145,18 @@ def tune_allocator(role: str) -> None:
         host_memory.share_one_arena()
 
 
+def tune_dispatch(role: str) -> None:
+    """A decode instance runs its XLA:CPU programs on the thread that calls them (no effect off CPU). Its compute
+    thread reads every step's tokens before it starts the next, so handing the program to an executor thread
+    overlaps nothing: it only adds a wake-up, which on cores shared with prefill processes preempts the compute
+    thread and can leave it queued behind a prefill's products until the next scheduler tick (4 ms at 250 Hz;
+    traced with ``perf sched``, docs/benchmarks/demo.md, "twenty-first session"). Call before JAX starts."""
+    if role == DECODE:
+        import jax
+
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
 def settle_serving_process(carries_tokens: bool) -> None:
     """Tune this process for serving once its servers are up (instances here; ``serve`` and ``demo`` for the
     gateway). Everything alive now (JAX, the model, compiled programs: millions of objects) stays for the process's
@@ -176,6 +188,7 @@ def run(args) -> int:
         roles.check_exposed(config.host, token, "the instance")
         cpus.pin(config.cpus)  # before JAX starts: XLA sizes its thread pool to the cores this process may use
         tune_allocator(config.role)  # before JAX starts its threads, which take their malloc arenas then
+        tune_dispatch(config.role)
         if config.num_processes > 1:  # refuse a shape the model cannot take before any process waits for others
             from ..model.config import get_config
 
