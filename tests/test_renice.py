@@ -62,3 +62,32 @@ def test_a_raise_not_permitted_keeps_the_launchers_priority(child, monkeypatch, 
         renice(child.pid, -5)
     assert niceness(cpus.threads_of(child.pid)) == {mine}
     assert any("could not raise the priority" in r.message and r.levelno == logging.INFO for r in caplog.records)
+
+
+DISPATCH_CHILD = r"""
+import sys
+from mooncake_jax.instance.main import tune_dispatch
+tune_dispatch(sys.argv[1])
+import jax, jax.numpy as jnp
+f = jax.jit(lambda a: (a @ a @ a @ a).sum())
+x = jnp.ones((1024, 1024))
+f(x).block_until_ready()
+ready = []
+for _ in range(3):
+    y = f(x)
+    ready.append(y.is_ready())  # done by the time the call returned: it ran on this thread
+    y.block_until_ready()
+print(all(ready), any(ready))  # every call done, some call done
+"""
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_decode_process_runs_its_programs_on_the_calling_thread(role):
+    """``main.tune_dispatch``: a decode instance's XLA:CPU programs have finished when the call returns (no
+    executor thread to hand them to); a prefill instance keeps JAX's asynchronous dispatch (a 1,024-square matrix
+    product chain is still running when the call returns)."""
+    out = subprocess.run([sys.executable, "-c", DISPATCH_CHILD, role], capture_output=True, text=True, timeout=120,
+                         env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr
+    every_call_done, some_call_done = out.stdout.split()
+    assert every_call_done == ("True" if role == "decode" else "False")

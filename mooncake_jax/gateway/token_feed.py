@@ -3,17 +3,17 @@
 Why: on the gRPC stream a token wakes five threads in three processes before the client has it (the decode's
 gRPC handler, its server's poller, the gateway's stream reader, its event loop, the client); each can wait for a
 core behind other work, and the demo's longest token gaps are those waits (docs/benchmarks/demo.md, twentieth
-session). Here the engine thread, as it puts a token for the gRPC handler, also sends it as one UDP datagram to the
-gateway, whose event loop reads it itself: two wake-ups. A prototype of this path brought the demo's TBT p99 from
-5.75 to 4.61 decode steps at the median of six alternated pairs.
+session). Here the engine thread sends each token, as it is generated, as one UDP datagram to the gateway, whose
+event loop reads it itself: two wake-ups. A prototype of this path brought the demo's TBT p99 from 5.75 to 4.61
+decode steps at the median of six alternated pairs.
 
 The gRPC stream stays the authority: it still carries every token (in batches, ``decode.FEED_BATCH_INTERVAL_S``
 apart, so that it no longer wakes its threads for each), acceptance, the end and errors, and the gateway's
 ``stream.TokenMerge`` takes each token from whichever way brings it first. A lost datagram costs that token, and the
-ones after it, the wait for the next batch; an address the decode instance cannot reach, every token's.
-A datagram is ``b"<request id> <index> <token>"`` (ASCII); the gateway drops any it cannot
-read or that names no request it is serving. The request id is the only credential, so a gateway sends its feed's
-address only where the instances are reached without TLS or a token (``Cluster.serve_gateway``).
+ones after it, the wait for the next batch; an address the decode instance cannot reach, every token's. A datagram
+is ``b"<request id> <index> <token>"`` (ASCII); the gateway drops any it cannot read or that names no request it is
+serving. The request id is the only credential, so a gateway sends its feed's address only where the instances are
+reached without TLS or a token (``Cluster.serve_gateway``).
 """
 
 from __future__ import annotations
