@@ -214,3 +214,15 @@ def test_a_fed_token_stream_sends_each_token_as_put_and_is_read_in_batches():
     silent = TokenStream(timeout_s=0.05, feed=sender)  # nothing comes: the reader does not hang
     with pytest.raises(TimeoutError):
         list(silent.batches(0.01))
+
+
+def test_a_feed_on_loopback_is_given_only_to_instances_on_this_machine():
+    """``token_feed.reaches``: an instance elsewhere would send a loopback feed's datagrams to its own loopback (its
+    tokens would then come only in the stream's batches), so such a feed is for instances on this machine; a feed
+    on a routable address is for every instance."""
+    from mooncake_jax.gateway.token_feed import reaches
+
+    assert reaches("127.0.0.1:5000", "127.0.0.1:6000") and reaches("127.0.0.1:5000", "localhost:6000")
+    assert reaches("[::1]:5000", "[::1]:6000")
+    assert not reaches("127.0.0.1:5000", "10.1.2.3:6000") and not reaches("[::1]:5000", "[fd00::7]:6000")
+    assert reaches("10.0.0.5:5000", "10.1.2.3:6000") and reaches("10.0.0.5:5000", "127.0.0.1:6000")

@@ -10,10 +10,11 @@ decode steps at the median of six alternated pairs.
 The gRPC stream stays the authority: it still carries every token (in batches, ``decode.FEED_BATCH_INTERVAL_S``
 apart, so that it no longer wakes its threads for each), acceptance, the end and errors, and the gateway's
 ``stream.TokenMerge`` takes each token from whichever way brings it first. A lost datagram costs that token, and the
-ones after it, the wait for the next batch; an address the decode instance cannot reach, every token's. A datagram
-is ``b"<request id> <index> <token>"`` (ASCII); the gateway drops any it cannot read or that names no request it is
-serving. The request id is the only credential, so a gateway sends its feed's address only where the instances are
-reached without TLS or a token (``Cluster.serve_gateway``).
+ones after it, the wait for the next batch; an address the decode instance cannot reach, every token's (so a feed
+on loopback goes only to instances on this machine: ``reaches``). A datagram is ``b"<request id> <index> <token>"``
+(ASCII); the gateway drops any it cannot read or that names no request it is serving. The request id is the only
+credential, so a gateway sends its feed's address only where the instances are reached without TLS or a token
+(``Cluster.serve_gateway``).
 """
 
 from __future__ import annotations
@@ -24,10 +25,17 @@ import socket
 import threading
 from collections.abc import Callable
 
-from ..addresses import join, split
+from ..addresses import host_of, is_loopback, join, resolves_to_loopback, split
 from .backend import TokenOut
 
 log = logging.getLogger(__name__)
+
+
+def reaches(feed_address: str, instance_address: str) -> bool:
+    """Whether an instance at ``instance_address`` can send to a feed at ``feed_address``: always, unless the feed
+    listens on loopback and the instance is not on this machine (its datagrams would go to its own loopback, and its
+    tokens would reach the gateway only in the stream's batches)."""
+    return not is_loopback(host_of(feed_address)) or resolves_to_loopback(host_of(instance_address))
 
 
 def encode(request_id: bytes, index: int, token: int) -> bytes:

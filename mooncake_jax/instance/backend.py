@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ..blocks import block_keys
 from ..gateway.backend import (FINISH_ABORT, REJECT_EARLY, REJECT_LATE, DuplicateRequest, Finished, GenerateRequest,
                                InvalidRequest, Rejected, TokenOut, Unavailable, paper_tbt)
+from ..gateway.token_feed import reaches
 from ..model.config import ModelConfig
 from ..model.sequence import SamplingParams, validate_prompt
 from ..proto import load
@@ -263,7 +264,7 @@ class ClusterBackend:
             request_id=request.request_id, prompt=request.prompt, sampling=sampling,
             first_token=prefill.first_token, kv_keys=prefill.kv_keys, kv_source=decision.prefill_address,
             first_logprob=prefill.first_logprob if params.logprobs is not None else None,
-            kv_layout=prefill.kv_layout, token_feed=request.token_feed if params.logprobs is None else ""),
+            kv_layout=prefill.kv_layout, token_feed=self._feed_for(request, params, decision.decode_address)),
             timeout=self.timeout_s)
         watcher = _cancel_on(cancelled, stream)
         try:
@@ -310,6 +311,14 @@ class ClusterBackend:
             end_stream(stream)
             if watcher is not None:
                 watcher.set()
+
+    @staticmethod
+    def _feed_for(request: GenerateRequest, params: SamplingParams, decode_address: str) -> str:
+        """The token feed the decode instance is given: the request's, unless the request asks for logprobs (the
+        stream carries those) or the instance cannot reach the feed (``token_feed.reaches``)."""
+        if not request.token_feed or params.logprobs is not None or not reaches(request.token_feed, decode_address):
+            return ""
+        return request.token_feed
 
     def _failure(self, error: grpc.RpcError, called: tuple[str, str, str],
                  suspects: list[tuple[str, str, str]]) -> Exception:
