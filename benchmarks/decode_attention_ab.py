@@ -7,7 +7,8 @@ chunking given by the variant: ``main`` (the module's loop as it stands), ``c<C>
 loop reads whole chunks) and ``c<C>t<K>`` (whole C-page chunks, then K-page chunks up to the longest context); a trailing ``s``
 (``mains``) reads pages handed out in random order, as an engine's pages are after much reuse, instead of in
 order; ``base`` is the ``_decode_xla`` of another ``attention.py`` given by ``--base``
-(``decode_step_ab.load_decode``), with its own defaults. Reports per variant the wall min and median and the
+(``decode_step_ab.load_decode``), with its own defaults; ``kernel`` (``kernels``) is the C++ kernel of
+``model/cpu_kernel`` (``attention="cpu_kernel"``). Reports per variant the wall min and median and the
 process CPU time median per call, and the pages each reads per sequence.
 
     python benchmarks/decode_attention_ab.py --batch 32 --context 529 --rounds 9 --json out.json
@@ -39,7 +40,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from mooncake_jax.model import attention
+    from mooncake_jax.model import attention, cpu_kernel
     from mooncake_jax.model.attention import PagedBatch
     from mooncake_jax.model.config import get_config
     from mooncake_jax.model.host_memory import keep_large_blocks_on_heap
@@ -68,6 +69,9 @@ def main() -> None:
     vn = jnp.asarray(rng.standard_normal((b, 1, hk, d), np.float32))
     ctx_len = jnp.full((b,), ctx, jnp.int32)
 
+    def kernel_decode(q, kn, vn, kp, vp, batch):
+        return cpu_kernel.paged_decode(q[:, 0], kn[:, 0], vn[:, 0], kp, vp, batch.page_table, batch.ctx_len)[:, None]
+
     def program(name):
         """``main``: the module's loop as it is; ``c<C>``: chunks of C pages, no tail; ``c<C>t<K>``: then K-page
         chunks."""
@@ -77,6 +81,8 @@ def main() -> None:
             from decode_step_ab import load_decode
 
             decode, options = load_decode(args.base), {}
+        elif name == "kernel":
+            decode, options = kernel_decode, {}
         else:
             chunk, _, tail = name.removeprefix("c").partition("t")
             chunk = None if name == "main" else int(chunk)

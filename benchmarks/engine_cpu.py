@@ -12,7 +12,10 @@ On the ``small`` preset (about 125M parameters, float32):
 
 Goals (issue 10): decode batch 32 at >= 0.5 of its roofline; prefill_mfu >= 0.5 at 2048 tokens.
 
-    python benchmarks/engine_cpu.py --json results/engine_cpu.json [--attention pallas]
+    python benchmarks/engine_cpu.py --json results/engine_cpu.json [--attention xla]
+
+``--attention auto`` (the default, as for a user) decodes through the C++ kernel on CPU where it builds
+(``attention_resolved`` in the JSON says which ran).
 """
 
 from __future__ import annotations
@@ -48,15 +51,18 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes")
     p.add_argument("--context", type=int, default=512, help="prompt tokens before decoding")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--attention", default="xla", help="attention implementation: xla or pallas")
+    p.add_argument("--attention", default="auto", help="attention implementation (ModelConfig.attention): auto, xla, "
+                   "pallas or cpu_kernel")
     args = p.parse_args()
 
     import mooncake_jax as mj
+    from mooncake_jax.model.attention import resolve_impl
     from mooncake_jax.model.measure import decode_step_seconds, prefill_seconds
 
     prefill_lens = [int(x) for x in args.prefill.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    res = dict(machine_info(), model=args.model, attention=args.attention)
+    res = dict(machine_info(), model=args.model, attention=args.attention,
+               attention_resolved=resolve_impl(args.attention))
     bar = tqdm(total=2 + len(prefill_lens) + len(batches), desc="engine_cpu", unit="stage")
     res["matmul_peak_gflops"] = round(matmul_peak_gflops(), 1)
     bar.update()

@@ -127,9 +127,10 @@ def test_bad_shapes(single, stage, tensor, message):
 def test_pallas_attention_is_refused_with_what_to_do(single):
     import dataclasses
 
-    with pytest.raises(ValueError, match="runs attention='xla' only, got attention='pallas'; use attention='xla', "
-                                         "or one process"):
-        SpmdLayout(dataclasses.replace(single.config, attention="pallas"), MeshSpec(2, 4))
+    for impl in ("pallas", "cpu_kernel"):
+        with pytest.raises(ValueError, match=rf"runs attention='xla' only \('auto' resolves to it there\), got "
+                                             rf"attention='{impl}'; use attention='xla', or one process"):
+            SpmdLayout(dataclasses.replace(single.config, attention=impl), MeshSpec(2, 4))
 
 
 def test_mesh_must_cover_the_devices_given(single):

@@ -10,7 +10,7 @@ that array (a stacked, scanned cache adds ``layer * num_pages``; a per-layer cac
 Row 0 (page 0 of every layer) is scratch: padded tokens write there and no sequence reads it as context. The
 kv_heads axis is axis 0, so tensor parallelism splits the cache without touching the page axis.
 
-``impl="xla"`` (portable, the CPU default), split in two parts whose softmax is merged exactly:
+``impl="xla"`` (portable; on CPU every prefill, and decode where the C++ kernel is not built), split in two parts whose softmax is merged exactly:
 
 - *local*: the new tokens themselves, causal, per query block of static size (long prefills skip the masked
   upper triangle block by block);
@@ -31,10 +31,16 @@ are already in their pages (``write_pages`` runs first), so both decode and pref
 
 On CPU the kernels run with ``interpret=True``; on GPU/TPU compiled (chosen by ``jax.default_backend()``).
 
+``impl="cpu_kernel"``: decode (T = 1) through a C++ kernel for XLA:CPU (``model/cpu_kernel``, an XLA FFI custom
+call built at first use) that reads each sequence's pages in place on XLA's intra-op threads; prefill, and a float16
+cache, through the xla implementation. ``impl="auto"`` (the default) is ``cpu_kernel`` on the CPU backend where the
+kernel builds, else ``xla`` (``resolve_impl``).
+
 Tensor parallelism: the xla implementation is plain jnp, partitioned by GSPMD from the operands' shardings (heads
-sharded, page tables replicated). A Pallas call is opaque to GSPMD, so the pallas implementation runs under
-``jax.shard_map`` over the ``tensor`` axis of the *context mesh* (``jax.sharding.get_abstract_mesh()``): the
-caller traces the step inside ``jax.set_mesh(stage_mesh)`` (``sharding.pipeline.StageRunner`` does). Each device
+sharded, page tables replicated). A Pallas call or a custom call is opaque to GSPMD, so the pallas and cpu_kernel
+implementations run under ``jax.shard_map`` over the ``tensor`` axis of the *context mesh*
+(``jax.sharding.get_abstract_mesh()``): the caller traces the step inside ``jax.set_mesh(stage_mesh)``
+(``sharding.pipeline.StageRunner`` does). Each device
 then attends its own kv heads (and their query groups) over its own shard of the pages. Without a context mesh,
 or when the tensor axis does not divide kv_heads (the cache is then replicated), the kernel runs unsplit.
 """
@@ -50,6 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
+from . import cpu_kernel
 from .config import ATTENTION_IMPLS
 from .kv_scatter import as_logical, set_at
 
@@ -543,15 +550,50 @@ def _pallas(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
                          check_vma=False)(q, k_pages, v_pages, batch)
 
 
+def _cpu_kernel(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
+    """Decode through the C++ kernel (``cpu_kernel``), split over the ``tensor`` axis like the pallas one; every
+    other step (prefill, an empty table, a float16 cache) through the xla implementation."""
+    if jax.default_backend() != "cpu":
+        raise ValueError(f"attention='cpu_kernel' runs on the CPU backend only (this one is "
+                         f"{jax.default_backend()!r}); use 'auto', 'xla' or 'pallas'")
+    if q.shape[1] != 1 or batch.page_table.shape[1] == 0 or not cpu_kernel.reads(k_pages.dtype):
+        return _xla(q, k_new, v_new, k_pages, v_pages, batch)
+
+    def local(q, k_new, v_new, k_pages, v_pages, batch):
+        return cpu_kernel.paged_decode(q[:, 0], k_new[:, 0], v_new[:, 0], k_pages, v_pages, batch.page_table,
+                                       batch.ctx_len)[:, None]
+
+    mesh = _tensor_mesh(k_pages.shape[0])
+    if mesh is None:
+        return local(q, k_new, v_new, k_pages, v_pages, batch)
+    heads, pages = P(None, None, TENSOR_AXIS), P(TENSOR_AXIS)
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, pages, pages, P()), out_specs=heads,
+                         check_vma=False)(q, k_new, v_new, k_pages, v_pages, batch)
+
+
+def resolve_impl(impl: str) -> str:
+    """The implementation ``impl`` stands for on this backend: ``auto`` is the C++ kernel on CPU where it builds
+    (else xla, with the reason logged once), xla elsewhere and inside a manual (``shard_map``) region such as the
+    SPMD pipeline's stages, where the kernel's own split over the tensor axis is not wired."""
+    check_impl(impl)
+    if impl != "auto":
+        return impl
+    if jax.default_backend() != "cpu" or jax.sharding.get_abstract_mesh().manual_axes:
+        return "xla"
+    return "cpu_kernel" if cpu_kernel.available(log_failure=True) else "xla"
+
+
 def paged_attention(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch, scale: float,
-                    impl: str = "xla") -> jax.Array:
+                    impl: str = "auto") -> jax.Array:
     """Attention output [B, T, kv_heads, q_per_kv, head_dim] (float32) of the new tokens.
 
     q [B, T, H, G, D]; k_new, v_new [B, T, H, D] (already written into the pages by ``write_pages``);
-    k_pages, v_pages [H, rows, block_size, D]; ``impl`` is "xla" or "pallas" (static).
+    k_pages, v_pages [H, rows, block_size, D]; ``impl`` one of ``IMPLS`` (static).
     """
-    check_impl(impl)
+    impl = resolve_impl(impl)
     q = (q.astype(jnp.float32) * scale).astype(q.dtype)
     if impl == "pallas":
         return _pallas(q, k_new, v_new, k_pages, v_pages, batch)
+    if impl == "cpu_kernel":
+        return _cpu_kernel(q, k_new, v_new, k_pages, v_pages, batch)
     return _xla(q, k_new, v_new, k_pages, v_pages, batch)

@@ -13,9 +13,14 @@ from pathlib import Path
 import jax
 
 
-def default_cache_dir() -> Path:
+def user_cache_dir() -> Path:
+    """This project's folder in the user's cache directory (compiled programs, built kernels)."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "mooncake-jax" / "xla"
+    return Path(base) / "mooncake-jax"
+
+
+def default_cache_dir() -> Path:
+    return user_cache_dir() / "xla"
 
 
 def enable_compilation_cache(directory: str | Path | None = None) -> Path:

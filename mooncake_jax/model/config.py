@@ -18,9 +18,10 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 """Parameter/KV dtypes the engine supports, by name."""
 
 
-ATTENTION_IMPLS = ("xla", "pallas")
-"""Implementations behind the attention seam (``model/attention.py``): the portable pure-JAX one and the Pallas
-kernels (interpret mode on CPU)."""
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "cpu_kernel")
+"""Implementations behind the attention seam (``model/attention.py``): the portable pure-JAX one, the Pallas
+kernels (interpret mode on CPU), the C++ decode kernel for XLA:CPU (``model/cpu_kernel``), and ``auto``: on the CPU
+backend the C++ kernel where it builds (else xla), on GPU and TPU xla."""
 
 
 DECODE_WEIGHTS = ("auto", "output_major", "canonical")
@@ -79,7 +80,7 @@ class ModelConfig:
     block_size: int = 16
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
-    attention: str = "xla"  # implementation behind the attention seam: "xla" (portable) or "pallas" (kernels)
+    attention: str = "auto"  # implementation behind the attention seam: one of ATTENTION_IMPLS
     decode_weights: str = "auto"  # an unrolled stage's decode weight copy, see DECODE_WEIGHTS
 
     def __post_init__(self):

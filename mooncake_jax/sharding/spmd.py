@@ -85,10 +85,10 @@ class SpmdLayout:
         if cfg.n_heads % spec.tensor:
             raise ValueError(f"tensor={spec.tensor} does not divide the {cfg.n_heads} attention heads of "
                              f"{cfg.name}; choose a divisor of {cfg.n_heads}")
-        if cfg.attention != "xla":  # a Pallas kernel inside the manual ``stage`` region is not wired
-            raise ValueError(f"the SPMD pipeline (a multi-process instance) runs attention='xla' only, got "
-                             f"attention={cfg.attention!r}; use attention='xla', or one process to run the Pallas "
-                             f"kernels")
+        if cfg.attention not in ("auto", "xla"):  # a kernel inside the manual ``stage`` region is not wired
+            raise ValueError(f"the SPMD pipeline (a multi-process instance) runs attention='xla' only ('auto' "
+                             f"resolves to it there), got attention={cfg.attention!r}; use attention='xla', or one "
+                             f"process to run the kernels")
         self.spec, self.channel = spec, channel
         self.mesh = global_mesh(spec, devices)
         per = cfg.n_layers // spec.stage

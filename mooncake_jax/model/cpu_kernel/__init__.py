@@ -1,0 +1,143 @@
+"""A paged decode-attention kernel for XLA:CPU, compiled from C++ at first use and called as an XLA FFI custom call.
+
+Why: on CPU the xla implementation's decode attention gathers every context page into a copy, then multiplies it in
+small products XLA:CPU runs on one thread (about 40 ms of a 92-96 ms batch-32 step of the ``small`` preset, against
+about 21 ms to read the KV once at the measured copy bandwidth; docs/benchmarks/engine.md). This kernel reads each
+sequence's pages in place through the page table, once for the keys and once for the values, on XLA's intra-op
+thread pool (``paged_decode.cc``).
+
+The library is built with the C++ compiler found on ``PATH`` (``c++``, ``g++`` or ``clang++``) against the FFI
+headers that ship with jaxlib, for this machine's CPU (``-march=native``), into the user's cache directory
+(``~/.cache/mooncake-jax/kernels``, or under ``$XDG_CACHE_HOME``); the file name holds a hash of the source, the
+flags, jaxlib's version and the CPU, so a changed source or another machine sharing the home directory builds its
+own. ``available()`` says whether it could be built and registered, and why not (``unavailable_reason()``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from ..compile_cache import user_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.cc")
+TARGET = "mooncake_paged_decode"
+"""Name of the FFI target the library's handler is registered under (platform ``cpu``)."""
+
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+COMPILERS = ("c++", "g++", "clang++")
+BUILD_TIMEOUT_S = 300
+
+
+def cache_dir() -> Path:
+    return user_cache_dir() / "kernels"
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (what ``-march=native`` compiles for), or the platform's name."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in lines if line.split(":")[0].strip() in ("model name", "flags", "Features")]
+    return "\n".join(sorted(set(keep)))
+
+
+def library_path() -> Path:
+    import jaxlib
+
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
+                 _cpu_identity().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+
+
+def _build(out: Path) -> None:
+    compiler = next((c for c in COMPILERS if shutil.which(c)), None)
+    if compiler is None:
+        raise RuntimeError(f"no C++ compiler on PATH (looked for {', '.join(COMPILERS)})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: processes building at once each rename a whole library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> str | None:
+    """Build (once per source and machine) and register the kernel; None when it worked, else the reason."""
+    import ctypes
+
+    try:
+        path = library_path()
+        if not path.exists():
+            _build(path)
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.MooncakePagedDecode), platform="cpu")
+    except Exception as exc:  # noqa: BLE001 - any failure leaves the kernel unavailable, with the reason kept
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def available(log_failure: bool = False) -> bool:
+    """Whether the kernel is built and registered (building it the first time this is asked); ``log_failure``:
+    say why not in a warning (once per process)."""
+    reason = _load()
+    if reason is not None and log_failure and not _warned:
+        _warned.append(reason)
+        log.warning("the CPU paged-decode kernel is unavailable, decode attention runs on the xla "
+                    "implementation: %s", reason)
+    return reason is None
+
+
+_warned: list[str] = []
+
+
+def unavailable_reason() -> str | None:
+    return _load()
+
+
+CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
+"""Cache dtypes the kernel reads: float32, and bfloat16 as itself or as its stored ``uint16`` bits."""
+
+
+def reads(cache_dtype) -> bool:
+    """Whether the kernel reads a cache stored as ``cache_dtype`` (not float16, nor its int16 bits)."""
+    return jnp.dtype(cache_dtype) in CACHE_DTYPES
+
+
+def paged_decode(q, k_new, v_new, k_pages, v_pages, page_table, ctx_len) -> jax.Array:
+    """Decode attention of one token per sequence: q [B, H, G, D] (scaled), k_new / v_new [B, H, D], pages
+    [H, rows, bs, D], page_table [B, P] (int32 rows), ctx_len [B] -> [B, H, G, D] float32 (the new token
+    attends its ``ctx_len`` cached tokens and itself)."""
+    reason = _load()
+    if reason is not None:
+        raise RuntimeError(f"the CPU paged-decode kernel is unavailable: {reason}")
+    if not reads(k_pages.dtype):
+        raise ValueError(f"the CPU paged-decode kernel reads a float32 or bfloat16 cache, got {k_pages.dtype}")
+    f32 = jnp.float32
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, f32), vmap_method="sequential")
+    return call(q.astype(f32), k_new.astype(f32), v_new.astype(f32), k_pages, v_pages,
+                page_table.astype(jnp.int32), ctx_len.astype(jnp.int32))

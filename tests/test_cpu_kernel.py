@@ -1,0 +1,145 @@
+"""The C++ paged decode kernel for XLA:CPU (``model/cpu_kernel``, ``attention="cpu_kernel"`` and ``"auto"``) against
+the float64 attention of test_attention.py: float32 and bfloat16 caches, split over a tensor axis, bad tables
+refused with an error (never a crash), and what happens where it cannot be built."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mooncake_jax as mj
+from mooncake_jax.model import attention, cpu_kernel
+from mooncake_jax.model.attention import PagedBatch, paged_attention
+from mooncake_jax.model.kv_scatter import storage_dtype
+from reference_model import reference_for, reference_greedy
+from test_attention import D, _write, case, run
+
+needs_kernel = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None
+                                  and shutil.which("clang++") is None, reason="no C++ compiler on PATH")
+
+
+@needs_kernel
+def test_the_kernel_builds_and_auto_picks_it_on_cpu():
+    assert cpu_kernel.available(), cpu_kernel.unavailable_reason()
+    assert attention.resolve_impl("auto") == "cpu_kernel"
+    assert cpu_kernel.library_path().exists()
+
+
+@needs_kernel
+@pytest.mark.parametrize("ctx_lens", [[0, 4, 7, 8, 13], [5], [40, 0, 33], [64, 1]])
+@pytest.mark.parametrize("table_width", [None, 20])
+def test_decode_equals_float64_reference(ctx_lens, table_width):
+    args, expected = case(ctx_lens, 1, seed=len(ctx_lens), table_width=table_width, pad_page=23)
+    out = run("cpu_kernel", *args)  # the padding points at a NaN page: the kernel must never read it
+    assert out.shape == expected.shape and out.dtype == np.float32
+    np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+def test_bfloat16_cache_stored_as_bits_equals_float64_reference():
+    """A bfloat16 cache on CPU is stored as uint16 (kv_scatter); the kernel reads those bits in place."""
+    (q, k_new, v_new, k_pages, v_pages, batch), expected = case([9, 0, 30], 1, seed=3, dtype=jnp.bfloat16)
+    as_bits = lambda x: jax.lax.bitcast_convert_type(x, storage_dtype(jnp.bfloat16))
+    out = run("cpu_kernel", q, k_new, v_new, as_bits(k_pages), as_bits(v_pages), batch)
+    # The inputs are bfloat16 values (the reference sees the same ones), and the seam rounds the scaled queries to
+    # bfloat16 for both implementations; from there the kernel computes in float32, so it lands nearer the float64
+    # reference than the xla implementation, whose softmax weights are bfloat16.
+    np.testing.assert_allclose(out, expected, rtol=2e-2, atol=2e-2)
+    out_xla = run("xla", q, k_new, v_new, as_bits(k_pages), as_bits(v_pages), batch)
+    assert np.abs(out - expected).max() < np.abs(out_xla - expected).max()
+
+
+@needs_kernel
+def test_prefill_and_float16_go_through_the_xla_implementation():
+    args, expected = case([6], 7, seed=5)  # T > 1: not the kernel's
+    jaxpr = str(jax.make_jaxpr(lambda *a: paged_attention(*a, scale=1.0, impl="cpu_kernel"))(*args))
+    assert cpu_kernel.TARGET not in jaxpr
+    np.testing.assert_allclose(run("cpu_kernel", *args), expected, rtol=2e-5, atol=2e-5)
+    args, _ = case([5, 9], 1, seed=6)
+    jaxpr = str(jax.make_jaxpr(lambda *a: paged_attention(*a, scale=1.0, impl="cpu_kernel"))(*args))
+    assert cpu_kernel.TARGET in jaxpr
+    f16 = [x.astype(jnp.float16) for x in args[:5]]
+    jaxpr = str(jax.make_jaxpr(lambda *a: paged_attention(*a, scale=1.0, impl="cpu_kernel"))(*f16, args[5]))
+    assert cpu_kernel.TARGET not in jaxpr
+
+
+@needs_kernel
+def test_a_page_table_row_outside_the_cache_is_an_error_not_a_crash():
+    (q, k_new, v_new, k_pages, v_pages, batch), _ = case([9, 3], 1, seed=4)
+    bad = PagedBatch(batch.page_table.at[0, 1].set(10_000), batch.ctx_len, batch.write_slots)
+    f = jax.jit(lambda *a: paged_attention(*a, scale=1.0, impl="cpu_kernel"))
+    with pytest.raises(Exception, match="page table row 10000 outside the cache's 24 rows"):
+        np.asarray(f(q, k_new, v_new, k_pages, v_pages, bad))
+    long = PagedBatch(batch.page_table, batch.ctx_len.at[1].set(999), batch.write_slots)
+    with pytest.raises(Exception, match="ctx_len 999 outside"):
+        np.asarray(f(q, k_new, v_new, k_pages, v_pages, long))
+
+
+@needs_kernel
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (XLA_FLAGS in conftest.py)")
+def test_splits_kv_heads_over_the_tensor_axis():
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    (q, k_new, v_new, k_pages, v_pages, batch), expected = case([0, 5, 8, 21], 1, seed=7)
+    heads, pages = NamedSharding(mesh, P(None, None, "tensor")), NamedSharding(mesh, P("tensor"))
+    q, k_new, v_new = (jax.device_put(x, heads) for x in (q, k_new, v_new))
+    k_pages, v_pages = (jax.device_put(x, pages) for x in (k_pages, v_pages))
+    with jax.set_mesh(mesh):
+        k_pages, v_pages = _write(k_pages, v_pages, k_new, v_new, batch.write_slots)
+        f = jax.jit(lambda *a: paged_attention(*a, scale=1 / np.sqrt(D), impl="cpu_kernel"))
+        jaxpr = str(jax.make_jaxpr(f)(q, k_new, v_new, k_pages, v_pages, batch))
+        assert "shard_map" in jaxpr and cpu_kernel.TARGET in jaxpr
+        out = f(q, k_new, v_new, k_pages, v_pages, batch)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+def test_kernel_model_generates_the_reference_greedy_tokens():
+    llm = mj.LLM("tiny", attention="cpu_kernel", prefill_chunk_size=32)
+    ref = reference_for(llm.model)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (5, 37, 70)]
+    out = llm.generate(prompts, max_new_tokens=6)
+    for p, o in zip(prompts, out):
+        assert o == reference_greedy(ref, p, 6)
+
+
+def test_auto_falls_back_to_xla_with_the_reason_and_explicit_use_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernel, "_load", lambda: "RuntimeError: no C++ compiler on PATH")
+    monkeypatch.setattr(cpu_kernel, "_warned", [])
+    with caplog.at_level("WARNING", logger=cpu_kernel.__name__):
+        assert attention.resolve_impl("auto") == "xla"
+        assert attention.resolve_impl("auto") == "xla"
+    assert [r.getMessage() for r in caplog.records].count(
+        "the CPU paged-decode kernel is unavailable, decode attention runs on the xla implementation: "
+        "RuntimeError: no C++ compiler on PATH") == 1
+    args, expected = case([5, 9], 1, seed=6)
+    np.testing.assert_allclose(run("auto", *args), expected, rtol=2e-5, atol=2e-5)
+    with pytest.raises(RuntimeError, match="the CPU paged-decode kernel is unavailable: RuntimeError: no C"):
+        run("cpu_kernel", *args)
+
+
+def test_a_source_that_does_not_compile_reports_the_compilers_error(tmp_path, monkeypatch):
+    if shutil.which("c++") is None and shutil.which("g++") is None and shutil.which("clang++") is None:
+        with pytest.raises(RuntimeError, match="no C\\+\\+ compiler on PATH"):
+            cpu_kernel._build(tmp_path / "k.so")
+        return
+    broken = tmp_path / "broken.cc"
+    broken.write_text("int f( {\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCE", broken)
+    with pytest.raises(RuntimeError, match="broken.cc.*failed:\n.*error"):
+        cpu_kernel._build(tmp_path / "k.so")
+    assert not (tmp_path / "k.so").exists() and list(tmp_path.iterdir()) == [broken]  # no half-written library
+
+
+def test_the_library_name_changes_with_the_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = cpu_kernel.library_path()
+    assert first.parent == tmp_path / "mooncake-jax" / "kernels"
+    changed = tmp_path / "paged_decode.cc"
+    changed.write_bytes(cpu_kernel.SOURCE.read_bytes() + b"// another version\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCE", changed)
+    assert cpu_kernel.library_path() != first
