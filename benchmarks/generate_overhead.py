@@ -33,15 +33,16 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128, help="prompt tokens of each sequence")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per generate")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--attention", default="auto", help="ModelConfig.attention (auto, xla, pallas, cpu_kernel)")
     args = p.parse_args()
 
     import mooncake_jax as mj
     from mooncake_jax.model.measure import decode_step_seconds
 
-    llm = mj.LLM(args.model, max_batch=8, prefix_caching=False)
+    llm = mj.LLM(args.model, max_batch=8, prefix_caching=False, attention=args.attention)
     vocab = llm.config.vocab_size
     rng = np.random.default_rng(0)
-    results = {"model": args.model, "cpu_model": cpu_model(), "context_tokens": args.context,
+    results = {"model": args.model, "attention": args.attention, "cpu_model": cpu_model(), "context_tokens": args.context,
                "steps": args.steps, **machine_info()}
 
     def generate_s(batch: int, new_tokens: int) -> float:

@@ -65,7 +65,7 @@ struct Shapes {
   int64_t b, h, g, d, rows, bs, p;
 };
 
-// One (sequence, kv head) item. `scores` holds G * (ctx + 1) floats.
+// One (sequence, kv head) item. `scores` holds G * (ctx + 1) + G floats: the scores, then each query's sum.
 template <typename KV>
 void AttendOne(const Shapes& s, int64_t bi, int64_t hi, const float* q, const float* k_new, const float* v_new,
                const KV* k_pages, const KV* v_pages, const int32_t* table, int64_t ctx, float* scores,
@@ -102,7 +102,7 @@ void AttendOne(const Shapes& s, int64_t bi, int64_t hi, const float* q, const fl
   }
 
   // Softmax weights, unnormalised; the sums divide at the end.
-  std::vector<float> total(g);
+  float* total = scores + g * n;
   for (int64_t gi = 0; gi < g; ++gi) {
     float* row = scores + gi * n;
     float mx = row[0];
@@ -155,7 +155,7 @@ void Run(ffi::ThreadPool& pool, const Shapes s, const float* q, const float* k_n
          const KV* k_pages, const KV* v_pages, const int32_t* table, const int32_t* ctx_len, float* out) {
   int64_t longest = 0;
   for (int64_t bi = 0; bi < s.b; ++bi) longest = std::max<int64_t>(longest, ctx_len[bi]);
-  const int64_t scratch = s.g * (longest + 1);
+  const int64_t scratch = s.g * (longest + 2);
   auto work = std::make_shared<Work>();
   work->items = s.b * s.h;
   // Items in (sequence, head) order, so neighbouring items share a sequence's page table. The body captures by
