@@ -52,17 +52,41 @@ def test_bfloat16_cache_stored_as_bits_equals_float64_reference():
 
 
 @needs_kernel
-def test_prefill_and_float16_go_through_the_xla_implementation():
-    args, expected = case([6], 7, seed=5)  # T > 1: not the kernel's
+@pytest.mark.parametrize("ctx_lens, t", [
+    ([0], 6),  # prefill without context
+    ([8], 5),  # after a page-aligned context
+    ([6], 7),  # new tokens start mid-page and cross page boundaries
+    ([3, 0], 4),  # a batch of prefills
+    ([0], 70),  # more than one query block (64 tokens) and key block (64 keys)
+    ([21, 50], 75),  # a batch of long chunks after contexts: blocks that straddle the context's end
+])
+def test_prefill_equals_float64_reference(ctx_lens, t):
+    args, expected = case(ctx_lens, t, seed=len(ctx_lens) * 10 + t, rows=96)
     jaxpr = str(jax.make_jaxpr(lambda *a: paged_attention(*a, scale=1.0, impl="cpu_kernel"))(*args))
-    assert cpu_kernel.TARGET not in jaxpr
+    assert cpu_kernel.PREFILL in jaxpr and cpu_kernel.DECODE not in jaxpr
+    out = run("cpu_kernel", *args)
+    assert out.shape == expected.shape and out.dtype == np.float32
+    np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 24])  # 64: the vector tiles only; 24: a tile and a remainder
+def test_prefill_value_products_in_tiles_of_16_head_dims(head_dim, monkeypatch):
+    """test_attention's head_dim (8) runs only the value products' scalar remainder."""
+    import test_attention
+
+    monkeypatch.setattr(test_attention, "D", head_dim)  # read by case() and run() when called
+    args, expected = case([5, 40], 33, seed=head_dim, rows=64)
     np.testing.assert_allclose(run("cpu_kernel", *args), expected, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+def test_float16_goes_through_the_xla_implementation():
     args, _ = case([5, 9], 1, seed=6)
-    jaxpr = str(jax.make_jaxpr(lambda *a: paged_attention(*a, scale=1.0, impl="cpu_kernel"))(*args))
-    assert cpu_kernel.TARGET in jaxpr
     f16 = [x.astype(jnp.float16) for x in args[:5]]
-    jaxpr = str(jax.make_jaxpr(lambda *a: paged_attention(*a, scale=1.0, impl="cpu_kernel"))(*f16, args[5]))
-    assert cpu_kernel.TARGET not in jaxpr
+    for step in (args, (*f16, args[5])):
+        jaxpr = str(jax.make_jaxpr(lambda *a: paged_attention(*a, scale=1.0, impl="cpu_kernel"))(*step))
+        assert (cpu_kernel.DECODE in jaxpr) == (step is args)
 
 
 @needs_kernel
@@ -91,7 +115,7 @@ def test_splits_kv_heads_over_the_tensor_axis():
         k_pages, v_pages = _write(k_pages, v_pages, k_new, v_new, batch.write_slots)
         f = jax.jit(lambda *a: paged_attention(*a, scale=1 / np.sqrt(D), impl="cpu_kernel"))
         jaxpr = str(jax.make_jaxpr(f)(q, k_new, v_new, k_pages, v_pages, batch))
-        assert "shard_map" in jaxpr and cpu_kernel.TARGET in jaxpr
+        assert "shard_map" in jaxpr and cpu_kernel.DECODE in jaxpr
         out = f(q, k_new, v_new, k_pages, v_pages, batch)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-5)
 
@@ -114,11 +138,11 @@ def test_auto_falls_back_to_xla_with_the_reason_and_explicit_use_says_why(monkey
         assert attention.resolve_impl("auto") == "xla"
         assert attention.resolve_impl("auto") == "xla"
     assert [r.getMessage() for r in caplog.records].count(
-        "the CPU paged-decode kernel is unavailable, decode attention runs on the xla implementation: "
+        "the CPU paged-attention kernels are unavailable, attention runs on the xla implementation: "
         "RuntimeError: no C++ compiler on PATH") == 1
     args, expected = case([5, 9], 1, seed=6)
     np.testing.assert_allclose(run("auto", *args), expected, rtol=2e-5, atol=2e-5)
-    with pytest.raises(RuntimeError, match="the CPU paged-decode kernel is unavailable: RuntimeError: no C"):
+    with pytest.raises(RuntimeError, match="the CPU paged-attention kernels are unavailable: RuntimeError: no C"):
         run("cpu_kernel", *args)
 
 
@@ -139,7 +163,7 @@ def test_the_library_name_changes_with_the_source(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     first = cpu_kernel.library_path()
     assert first.parent == tmp_path / "mooncake-jax" / "kernels"
-    changed = tmp_path / "paged_decode.cc"
+    changed = tmp_path / "paged_attention.cc"
     changed.write_bytes(cpu_kernel.SOURCE.read_bytes() + b"// another version\n")
     monkeypatch.setattr(cpu_kernel, "SOURCE", changed)
     assert cpu_kernel.library_path() != first

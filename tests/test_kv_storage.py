@@ -204,7 +204,10 @@ def test_layerwise_bfloat16_prefill_equals_the_float_stored_one_and_plain(engine
     logits, blocks, output = plain_prefill(engines[0], prompt)  # the same prompt in one program per chunk
     assert output == got[2]
     np.testing.assert_allclose(np.asarray(got[0], np.float32), logits, rtol=0, atol=2e-2 * np.abs(logits).max())
-    np.testing.assert_allclose(got[1].astype(np.float32), blocks.astype(np.float32), rtol=2e-2, atol=2e-2)
+    # Layer by layer (one program each) against one program per chunk: bfloat16 roundings fall differently and
+    # cascade. Over four prompts, with either attention implementation, the largest KV difference was 0.031
+    # (0.023-0.031, one or two elements of 12,288 past 2e-2; tests' XLA optimisation level 0, AMD EPYC).
+    np.testing.assert_allclose(got[1].astype(np.float32), blocks.astype(np.float32), rtol=2e-2, atol=4e-2)
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")

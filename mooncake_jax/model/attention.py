@@ -10,7 +10,7 @@ that array (a stacked, scanned cache adds ``layer * num_pages``; a per-layer cac
 Row 0 (page 0 of every layer) is scratch: padded tokens write there and no sequence reads it as context. The
 kv_heads axis is axis 0, so tensor parallelism splits the cache without touching the page axis.
 
-``impl="xla"`` (portable; on CPU every prefill, and decode where the C++ kernel is not built), split in two parts whose softmax is merged exactly:
+``impl="xla"`` (portable; on CPU where the C++ kernels are not built), split in two parts whose softmax is merged exactly:
 
 - *local*: the new tokens themselves, causal, per query block of static size (long prefills skip the masked
   upper triangle block by block);
@@ -31,9 +31,10 @@ are already in their pages (``write_pages`` runs first), so both decode and pref
 
 On CPU the kernels run with ``interpret=True``; on GPU/TPU compiled (chosen by ``jax.default_backend()``).
 
-``impl="cpu_kernel"``: decode (T = 1) through a C++ kernel for XLA:CPU (``model/cpu_kernel``, an XLA FFI custom
-call built at first use) that reads each sequence's pages in place on XLA's intra-op threads; prefill, and a float16
-cache, through the xla implementation. ``impl="auto"`` (the default) is ``cpu_kernel`` on the CPU backend where the
+``impl="cpu_kernel"``: C++ kernels for XLA:CPU (``model/cpu_kernel``, XLA FFI custom calls built at first use) that
+read the pages in place on XLA's intra-op threads: decode, and prefill as one causal attention over ``ctx_len + T``
+paged keys through the extended page table (as the pallas implementation); a float16 cache through the xla
+implementation. ``impl="auto"`` (the default) is ``cpu_kernel`` on the CPU backend where the
 kernel builds, else ``xla`` (``resolve_impl``).
 
 Tensor parallelism: the xla implementation is plain jnp, partitioned by GSPMD from the operands' shardings (heads
@@ -550,25 +551,30 @@ def _pallas(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
                          check_vma=False)(q, k_pages, v_pages, batch)
 
 
+def _cpu_kernel_local(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
+    """The cpu_kernel implementation on one device's heads (inside shard_map when tensor-parallel)."""
+    if q.shape[1] == 1:
+        return cpu_kernel.paged_decode(q[:, 0], k_new[:, 0], v_new[:, 0], k_pages, v_pages, batch.page_table,
+                                       batch.ctx_len)[:, None]
+    t, bs = q.shape[1], k_pages.shape[2]
+    table = _extended_table(batch, bs, t, batch.page_table.shape[1] + -(-t // bs) + 1)
+    return cpu_kernel.paged_prefill(q, k_pages, v_pages, table, batch.ctx_len)
+
+
 def _cpu_kernel(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
-    """Decode through the C++ kernel (``cpu_kernel``), split over the ``tensor`` axis like the pallas one; every
-    other step (prefill, an empty table, a float16 cache) through the xla implementation."""
+    """Decode and prefill through the C++ kernels (``cpu_kernel``), split over the ``tensor`` axis like the pallas
+    implementation; a float16 cache (which they do not read) through the xla implementation."""
     if jax.default_backend() != "cpu":
         raise ValueError(f"attention='cpu_kernel' runs on the CPU backend only (this one is "
                          f"{jax.default_backend()!r}); use 'auto', 'xla' or 'pallas'")
-    if q.shape[1] != 1 or batch.page_table.shape[1] == 0 or not cpu_kernel.reads(k_pages.dtype):
+    if not cpu_kernel.reads(k_pages.dtype):
         return _xla(q, k_new, v_new, k_pages, v_pages, batch)
-
-    def local(q, k_new, v_new, k_pages, v_pages, batch):
-        return cpu_kernel.paged_decode(q[:, 0], k_new[:, 0], v_new[:, 0], k_pages, v_pages, batch.page_table,
-                                       batch.ctx_len)[:, None]
-
     mesh = _tensor_mesh(k_pages.shape[0])
     if mesh is None:
-        return local(q, k_new, v_new, k_pages, v_pages, batch)
+        return _cpu_kernel_local(q, k_new, v_new, k_pages, v_pages, batch)
     heads, pages = P(None, None, TENSOR_AXIS), P(TENSOR_AXIS)
-    return jax.shard_map(local, mesh=mesh, in_specs=(heads, heads, heads, pages, pages, P()), out_specs=heads,
-                         check_vma=False)(q, k_new, v_new, k_pages, v_pages, batch)
+    return jax.shard_map(_cpu_kernel_local, mesh=mesh, in_specs=(heads, heads, heads, pages, pages, P()),
+                         out_specs=heads, check_vma=False)(q, k_new, v_new, k_pages, v_pages, batch)
 
 
 def resolve_impl(impl: str) -> str:

@@ -1,10 +1,12 @@
-"""A paged decode-attention kernel for XLA:CPU, compiled from C++ at first use and called as an XLA FFI custom call.
+"""Paged-attention kernels for XLA:CPU, compiled from C++ at first use and called as XLA FFI custom calls.
 
 Why: on CPU the xla implementation's decode attention gathers every context page into a copy, then multiplies it in
 small products XLA:CPU runs on one thread (about 40 ms of a 92-96 ms batch-32 step of the ``small`` preset, against
-about 21 ms to read the KV once at the measured copy bandwidth; docs/benchmarks/engine.md). This kernel reads each
-sequence's pages in place through the page table, once for the keys and once for the values, on XLA's intra-op
-thread pool (``paged_decode.cc``).
+about 21 ms to read the KV once at the measured copy bandwidth; docs/benchmarks/engine.md); its prefill attention
+copies every query block's key prefix before each product (XLA:CPU's library dots read no slice in place). The
+kernels (``paged_attention.cc``) read the pages in place through the page table, on XLA's intra-op thread pool:
+decode reads each sequence's keys and values once; prefill is a flash-attention loop over key blocks with
+register-tiled products.
 
 The library is built with the C++ compiler found on ``PATH`` (``c++``, ``g++`` or ``clang++``) against the FFI
 headers that ship with jaxlib, for this machine's CPU (``-march=native``), into the user's cache directory
@@ -32,9 +34,10 @@ from ..compile_cache import user_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.cc")
-TARGET = "mooncake_paged_decode"
-"""Name of the FFI target the library's handler is registered under (platform ``cpu``)."""
+SOURCE = Path(__file__).with_name("paged_attention.cc")
+TARGETS = {"mooncake_paged_decode": "MooncakePagedDecode", "mooncake_paged_prefill": "MooncakePagedPrefill"}
+"""FFI target names (platform ``cpu``) and the library's handler symbols registered under them."""
+DECODE, PREFILL = TARGETS
 
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 COMPILERS = ("c++", "g++", "clang++")
@@ -63,7 +66,7 @@ def library_path() -> Path:
                  _cpu_identity().encode()):
         key.update(part)
         key.update(b"\0")
-    return cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
 
 
 def _build(out: Path) -> None:
@@ -87,7 +90,7 @@ def _build(out: Path) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _load() -> str | None:
-    """Build (once per source and machine) and register the kernel; None when it worked, else the reason."""
+    """Build (once per source and machine) and register the kernels; None when it worked, else the reason."""
     import ctypes
 
     try:
@@ -95,19 +98,20 @@ def _load() -> str | None:
         if not path.exists():
             _build(path)
         lib = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.MooncakePagedDecode), platform="cpu")
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except Exception as exc:  # noqa: BLE001 - any failure leaves the kernel unavailable, with the reason kept
         return f"{type(exc).__name__}: {exc}"
     return None
 
 
 def available(log_failure: bool = False) -> bool:
-    """Whether the kernel is built and registered (building it the first time this is asked); ``log_failure``:
+    """Whether the kernels are built and registered (building them the first time this is asked); ``log_failure``:
     say why not in a warning (once per process)."""
     reason = _load()
     if reason is not None and log_failure and not _warned:
         _warned.append(reason)
-        log.warning("the CPU paged-decode kernel is unavailable, decode attention runs on the xla "
+        log.warning("the CPU paged-attention kernels are unavailable, attention runs on the xla "
                     "implementation: %s", reason)
     return reason is None
 
@@ -120,24 +124,40 @@ def unavailable_reason() -> str | None:
 
 
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
-"""Cache dtypes the kernel reads: float32, and bfloat16 as itself or as its stored ``uint16`` bits."""
+"""Cache dtypes the kernels read: float32, and bfloat16 as itself or as its stored ``uint16`` bits."""
 
 
 def reads(cache_dtype) -> bool:
-    """Whether the kernel reads a cache stored as ``cache_dtype`` (not float16, nor its int16 bits)."""
+    """Whether the kernels read a cache stored as ``cache_dtype`` (not float16, nor its int16 bits)."""
     return jnp.dtype(cache_dtype) in CACHE_DTYPES
+
+
+def _call(target: str, out_shape, *operands) -> jax.Array:
+    reason = _load()
+    if reason is not None:
+        raise RuntimeError(f"the CPU paged-attention kernels are unavailable: {reason}")
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(out_shape, jnp.float32), vmap_method="sequential")(
+        *operands)
+
+
+def _cache(k_pages, v_pages):
+    if not reads(k_pages.dtype):
+        raise ValueError(f"the CPU paged-attention kernels read a float32 or bfloat16 cache, got {k_pages.dtype}")
+    return k_pages, v_pages
 
 
 def paged_decode(q, k_new, v_new, k_pages, v_pages, page_table, ctx_len) -> jax.Array:
     """Decode attention of one token per sequence: q [B, H, G, D] (scaled), k_new / v_new [B, H, D], pages
     [H, rows, bs, D], page_table [B, P] (int32 rows), ctx_len [B] -> [B, H, G, D] float32 (the new token
     attends its ``ctx_len`` cached tokens and itself)."""
-    reason = _load()
-    if reason is not None:
-        raise RuntimeError(f"the CPU paged-decode kernel is unavailable: {reason}")
-    if not reads(k_pages.dtype):
-        raise ValueError(f"the CPU paged-decode kernel reads a float32 or bfloat16 cache, got {k_pages.dtype}")
-    f32 = jnp.float32
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, f32), vmap_method="sequential")
-    return call(q.astype(f32), k_new.astype(f32), v_new.astype(f32), k_pages, v_pages,
-                page_table.astype(jnp.int32), ctx_len.astype(jnp.int32))
+    f32, i32 = jnp.float32, jnp.int32
+    return _call(DECODE, q.shape, q.astype(f32), k_new.astype(f32), v_new.astype(f32), *_cache(k_pages, v_pages),
+                 page_table.astype(i32), ctx_len.astype(i32))
+
+
+def paged_prefill(q, k_pages, v_pages, page_table, ctx_len) -> jax.Array:
+    """Causal attention of T new tokens per sequence whose K/V are already in their pages: q [B, T, H, G, D]
+    (scaled), page_table [B, W] covering ``ctx_len + T`` tokens -> [B, T, H, G, D] float32 (new token i attends
+    the ``ctx_len`` cached tokens and new tokens 0..i)."""
+    return _call(PREFILL, q.shape, q.astype(jnp.float32), *_cache(k_pages, v_pages), page_table.astype(jnp.int32),
+                 ctx_len.astype(jnp.int32))
