@@ -229,6 +229,23 @@ def prefilled_sequences(engine, prompts: list, max_new_tokens: int) -> list:
     return seqs
 
 
+def chunk_attention(q, k, v, scale: float, impl: str = "auto"):
+    """The library's attention (``paged_attention``) of one sequence's chunk of new tokens, no context, called as
+    the model calls it: the chunk's K/V written into pages 1.. first, where the cpu_kernel and pallas
+    implementations read them. q [1, T, H, G, D], k and v [1, T, H, D]; traced inside the caller's jit."""
+    import jax.numpy as jnp
+
+    from mooncake_jax.model import attention as at
+
+    t, hk, d = k.shape[1], k.shape[2], k.shape[3]
+    bs = 16
+    slots = (bs + jnp.arange(t, dtype=jnp.int32))[None]
+    empty = jnp.zeros((hk, 1 + -(-t // bs), bs, d), k.dtype)
+    k_pages, v_pages = at.write_pages(empty, k, slots), at.write_pages(empty, v, slots)
+    batch = at.PagedBatch(jnp.zeros((1, 0), jnp.int32), jnp.zeros((1,), jnp.int32), slots)
+    return at.paged_attention(q, k, v, k_pages, v_pages, batch, scale, impl=impl)
+
+
 def write_json(results: dict, path: Path | None) -> None:
     text = json.dumps(results, indent=2, sort_keys=True)
     print(text)

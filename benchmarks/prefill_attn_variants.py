@@ -3,7 +3,8 @@ SDPA, ``--layers`` layers chained through the queries (``small`` shape: 4 KV hea
 alternated in one process: wall and process CPU time (all threads) of each call, a 0.2 s pause before each.
 
 Few layers keep the compiles short (the library's 12-layer program compiles in ~2 minutes on 2 cores); every
-variant's output is compared with the library's.
+variant's output is compared with the library's. ``library`` is the xla implementation, ``kernel`` the C++ kernel
+(``attention="cpu_kernel"``, what ``auto`` runs on CPU).
 
     PYTHONPATH=<tree> python benchmarks/prefill_attn_variants.py --layers 2 --rounds 7 --variants library,nomax
 """
@@ -17,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, interleaved, load_average, machine_info, write_json  # noqa: E402
+from common import (arg_parser, chunk_attention, interleaved, load_average, machine_info,  # noqa: E402
+                    write_json)
 
 KV, G, HD = 4, 3, 64
 
@@ -60,10 +62,8 @@ def variants():
         return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
     def library(q, k, v):
-        t = q.shape[1]
-        pages = jnp.zeros((KV, 1, 16, HD), jnp.float32)
-        batch = at.PagedBatch(jnp.zeros((1, 0), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((1, t), jnp.int32))
-        return at.paged_attention(q, k, v, pages, pages, batch, 1.0)
+        """The xla implementation (the library's before the C++ kernels; ``kernel``: ``cpu_kernel``)."""
+        return chunk_attention(q, k, v, 1.0, impl="xla")
 
     def tiled(q, k, v, qb=128, kt=None, shift=None, lo_min=512, kt_layout=False):
         """Per (kv head, query block): diagonal keys masked; keys before the block (from lo_min on) in tiles of
@@ -204,6 +204,7 @@ def variants():
 
     return {
         "library": library,
+        "kernel": lambda q, k, v: chunk_attention(q, k, v, 1.0, impl="cpu_kernel"),
         "hm": head_major,
         "keys_left": keys_left,
         "one_max": one_max,

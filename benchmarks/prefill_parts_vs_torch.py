@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, interleaved, load_average, machine_info, write_json  # noqa: E402
+from common import (arg_parser, chunk_attention, interleaved, load_average, machine_info,  # noqa: E402
+                    write_json)
 
 D, H, KV, HD, F, L = 768, 12, 4, 64, 2048, 12
 
@@ -90,23 +91,20 @@ def torch_gateup(torch, ws, x):
     return run
 
 
-def jax_attention(t, rng):
-    """12 layers of the engine's own prefill attention (one chunk, no context), chained through the queries."""
+def jax_attention(t, rng, impl: str):
+    """12 layers of the engine's own prefill attention (one chunk, no context; ``impl`` as ``ModelConfig.attention``),
+    chained through the queries."""
     import jax
     import jax.numpy as jnp
-
-    from mooncake_jax.model.attention import PagedBatch, paged_attention
 
     q = jnp.asarray(rng.standard_normal((1, t, KV, H // KV, HD)), jnp.float32)
     ks = jnp.asarray(rng.standard_normal((L, 1, t, KV, HD)), jnp.float32)
     vs = jnp.asarray(rng.standard_normal((L, 1, t, KV, HD)), jnp.float32)
-    pages = jnp.zeros((KV, 1, 16, HD), jnp.float32)
-    batch = PagedBatch(jnp.zeros((1, 0), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((1, t), jnp.int32))
 
     @jax.jit
     def run(q, ks, vs):
         for i in range(L):
-            q = q + paged_attention(q, ks[i], vs[i], pages, pages, batch, HD ** -0.5)
+            q = q + chunk_attention(q, ks[i], vs[i], HD ** -0.5, impl)
         return q
     return run, (q, ks, vs)
 
@@ -137,11 +135,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--parts", default="dense,gateup,attention")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--attention", default="auto", help="ours: ModelConfig.attention (auto, xla, cpu_kernel)")
     args = p.parse_args()
     import torch
 
     t, rng = args.tokens, np.random.default_rng(0)
-    res = dict(machine_info(), tokens=t, torch=torch.__version__, torch_threads=torch.get_num_threads(),
+    res = dict(machine_info(), tokens=t, attention=args.attention, torch=torch.__version__, torch_threads=torch.get_num_threads(),
                load_start=load_average())
     variants = {}
     parts = args.parts.split(",")
@@ -155,7 +154,7 @@ def main() -> None:
             variants["gateup_ours"], variants["gateup_torch"] = jax_gateup(ws, x), torch_gateup(torch, ws, x)
             res["gateup_gflop"] = round(2 * t * L * 2 * D * F / 1e9, 2)
     if "attention" in parts:
-        fn, qkv = jax_attention(t, rng)
+        fn, qkv = jax_attention(t, rng, args.attention)
         variants["attention_ours"] = lambda: fn(*qkv).block_until_ready()
         variants["attention_torch"] = torch_attention(torch, qkv)
         out_ours = np.asarray(fn(*qkv))
