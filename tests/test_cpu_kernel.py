@@ -167,3 +167,23 @@ def test_the_library_name_changes_with_the_source(tmp_path, monkeypatch):
     changed.write_bytes(cpu_kernel.SOURCE.read_bytes() + b"// another version\n")
     monkeypatch.setattr(cpu_kernel, "SOURCE", changed)
     assert cpu_kernel.library_path() != first
+
+
+@needs_kernel
+def test_processes_starting_together_build_the_library_once(tmp_path):
+    """Three processes with an empty kernel cache (a local cluster's first start): all get the kernels, and one
+    library file is built (the others wait on the lock, then load it)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from mooncake_jax.model import cpu_kernel as k; import os; "
+            "print(k.available(), os.path.getmtime(k.library_path()))")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=300)[0].split() for p in procs]
+    assert [o[0] for o in outs] == ["True"] * 3
+    assert len({o[1] for o in outs}) == 1  # the same file, written once
+    built = list((tmp_path / "mooncake-jax" / "kernels").glob("*.so"))
+    assert len(built) == 1 and built[0].name.startswith("paged_attention-")

@@ -17,6 +17,7 @@ own. ``available()`` says whether it could be built and registered, and why not 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -88,6 +89,23 @@ def _build(out: Path) -> None:
             os.unlink(tmp)
 
 
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    """An exclusive lock on ``path``'s folder while one process builds (no lock where ``fcntl`` is missing)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @functools.lru_cache(maxsize=1)
 def _load() -> str | None:
     """Build (once per source and machine) and register the kernels; None when it worked, else the reason."""
@@ -96,7 +114,9 @@ def _load() -> str | None:
     try:
         path = library_path()
         if not path.exists():
-            _build(path)
+            with _build_lock(path):  # processes starting together (a local cluster) build it once
+                if not path.exists():
+                    _build(path)
         lib = ctypes.cdll.LoadLibrary(str(path))
         for target, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
