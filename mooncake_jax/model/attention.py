@@ -10,7 +10,8 @@ that array (a stacked, scanned cache adds ``layer * num_pages``; a per-layer cac
 Row 0 (page 0 of every layer) is scratch: padded tokens write there and no sequence reads it as context. The
 kv_heads axis is axis 0, so tensor parallelism splits the cache without touching the page axis.
 
-``impl="xla"`` (portable; on CPU where the C++ kernels are not built), split in two parts whose softmax is merged exactly:
+``impl="xla"`` (portable; on CPU where the C++ kernels are not built), split in two parts whose softmax is merged
+exactly:
 
 - *local*: the new tokens themselves, causal, per query block of static size (long prefills skip the masked
   upper triangle block by block);

@@ -113,17 +113,20 @@ inline v8 Exp8(v8 x) {
   return x < lo ? Splat(0.0f) : ExpPoly(xc, n) * scale;
 }
 
-// Runs fn(item, scratch) for items 0..n-1 on the calling thread and the pool's, and returns when all are done.
-// The tasks capture by value: one that starts after the call has returned finds no item left and touches nothing
-// freed (the callable must own copies of what it reads).
+// Runs fn(item, scratch) for items 0..n-1 on the calling thread and, when there is enough work to pay for waking
+// them (`macs` multiply-adds in all, kMinMacsPerThread per thread), the pool's; returns when all are done. The
+// tasks capture by value: one that starts after the call has returned finds no item left and touches nothing freed
+// (the callable must own copies of what it reads).
 struct Work {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   int64_t items = 0;
 };
 
+constexpr int64_t kMinMacsPerThread = 1 << 18;  // ~30-60 us of work: a pool thread's wake-up is a few us
+
 template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, F fn) {
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t macs, F fn) {
   auto work = std::make_shared<Work>();
   work->items = n;
   auto body = [work, fn]() {
@@ -135,7 +138,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, F fn) {
       work->done.fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  const int64_t helpers = std::min({pool.num_threads(), n, macs / kMinMacsPerThread}) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(body)(body));  // a copy: Schedule takes F&&
   body();
   while (work->done.load(std::memory_order_acquire) < work->items) std::this_thread::yield();
@@ -434,13 +437,16 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const int32_t* tab = table.typed_data();
   const int32_t* lens = ctx_len.typed_data();
   if (auto err = CheckTable(c, tab, b, width, lens, 0); err.failure()) return err;
-  int64_t longest = 0;
-  for (int64_t bi = 0; bi < b; ++bi) longest = std::max<int64_t>(longest, lens[bi]);
+  int64_t longest = 0, keys = 0;
+  for (int64_t bi = 0; bi < b; ++bi) {
+    longest = std::max<int64_t>(longest, lens[bi]);
+    keys += lens[bi] + 1;
+  }
   const float *qp = q.typed_data(), *kn = k_new.typed_data(), *vn = v_new.typed_data();
   float* o = out->typed_data();
   WithCache(k_pages, v_pages, [&](auto* kp, auto* vp) {
     // Items in (sequence, head) order, so neighbouring items share a sequence's page table.
-    ParallelFor(pool, b * c.h, [=](int64_t item, std::vector<float>& scratch) {
+    ParallelFor(pool, b * c.h, 2 * keys * c.h * g * c.d, [=](int64_t item, std::vector<float>& scratch) {
       scratch.resize(g * (longest + 2));
       const int64_t bi = item / c.h, hi = item % c.h;
       DecodeOne(c, width, g, bi, hi, qp, kn, vn, kp, vp, tab, lens[bi], scratch.data(), o);
@@ -466,10 +472,13 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   const int32_t* lens = ctx_len.typed_data();
   if (auto err = CheckTable(c, tab, s.b, s.w, lens, s.t); err.failure()) return err;
   const int64_t blocks = (s.t + kQueryBlock - 1) / kQueryBlock, per_block = s.b * c.h;
+  int64_t pairs = 0;  // (query, key) pairs of the causal attention
+  for (int64_t bi = 0; bi < s.b; ++bi) pairs += s.t * (lens[bi] + (s.t + 1) / 2);
   const float* qp = q.typed_data();
   float* o = out->typed_data();
   WithCache(k_pages, v_pages, [&](auto* kp, auto* vp) {
-    ParallelFor(pool, blocks * per_block, [=](int64_t item, std::vector<float>& scratch) {
+    const int64_t macs = 2 * pairs * c.h * s.g * c.d;
+    ParallelFor(pool, blocks * per_block, macs, [=](int64_t item, std::vector<float>& scratch) {
       const int64_t qb = blocks - 1 - item / per_block;  // the last query blocks, which see the most keys, first
       const int64_t bi = item % per_block / c.h, hi = item % c.h;
       PrefillBlock(c, s, bi, hi, qb, qp, kp, vp, tab, lens[bi], o, scratch);
