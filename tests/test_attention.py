@@ -1,5 +1,6 @@
-"""The attention seam (both implementations) against a float64 numpy attention over paged KV, and the pallas
-implementation through the whole model (greedy tokens of the float64 reference LLaMA, tensor parallel)."""
+"""The attention seam (the xla and pallas implementations; the C++ kernels in test_cpu_kernel.py) against a float64
+numpy attention over paged KV, the kernels split over a tensor axis, and the pallas implementation through the whole
+model (greedy tokens of the float64 reference LLaMA, tensor parallel)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 import mooncake_jax as mj
+from mooncake_jax.model import cpu_kernel
 from mooncake_jax.model.attention import PagedBatch, paged_attention, write_pages
 from mooncake_jax.model.config import PRESETS
 from reference_model import reference_for, reference_greedy
@@ -208,10 +210,13 @@ def test_pallas_model_generates_the_reference_greedy_tokens(pallas_llm):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (XLA_FLAGS in conftest.py)")
-@pytest.mark.parametrize("ctx_lens, t", [([0, 5, 8], 1), ([6], 7)])
-def test_pallas_splits_kv_heads_over_the_tensor_axis(ctx_lens, t):
-    """Under a context mesh with a tensor axis, the kernels run per device on its own kv heads (shard_map),
-    with the pages split on axis 0, and still equal the float64 reference."""
+@pytest.mark.parametrize("impl", ["pallas", "cpu_kernel"])
+@pytest.mark.parametrize("ctx_lens, t", [([0, 5, 8], 1), ([6], 7), ([0, 5, 8, 21], 1)])
+def test_kernels_split_kv_heads_over_the_tensor_axis(impl, ctx_lens, t):
+    """Under a context mesh with a tensor axis, the kernels (Pallas, or the C++ ones of ``cpu_kernel``) run per
+    device on its own kv heads (shard_map), with the pages split on axis 0, and still equal the float64 reference."""
+    if impl == "cpu_kernel" and not cpu_kernel.available():
+        pytest.skip(f"the CPU kernels are not built here: {cpu_kernel.unavailable_reason()}")
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     mesh = jax.make_mesh((2,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
@@ -221,8 +226,10 @@ def test_pallas_splits_kv_heads_over_the_tensor_axis(ctx_lens, t):
     k_pages, v_pages = (jax.device_put(x, pages) for x in (k_pages, v_pages))
     with jax.set_mesh(mesh):
         k_pages, v_pages = _write(k_pages, v_pages, k_new, v_new, batch.write_slots)
-        f = jax.jit(lambda *a: paged_attention(*a, scale=1 / np.sqrt(D), impl="pallas"))
-        assert "shard_map" in str(jax.make_jaxpr(f)(q, k_new, v_new, k_pages, v_pages, batch))
+        f = jax.jit(lambda *a: paged_attention(*a, scale=1 / np.sqrt(D), impl=impl))
+        jaxpr = str(jax.make_jaxpr(f)(q, k_new, v_new, k_pages, v_pages, batch))
+        assert "shard_map" in jaxpr
+        assert impl == "pallas" or (cpu_kernel.DECODE if t == 1 else cpu_kernel.PREFILL) in jaxpr
         out = f(q, k_new, v_new, k_pages, v_pages, batch)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-5)
 

@@ -1,6 +1,6 @@
-"""The C++ paged decode kernel for XLA:CPU (``model/cpu_kernel``, ``attention="cpu_kernel"`` and ``"auto"``) against
-the float64 attention of test_attention.py: float32 and bfloat16 caches, split over a tensor axis, bad tables
-refused with an error (never a crash), and what happens where it cannot be built."""
+"""The C++ paged-attention kernels for XLA:CPU (``model/cpu_kernel``, ``attention="cpu_kernel"`` and ``"auto"``) against
+the float64 attention of test_attention.py (which also splits them over a tensor axis): float32 and bfloat16 caches,
+bad tables refused with an error (never a crash), and what happens where they cannot be built."""
 
 import shutil
 
@@ -14,7 +14,7 @@ from mooncake_jax.model import attention, cpu_kernel
 from mooncake_jax.model.attention import PagedBatch, paged_attention
 from mooncake_jax.model.kv_scatter import storage_dtype
 from reference_model import reference_for, reference_greedy
-from test_attention import D, _write, case, run
+from test_attention import case, run
 
 needs_kernel = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None
                                   and shutil.which("clang++") is None, reason="no C++ compiler on PATH")
@@ -99,25 +99,6 @@ def test_a_page_table_row_outside_the_cache_is_an_error_not_a_crash():
     long = PagedBatch(batch.page_table, batch.ctx_len.at[1].set(999), batch.write_slots)
     with pytest.raises(Exception, match="ctx_len 999 outside"):
         np.asarray(f(q, k_new, v_new, k_pages, v_pages, long))
-
-
-@needs_kernel
-@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices (XLA_FLAGS in conftest.py)")
-def test_splits_kv_heads_over_the_tensor_axis():
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    mesh = jax.make_mesh((2,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
-    (q, k_new, v_new, k_pages, v_pages, batch), expected = case([0, 5, 8, 21], 1, seed=7)
-    heads, pages = NamedSharding(mesh, P(None, None, "tensor")), NamedSharding(mesh, P("tensor"))
-    q, k_new, v_new = (jax.device_put(x, heads) for x in (q, k_new, v_new))
-    k_pages, v_pages = (jax.device_put(x, pages) for x in (k_pages, v_pages))
-    with jax.set_mesh(mesh):
-        k_pages, v_pages = _write(k_pages, v_pages, k_new, v_new, batch.write_slots)
-        f = jax.jit(lambda *a: paged_attention(*a, scale=1 / np.sqrt(D), impl="cpu_kernel"))
-        jaxpr = str(jax.make_jaxpr(f)(q, k_new, v_new, k_pages, v_pages, batch))
-        assert "shard_map" in jaxpr and cpu_kernel.DECODE in jaxpr
-        out = f(q, k_new, v_new, k_pages, v_pages, batch)
-    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-5)
 
 
 @needs_kernel
