@@ -35,8 +35,8 @@ On CPU the kernels run with ``interpret=True``; on GPU/TPU compiled (chosen by `
 ``impl="cpu_kernel"``: C++ kernels for XLA:CPU (``model/cpu_kernel``, XLA FFI custom calls built at first use) that
 read the pages in place on XLA's intra-op threads: decode, and prefill as one causal attention over ``ctx_len + T``
 paged keys through the extended page table (as the pallas implementation); a float16 cache through the xla
-implementation. ``impl="auto"`` (the default) is ``cpu_kernel`` on the CPU backend where the
-kernel builds, else ``xla`` (``resolve_impl``).
+implementation. ``impl="auto"`` (the default) is ``cpu_kernel`` on the CPU backend where the kernels build, else
+``xla`` (``resolve_impl``).
 
 Tensor parallelism: the xla implementation is plain jnp, partitioned by GSPMD from the operands' shardings (heads
 sharded, page tables replicated). A Pallas call or a custom call is opaque to GSPMD, so the pallas and cpu_kernel
@@ -579,9 +579,9 @@ def _cpu_kernel(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
 
 
 def resolve_impl(impl: str) -> str:
-    """The implementation ``impl`` stands for on this backend: ``auto`` is the C++ kernel on CPU where it builds
+    """The implementation ``impl`` stands for on this backend: ``auto`` is the C++ kernels on CPU where they build
     (else xla, with the reason logged once), xla elsewhere and inside a manual (``shard_map``) region such as the
-    SPMD pipeline's stages, where the kernel's own split over the tensor axis is not wired."""
+    SPMD pipeline's stages, where the kernels' own split over the tensor axis is not wired."""
     check_impl(impl)
     if impl != "auto":
         return impl

@@ -20,8 +20,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "cpu_kernel")
 """Implementations behind the attention seam (``model/attention.py``): the portable pure-JAX one, the Pallas
-kernels (interpret mode on CPU), the C++ decode kernel for XLA:CPU (``model/cpu_kernel``), and ``auto``: on the CPU
-backend the C++ kernel where it builds (else xla), on GPU and TPU xla."""
+kernels (interpret mode on CPU), the C++ kernels for XLA:CPU (``model/cpu_kernel``), and ``auto``: on the CPU
+backend the C++ kernels where they build (else xla), on GPU and TPU xla."""
 
 
 DECODE_WEIGHTS = ("auto", "output_major", "canonical")

@@ -36,9 +36,10 @@ from ..compile_cache import user_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cc")
-TARGETS = {"mooncake_paged_decode": "MooncakePagedDecode", "mooncake_paged_prefill": "MooncakePagedPrefill"}
-"""FFI target names (platform ``cpu``) and the library's handler symbols registered under them."""
-DECODE, PREFILL = TARGETS
+DECODE, PREFILL = "mooncake_paged_decode", "mooncake_paged_prefill"
+"""FFI target names (platform ``cpu``) of the two kernels."""
+TARGETS = {DECODE: "MooncakePagedDecode", PREFILL: "MooncakePagedPrefill"}
+"""Each target's handler symbol in the library."""
 
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 COMPILERS = ("c++", "g++", "clang++")
@@ -125,6 +126,9 @@ def _load() -> str | None:
     return None
 
 
+_warned: list[str] = []  # the reason, once it was logged
+
+
 def available(log_failure: bool = False) -> bool:
     """Whether the kernels are built and registered (building them the first time this is asked); ``log_failure``:
     say why not in a warning (once per process)."""
@@ -134,9 +138,6 @@ def available(log_failure: bool = False) -> bool:
         log.warning("the CPU paged-attention kernels are unavailable, attention runs on the xla "
                     "implementation: %s", reason)
     return reason is None
-
-
-_warned: list[str] = []
 
 
 def unavailable_reason() -> str | None:
