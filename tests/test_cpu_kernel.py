@@ -81,6 +81,26 @@ def test_prefill_value_products_in_tiles_of_16_head_dims(head_dim, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 20])  # 64: keys and values eight at a time; 20: one by one
+@pytest.mark.parametrize("t", [1, 19])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pages_of_16_tokens(head_dim, t, dtype, monkeypatch):
+    """test_attention's 4-token pages never hold eight keys; the engine's 16-token pages do (whole groups of eight,
+    and a page's tail one by one), in both cache dtypes."""
+    import test_attention
+
+    monkeypatch.setattr(test_attention, "BS", 16)
+    monkeypatch.setattr(test_attention, "D", head_dim)
+    (q, k_new, v_new, k_pages, v_pages, batch), expected = case([5, 40, 13, 0, 37], t, seed=head_dim + t, rows=40,
+                                                               dtype=dtype)
+    if dtype == jnp.bfloat16:
+        k_pages, v_pages = (jax.lax.bitcast_convert_type(x, storage_dtype(dtype)) for x in (k_pages, v_pages))
+    out = run("cpu_kernel", q, k_new, v_new, k_pages, v_pages, batch)
+    tol = 2e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
+
+
+@needs_kernel
 def test_float16_goes_through_the_xla_implementation():
     args, _ = case([5, 9], 1, seed=6)
     f16 = [x.astype(jnp.float16) for x in args[:5]]

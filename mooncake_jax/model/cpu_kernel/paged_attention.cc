@@ -78,6 +78,22 @@ inline float HSum(v8 v) {
   return s;
 }
 
+// The sums of eight vectors' lanes, as one vector (lane j: the sum of p[j]), by a tree of shuffles.
+inline v8 Sums8(const v8* p) {
+  v8 a[4];
+  for (int i = 0; i < 4; ++i) {
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  }
+  v8 b[2];
+  for (int i = 0; i < 2; ++i) {
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  return __builtin_shufflevector(b[0], b[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(b[0], b[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
 constexpr float kLowest = -87.0f;  // exp below this is taken as 0 (float32's smallest normal is exp(-87.3))
 constexpr float kMasked = -1e30f;
 
@@ -165,7 +181,22 @@ void DecodeOne(const Cache& c, int64_t width, int64_t g, int64_t bi, int64_t hi,
   for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
     const KV* kp = k_head + static_cast<int64_t>(pages[t0 / bs]) * page_stride;
     const int64_t m = std::min(bs, ctx - t0);
-    for (int64_t t = 0; t < m; ++t) {
+    int64_t t = 0;
+    if (d % 8 == 0) {  // eight keys at a time: their eight partial-sum vectors reduced together
+      for (; t + 8 <= m; t += 8) {
+        const KV* keys = kp + t * d;
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const float* qq = qg + gi * d;
+          v8 p[8] = {};
+          for (int64_t i = 0; i < d; i += 8) {
+            const v8 qv = Load8(qq + i);
+            for (int j = 0; j < 8; ++j) p[j] += qv * Load8(keys + j * d + i);
+          }
+          Store8(scores + gi * n + t0 + t, Sums8(p));
+        }
+      }
+    }
+    for (; t < m; ++t) {
       const KV* key = kp + t * d;
       for (int64_t gi = 0; gi < g; ++gi) {
         const float* qq = qg + gi * d;
@@ -215,7 +246,22 @@ void DecodeOne(const Cache& c, int64_t width, int64_t g, int64_t bi, int64_t hi,
   for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
     const KV* vp = v_head + static_cast<int64_t>(pages[t0 / bs]) * page_stride;
     const int64_t m = std::min(bs, ctx - t0);
-    for (int64_t t = 0; t < m; ++t) {
+    int64_t t = 0;
+    if (d % 8 == 0) {  // eight values at a time into each accumulator vector, held in a register across them
+      for (; t + 8 <= m; t += 8) {
+        const KV* values = vp + t * d;
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const float* w = scores + gi * n + t0 + t;
+          float* og = o + gi * d;
+          for (int64_t i = 0; i < d; i += 8) {
+            v8 acc = Load8(og + i);
+            for (int j = 0; j < 8; ++j) acc += Splat(w[j]) * Load8(values + j * d + i);
+            Store8(og + i, acc);
+          }
+        }
+      }
+    }
+    for (; t < m; ++t) {
       const KV* value = vp + t * d;
       for (int64_t gi = 0; gi < g; ++gi) {
         const float w = scores[gi * n + t0 + t];
