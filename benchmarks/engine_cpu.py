@@ -14,8 +14,8 @@ Goals (issue 10): decode batch 32 at >= 0.5 of its roofline; prefill_mfu >= 0.5 
 
     python benchmarks/engine_cpu.py --json results/engine_cpu.json [--attention xla]
 
-``--attention auto`` (the default, as for a user) decodes through the C++ kernel on CPU where it builds
-(``attention_resolved`` in the JSON says which ran).
+``--attention auto`` (the default, as for a user) runs decode and prefill attention through the C++ kernels on CPU
+where they build (``attention_resolved`` in the JSON says which ran).
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ def main() -> None:
     llm = mj.LLM(args.model, max_batch=8, prefix_caching=False, attention=args.attention)
     vocab = llm.config.vocab_size
     rng = np.random.default_rng(0)
-    results = {"model": args.model, "attention": args.attention, "cpu_model": cpu_model(), "context_tokens": args.context,
-               "steps": args.steps, **machine_info()}
+    results = {"model": args.model, "attention": args.attention, "cpu_model": cpu_model(),
+               "context_tokens": args.context, "steps": args.steps, **machine_info()}
 
     def generate_s(batch: int, new_tokens: int) -> float:
         prompts = [rng.integers(0, vocab, args.context).tolist() for _ in range(batch)]

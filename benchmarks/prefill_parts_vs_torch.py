@@ -140,8 +140,8 @@ def main() -> None:
     import torch
 
     t, rng = args.tokens, np.random.default_rng(0)
-    res = dict(machine_info(), tokens=t, attention=args.attention, torch=torch.__version__, torch_threads=torch.get_num_threads(),
-               load_start=load_average())
+    res = dict(machine_info(), tokens=t, attention=args.attention, torch=torch.__version__,
+               torch_threads=torch.get_num_threads(), load_start=load_average())
     variants = {}
     parts = args.parts.split(",")
     if "dense" in parts or "gateup" in parts:

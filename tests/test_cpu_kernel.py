@@ -16,8 +16,8 @@ from mooncake_jax.model.kv_scatter import storage_dtype
 from reference_model import reference_for, reference_greedy
 from test_attention import case, run
 
-needs_kernel = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None
-                                  and shutil.which("clang++") is None, reason="no C++ compiler on PATH")
+HAS_COMPILER = any(shutil.which(c) for c in cpu_kernel.COMPILERS)
+needs_kernel = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler on PATH")
 
 
 @needs_kernel
@@ -148,7 +148,7 @@ def test_auto_falls_back_to_xla_with_the_reason_and_explicit_use_says_why(monkey
 
 
 def test_a_source_that_does_not_compile_reports_the_compilers_error(tmp_path, monkeypatch):
-    if shutil.which("c++") is None and shutil.which("g++") is None and shutil.which("clang++") is None:
+    if not HAS_COMPILER:
         with pytest.raises(RuntimeError, match="no C\\+\\+ compiler on PATH"):
             cpu_kernel._build(tmp_path / "k.so")
         return
