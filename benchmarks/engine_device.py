@@ -1,13 +1,17 @@
 """Engine speed on an accelerator: a ``llama2-70b``-shaped slice of a few layers, against the device's own limits
 measured in the same run.
 
-Figures: the measured dense matmul rate in the model's dtype (square products) and device copy bandwidth
-(bytes of an on-device copy per second); prefill tokens/s and ``prefill_matmul_util`` (model FLOP/s over the
-measured matmul rate) at each prompt length; decode tokens/s and ``decode_bw_util`` (bytes a step must read:
-weights + KV, per second, over the measured copy bandwidth) at each batch size. Goals (issue 2): prefill >= 0.5 of
-the matmul rate, decode >= 0.6 of the copy bandwidth.
+Figures: the measured dense matmul rate in the model's dtype (square products of random data), the device's copy
+bandwidth (``copy_gbps``: bytes of an array that an on-device ``a + 1`` reads, and writes, per second) and read
+bandwidth (``read_gbps``: bytes a sum reads per second, nothing written: what a decode step mostly does); prefill
+tokens/s and ``prefill_matmul_util`` (model FLOP/s over the measured matmul rate) at each prompt length; decode
+tokens/s and ``decode_bw_util`` (bytes a step must read: weights + KV, per second, over the measured read
+bandwidth) at each batch size. ``--attention`` picks the attention implementation (``ModelConfig.attention``;
+``pallas`` is the kernel path on GPU / TPU, ``auto`` the portable xla one there). Goals (issue 2): prefill >= 0.5 of
+the matmul rate, decode >= 0.6 of the copy bandwidth. The JSON file is rewritten after every figure, so a run cut
+short still leaves what it measured.
 
-    python benchmarks/engine_device.py --json results/engine_device.json                    # GPU / TPU
+    python benchmarks/engine_device.py --attention pallas --json results/engine_device.json   # GPU / TPU
     python benchmarks/engine_device.py --model small --layers 2 --dtype float32 --prefill 256 --batches 1,4  # CPU smoke
 """
 
@@ -33,6 +37,16 @@ def device_copy_gbps(nbytes: int, repeats: int = 5) -> float:
     return nbytes / dt / 1e9
 
 
+def device_read_gbps(nbytes: int, repeats: int = 5) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones(nbytes // 2, jnp.bfloat16)
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))  # reads every byte once, writes one number
+    dt = best_time(lambda: f(x).block_until_ready(), repeats=repeats)
+    return nbytes / dt / 1e9
+
+
 def main() -> None:
     p = arg_parser(__doc__)
     p.add_argument("--model", default="llama2-70b")
@@ -43,6 +57,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--matmul", type=int, default=8192, help="side of the square matmul for the peak")
     p.add_argument("--copy-mib", type=int, default=2048)
+    p.add_argument("--attention", default="auto", help="ModelConfig.attention: auto, xla, pallas or cpu_kernel")
     args = p.parse_args()
 
     import jax
@@ -50,6 +65,7 @@ def main() -> None:
 
     from common import matmul_peak_gflops
     from mooncake_jax.model.host_memory import keep_large_blocks_on_heap
+    from mooncake_jax.model.attention import resolve_impl
     from mooncake_jax.model.config import PRESETS
     from mooncake_jax.model.engine import Engine
     from mooncake_jax.model.llama import init_model
@@ -59,10 +75,15 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")]
     if jax.default_backend() == "cpu":
         keep_large_blocks_on_heap()  # as the engine does; fresh mmap pages would halve the copy rate
-    cfg = PRESETS[args.model].replace(n_layers=args.layers, dtype=args.dtype, block_size=16)
-    res = dict(machine_info(), model=f"{args.model} x {args.layers} layers", dtype=args.dtype)
+    cfg = PRESETS[args.model].replace(n_layers=args.layers, dtype=args.dtype, block_size=16,
+                                      attention=args.attention)
+    res = dict(machine_info(), model=f"{args.model} x {args.layers} layers", dtype=args.dtype,
+               attention=args.attention, attention_resolved=resolve_impl(args.attention))
+    save = lambda: args.json and write_json(res, args.json, echo=False)
     res["matmul_gflops"] = round(matmul_peak_gflops(args.matmul, jnp.dtype(args.dtype)), 1)
     res["copy_gbps"] = round(device_copy_gbps(args.copy_mib << 20), 1)
+    res["read_gbps"] = round(device_read_gbps(args.copy_mib << 20), 1)
+    save()
     model = init_model(cfg, seed=0)
     pages = 8 + max(max(prefill_lens), max(batches) * (args.context + 64)) // cfg.block_size
     engine = Engine(model, num_pages=pages, max_batch=max(batches), prefill_chunk_size=max(prefill_lens))
@@ -73,11 +94,13 @@ def main() -> None:
         dt = min(prefill_seconds(engine, prompt) for _ in range(3))
         res[f"prefill_{n}_tok_s"] = round(n / dt, 1)
         res[f"prefill_{n}_matmul_util"] = round(cfg.prefill_flops(n) / dt / 1e9 / res["matmul_gflops"], 3)
+        save()
     for b in tqdm(batches, desc="decode"):
         dt = decode_step_seconds(engine, rng, b, args.context, steps=8, repeats=2)
         kv = b * (args.context + 16) * cfg.kv_bytes_per_token()
         res[f"decode_b{b}_tok_s"] = round(b / dt, 1)
-        res[f"decode_b{b}_bw_util"] = round((weight_bytes + kv) / dt / 1e9 / res["copy_gbps"], 3)
+        res[f"decode_b{b}_bw_util"] = round((weight_bytes + kv) / dt / 1e9 / res["read_gbps"], 3)
+        save()
     write_json(res, args.json)
 
 

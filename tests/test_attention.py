@@ -15,6 +15,9 @@ from reference_model import reference_for, reference_greedy
 
 BS, H, G, D = 4, 2, 3, 8  # block size, kv heads, queries per kv head (GQA), head dim
 ROWS = 24  # cache rows; row 0 is scratch
+KERNEL_SIZED = dict(bs=16, h=2, g=8, d=128)
+"""Shapes a GPU kernel compiles for (dots of >= 16 rows and columns; the llama2-70b head dim and group): the
+small shapes above run the kernels in interpret mode only, where any shape does."""
 
 
 def numpy_attention(q, k_ctx, v_ctx, k_new, v_new, ctx_len, scale):
@@ -34,39 +37,40 @@ def numpy_attention(q, k_ctx, v_ctx, k_new, v_new, ctx_len, scale):
     return out
 
 
-def case(ctx_lens, t, seed=0, rows=ROWS, dtype=jnp.float32, table_width=None, pad_page=0):
+def case(ctx_lens, t, seed=0, rows=ROWS, dtype=jnp.float32, table_width=None, pad_page=0, bs=BS, h=H, g=G, d=D):
     """A paged cache holding each sequence's context in scattered rows, and a step of ``t`` new tokens.
 
     The context page table is as wide as the longest context, or ``table_width`` pages (the engine pads it to a
     power of two) with the padding pointing at row ``pad_page`` (scratch page 0 by default). Inputs are rounded to
-    ``dtype`` before the float64 reference sees them."""
+    ``dtype`` before the float64 reference sees them. ``bs``, ``h``, ``g``, ``d``: block size, kv heads, queries per kv
+    head, head dim."""
     rng = np.random.default_rng(seed)
     b = len(ctx_lens)
-    width = max(1, max(-(-(c + t) // BS) for c in ctx_lens))
+    width = max(1, max(-(-(c + t) // bs) for c in ctx_lens))
     free = [r for r in rng.permutation(np.arange(1, rows)) if r != pad_page]
     tables = np.zeros((b, width), np.int32)
     for i, c in enumerate(ctx_lens):
-        n = -(-(c + t) // BS)
+        n = -(-(c + t) // bs)
         tables[i, :n] = [free.pop() for _ in range(n)]
     rnd = lambda *shape: np.asarray(jnp.asarray(rng.standard_normal(shape), dtype), np.float64)
-    k_pages, v_pages = rnd(H, rows, BS, D), rnd(H, rows, BS, D)
-    k_ctx = np.zeros((b, width * BS, H, D))
-    v_ctx = np.zeros((b, width * BS, H, D))
+    k_pages, v_pages = rnd(h, rows, bs, d), rnd(h, rows, bs, d)
+    k_ctx = np.zeros((b, width * bs, h, d))
+    v_ctx = np.zeros((b, width * bs, h, d))
     for i, c in enumerate(ctx_lens):
         for pos in range(c):
-            row, off = tables[i, pos // BS], pos % BS
+            row, off = tables[i, pos // bs], pos % bs
             k_ctx[i, pos], v_ctx[i, pos] = k_pages[:, row, off], v_pages[:, row, off]
-    q, k_new, v_new = rnd(b, t, H, G, D), rnd(b, t, H, D), rnd(b, t, H, D)
-    slots = np.array([[tables[i, (c + j) // BS] * BS + (c + j) % BS for j in range(t)]
+    q, k_new, v_new = rnd(b, t, h, g, d), rnd(b, t, h, d), rnd(b, t, h, d)
+    slots = np.array([[tables[i, (c + j) // bs] * bs + (c + j) % bs for j in range(t)]
                       for i, c in enumerate(ctx_lens)], np.int32)
     # The page table covers the cached context only (as the engine builds it), padded with scratch page 0.
-    ctx_width = max(-(-c // BS) for c in ctx_lens) if table_width is None else table_width
+    ctx_width = max(-(-c // bs) for c in ctx_lens) if table_width is None else table_width
     ctx_table = np.full((b, ctx_width), pad_page, np.int32)
     for i, c in enumerate(ctx_lens):
-        ctx_table[i, : -(-c // BS)] = tables[i, : -(-c // BS)]
+        ctx_table[i, : -(-c // bs)] = tables[i, : -(-c // bs)]
     if pad_page:
         k_pages[:, pad_page] = v_pages[:, pad_page] = np.nan
-    expected = numpy_attention(q, k_ctx, v_ctx, k_new, v_new, ctx_lens, 1 / np.sqrt(D))
+    expected = numpy_attention(q, k_ctx, v_ctx, k_new, v_new, ctx_lens, 1 / np.sqrt(d))
     batch = PagedBatch(jnp.asarray(ctx_table), jnp.asarray(ctx_lens, jnp.int32), jnp.asarray(slots))
     cast = lambda x: jnp.asarray(x, dtype)
     return (cast(q), cast(k_new), cast(v_new), cast(k_pages), cast(v_pages), batch), expected
@@ -80,7 +84,7 @@ def _write(k_pages, v_pages, k_new, v_new, slots):
 def run(impl, q, k_new, v_new, k_pages, v_pages, batch):
     """As the model calls the seam: write the new K/V first, then attend."""
     k_pages, v_pages = _write(k_pages, v_pages, k_new, v_new, batch.write_slots)
-    f = jax.jit(lambda *a: paged_attention(*a, scale=1 / np.sqrt(D), impl=impl))
+    f = jax.jit(lambda *a: paged_attention(*a, scale=1 / np.sqrt(q.shape[-1]), impl=impl))
     return np.asarray(f(q, k_new, v_new, k_pages, v_pages, batch))
 
 
@@ -99,6 +103,24 @@ def test_paged_attention_equals_float64_reference(impl, ctx_lens, t):
     out = run(impl, *args)
     assert out.shape == expected.shape and out.dtype == np.float32
     np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("ctx_lens, t", [
+    ([0, 17, 40, 300], 1),  # decode over several of the kernels' 8-page compute blocks
+    ([0], 40),  # prefill: 320 query rows, five blocks of PREFILL_BLOCK_ROWS
+    ([37], 70),  # nine blocks, the last one partial; new tokens start mid-page
+    ([20, 0], 33),  # a batch of prefills
+])
+def test_kernel_sized_paged_attention_equals_float64_reference(impl, dtype, ctx_lens, t):
+    """At shapes a GPU compiles (``KERNEL_SIZED``): on CPU the kernels run interpreted; on a GPU compiled, where
+    float32 dots may round their inputs to TensorFloat-32 (hence the looser bound there). A bfloat16 cache rounds the
+    softmax weights to bfloat16 before their product with the values."""
+    args, expected = case(ctx_lens, t, seed=t + len(ctx_lens), rows=64, dtype=dtype, **KERNEL_SIZED)
+    out = run(impl, *args)
+    tol = 2e-2 if dtype == jnp.bfloat16 else (2e-5 if jax.default_backend() == "cpu" else 5e-3)
+    np.testing.assert_allclose(out, expected, rtol=tol, atol=tol)
 
 
 def test_xla_decode_loop_over_several_chunks_equals_reference(monkeypatch):

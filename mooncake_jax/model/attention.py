@@ -432,18 +432,27 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+PREFILL_BLOCK_ROWS = 64
+"""Query rows ((token, group member) pairs) per program of the pallas prefill kernel: the grid's third axis walks
+the rows in blocks of this many, so a long prefill is many small programs (a GPU's registers hold one block's
+scores) and each reads keys only up to its own last token (the causal upper triangle is skipped block by block)."""
+
+
 def _ragged_kernel(q_ref, k_ref, v_ref, table_ref, ctx_ref, o_ref, *, group: int, n_tokens: int,
                    pages_per_block: int):
-    """One (sequence, kv head): query rows are (token, group member) pairs; row r sees keys at positions
-    < ctx_len + r // group + 1 (causal over the new tokens, everything before them). Online softmax over blocks of
-    ``pages_per_block`` pages, up to the last page any row can see."""
+    """One (sequence, kv head, block of query rows): the rows are (token, group member) pairs; row r sees keys at
+    positions < ctx_len + r // group + 1 (causal over the new tokens, everything before them). Online softmax over
+    blocks of ``pages_per_block`` pages, up to the last page the block's last row can see."""
     rows, d = q_ref.shape
     bs = k_ref.shape[-2]
     block_k = pages_per_block * bs
     ctx = ctx_ref[0]
     q = q_ref[...]
-    limit = ctx + jnp.minimum(jnp.arange(rows) // group, n_tokens - 1) + 1  # padded rows copy the last token's
-    n_blocks = (ctx + n_tokens + block_k - 1) // block_k
+    first = pl.program_id(2) * rows
+    token = jnp.minimum((first + jnp.arange(rows)) // group, n_tokens - 1)  # padded rows copy the last token's
+    limit = ctx + token + 1
+    last_token = jnp.minimum((first + rows - 1) // group, n_tokens - 1)
+    n_blocks = (ctx + last_token + block_k) // block_k
 
     def body(i, carry):
         o, m, l = carry
@@ -471,7 +480,8 @@ def _ragged_attention(q, k_pages, v_pages, table, ctx_len, interpret: bool, page
     ``ctx_len + T`` keys per sequence, all read from the pages. Returns [B, T, H, G, D] float32."""
     b, t, hk, g, d = q.shape
     n_rows = t * g
-    rows = _round_up(n_rows, 16)  # GPU dots want >= 16 rows
+    block = min(PREFILL_BLOCK_ROWS, _round_up(n_rows, 16))  # GPU dots want >= 16 rows
+    rows = _round_up(n_rows, block)
     qr = jnp.transpose(q, (0, 2, 1, 3, 4)).reshape(b, hk, n_rows, d)
     qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows - n_rows), (0, 0)))
     n_pages = k_pages.shape[1]
@@ -479,15 +489,15 @@ def _ragged_attention(q, k_pages, v_pages, table, ctx_len, interpret: bool, page
     kernel = functools.partial(_ragged_kernel, group=g, n_tokens=t, pages_per_block=pages_per_block)
     out = pl.pallas_call(
         kernel,
-        grid=(b, hk),
+        grid=(b, hk, rows // block),
         in_specs=[
-            pl.BlockSpec((None, None, rows, d), lambda i, h: (i, h, 0, 0)),
-            pl.BlockSpec((None, n_pages, bs, d), lambda i, h: (h, 0, 0, 0)),
-            pl.BlockSpec((None, n_pages, bs, d), lambda i, h: (h, 0, 0, 0)),
-            pl.BlockSpec((None, table.shape[1]), lambda i, h: (i, 0)),
-            pl.BlockSpec((None, 1), lambda i, h: (i, 0)),
+            pl.BlockSpec((None, None, block, d), lambda i, h, j: (i, h, j, 0)),
+            pl.BlockSpec((None, n_pages, bs, d), lambda i, h, j: (h, 0, 0, 0)),
+            pl.BlockSpec((None, n_pages, bs, d), lambda i, h, j: (h, 0, 0, 0)),
+            pl.BlockSpec((None, table.shape[1]), lambda i, h, j: (i, 0)),
+            pl.BlockSpec((None, 1), lambda i, h, j: (i, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, rows, d), lambda i, h: (i, h, 0, 0)),
+        out_specs=pl.BlockSpec((None, None, block, d), lambda i, h, j: (i, h, j, 0)),
         out_shape=jax.ShapeDtypeStruct((b, hk, rows, d), jnp.float32),
         interpret=interpret,
         name="ragged_paged_attention",
