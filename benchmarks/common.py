@@ -7,6 +7,7 @@ memcpy bandwidth, raw file write, bare gRPC stream), so the ratio means somethin
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import gzip
 import json
@@ -264,6 +265,17 @@ def trace_events(folder) -> list[dict]:
     newest = sorted(glob.glob(f"{folder}/**/*perfetto_trace.json.gz", recursive=True))[-1]
     events = json.load(gzip.open(newest))
     return events["traceEvents"] if isinstance(events, dict) else events
+
+
+def top_ops_ms(folder, steps: int, n: int = 40) -> dict[str, float]:
+    """Milliseconds per step of the ``n`` costliest op names (``X`` events: XLA's ops on CPU, kernels and host
+    calls on GPU; not the Python tracer's ``$file:line function`` ones) in the newest trace under ``folder`` of
+    ``steps`` steps."""
+    per_op = collections.Counter()
+    for e in trace_events(folder):
+        if e.get("ph") == "X" and not e["name"].startswith("$"):
+            per_op[e["name"]] += e.get("dur", 0) / steps / 1e3
+    return {k: round(v, 3) for k, v in per_op.most_common(n)}
 
 
 def sse_payloads(lines):

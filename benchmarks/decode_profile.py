@@ -10,7 +10,6 @@ it, alternating processes (run this script with one tree's PYTHONPATH, then the 
 
 from __future__ import annotations
 
-import collections
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, machine_info, trace_events, write_json  # noqa: E402
+from common import arg_parser, machine_info, top_ops_ms, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -65,12 +64,7 @@ def main() -> None:
             with jax.profiler.trace(str(out), create_perfetto_trace=True):
                 for _ in range(5):
                     eng.decode(seqs)
-            events = trace_events(out)
-            per_op = collections.Counter()
-            for e in events:
-                if e.get("ph") == "X":
-                    per_op[e["name"]] += e.get("dur", 0) / 5 / 1e3
-            res[f"top_ops_ms_b{b}"] = {k: round(v, 3) for k, v in per_op.most_common(40)}
+            res[f"top_ops_ms_b{b}"] = top_ops_ms(out, steps=5)
         for s in seqs:
             eng.release(s)
     res["load_end"] = open("/proc/loadavg").read().split()[0]

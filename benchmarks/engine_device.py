@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import arg_parser, best_time, machine_info, write_json  # noqa: E402
+from common import arg_parser, best_time, machine_info, top_ops_ms, write_json  # noqa: E402
 
 
 def device_copy_gbps(nbytes: int, repeats: int = 5) -> float:
@@ -52,12 +52,14 @@ def main() -> None:
     p.add_argument("--model", default="llama2-70b")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--prefill", default="2048,8192")
+    p.add_argument("--prefill", default="2048,4000")  # llama2-70b: a 4096-token context
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--matmul", type=int, default=8192, help="side of the square matmul for the peak")
     p.add_argument("--copy-mib", type=int, default=2048)
     p.add_argument("--attention", default="auto", help="ModelConfig.attention: auto, xla, pallas or cpu_kernel")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="also trace 5 decode steps per batch into this folder: top_ops_ms_b<B> in the JSON")
     args = p.parse_args()
 
     import jax
@@ -100,6 +102,13 @@ def main() -> None:
         kv = b * (args.context + 16) * cfg.kv_bytes_per_token()
         res[f"decode_b{b}_tok_s"] = round(b / dt, 1)
         res[f"decode_b{b}_bw_util"] = round((weight_bytes + kv) / dt / 1e9 / res["read_gbps"], 3)
+        if args.trace is not None:
+            import jax.profiler
+
+            folder = args.trace / f"b{b}"
+            decode_step_seconds(engine, rng, b, args.context, steps=5, repeats=1,
+                                around=lambda: jax.profiler.trace(str(folder), create_perfetto_trace=True))
+            res[f"top_ops_ms_b{b}"] = top_ops_ms(folder, steps=5)
         save()
     write_json(res, args.json)
 

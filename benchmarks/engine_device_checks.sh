@@ -11,13 +11,13 @@ set -u
 out=${1:?usage: engine_device_checks.sh OUT_DIR [engine_device.py arguments...]}
 shift
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 XLA_FLAGS=""
+export PYTHONUNBUFFERED=1 XLA_FLAGS="" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import sys, jax, flax; print(sys.version); print("jax", jax.__version__, "flax", flax.__version__, jax.devices())' \
   2>&1 | tee "$out/info.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tee -a "$out/info.txt"
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${TESTS_S:-120}" python3 -m pytest -q -o addopts="-p no:cacheprovider" \
   tests/test_attention.py tests/test_engine.py \
-  -k "kernel_sized or reference_greedy or matches_reference or equals_unchunked" 2>&1 | tee "$out/tests.txt"
+  -k "${TESTS_K:-kernel_sized or reference_greedy or matches_reference or equals_unchunked}" 2>&1 | tee "$out/tests.txt"
 for impl in pallas xla; do
   timeout "${BENCH_S:-180}" python3 benchmarks/engine_device.py --attention "$impl" --json "$out/engine_device_$impl.json" \
     "$@" 2>&1 | tr '\r' '\n' | grep -v '%|' | tee "$out/engine_device_$impl.txt"

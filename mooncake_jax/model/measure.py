@@ -8,6 +8,7 @@ they reuse one engine per model and time the steady state (a first, compiling ru
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -43,10 +44,11 @@ def prefill_seconds(engine: Engine, prompt: list[int], prefix_tokens: int = 0, r
 
 
 def decode_step_seconds(engine: Engine, rng: np.random.Generator, batch: int, context_tokens: int,
-                        steps: int = 4, repeats: int = 1) -> float:
+                        steps: int = 4, repeats: int = 1, around=contextlib.nullcontext) -> float:
     """Seconds per decode step for ``batch`` sequences of ``context_tokens`` each (fastest of ``repeats``
     rounds of ``steps`` steps, after one compiling step). EOS is ignored: a model that samples it must still be
-    timed for every step."""
+    timed for every step. ``around()``: a context manager entered around the timed rounds only (a profiler
+    trace of the steps without the prefills before them)."""
     seqs = []
     for _ in range(batch):
         seq = engine.new_sequence(rng.integers(0, engine.cfg.vocab_size, context_tokens).tolist(),
@@ -57,11 +59,12 @@ def decode_step_seconds(engine: Engine, rng: np.random.Generator, batch: int, co
     try:
         engine.decode(seqs)
         best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            for _ in range(steps):
-                engine.decode(seqs)
-            best = min(best, (time.perf_counter() - t) / steps)
+        with around():
+            for _ in range(repeats):
+                t = time.perf_counter()
+                for _ in range(steps):
+                    engine.decode(seqs)
+                best = min(best, (time.perf_counter() - t) / steps)
         return best
     finally:
         for seq in seqs:
