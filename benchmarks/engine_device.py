@@ -58,6 +58,8 @@ def main() -> None:
     p.add_argument("--matmul", type=int, default=8192, help="side of the square matmul for the peak")
     p.add_argument("--copy-mib", type=int, default=2048)
     p.add_argument("--attention", default="auto", help="ModelConfig.attention: auto, xla, pallas or cpu_kernel")
+    p.add_argument("--pack-inputs", choices=("auto", "on", "off"), default="auto",
+                   help="a step's host arrays as one transfer (Engine pack_inputs; auto: on except on CPU)")
     p.add_argument("--trace", type=Path, default=None,
                    help="also trace 5 decode steps per batch into this folder: top_ops_ms_b<B> in the JSON")
     args = p.parse_args()
@@ -73,8 +75,8 @@ def main() -> None:
     from mooncake_jax.model.llama import init_model
     from mooncake_jax.model.measure import decode_step_seconds, prefill_seconds
 
-    prefill_lens = [int(x) for x in args.prefill.split(",")]
-    batches = [int(x) for x in args.batches.split(",")]
+    prefill_lens = [int(x) for x in args.prefill.split(",") if x]  # --prefill "": decode only
+    batches = [int(x) for x in args.batches.split(",") if x]
     if jax.default_backend() == "cpu":
         keep_large_blocks_on_heap()  # as the engine does; fresh mmap pages would halve the copy rate
     cfg = PRESETS[args.model].replace(n_layers=args.layers, dtype=args.dtype, block_size=16,
@@ -87,8 +89,11 @@ def main() -> None:
     res["read_gbps"] = round(device_read_gbps(args.copy_mib << 20), 1)
     save()
     model = init_model(cfg, seed=0)
-    pages = 8 + max(max(prefill_lens), max(batches) * (args.context + 64)) // cfg.block_size
-    engine = Engine(model, num_pages=pages, max_batch=max(batches), prefill_chunk_size=max(prefill_lens))
+    pages = 8 + max(prefill_lens + [b * (args.context + 64) for b in batches]) // cfg.block_size
+    pack = {"auto": None, "on": True, "off": False}[args.pack_inputs]
+    engine = Engine(model, num_pages=pages, max_batch=max(batches + [1]),
+                    prefill_chunk_size=max(prefill_lens + [args.context]), pack_inputs=pack)
+    res["pack_inputs"] = engine.runner.stages[0].pack_inputs
     rng = np.random.default_rng(0)
     weight_bytes = (cfg.param_count() - cfg.vocab_size * cfg.d_model) * cfg.param_dtype.itemsize
     for n in tqdm(prefill_lens, desc="prefill"):

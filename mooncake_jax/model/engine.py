@@ -73,7 +73,8 @@ class Engine:
 
     def __init__(self, model: Llama, *, num_pages: int | None = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
                  max_batch: int = 32, prefill_chunk_size: int = 512, prefix_caching: bool = True,
-                 layout=None, kv_dtype=None, bucket_factor: int = 2, scan_layers: bool | None = None):
+                 layout=None, kv_dtype=None, bucket_factor: int = 2, scan_layers: bool | None = None,
+                 pack_inputs: bool | None = None):
         cfg: ModelConfig = model.cfg
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {prefill_chunk_size}")
@@ -101,7 +102,8 @@ class Engine:
         # A layout may bring its own runner (sharding.spmd: the whole pipeline as one SPMD program).
         build_runner = getattr(self.layout, "build_runner", None)
         self.runner = (build_runner(model, num_pages, kv_dtype, scan_layers) if build_runner is not None
-                       else PipelineRunner(model, self.layout, num_pages, kv_dtype, scan=scan_layers))
+                       else PipelineRunner(model, self.layout, num_pages, kv_dtype, scan=scan_layers,
+                                           pack_inputs=pack_inputs))
         # Page bookkeeping (admission, reservations, prefix reuse) lives in the engine layer's KV-cache manager.
         self.kv = KVCacheManager(num_pages, cfg.block_size, prefix_caching)
         self.allocator, self.prefix_cache = self.kv.allocator, self.kv.prefix_cache

@@ -32,6 +32,7 @@ from flax import nnx
 from .attention import PagedBatch
 from .kv_scatter import as_logical, set_at
 from .llama import layer_apply
+from .packed_inputs import Packing, unpack
 from .sampling import GREEDY, SamplingInputs, sample_out
 
 
@@ -82,6 +83,17 @@ def forward_step(graphdef, params, kv, inputs, positions, batch: PagedBatch, log
     logprobs) are sampled from them; for the other stages the output is the hidden states [B, T, d] for the next
     stage and next_tokens is None.
     """
+    return _forward(graphdef, params, kv, inputs, positions, batch, logits_index, sampling, mode)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "packing", "mode"), donate_argnames=("kv",))
+def forward_step_packed(graphdef, params, kv, buffer, passed, packing: Packing, mode: str = GREEDY):
+    """``forward_step`` of (inputs, positions, batch, logits_index, sampling) packed by ``packed_inputs.pack``: the
+    host arrays of a step in one host-to-device copy."""
+    return _forward(graphdef, params, kv, *unpack(buffer, passed, packing), mode)
+
+
+def _forward(graphdef, params, kv, inputs, positions, batch, logits_index, sampling, mode):
     stage = merge(graphdef, params)
     out, kv = stage(inputs, positions, kv, batch, logits_index)
     next_tokens = sample_out(out, sampling, mode) if stage.is_last and logits_index is not None else None

@@ -38,9 +38,10 @@ from ..model.kv_cache import allocate_kv, kv_shape
 from ..model.kv_scatter import LogicalPages, logical_pages
 from ..model.layer_hooks import LayerHooks
 from ..model.llama import Llama, Stage
+from ..model.packed_inputs import pack
 from ..model.sampling import SamplingInputs
-from ..model.steps import (HashedGraph, embed_step, forward_step, head_step, layer_apply_step, layer_step,
-                           plain_arrays, read_blocks, read_layer, write_blocks, write_layer)
+from ..model.steps import (HashedGraph, embed_step, forward_step, forward_step_packed, head_step, layer_apply_step,
+                           layer_step, plain_arrays, read_blocks, read_layer, write_blocks, write_layer)
 
 
 def pipeline_schedule(n_chunks: int, n_stages: int) -> list[list[tuple[int, int]]]:
@@ -74,8 +75,9 @@ class StageRunner:
     jitted steps over them."""
 
     def __init__(self, model: Llama, start: int, stop: int, index: int, layout, num_pages: int, kv_dtype=None,
-                 scan: bool = True):
+                 scan: bool = True, pack_inputs: bool = False):
         self.index, self.start, self.stop = index, start, stop
+        self.pack_inputs = pack_inputs
         self.n_layers = stop - start
         self.layout = layout
         self.scan = scan
@@ -98,8 +100,15 @@ class StageRunner:
 
     def __call__(self, inputs, step: StepInputs):
         """(next_tokens or None, logits or hidden states) of this stage, left on its devices."""
-        args = self.layout.place_inputs(self.index, (inputs, step.positions, step.batch, step.logits_index,
-                                                     step.sampling))
+        tree = (inputs, step.positions, step.batch, step.logits_index, step.sampling)
+        if self.pack_inputs:
+            buffer, passed, packing = pack(tree)
+            buffer, passed = self.layout.place_inputs(self.index, (buffer, passed))
+            with self._traced_here():
+                next_tokens, out, self.kv = forward_step_packed(self.graphdef, self.params, self.kv, buffer, passed,
+                                                                packing=packing, mode=step.mode)
+            return next_tokens, out
+        args = self.layout.place_inputs(self.index, tree)
         with self._traced_here():
             next_tokens, out, self.kv = forward_step(self.graphdef, self.params, self.kv, *args, mode=step.mode)
         return next_tokens, out
@@ -135,6 +144,13 @@ class StageRunner:
         return head_step(self.graphdef, self.params, x, logits_index, sampling, mode=step.mode)
 
 
+def default_pack_inputs() -> bool:
+    """Whether a stage packs its step's host arrays into one transfer (``model.packed_inputs``) by default: on GPU and
+    TPU yes, where each array is a host-to-device copy the device waits for; on CPU no (its arrays are handed over in
+    host memory, and the packing would be a copy of its own)."""
+    return jax.default_backend() != "cpu"
+
+
 def default_scan() -> bool:
     """Whether layers run scanned by default on this backend: on GPU and TPU yes; on CPU no (see ``llama.Stage``)."""
     return jax.default_backend() != "cpu"
@@ -156,12 +172,16 @@ class PipelineRunner:
     """A model laid out in stages (one for a single device); runs chunks through them in the CPP schedule.
 
     ``scan``: stages run their layers under ``lax.scan`` (see ``llama.Stage``); None chooses by backend: scanned on
-    GPU/TPU, unrolled on CPU (whose matmuls cannot read a slice of the stacked weights in place).
+    GPU/TPU, unrolled on CPU (whose matmuls cannot read a slice of the stacked weights in place). ``pack_inputs``:
+    each step's host arrays go to the device as one buffer (``model.packed_inputs``); None chooses by backend
+    (``default_pack_inputs``).
     """
 
-    def __init__(self, model: Llama, layout, num_pages: int, kv_dtype=None, scan: bool | None = None):
+    def __init__(self, model: Llama, layout, num_pages: int, kv_dtype=None, scan: bool | None = None,
+                 pack_inputs: bool | None = None):
         self.scan = default_scan() if scan is None else scan
-        self.stages = [StageRunner(model, start, stop, i, layout, num_pages, kv_dtype, self.scan)
+        pack_inputs = default_pack_inputs() if pack_inputs is None else pack_inputs
+        self.stages = [StageRunner(model, start, stop, i, layout, num_pages, kv_dtype, self.scan, pack_inputs)
                        for i, (start, stop) in enumerate(layout.stage_ranges)]
         self.dispatch_log: list[tuple[int, int, int]] | None = None  # (step, stage, chunk) when recording
 
