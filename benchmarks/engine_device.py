@@ -60,6 +60,8 @@ def main() -> None:
     p.add_argument("--attention", default="auto", help="ModelConfig.attention: auto, xla, pallas or cpu_kernel")
     p.add_argument("--pack-inputs", choices=("auto", "on", "off"), default="auto",
                    help="a step's host arrays as one transfer (Engine pack_inputs; auto: on except on CPU)")
+    p.add_argument("--scan-layers", choices=("auto", "on", "off"), default="auto",
+                   help="layers under lax.scan (Engine scan_layers; auto: scanned except on CPU)")
     p.add_argument("--trace", type=Path, default=None,
                    help="also trace 5 decode steps per batch into this folder: top_ops_ms_b<B> in the JSON")
     args = p.parse_args()
@@ -90,10 +92,11 @@ def main() -> None:
     save()
     model = init_model(cfg, seed=0)
     pages = 8 + max(prefill_lens + [b * (args.context + 64) for b in batches]) // cfg.block_size
-    pack = {"auto": None, "on": True, "off": False}[args.pack_inputs]
+    choice = {"auto": None, "on": True, "off": False}
     engine = Engine(model, num_pages=pages, max_batch=max(batches + [1]),
-                    prefill_chunk_size=max(prefill_lens + [args.context]), pack_inputs=pack)
-    res["pack_inputs"] = engine.runner.stages[0].pack_inputs
+                    prefill_chunk_size=max(prefill_lens + [args.context]), pack_inputs=choice[args.pack_inputs],
+                    scan_layers=choice[args.scan_layers])
+    res["pack_inputs"], res["scan_layers"] = engine.runner.stages[0].pack_inputs, engine.runner.scan
     rng = np.random.default_rng(0)
     weight_bytes = (cfg.param_count() - cfg.vocab_size * cfg.d_model) * cfg.param_dtype.itemsize
     for n in tqdm(prefill_lens, desc="prefill"):
