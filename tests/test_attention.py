@@ -215,6 +215,20 @@ def test_unknown_implementation_is_refused():
         mj.LLM("tiny", attention="flash")
 
 
+@pytest.mark.parametrize("capability, expected", [("9.0", "pallas"), ("10.0", "pallas"), ("8.0", "xla"),
+                                                  (None, "xla"), ("gfx90a", "xla")])
+def test_auto_takes_the_pallas_kernels_on_hopper_gpus_only(monkeypatch, capability, expected):
+    """``auto`` on a GPU: the kernels from compute capability 9.0 (where they were measured), xla on older CUDA GPUs
+    and on a GPU that names its capability otherwise or not at all; an explicit choice stays what it is."""
+    import mooncake_jax.model.attention as attention
+
+    device = type("FakeGpu", (), {} if capability is None else {"compute_capability": capability})()
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(attention.jax, "devices", lambda *a: [device])
+    assert attention.resolve_impl("auto") == expected
+    assert attention.resolve_impl("xla") == "xla" and attention.resolve_impl("pallas") == "pallas"
+
+
 @pytest.fixture(scope="module")
 def pallas_llm():
     return mj.LLM("tiny", attention="pallas", prefill_chunk_size=32)

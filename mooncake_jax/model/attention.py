@@ -35,8 +35,9 @@ On CPU the kernels run with ``interpret=True``; on GPU/TPU compiled (chosen by `
 ``impl="cpu_kernel"``: C++ kernels for XLA:CPU (``model/cpu_kernel``, XLA FFI custom calls built at first use) that
 read the pages in place on XLA's intra-op threads: decode, and prefill as one causal attention over ``ctx_len + T``
 paged keys through the extended page table (as the pallas implementation); a float16 cache through the xla
-implementation. ``impl="auto"`` (the default) is ``cpu_kernel`` on the CPU backend where the kernels build, else
-``xla`` (``resolve_impl``).
+implementation. ``impl="auto"`` (the default) is ``cpu_kernel`` on the CPU backend where the kernels build,
+``pallas`` on a GPU of compute capability 9.0 or more (Hopper, where the kernels were measured), else ``xla``
+(``resolve_impl``).
 
 Tensor parallelism: the xla implementation is plain jnp, partitioned by GSPMD from the operands' shardings (heads
 sharded, page tables replicated). A Pallas call or a custom call is opaque to GSPMD, so the pallas and cpu_kernel
@@ -597,14 +598,36 @@ def _cpu_kernel(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
                          out_specs=heads, check_vma=False)(q, k_new, v_new, k_pages, v_pages, batch)
 
 
+PALLAS_GPU_MIN_CAPABILITY = 9.0
+"""CUDA compute capability from which ``auto`` takes the Pallas kernels on a GPU: Hopper (H100, H200), with 227 KiB of
+shared memory per block, where they were measured (an H200, twenty-third session: the kernel tests pass compiled, and
+against xla the kernels gave prefill 0.84-0.85 of the matmul rate instead of 0.68-0.70 and decode 1.13-1.29x the
+tokens/s; docs/benchmarks/engine.md). Older GPUs have less shared memory than the kernels' 128-key blocks may stage,
+and were not measured: xla there, ``attention="pallas"`` to choose the kernels."""
+
+
+def _pallas_fits_this_gpu() -> bool:
+    """Whether the default device is a CUDA GPU of compute capability >= ``PALLAS_GPU_MIN_CAPABILITY``."""
+    try:
+        return float(getattr(jax.devices()[0], "compute_capability", 0)) >= PALLAS_GPU_MIN_CAPABILITY
+    except (TypeError, ValueError):  # a GPU backend that names its capability otherwise (ROCm)
+        return False
+
+
 def resolve_impl(impl: str) -> str:
     """The implementation ``impl`` stands for on this backend: ``auto`` is the C++ kernels on CPU where they build
-    (else xla, with the reason logged once), xla elsewhere and inside a manual (``shard_map``) region such as the
-    SPMD pipeline's stages, where the kernels' own split over the tensor axis is not wired."""
+    (else xla, with the reason logged once), the Pallas kernels on a Hopper-class GPU (``PALLAS_GPU_MIN_CAPABILITY``),
+    xla elsewhere and inside a manual (``shard_map``) region such as the SPMD pipeline's stages, where the kernels' own
+    split over the tensor axis is not wired."""
     check_impl(impl)
     if impl != "auto":
         return impl
-    if jax.default_backend() != "cpu" or jax.sharding.get_abstract_mesh().manual_axes:
+    backend = jax.default_backend()
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return "xla"
+    if backend == "gpu":
+        return "pallas" if _pallas_fits_this_gpu() else "xla"
+    if backend != "cpu":
         return "xla"
     return "cpu_kernel" if cpu_kernel.available(log_failure=True) else "xla"
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from ..blocks import BlockKey, num_blocks
-from .attention import SCRATCH_PAGE, PagedBatch
+from .attention import SCRATCH_PAGE, PagedBatch, resolve_impl
 from .config import ModelConfig
 from .host_memory import keep_large_blocks_on_heap
 from .kv_cache import write_slots
@@ -101,6 +101,8 @@ class Engine:
         # Layers under lax.scan (compile time flat in depth) or unrolled (faster on XLA:CPU); None: by backend.
         # A layout may bring its own runner (sharding.spmd: the whole pipeline as one SPMD program).
         build_runner = getattr(self.layout, "build_runner", None)
+        # The attention the steps run (``context_width``): an SPMD pipeline's stages run xla whatever ``auto`` is.
+        self._pallas = build_runner is None and resolve_impl(cfg.attention) == "pallas"
         self.runner = (build_runner(model, num_pages, kv_dtype, scan_layers) if build_runner is not None
                        else PipelineRunner(model, self.layout, num_pages, kv_dtype, scan=scan_layers,
                                            pack_inputs=pack_inputs))
@@ -214,7 +216,7 @@ class Engine:
         table stays a power of two >= the pages held."""
         if pages <= 0:
             return 0
-        if self.cfg.attention == "pallas":
+        if self._pallas:
             return bucket(pages, self.max_pages_per_seq)
         return self.max_pages_per_seq
 
