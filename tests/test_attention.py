@@ -37,13 +37,16 @@ def numpy_attention(q, k_ctx, v_ctx, k_new, v_new, ctx_len, scale):
     return out
 
 
-def case(ctx_lens, t, seed=0, rows=ROWS, dtype=jnp.float32, table_width=None, pad_page=0, bs=BS, h=H, g=G, d=D):
+def case(ctx_lens, t, seed=0, rows=ROWS, dtype=jnp.float32, table_width=None, pad_page=0, bs=None, h=None, g=None,
+         d=None):
     """A paged cache holding each sequence's context in scattered rows, and a step of ``t`` new tokens.
 
     The context page table is as wide as the longest context, or ``table_width`` pages (the engine pads it to a
     power of two) with the padding pointing at row ``pad_page`` (scratch page 0 by default). Inputs are rounded to
     ``dtype`` before the float64 reference sees them. ``bs``, ``h``, ``g``, ``d``: block size, kv heads, queries per kv
-    head, head dim."""
+    head, head dim (by default this module's ``BS``, ``H``, ``G``, ``D``, read at the call: tests elsewhere patch
+    them)."""
+    bs, h, g, d = (BS if bs is None else bs), (H if h is None else h), (G if g is None else g), (D if d is None else d)
     rng = np.random.default_rng(seed)
     b = len(ctx_lens)
     width = max(1, max(-(-(c + t) // bs) for c in ctx_lens))

@@ -101,8 +101,8 @@ class Engine:
         # Layers under lax.scan (compile time flat in depth) or unrolled (faster on XLA:CPU); None: by backend.
         # A layout may bring its own runner (sharding.spmd: the whole pipeline as one SPMD program).
         build_runner = getattr(self.layout, "build_runner", None)
-        # The attention the steps run (``context_width``): an SPMD pipeline's stages run xla whatever ``auto`` is.
-        self._pallas = build_runner is None and resolve_impl(cfg.attention) == "pallas"
+        # Whether ``auto`` runs the pallas kernels here (``context_width``); an SPMD pipeline's stages run xla.
+        self._auto_is_pallas = build_runner is None and resolve_impl("auto") == "pallas"
         self.runner = (build_runner(model, num_pages, kv_dtype, scan_layers) if build_runner is not None
                        else PipelineRunner(model, self.layout, num_pages, kv_dtype, scan=scan_layers,
                                            pack_inputs=pack_inputs))
@@ -216,7 +216,7 @@ class Engine:
         table stays a power of two >= the pages held."""
         if pages <= 0:
             return 0
-        if self._pallas:
+        if self.cfg.attention == "pallas" or (self.cfg.attention == "auto" and self._auto_is_pallas):
             return bucket(pages, self.max_pages_per_seq)
         return self.max_pages_per_seq
 
