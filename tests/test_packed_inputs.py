@@ -65,6 +65,15 @@ def test_an_engine_that_packs_generates_what_one_that_does_not(llm, ref):
         np.testing.assert_allclose([lp for lp, _ in x.logprobs], [lp for lp, _ in y.logprobs], rtol=1e-5)
         assert [[i for i, _ in alts] for _, alts in x.logprobs] == [[i for i, _ in alts] for _, alts in y.logprobs]
     assert len(a[1].logprobs) == 8 and len(a[1].logprobs[0][1]) == 3
+    # logits at every position: the step's logits_index is None (a subtree the packing keeps as None)
+    scored = []
+    for engine in (packed, plain):
+        seq = engine.new_sequence(ps[1], SamplingParams(max_new_tokens=1))
+        engine.admit(seq, cached_pages=[])  # every position computed, not its cached prefix
+        scored.append(engine.prefill(seq, all_logits=True))
+        engine.release(seq)
+    assert scored[0].shape == (23, 512)
+    np.testing.assert_array_equal(scored[0], scored[1])
 
 
 def test_packed_inputs_reach_every_stage_of_a_sharded_pipeline(llm, ref):
