@@ -221,8 +221,9 @@ def test_unknown_implementation_is_refused():
 @pytest.mark.parametrize("capability, expected", [("9.0", "pallas"), ("10.0", "pallas"), ("8.0", "xla"),
                                                   (None, "xla"), ("gfx90a", "xla")])
 def test_auto_takes_the_pallas_kernels_on_hopper_gpus_only(monkeypatch, capability, expected):
-    """``auto`` on a GPU: the kernels from compute capability 9.0 (where they were measured), xla on older CUDA GPUs
-    and on a GPU that names its capability otherwise or not at all; an explicit choice stays what it is."""
+    """``auto`` on a GPU: the kernels from compute capability 9.0 (where they were measured), xla on older CUDA GPUs,
+    on a GPU that names its capability otherwise or not at all, and with a JAX that no longer has the GPU decode
+    kernel; an explicit choice stays what it is."""
     import mooncake_jax.model.attention as attention
 
     device = type("FakeGpu", (), {} if capability is None else {"compute_capability": capability})()
@@ -230,6 +231,8 @@ def test_auto_takes_the_pallas_kernels_on_hopper_gpus_only(monkeypatch, capabili
     monkeypatch.setattr(attention.jax, "devices", lambda *a: [device])
     assert attention.resolve_impl("auto") == expected
     assert attention.resolve_impl("xla") == "xla" and attention.resolve_impl("pallas") == "pallas"
+    monkeypatch.setattr(attention, "GPU_DECODE_KERNEL", "jax.experimental.pallas.ops.gpu.gone_in_a_later_jax")
+    assert attention.resolve_impl("auto") == "xla"  # a JAX without the kernel: the portable path
 
 
 @pytest.fixture(scope="module")

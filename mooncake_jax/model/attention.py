@@ -51,6 +51,7 @@ or when the tensor axis does not divide kv_heads (the cache is then replicated),
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import NamedTuple
 
 import jax
@@ -606,11 +607,21 @@ tokens/s; docs/benchmarks/engine.md). Older GPUs have less shared memory than th
 and were not measured: xla there, ``attention="pallas"`` to choose the kernels."""
 
 
+GPU_DECODE_KERNEL = "jax.experimental.pallas.ops.gpu.paged_attention"
+"""JAX's GPU paged-attention kernel, which the pallas decode calls: deprecated in JAX 0.11 (with Pallas' Triton
+backend), so ``auto`` takes the kernels only while this JAX still has it."""
+
+
 def _pallas_fits_this_gpu() -> bool:
-    """Whether the default device is a CUDA GPU of compute capability >= ``PALLAS_GPU_MIN_CAPABILITY``."""
+    """Whether the default device is a CUDA GPU of compute capability >= ``PALLAS_GPU_MIN_CAPABILITY`` and this JAX
+    still ships ``GPU_DECODE_KERNEL``."""
     try:
-        return float(getattr(jax.devices()[0], "compute_capability", 0)) >= PALLAS_GPU_MIN_CAPABILITY
+        capable = float(getattr(jax.devices()[0], "compute_capability", 0)) >= PALLAS_GPU_MIN_CAPABILITY
     except (TypeError, ValueError):  # a GPU backend that names its capability otherwise (ROCm)
+        return False
+    try:
+        return capable and importlib.util.find_spec(GPU_DECODE_KERNEL) is not None
+    except ModuleNotFoundError:  # a parent package gone
         return False
 
 
