@@ -6,6 +6,9 @@
 #                            reference, compiled for the device (pallas and xla), float32 products at full precision
 #   engine_device_pallas.*   benchmarks/engine_device.py with the Pallas kernels (the kernel path)
 #   engine_device_xla.*      the same with the portable xla attention, for the A/B
+#   weight_copies_*.*        with WEIGHT_COPY_AB=1: decode only (pallas), the scanned loop as it is, with XLA's
+#                            dynamic-slice fusion, and unrolled: the A/B for the weight copies an H200 showed
+#                            (docs/benchmarks/engine.md, twenty-third session)
 # Usage: bash benchmarks/engine_device_checks.sh OUT_DIR [engine_device.py arguments...]
 set -u
 out=${1:?usage: engine_device_checks.sh OUT_DIR [engine_device.py arguments...]}
@@ -22,3 +25,13 @@ for impl in pallas xla; do
   timeout "${BENCH_S:-180}" python3 benchmarks/engine_device.py --attention "$impl" --json "$out/engine_device_$impl.json" \
     "$@" 2>&1 | tr '\r' '\n' | grep -v '%|' | tee "$out/engine_device_$impl.txt"
 done
+if [ "${WEIGHT_COPY_AB:-0}" = 1 ]; then
+  for variant in scanned dsfusion unrolled; do
+    flags=""; scan=on
+    [ $variant = dsfusion ] && flags="--xla_gpu_enable_dynamic_slice_fusion=true"
+    [ $variant = unrolled ] && scan=off
+    XLA_FLAGS="$flags" timeout "${BENCH_S:-180}" python3 benchmarks/engine_device.py --attention pallas --prefill "" \
+      --scan-layers $scan --json "$out/weight_copies_$variant.json" "$@" 2>&1 | tr '\r' '\n' | grep -v '%|' \
+      | tee "$out/weight_copies_$variant.txt"
+  done
+fi
