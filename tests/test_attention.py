@@ -229,10 +229,22 @@ def test_auto_takes_the_pallas_kernels_on_hopper_gpus_only(monkeypatch, capabili
     device = type("FakeGpu", (), {} if capability is None else {"compute_capability": capability})()
     monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(attention.jax, "devices", lambda *a: [device])
-    assert attention.resolve_impl("auto") == expected
+    measured = (128, 16, 2)  # head dim, block size, itemsize: the shapes the H200 ran
+    assert attention.resolve_impl("auto", measured) == expected
+    assert attention.resolve_impl("auto") == "xla"  # shapes unknown
     assert attention.resolve_impl("xla") == "xla" and attention.resolve_impl("pallas") == "pallas"
     monkeypatch.setattr(attention, "GPU_DECODE_KERNEL", "jax.experimental.pallas.ops.gpu.gone_in_a_later_jax")
-    assert attention.resolve_impl("auto") == "xla"  # a JAX without the kernel: the portable path
+    assert attention.resolve_impl("auto", measured) == "xla"  # a JAX without the kernel: the portable path
+
+
+@pytest.mark.parametrize("cache_shape, fits", [
+    ((128, 16, 2), True), ((64, 16, 4), True), ((128, 128, 2), True), ((16, 8, 2), True),
+    ((128, 512, 2), False),  # the llama presets' 512-token pages: one page is more than a compute block
+    ((128, 128, 4), False), ((80, 16, 2), False), ((8, 16, 2), False), ((128, 24, 2), False)])
+def test_pallas_fits_only_shapes_its_gpu_blocks_hold(cache_shape, fits):
+    from mooncake_jax.model.attention import pallas_fits
+
+    assert pallas_fits(*cache_shape) == fits
 
 
 @pytest.fixture(scope="module")

@@ -36,8 +36,8 @@ On CPU the kernels run with ``interpret=True``; on GPU/TPU compiled (chosen by `
 read the pages in place on XLA's intra-op threads: decode, and prefill as one causal attention over ``ctx_len + T``
 paged keys through the extended page table (as the pallas implementation); a float16 cache through the xla
 implementation. ``impl="auto"`` (the default) is ``cpu_kernel`` on the CPU backend where the kernels build,
-``pallas`` on a GPU of compute capability 9.0 or more (Hopper, where the kernels were measured), else ``xla``
-(``resolve_impl``).
+``pallas`` on a GPU of compute capability 9.0 or more (Hopper, where the kernels were measured) for a cache they
+compile for (``pallas_fits``), else ``xla`` (``resolve_impl``).
 
 Tensor parallelism: the xla implementation is plain jnp, partitioned by GSPMD from the operands' shardings (heads
 sharded, page tables replicated). A Pallas call or a custom call is opaque to GSPMD, so the pallas and cpu_kernel
@@ -508,11 +508,27 @@ def _ragged_attention(q, k_pages, v_pages, table, ctx_len, interpret: bool, page
     return jnp.transpose(out, (0, 2, 1, 3, 4))
 
 
+KERNEL_BLOCK_BYTES = 256
+"""Bytes of one head-dim row times keys per compute block that the kernels stage per K and V block: 128 keys of a
+16-bit cache, 64 of a float32 one. 128 keys of float32 at head dim 128, staged for Triton's pipeline, asked an H200
+for 288 KiB of shared memory (227 KiB there)."""
+
+
 def _pages_per_block(k_pages) -> int:
-    """Pages per compute block of the kernels: 8 (128 keys of 16-token pages) for a 16-bit cache; 4 for a float32
-    one, whose 128-key blocks of head dim 128, staged for Triton's pipeline, asked an H200 for 288 KiB of shared
-    memory (227 KiB there)."""
-    return 8 if k_pages.dtype.itemsize <= 2 else 4
+    """Pages per compute block of the kernels: a power of two of at most 8 pages (it divides the table width and the
+    8-page partitions of JAX's decode kernel) holding up to ``KERNEL_BLOCK_BYTES / itemsize`` keys: 8 pages of 16
+    tokens for a 16-bit cache, 4 for float32; at least one (``pallas_fits`` keeps a page within that on a GPU)."""
+    pages = max(1, min(8, KERNEL_BLOCK_BYTES // k_pages.dtype.itemsize // k_pages.shape[2]))
+    return 1 << (pages.bit_length() - 1)
+
+
+def pallas_fits(head_dim: int, block_size: int, itemsize: int) -> bool:
+    """Whether the kernels compile for these shapes on a GPU: a power-of-two head dim of 16-256 and power-of-two
+    pages of at most one compute block (Triton's blocks are powers of two, its dots at least 16 wide; a bigger page
+    is a bigger block than shared memory holds, e.g. the 512-token pages of the llama presets)."""
+    power_of_two = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    return (power_of_two(head_dim) and 16 <= head_dim <= 256 and power_of_two(block_size)
+            and block_size <= KERNEL_BLOCK_BYTES // itemsize)
 
 
 def _decode_kernel(q, k_pages, v_pages, table, lengths, backend: str):
@@ -625,11 +641,12 @@ def _pallas_fits_this_gpu() -> bool:
         return False
 
 
-def resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, cache_shape: tuple[int, int, int] | None = None) -> str:
     """The implementation ``impl`` stands for on this backend: ``auto`` is the C++ kernels on CPU where they build
-    (else xla, with the reason logged once), the Pallas kernels on a Hopper-class GPU (``PALLAS_GPU_MIN_CAPABILITY``),
-    xla elsewhere and inside a manual (``shard_map``) region such as the SPMD pipeline's stages, where the kernels' own
-    split over the tensor axis is not wired."""
+    (else xla, with the reason logged once), the Pallas kernels on a Hopper-class GPU (``PALLAS_GPU_MIN_CAPABILITY``)
+    for a cache they compile for (``cache_shape``: head dim, block size, itemsize; ``pallas_fits``), xla elsewhere and
+    inside a manual (``shard_map``) region such as the SPMD pipeline's stages, where the kernels' own split over the
+    tensor axis is not wired."""
     check_impl(impl)
     if impl != "auto":
         return impl
@@ -637,7 +654,8 @@ def resolve_impl(impl: str) -> str:
     if jax.sharding.get_abstract_mesh().manual_axes:
         return "xla"
     if backend == "gpu":
-        return "pallas" if _pallas_fits_this_gpu() else "xla"
+        fits = cache_shape is not None and pallas_fits(*cache_shape)
+        return "pallas" if fits and _pallas_fits_this_gpu() else "xla"
     if backend != "cpu":
         return "xla"
     return "cpu_kernel" if cpu_kernel.available(log_failure=True) else "xla"
@@ -650,7 +668,7 @@ def paged_attention(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch, scale:
     q [B, T, H, G, D]; k_new, v_new [B, T, H, D] (already written into the pages by ``write_pages``);
     k_pages, v_pages [H, rows, block_size, D]; ``impl`` one of ``IMPLS`` (static).
     """
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, (q.shape[-1], k_pages.shape[2], k_pages.dtype.itemsize))
     q = (q.astype(jnp.float32) * scale).astype(q.dtype)
     if impl == "pallas":
         return _pallas(q, k_new, v_new, k_pages, v_pages, batch)

@@ -22,7 +22,8 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas", "cpu_kernel")
 """Implementations behind the attention seam (``model/attention.py``): the portable pure-JAX one, the Pallas
 kernels (interpret mode on CPU), the C++ kernels for XLA:CPU (``model/cpu_kernel``), and ``auto``: on the CPU
 backend the C++ kernels where they build (else xla), on a GPU of compute capability >= 9.0 (Hopper) the Pallas
-kernels, on other GPUs and on TPU xla (``attention.resolve_impl``)."""
+kernels where they compile for the cache's shape (``attention.pallas_fits``), on other GPUs and on TPU xla
+(``attention.resolve_impl``)."""
 
 
 DECODE_WEIGHTS = ("auto", "output_major", "canonical")

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..blocks import BlockKey, num_blocks
@@ -102,7 +103,8 @@ class Engine:
         # A layout may bring its own runner (sharding.spmd: the whole pipeline as one SPMD program).
         build_runner = getattr(self.layout, "build_runner", None)
         # Whether ``auto`` runs the pallas kernels here (``context_width``); an SPMD pipeline's stages run xla.
-        self._auto_is_pallas = build_runner is None and resolve_impl("auto") == "pallas"
+        cache_shape = (cfg.head_dim, cfg.block_size, jnp.dtype(kv_dtype or cfg.param_dtype).itemsize)
+        self._auto_is_pallas = build_runner is None and resolve_impl("auto", cache_shape) == "pallas"
         self.runner = (build_runner(model, num_pages, kv_dtype, scan_layers) if build_runner is not None
                        else PipelineRunner(model, self.layout, num_pages, kv_dtype, scan=scan_layers,
                                            pack_inputs=pack_inputs))
