@@ -247,6 +247,21 @@ def test_pallas_fits_only_shapes_its_gpu_blocks_hold(cache_shape, fits):
     assert pallas_fits(*cache_shape) == fits
 
 
+def test_pallas_on_a_gpu_refuses_pages_its_blocks_cannot_hold(monkeypatch):
+    """An explicit ``pallas`` for a cache the GPU kernels cannot compile for: a clear error naming the fix, not
+    XLA's shared-memory failure (traced only: the fake backend runs nothing)."""
+    import mooncake_jax.model.attention as attention
+
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+    q = jax.ShapeDtypeStruct((1, 1, 2, 3, 128), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((2, 8, 512, 128), jnp.bfloat16)
+    new = jax.ShapeDtypeStruct((1, 1, 2, 128), jnp.bfloat16)
+    batch = PagedBatch(jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32),
+                       jax.ShapeDtypeStruct((1, 1), jnp.int32))
+    with pytest.raises(ValueError, match="512-token pages .* at most 128 tokens; use attention='auto' or 'xla'"):
+        jax.eval_shape(lambda *a: paged_attention(*a, scale=1.0, impl="pallas"), q, new, new, pages, pages, batch)
+
+
 @pytest.fixture(scope="module")
 def pallas_llm():
     return mj.LLM("tiny", attention="pallas", prefill_chunk_size=32)

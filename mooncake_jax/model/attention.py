@@ -574,6 +574,12 @@ def _tensor_mesh(n_kv_heads: int):
 
 def _pallas(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
     backend = jax.default_backend()
+    shape = (q.shape[-1], k_pages.shape[2], k_pages.dtype.itemsize)
+    if backend == "gpu" and not pallas_fits(*shape):
+        raise ValueError(f"attention='pallas' does not compile on a GPU for head dim {shape[0]} and {shape[1]}-token "
+                         f"pages of {shape[2]}-byte values: it needs a power-of-two head dim of 16-256 and "
+                         f"power-of-two pages of at most {KERNEL_BLOCK_BYTES // shape[2]} tokens; use "
+                         f"attention='auto' or 'xla', or smaller pages (block_size)")
     if backend == "tpu" and q.shape[1] > 1:
         return _xla(q, k_new, v_new, k_pages, v_pages, batch)  # see the module docstring
     # The kernels index the pages themselves: a stored 16-bit cache (CPU only, where they run interpreted for
