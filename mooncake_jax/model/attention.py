@@ -572,9 +572,14 @@ def _tensor_mesh(n_kv_heads: int):
     return mesh if n > 1 and n_kv_heads % n == 0 else None
 
 
+def _cache_shape(q, k_pages) -> tuple[int, int, int]:
+    """(head dim, block size, itemsize) of a step's cache: what ``pallas_fits`` decides by."""
+    return q.shape[-1], k_pages.shape[2], k_pages.dtype.itemsize
+
+
 def _pallas(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch):
     backend = jax.default_backend()
-    shape = (q.shape[-1], k_pages.shape[2], k_pages.dtype.itemsize)
+    shape = _cache_shape(q, k_pages)
     if backend == "gpu" and not pallas_fits(*shape):
         raise ValueError(f"attention='pallas' does not compile on a GPU for head dim {shape[0]} and {shape[1]}-token "
                          f"pages of {shape[2]}-byte values: it needs a power-of-two head dim of 16-256 and "
@@ -674,7 +679,7 @@ def paged_attention(q, k_new, v_new, k_pages, v_pages, batch: PagedBatch, scale:
     q [B, T, H, G, D]; k_new, v_new [B, T, H, D] (already written into the pages by ``write_pages``);
     k_pages, v_pages [H, rows, block_size, D]; ``impl`` one of ``IMPLS`` (static).
     """
-    impl = resolve_impl(impl, (q.shape[-1], k_pages.shape[2], k_pages.dtype.itemsize))
+    impl = resolve_impl(impl, _cache_shape(q, k_pages))
     q = (q.astype(jnp.float32) * scale).astype(q.dtype)
     if impl == "pallas":
         return _pallas(q, k_new, v_new, k_pages, v_pages, batch)

@@ -26,6 +26,7 @@ the first chunk, saves after each layer of the last chunk.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -101,16 +102,13 @@ class StageRunner:
     def __call__(self, inputs, step: StepInputs):
         """(next_tokens or None, logits or hidden states) of this stage, left on its devices."""
         tree = (inputs, step.positions, step.batch, step.logits_index, step.sampling)
+        run = forward_step
         if self.pack_inputs:
             buffer, passed, packing = pack(tree)
-            buffer, passed = self.layout.place_inputs(self.index, (buffer, passed))
-            with self._traced_here():
-                next_tokens, out, self.kv = forward_step_packed(self.graphdef, self.params, self.kv, buffer, passed,
-                                                                packing=packing, mode=step.mode)
-            return next_tokens, out
+            run, tree = functools.partial(forward_step_packed, packing=packing), (buffer, passed)
         args = self.layout.place_inputs(self.index, tree)
         with self._traced_here():
-            next_tokens, out, self.kv = forward_step(self.graphdef, self.params, self.kv, *args, mode=step.mode)
+            next_tokens, out, self.kv = run(self.graphdef, self.params, self.kv, *args, mode=step.mode)
         return next_tokens, out
 
     def by_layer(self, inputs, step: StepInputs, hooks: LayerHooks, load: np.ndarray | None,
