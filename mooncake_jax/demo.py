@@ -72,9 +72,8 @@ def add_arguments(p) -> None:
                         "tensor=2 decode (32-token pages), each on its own fake CPU devices")
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-cpus", default=None,
-                       help=f"host cores of the {role} instances' compute, e.g. 1 (the other processes and the "
-                            f"instances' own service threads keep off them; default: none, every process on every "
-                            f"core)")
+                       help=f"host cores of the {role} instances' own, e.g. 1 (the rest keep off them; default: "
+                            f"none, every process on every core)")
     from .transfer.messenger import DATA_PLANES  # here, not at import: ``mooncake-jax --help`` stays light
 
     p.add_argument("--data-plane", default=None, choices=DATA_PLANES,

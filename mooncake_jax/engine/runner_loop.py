@@ -110,11 +110,6 @@ class RunnerLoop:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     # ---- called from any thread -------------------------------------------------------------------------
-    @property
-    def thread_id(self) -> int | None:
-        """The loop thread's native id: the engine's compute thread (None before it starts)."""
-        return self._thread.native_id
-
     def start(self) -> "RunnerLoop":
         self._thread.start()
         return self

@@ -105,7 +105,7 @@ class InstanceConfig:
     dtype: str | None = None  # None: the model's own
     block_size: int | None = None  # None: the model's own
     devices: tuple[int, ...] | None = None  # local device ids it owns; None: the process's first devices
-    cpus: tuple[int, ...] | None = None  # host CPU cores its compute runs on (cpus.py); None: the launcher's
+    cpus: tuple[int, ...] | None = None  # host CPU cores its processes run on (cpus.py); None: the launcher's
     pool: PoolConfig = PoolConfig()
     layerwise: bool = False
     hardware: str = MEASURED  # a built-in datasheet profile name, or MEASURED

@@ -6,13 +6,6 @@ queue. Giving the decode instance cores of its own removes it, as the paper's de
 own. An instance pins its process to its ``cpus`` before JAX starts, so XLA sizes its thread pool to them; a local
 launcher keeps itself (the Conductor, the gateway) and the instances given no ``cpus`` off every core some instance
 owns (``keep_off``). Linux only (``os.sched_setaffinity``); elsewhere ``cpus`` is refused with a clear error.
-
-The cores are its compute's: once it serves, an instance moves its service threads (gRPC handlers and poller, KV
-transfers, the Conductor link) to the other cores it was started with (``service_cores``, ``move_service_threads``),
-and keeps only the engine thread and XLA's on ``cpus``. Why, measured with ``demo --decode-cpus 1`` on 2 cores
-(``perf sched``; docs/benchmarks/demo.md, "twenty-fourth session"): with the whole process on its core, the decode
-instance's engine thread spent its longest token gaps runnable behind its own gRPC threads taking in the next
-request's call and KV, up to 4 ms at a time.
 """
 
 from __future__ import annotations
@@ -65,42 +58,6 @@ def pin(cpus: tuple[int, ...] | None, pid: int = 0) -> None:
             pass
         except OSError as e:
             raise ValueError(f"cpus {format_devices(tuple(cpus))}: cannot run there ({e})") from None
-
-
-COMPUTE_THREAD_PREFIXES = ("tf_", "XLA")
-"""Thread names (``/proc/.../comm``) of XLA's pools, which run the engine's programs: TSL names the threads it starts
-``tf_<pool>`` (XLA:CPU's intra-op pool is ``tf_XLAEigen``)."""
-
-
-def service_cores(cpus: tuple[int, ...] | None) -> tuple[int, ...] | None:
-    """The cores this process may run on besides ``cpus``, read before ``pin``: where its service threads go once it
-    serves. None when there are none (or no ``cpus``): everything then stays on ``cpus``."""
-    if not cpus or not hasattr(os, "sched_getaffinity"):
-        return None
-    return tuple(sorted(os.sched_getaffinity(0) - set(cpus))) or None
-
-
-def move_service_threads(cores: tuple[int, ...] | None, compute: set[int]) -> int:
-    """Run every thread of this process on ``cores`` but the ``compute`` ones (native thread ids: the engine loop's)
-    and XLA's (``COMPUTE_THREAD_PREFIXES``). A thread started later inherits the mask of the thread starting it, so a
-    gRPC handler the (moved) poller starts runs on ``cores`` too. Returns how many threads moved; for no ``cores``,
-    0 and nothing done."""
-    if not cores:
-        return 0
-    moved = 0
-    for tid in threads_of(os.getpid()):
-        if tid in compute:
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().startswith(COMPUTE_THREAD_PREFIXES):
-                    continue
-            os.sched_setaffinity(tid, set(cores))
-            moved += 1
-        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
-            pass
-    log.info("%d service threads moved to cores %s; the engine's stay", moved, format_devices(cores))
-    return moved
 
 
 def keep_off(configs: list[InstanceConfig]) -> tuple[int, ...] | None:

@@ -186,7 +186,6 @@ def run(args) -> int:
         token = roles.setup(args, "instance")
         config = config_from_args(args, token)
         roles.check_exposed(config.host, token, "the instance")
-        service = cpus.service_cores(config.cpus)  # where its service threads go once it serves
         cpus.pin(config.cpus)  # before JAX starts: XLA sizes its thread pool to the cores this process may use
         tune_allocator(config.role)  # before JAX starts its threads, which take their malloc arenas then
         tune_dispatch(config.role)
@@ -229,7 +228,6 @@ def run(args) -> int:
         raise
     stop = roles.stop_event()
     roles.exit_with_stdin(args, stop)
-    cpus.move_service_threads(service, {server.loop.thread_id})
     settle_serving_process(carries_tokens=config.role == DECODE)
     log.info("%s instance %s serving on %s:%d, registered as %s", config.role, config.instance_id, config.host,
              server.port, server.address)

@@ -51,8 +51,7 @@ def add_arguments(p) -> None:
         p.add_argument(f"--{role}-dtype", default=None, help=f"{role} instances' dtype (float32, bfloat16)")
         p.add_argument(f"--{role}-block-size", type=int, default=None, help=f"{role} instances' KV page size")
         p.add_argument(f"--{role}-cpus", default=None,
-                       help=f"host cores of the {role} instances' compute, e.g. 1 or 2-3 (the other processes "
-                            f"and the instances' own service threads keep off them)")
+                       help=f"host cores of the {role} instances' own, e.g. 1 or 2-3 (the rest keep off them)")
     p.add_argument("--cluster-file", default=None,
                    help="JSON listing the instances with their configs (instead of --prefill/--decode and shapes)")
     p.add_argument("--in-process", action="store_true", help="run the instances as threads of this process")
