@@ -93,6 +93,40 @@ def test_no_decode_instance_is_503_naming_it_and_duplicate_ids_are_refused(clust
         c.run([1, 5, 9], max_new_tokens=3)
 
 
+def test_a_transfer_plan_from_a_dead_instance_drops_it_at_once():
+    """A prefill told to fetch a prefix from an instance that has died (the Conductor still lists it: its missed
+    heartbeats would take 60 s to tell) computes the prefix itself and says the fetch failed; the gateway probes the
+    source and has the Conductor drop it, off the request's way. The plan is the Conductor's decision with its
+    prefill and its source set here, as cache-aware routing makes it when the dead one held the prefix."""
+    from mooncake_jax.conductor.service import messages as conductor_messages
+
+    with mj.Cluster.local("tiny", prefill=2, decode=1, profile_json=PROFILE, heartbeat_interval_s=1.0,
+                          heartbeat_timeout_s=60.0, **FAST) as c:
+        prompt = prompts([40], seed=31)[0]
+        want = c.generate([prompt], max_new_tokens=3)
+        dead, live = c.instances["prefill-0"], c.instances["prefill-1"]
+        kill_in_process(dead)
+        stub = c.backend._conductor
+        schedule = stub.Schedule
+
+        def planned(request, timeout=None):
+            decision = schedule(request, timeout=timeout)
+            decision.prefill_id, decision.prefill_address = "prefill-1", live.address
+            decision.transfer.CopyFrom(conductor_messages.TransferPlan(
+                source_id="prefill-0", source_address=dead.address, block_keys=list(request.block_keys[:2])))
+            return decision
+
+        stub.Schedule = planned
+        slots = c.conductor.service.state.instances.slot_of
+        assert "prefill-0" in slots
+        t_kill = time.monotonic()
+        assert c.generate([prompt], max_new_tokens=3) == want  # the prefix computed instead: the same tokens
+        assert live.service.counts()["prefill_fetch_failures_total"] == 1
+        assert wait_until(lambda: "prefill-0" not in slots, 10)
+        assert time.monotonic() - t_kill < 30  # long before its heartbeats could have been missed
+        stub.Schedule = schedule
+
+
 class _Child:
     """What the supervisor needs of a ChildInstance: a process, a log, an address, stop()."""
 

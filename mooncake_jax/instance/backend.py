@@ -105,6 +105,7 @@ class ClusterBackend:
         self._stubs: dict[str, object] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
+        self._probing: set[str] = set()  # instances being probed after another could not reach them (_suspect)
         self._counts = {"requests": 0, "rejected_early": 0, "rejected_late": 0, "failed": 0, "cached_tokens": 0,
                         "prompt_tokens": 0, "transfer_plans": 0, "retried": 0,
                         # the Conductor's predicted TTFT of each admitted request beside the one it got (queue,
@@ -244,6 +245,8 @@ class ClusterBackend:
             self._report_dropped(request.request_id)
             raise self._failure(e, prefill_at, [prefill_at, decode_at]) from None
         first_at = time.perf_counter() - t0
+        if plan is not None and prefill.fetch_failed:
+            self._suspect(plan.source_id, plan.source_address, "prefill")
         self._count(cached_tokens=prefill.cached_tokens)
         ttft_parts = dict(first_tokens=1, ttft_predicted_seconds=decision.predicted_ttft_s,
                           ttft_prefill_reply_seconds=first_at, ttft_prefill_queue_seconds=prefill.queue_s,
@@ -344,6 +347,26 @@ class ClusterBackend:
         if not retryable:
             self._count(failed=1)
         return _BeforeFirstToken(failure) if retryable else failure
+
+    def _suspect(self, instance_id: str, address: str, role: str) -> None:
+        """An instance another one could not reach (a prefill's fetch of its transfer plan): probed on a thread of its
+        own, off the request's way, and dropped from the Conductor when dead, as one a call failed on is; the
+        Conductor would otherwise plan fetches from it until it missed its heartbeats. One probe per instance at a
+        time."""
+        with self._lock:
+            if instance_id in self._probing:
+                return
+            self._probing.add(instance_id)
+
+        def probe() -> None:
+            try:
+                if not self._alive(address):
+                    self._drop_instance(instance_id, role)
+            finally:
+                with self._lock:
+                    self._probing.discard(instance_id)
+
+        threading.Thread(target=probe, name=f"probe-{instance_id}", daemon=True).start()
 
     def _alive(self, address: str) -> bool:
         """Whether the instance at ``address`` answers its (open) health service within a second."""

@@ -37,6 +37,7 @@ import math
 import threading
 import time
 
+import grpc
 import numpy as np
 
 from ..model.engine import Engine
@@ -53,6 +54,8 @@ from .rpc import InstanceService, LateRejection, logprob_message, messages, rpc,
 log = logging.getLogger(__name__)
 
 FETCH_WAIT_S = 2.0
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+"""A fetch that failed with these could not reach its source: worth a probe of whether the source is dead."""
 
 
 class SlowdownMeter:
@@ -170,8 +173,8 @@ class PrefillService(InstanceService):
                 inst.link.ignored_keys.update(keys[len(seq.prompt) // engine.block_size:])  # the tail is private
             with inst.pool.pin(list(request.fetch_keys) + keys):
                 timeout = inst.config.request_timeout_s
-                if request.fetch_from and request.fetch_keys:
-                    wait(inst.transfers.submit(self._fetch, request.fetch_from, list(request.fetch_keys)), timeout)
+                fetch_failed = bool(request.fetch_from and request.fetch_keys and wait(
+                    inst.transfers.submit(self._fetch, request.fetch_from, list(request.fetch_keys)), timeout))
                 staged = wait(inst.transfers.submit(self._stage_prefix, seq, keys), timeout)
                 t_fetched = time.perf_counter()
                 cached = (staged[0] + len(staged[1])) * engine.block_size  # engine cache + staged pool blocks
@@ -220,7 +223,7 @@ class PrefillService(InstanceService):
             transfer_s=(t_fetched - t0) + (t_end - t_prefilled), finished=seq.finished,
             first_logprob=logprob_message(seq.logprobs[0] if seq.logprobs else None),
             prompt_logprobs=[logprob_message(entry) for entry in seq.prompt_logprobs or ()],
-            kv_layout=inst.kv_layout.to_json())
+            kv_layout=inst.kv_layout.to_json(), fetch_failed=fetch_failed)
 
     def _check_deadline(self, t0: float, predicted_s: float, where: str, n_tokens: int = 0) -> None:
         """LateRejection when ``predicted_s`` of this instance's work (cost model seconds, scaled by the measured
@@ -249,16 +252,18 @@ class PrefillService(InstanceService):
             return 0.0
         return float(transfer_seconds(n_tokens * costs.kv_bytes_per_token, costs.nic_bytes_per_s))
 
-    def _fetch(self, source: str, keys: list[int]) -> None:
+    def _fetch(self, source: str, keys: list[int]) -> bool:
         """Run the transfer plan. The Conductor may plan blocks the source is still computing (another request's
         prefill there): the leading blocks it has are fetched at once, the rest retried for a short while, and
-        whatever did not arrive is recomputed."""
+        whatever did not arrive is recomputed. Returns whether the source could not be reached (``UNREACHABLE``):
+        the reply says so (``fetch_failed``), for the gateway to have a dead source dropped from the Conductor,
+        which would otherwise keep planning fetches from it until its heartbeats are missed."""
         deadline = time.monotonic() + FETCH_WAIT_S
         messenger = self.instance.messenger(source)
         while keys:
             try:
                 self._count(prefill_fetched_blocks=len(messenger.fetch(keys).moved))
-                return
+                return False
             except BlocksNotFoundError as e:
                 missing = set(e.keys)
                 lead = list(itertools.takewhile(lambda k: k not in missing, keys))
@@ -270,12 +275,13 @@ class PrefillService(InstanceService):
                     keys = []
                 if time.monotonic() > deadline:
                     self._count(prefill_fetch_failures=1)
-                    return
+                    return False
                 time.sleep(0.02)
             except TransferError as e:
                 log.warning("fetch from %s failed: %s", source, e)
                 self._count(prefill_fetch_failures=1)
-                return
+                return e.code in UNREACHABLE
+        return False
 
     def _stage_prefix(self, seq: Sequence, keys: list[BlockKey]) -> tuple[int, list[BlockKey], np.ndarray | None]:
         """On a transfer thread: the prompt's leading reusable blocks from the pool, after those the engine caches
