@@ -27,11 +27,16 @@ def kill_in_process(instance) -> None:
     instance._server.stop(0)
 
 
+def two_prefills_one_decode():
+    """An in-process cluster whose heartbeats would take 60 s to notice a death: only a drop at once (a failed call,
+    a failed fetch) keeps these tests fast."""
+    return mj.Cluster.local("tiny", prefill=2, decode=1, profile_json=PROFILE, heartbeat_interval_s=1.0,
+                            heartbeat_timeout_s=60.0, **FAST)
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    # heartbeats would take 60 s to notice a death: only the at-once drop on a failed call keeps these tests fast
-    with mj.Cluster.local("tiny", prefill=2, decode=1, profile_json=PROFILE, heartbeat_interval_s=1.0,
-                          heartbeat_timeout_s=60.0, **FAST) as c:
+    with two_prefills_one_decode() as c:
         yield c
 
 
@@ -100,8 +105,7 @@ def test_a_transfer_plan_from_a_dead_instance_drops_it_at_once():
     prefill and its source set here, as cache-aware routing makes it when the dead one held the prefix."""
     from mooncake_jax.conductor.service import messages as conductor_messages
 
-    with mj.Cluster.local("tiny", prefill=2, decode=1, profile_json=PROFILE, heartbeat_interval_s=1.0,
-                          heartbeat_timeout_s=60.0, **FAST) as c:
+    with two_prefills_one_decode() as c:
         prompt = prompts([40], seed=31)[0]
         want = c.generate([prompt], max_new_tokens=3)
         dead, live = c.instances["prefill-0"], c.instances["prefill-1"]
@@ -124,7 +128,6 @@ def test_a_transfer_plan_from_a_dead_instance_drops_it_at_once():
         assert live.service.counts()["prefill_fetch_failures_total"] == 1
         assert wait_until(lambda: "prefill-0" not in slots, 10)
         assert time.monotonic() - t_kill < 30  # long before its heartbeats could have been missed
-        stub.Schedule = schedule
 
 
 class _Child:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import grpc
 
-from ..proto import load
+from ..proto import UNANSWERED, load
 from ..proto.auth import open_channel
 from ..transfer.events import BlockEvent, EventKind
 
@@ -37,8 +37,6 @@ RPC_TIMEOUT_S = 5.0
 REGISTER_BACKOFF_FIRST_S = 0.5
 REGISTER_BACKOFF_MAX_S = 10.0
 UNREACHABLE_LOG_S = 10.0
-UNANSWERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-"""Codes that mean the Conductor did not answer (worth retrying), as opposed to answering with a refusal."""
 
 
 class ConductorLink:

@@ -37,7 +37,6 @@ import math
 import threading
 import time
 
-import grpc
 import numpy as np
 
 from ..model.engine import Engine
@@ -48,14 +47,13 @@ from ..conductor.accounting import REAL_INSTANCES, after_prefill_s, prefill_budg
 from ..conductor.costs import transfer_seconds
 from ..transfer.offload import LayerwisePrefill, request_keys
 from ..engine.runner_loop import wait
+from ..proto import UNANSWERED
 from . import compile_time
 from .rpc import InstanceService, LateRejection, logprob_message, messages, rpc, sampling_params, validated
 
 log = logging.getLogger(__name__)
 
 FETCH_WAIT_S = 2.0
-UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-"""A fetch that failed with these could not reach its source: worth a probe of whether the source is dead."""
 
 
 class SlowdownMeter:
@@ -255,7 +253,7 @@ class PrefillService(InstanceService):
     def _fetch(self, source: str, keys: list[int]) -> bool:
         """Run the transfer plan. The Conductor may plan blocks the source is still computing (another request's
         prefill there): the leading blocks it has are fetched at once, the rest retried for a short while, and
-        whatever did not arrive is recomputed. Returns whether the source could not be reached (``UNREACHABLE``):
+        whatever did not arrive is recomputed. Returns whether the source did not answer (``UNANSWERED``):
         the reply says so (``fetch_failed``), for the gateway to have a dead source dropped from the Conductor,
         which would otherwise keep planning fetches from it until its heartbeats are missed."""
         deadline = time.monotonic() + FETCH_WAIT_S
@@ -280,7 +278,7 @@ class PrefillService(InstanceService):
             except TransferError as e:
                 log.warning("fetch from %s failed: %s", source, e)
                 self._count(prefill_fetch_failures=1)
-                return e.code in UNREACHABLE
+                return e.code in UNANSWERED
         return False
 
     def _stage_prefix(self, seq: Sequence, keys: list[BlockKey]) -> tuple[int, list[BlockKey], np.ndarray | None]:

@@ -35,6 +35,10 @@ def load(name: str) -> tuple[ModuleType, ModuleType]:
             sys.path.remove(_ROOT)
 
 
+UNANSWERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+"""Codes that mean the peer called did not answer (worth retrying, or probing whether it is alive), as opposed
+to answering with a refusal."""
+
 GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Message size limit set on every server and channel of the project; large payloads are still streamed in
 pieces under gRPC's default 4 MiB cap (``transfer/pieces.py``), so foreign peers work too."""
